@@ -1,0 +1,88 @@
+"""Engine configuration: one validated dataclass shared by the engine, CLI and server."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from specserve.errors import SpecserveError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    model: a local directory (config.json + safetensors + tokenizer), a ``.gguf`` file, a hub
+    id (only where a network exists), or None for the embedded default model.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                  # auto: bfloat16 on CUDA, float32 on CPU
+    seed: int = 0
+    # Scheduling: one token budget per step shared by decode/verify and prefill chunks.
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    # KV cache: fixed-size blocks sized from a memory budget.
+    block_size: int = 16
+    num_kv_blocks: int | None = None     # explicit override of the memory budget
+    kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
+    attention_backend: str = "auto"      # auto | torch
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecserveError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise SpecserveError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise SpecserveError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise SpecserveError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.kv_cache_memory_gib:
+            raise SpecserveError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise SpecserveError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise SpecserveError(
+                f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
+        self.torch_device  # validates device
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise SpecserveError(
+                f"dtype must be 'auto' or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise SpecserveError(f"device must be auto, cpu or cuda[:N], got {self.device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise SpecserveError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SpecserveError("device 'cuda' was asked for but no CUDA GPU is available")
+        return device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

@@ -1,0 +1,199 @@
+"""LLMEngine (add_request / step / abort) and the offline ``LLM`` API on top of it."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from specserve.attention import get_backend
+from specserve.config import EngineConfig
+from specserve.errors import SpecserveError
+from specserve.kv_cache import KVCacheManager
+from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from specserve.model_runner import ModelRunner
+from specserve.outputs import OutputProcessor, RequestOutput
+from specserve.request import FinishReason, Request
+from specserve.sampler import Sampler
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler import Scheduler, SchedulerOutput, StepResult
+
+logger = logging.getLogger("specserve")
+
+
+class LLMEngine:
+    """One model on one device, stepping a continuous batch.
+
+    ``step()`` is the whole engine: schedule, run the ragged forward pass, sample, update.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**_engine_kwargs(kwargs))
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        files = resolve_model(config.model)
+        self.model_name = files.name
+        self.hf_config = load_hf_config(files)
+        self.tokenizer = load_tokenizer(files, config.tokenizer)
+        self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
+        self.max_model_len = self._max_model_len()
+        backend = get_backend(config.attention_backend, self.device)
+        model = build_model(files, self.hf_config, self.dtype, self.device, backend)
+        self.runner = ModelRunner(model, config, self.device, self.dtype)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len)
+        self.sampler = Sampler(self.device, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
+        self._ids = itertools.count()
+        self._log_startup(backend.name)
+
+    def _max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise SpecserveError(f"max_model_len {wanted} exceeds the model's maximum {limit}")
+        return wanted
+
+    def _log_startup(self, backend: str) -> None:
+        c = self.config
+        params = sum(p.numel() for p in self.runner.model.parameters())
+        logger.info(
+            "specserve engine ready\n"
+            "  model       %s (%s, %.0fM parameters)\n"
+            "  device      %s, dtype %s, attention backend %s\n"
+            "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB)\n"
+            "  scheduling  max_num_batched_tokens=%d max_num_seqs=%d max_model_len=%d\n"
+            "  speculation off",
+            self.model_name, self.hf_config.architectures[0], params / 1e6,
+            self.device, str(self.dtype).removeprefix("torch."), backend,
+            self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
+            self.kv.num_blocks * self.runner.bytes_per_block / 2**30,
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    req_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError on bad input, queuing nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum is "
+                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len})")
+        if self.kv.num_blocks_for(len(token_ids) + 1) > self.kv.num_blocks:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the KV cache holds only "
+                             f"{self.kv.num_blocks * self.kv.block_size}")
+        req_id = str(next(self._ids)) if req_id is None else str(req_id)
+        req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text)
+        self.scheduler.add_request(req)
+        self.outputs.add_request(req)
+        return req_id
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in prompt):
+            token_ids, text = list(prompt), None
+            vocab = self.hf_config.vocab_size
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return text, token_ids
+
+    def abort(self, req_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason 'abort') comes from the next
+        ``step()``. Returns False when it is unknown or already finished."""
+        req = self.scheduler.finish_request(req_id, FinishReason.ABORT)
+        if req is None:
+            return False
+        self._pending.append(self._finish_output(req))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Schedule -> forward -> sample -> update. Returns an output for every request
+        that produced tokens or finished in this step."""
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        result = self._run(scheduled)
+        for req, new_token_ids in self.scheduler.update(scheduled, result):
+            if self.outputs.process(req, new_token_ids) and not req.is_finished:
+                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+            outputs.append(self._finish_output(req) if req.is_finished
+                           else self.outputs.make_output(req))
+        return outputs
+
+    def _run(self, scheduled: SchedulerOutput) -> StepResult:
+        logits = self.runner.execute(scheduled)
+        sampling = [(p.req_id, p.params) for p in scheduled.scheduled if p.sample]
+        return StepResult([[t] for t in self.sampler(logits, sampling)])
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        self.sampler.free(req.req_id)
+        return self.outputs.make_output(req)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+
+class LLM:
+    """Offline batch generation: ``LLM().generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(kwargs)))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt as one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [
+            sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for req_id in ids:  # all or nothing: a bad prompt queues none of the batch
+                self.engine.abort(req_id)
+            self.engine.step()
+            raise
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.req_id] = output
+                        bar.update(1)
+        return [final[req_id] for req_id in ids]
+
+
+def _engine_kwargs(kwargs: dict) -> dict:
+    unknown = set(kwargs) - EngineConfig.field_names()
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return kwargs

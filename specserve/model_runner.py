@@ -1,0 +1,118 @@
+"""Turns a SchedulerOutput into tensors, runs the target model over the paged KV cache,
+and returns the logits the sampler needs. No scheduling policy lives here."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specserve.batch import ForwardBatch
+from specserve.config import EngineConfig
+from specserve.scheduler import SchedulerOutput
+
+logger = logging.getLogger("specserve")
+
+
+class ModelRunner:
+    """Owns the model's weights and its KV cache tensors on one device."""
+
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(self._num_layers)]
+
+    # ---------------------------------------------------------------- sizing
+    @property
+    def _num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def _num_kv_heads(self) -> int:
+        return self.model.config.num_key_value_heads
+
+    @property
+    def _head_dim(self) -> int:
+        return self.model.model.layers[0].self_attn.head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self._num_layers * self.block_size * self._num_kv_heads * self._head_dim * element
+
+    def _num_kv_blocks(self) -> int:
+        from specserve.errors import SpecserveError
+
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+            budget -= self._activation_reserve()
+        else:
+            budget = self.config.kv_cache_memory_gib * 2**30
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise SpecserveError("no memory left for the KV cache; lower max_num_batched_tokens "
+                                 "or raise the memory budget")
+        return num_blocks
+
+    def _activation_reserve(self) -> int:
+        """A generous bound on one step's transient memory (activations and logits)."""
+        cfg = self.model.config
+        tokens = self.config.max_num_batched_tokens
+        per_token = 4 * (3 * cfg.hidden_size + 3 * cfg.intermediate_size)
+        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 4
+        return tokens * per_token * 4 + logits + 256 * 2**20
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
+        each sampling request's last 1 + k positions, in schedule order."""
+        batch = self.prepare(output)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def prepare(self, output: SchedulerOutput) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for planned in output.scheduled:
+            tokens = planned.token_ids + planned.draft_token_ids
+            span = range(planned.start_pos, planned.start_pos + len(tokens))
+            table = planned.block_table
+            if planned.sample:
+                end = len(input_ids) + len(tokens)
+                logits_indices.extend(range(end - 1 - len(planned.draft_token_ids), end))
+            input_ids.extend(tokens)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            query_lens.append(len(tokens))
+            seq_lens.append(span.stop)
+        max_blocks = max(len(p.block_table) for p in output.scheduled)
+        block_tables = [p.block_table + [0] * (max_blocks - len(p.block_table))
+                        for p in output.scheduled]
+        cu_query_lens = [0]
+        for q_len in query_lens:
+            cu_query_lens.append(cu_query_lens[-1] + q_len)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(input_ids, torch.int64), positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(block_tables, torch.int32),
+            cu_query_lens=tensor(cu_query_lens, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+            logits_indices=tensor(logits_indices, torch.int64),
+            query_lens_host=query_lens, seq_lens_host=seq_lens)

@@ -1,0 +1,13 @@
+"""Supported architectures: the ``architectures`` entry of a checkpoint's config -> spec."""
+from __future__ import annotations
+
+from specserve.models.llama import ArchSpec, LlamaForCausalLM
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+}
+
+__all__ = ["ARCHITECTURES", "ArchSpec", "LlamaForCausalLM"]

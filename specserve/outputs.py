@@ -1,0 +1,120 @@
+"""From sampled token ids to what callers see: incremental detokenisation, stop strings,
+RequestOutput deltas."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.request import FinishReason, Request
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``text`` / ``token_ids`` are cumulative; the
+    ``delta_*`` fields hold what is new since the previous output of this request."""
+
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list without re-decoding it all each step.
+
+    Text is committed only once the newest tokens decode to whole characters (no trailing
+    U+FFFD from a split multi-byte sequence); a few tokens of left context keep
+    SentencePiece-style leading spaces right.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = prompt_token_ids[-6:]
+        self.token_ids = list(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+
+    def append(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return full[len(prefix):]
+        return ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+@dataclass
+class _RequestText:
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    hold_back: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Text that may be the start of a stop string is held back until it is not.
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+
+
+class OutputProcessor:
+    """Turns per-step token updates into RequestOutputs; finds stop strings."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestText] = {}
+
+    def add_request(self, req: Request) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                       req.params.skip_special_tokens)
+        self._states[req.req_id] = _RequestText(detok, req.params.stop)
+
+    def process(self, req: Request, new_token_ids: list[int]) -> bool:
+        """Detokenise ``new_token_ids``; returns True when a stop string ended the request."""
+        state = self._states[req.req_id]
+        if not new_token_ids:
+            return False
+        start = max(0, len(state.text) - state.hold_back)
+        state.text += state.detokenizer.append(new_token_ids)
+        for stop in state.stop:
+            index = state.text.find(stop, start)
+            if index != -1:
+                state.text = state.text[:index]
+                return True
+        return False
+
+    def make_output(self, req: Request, error: str | None = None) -> RequestOutput:
+        state = self._states[req.req_id]
+        finished = req.is_finished
+        visible = len(state.text) if finished else max(state.num_emitted_chars,
+                                                       len(state.text) - state.hold_back)
+        token_ids = req.output_token_ids
+        output = RequestOutput(
+            req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            text=state.text[:visible], token_ids=token_ids,
+            delta_text=state.text[state.num_emitted_chars:visible],
+            delta_token_ids=token_ids[state.num_emitted_tokens:],
+            finished=finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            error=error, num_preemptions=req.num_preemptions)
+        state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
+        if finished:
+            del self._states[req.req_id]
+        return output
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._states
+
+
+__all__ = ["FinishReason", "IncrementalDetokenizer", "OutputProcessor", "RequestOutput"]

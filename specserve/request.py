@@ -1,0 +1,69 @@
+"""A request's state as the scheduler sees it: tokens known, tokens computed, status."""
+from __future__ import annotations
+
+import enum
+import time
+
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the model's maximum length
+    ABORT = "abort"      # cancelled by the caller
+    ERROR = "error"      # the engine failed while running it
+
+
+class Request:
+    """One generation request.
+
+    The token model (DESIGN.md): a request has ``all_token_ids`` (prompt + generated) and
+    ``num_computed_tokens`` whose KV is cached. Each step it is scheduled for some of the
+    tokens it still needs — a prefill chunk, one decode token, or 1 + k verify tokens;
+    there are no phases.
+    """
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int], prompt: str | None = None) -> None:
+        self.req_id = req_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,126 @@
+"""Token sampling: temperature, top-k, top-p, min-p; greedy rows by argmax; seeded rows
+reproducible whatever else shares the batch. No host synchronisation in here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings for a ``[num_rows, vocab]`` logits matrix."""
+
+    temperature: torch.Tensor            # [num_rows] float32, 0 = greedy
+    top_k: torch.Tensor                  # [num_rows] int64, 0 = off
+    top_p: torch.Tensor                  # [num_rows] float32, 1 = off
+    min_p: torch.Tensor                  # [num_rows] float32, 0 = off
+    generators: list[torch.Generator]    # one per row
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator],
+              device: torch.device) -> "SamplingMetadata":
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = [max(p.top_k, 0) for p in params]
+        return cls(
+            temperature=tensor([p.temperature for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params))
+
+
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from, after temperature and the filters.
+
+    logits ``[num_rows, vocab]`` -> probs ``[num_rows, vocab]`` float32. Greedy rows get
+    temperature 1 here; ``sample`` takes their argmax instead. The speculative rejection
+    sampler applies this same function to target and draft logits.
+    """
+    logits = logits.float()
+    temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
+    logits = logits / temperature[:, None]
+    if meta.any_top_k or meta.any_top_p:
+        logits = _top_k_top_p(logits, meta)
+    probs = logits.softmax(dim=-1)
+    if meta.any_min_p:
+        threshold = meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if meta.any_top_k:
+        k = torch.where(meta.top_k > 0, meta.top_k, torch.full_like(meta.top_k, vocab))
+        remove |= ranks >= k[:, None]
+    if meta.any_top_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        remove |= before >= meta.top_p[:, None]  # always keeps the first token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One draw per row via the exponential race (argmax p / E, E ~ Exp(1)), each row's
+    noise from its own generator. ``[num_rows, vocab]`` -> ``[num_rows]``."""
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``[num_rows, vocab]`` logits -> ``[num_rows]`` token ids."""
+    greedy = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        return greedy
+    sampled = sample_from_probs(target_probs(logits, meta), meta.generators)
+    return torch.where(meta.temperature > 0, sampled, greedy)
+
+
+class Sampler:
+    """Samples one token per sampling request of a step, each request drawing from its own
+    generator: seeded from ``SamplingParams.seed`` when given, otherwise from the engine's
+    seed and arrival order, so whole runs are reproducible."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+        generator = self._generators.get(req_id)
+        if generator is None:
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(2**62, (1,), generator=self._seeds))
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[req_id] = generator
+        return generator
+
+    def free(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[int]:
+        """logits ``[num_requests, vocab]`` -> one token id per request (one host sync)."""
+        params = [p for _, p in requests]
+        generators = [self.generator(req_id, p) for req_id, p in requests]
+        meta = SamplingMetadata.build(params, generators, logits.device)
+        return sample(logits, meta).tolist()

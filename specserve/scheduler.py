@@ -1,0 +1,221 @@
+"""Iteration-level scheduler: one token budget per step, continuous batching, chunked
+prefill, preemption by recompute. Python lists in, python lists out — no tensors here."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.kv_cache import KVCacheManager
+from specserve.request import FinishReason, Request, RequestStatus
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Set by the scheduler, read by the runner."""
+
+    req_id: str
+    token_ids: list[int]          # known tokens fed this step (prefill chunk or last token)
+    start_pos: int                # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]
+    params: SamplingParams
+    draft_token_ids: list[int] = field(default_factory=list)  # k proposals appended after token_ids
+    sample: bool = True           # True when the chunk reaches the end of the known tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.draft_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_req_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """What the runner (and, with speculation, the rejection sampler) hands back.
+
+    new_token_ids[i] belongs to the i-th scheduled request with ``sample`` set: the accepted
+    draft tokens followed by one bonus/recovered token (just one token without drafts).
+    """
+
+    new_token_ids: list[list[int]]
+
+
+class Scheduler:
+    """Chooses each step's work under ``max_num_batched_tokens`` and ``max_num_seqs``.
+
+    Budget policy: running requests come first, decode/verify before ongoing prefill
+    chunks, because their latency is what users feel; each gets 1 + k tokens. Waiting
+    requests are then admitted in arrival order and their prefill fills what is left of the
+    budget — a prompt longer than the budget is split over several steps. A request is
+    admitted only when its chunk's KV blocks can be allocated. When a running request
+    cannot get blocks, the newest running request is preempted (its blocks freed, its
+    progress dropped) and put back at the front of the waiting queue to be recomputed.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a request (abort, stop string, error); frees its blocks. Idempotent."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req, reason)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self, num_draft_tokens: dict[str, int] | None = None) -> SchedulerOutput:
+        """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        drafts = num_draft_tokens or {}
+
+        # Decoding requests first, then running requests still in (chunked) prefill.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or out of budget this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            k = min(drafts.get(req.req_id, 0), budget - num_new) if num_new == 1 else 0
+            if not self._allocate_or_preempt(req, num_new + k, scheduled, preempted):
+                continue
+            scheduled.append(self._plan(req, num_new, k))
+            budget -= num_new + k
+
+        # Admit waiting requests while budget, sequence slots and blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._plan(req, num_new, 0))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int,
+                             scheduled: list[ScheduledRequest], preempted: list[str]) -> bool:
+        """Allocate ``req``'s slots, preempting the newest request not yet planned this step
+        (possibly ``req`` itself) until they fit."""
+        planned = {s.req_id for s in scheduled}
+        while not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
+            victim = next(r for r in reversed(self.running) if r.req_id not in planned)
+            self._preempt(victim)
+            preempted.append(victim.req_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        if self.kv.holds(req.req_id):
+            self.kv.free(req.req_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _plan(self, req: Request, num_new: int, k: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        token_ids = req.all_token_ids[start:start + num_new]
+        return ScheduledRequest(
+            req_id=req.req_id, token_ids=token_ids, start_pos=start,
+            block_table=list(self.kv.block_table(req.req_id)), params=req.params,
+            draft_token_ids=[-1] * k,  # filled in by the drafter
+            sample=start + num_new == req.num_tokens)
+
+    # ------------------------------------------------------------------ after the forward
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, list[int]]]:
+        """Apply a step's result: advance computed tokens, append accepted + bonus tokens,
+        rewind KV past rejected drafts, finish requests on token-level stop conditions.
+
+        Returns (request, newly appended token ids) for every request that sampled.
+        """
+        new_tokens = iter(result.new_token_ids)
+        updates: list[tuple[Request, list[int]]] = []
+        for planned in output.scheduled:
+            req = self.requests.get(planned.req_id)
+            sampled = next(new_tokens) if planned.sample else None
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            num_accepted = len(sampled) - 1 if sampled else 0
+            req.num_computed_tokens = planned.start_pos + len(planned.token_ids) + num_accepted
+            if planned.draft_token_ids:
+                self.kv.truncate(req.req_id, req.num_computed_tokens)
+            if sampled is None:
+                continue
+            appended = self._append(req, sampled)
+            updates.append((req, appended))
+        return updates
+
+    def _append(self, req: Request, token_ids: list[int]) -> list[int]:
+        appended: list[int] = []
+        for token_id in token_ids:
+            req.all_token_ids.append(token_id)
+            appended.append(token_id)
+            reason = self._stop_reason(req, token_id)
+            if reason is not None:
+                self.finish_request(req.req_id, reason)
+                break
+        return appended
+
+    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        if token_id in req.stop_token_ids:
+            return FinishReason.STOP
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, req: Request, reason: FinishReason) -> None:
+        if self.kv.holds(req.req_id):
+            self.kv.free(req.req_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
