@@ -8,62 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import TINY_COMMON, make_hf_model, make_tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
-
-TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-# One tiny config per supported variant; each differs where the real architectures do.
-VARIANTS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
-    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64})),
-    "smollm2_tied_gqa3": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-        tie_word_embeddings=True)),
-    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16)),
-    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
-    "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
-}
-
-
-def make_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on this repository's own source text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = [p.read_text() for p in sorted(Path(__file__).parent.parent.rglob("*.py"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
-
-
-def make_hf_model(variant: str, seed: int = 0, **overrides):
-    import transformers
-
-    config_cls, model_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**{**TINY_COMMON, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # larger-than-default weights so logits are far from uniform
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0, 0.05)
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +34,11 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
         return cache[variant]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The embedded default model, converted once into the specserve cache."""
+    from specserve.loader import resolve_model
+
+    return resolve_model(None).path

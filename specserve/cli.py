@@ -1,0 +1,150 @@
+"""The ``specserve`` command line. Bad input: one line on stderr and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+EXIT_USAGE = 2
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="local checkpoint directory, .gguf file or hub id "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per engine step, shared by decoding and prefill chunks")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="maximum requests per step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="maximum prompt + output tokens (default: the model's maximum)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: sized from the memory budget)")
+    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
+                   help="KV-cache memory on CPU, in GiB (default: 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="fraction of GPU memory the engine may use (default: 0.9)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
+
+
+ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
+                "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
+                "kv_cache_memory_gib", "gpu_memory_utilization")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specserve import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="specserve", description="specserve: a speculative-decoding-first LLM serving engine.")
+    parser.add_argument("--version", action="version", version=f"specserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion and stream it to stdout",
+                         description="Generate a completion for PROMPT, streamed to stdout; "
+                                     "statistics go to stderr.")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt (read from stdin when omitted and stdin is not a terminal)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens (default: 256)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    chat = gen.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the tokenizer's chat template (default: when it has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with the text and statistics instead of streaming")
+    _engine_flags(gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(message)s", stream=sys.stderr)
+    try:
+        return _generate(args)
+    except ValueError as exc:  # every user-facing error is a ValueError (see errors.py)
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _generate(args) -> int:
+    from specserve import EngineConfig, LLMEngine, SamplingParams
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise ValueError("give a PROMPT argument or pipe one on stdin")
+        prompt = sys.stdin.read()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop,
+                            ignore_eos=args.ignore_eos, seed=args.seed)
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+    engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}))
+    use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
+    if use_chat:
+        if not engine.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use --no-chat")
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    start = time.perf_counter()
+    req_id = engine.add_request(prompt, params)
+    first_token_at, final = None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first_token_at is None and out.token_ids:
+                first_token_at = time.perf_counter()
+            if not args.json:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+            if out.finished and out.req_id == req_id:
+                final = out
+    elapsed = time.perf_counter() - start
+    stats = _stats(final, elapsed, first_token_at - start if first_token_at else None)
+    if args.json:
+        print(json.dumps({"text": final.text, "token_ids": final.token_ids,
+                          "finish_reason": final.finish_reason, **stats}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{stats['num_output_tokens']} tokens in {stats['elapsed_s']:.2f} s, "
+              f"{stats['tokens_per_s']:.1f} tokens/s, TTFT {stats['ttft_s']:.3f} s, "
+              f"finish_reason={final.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _stats(final, elapsed: float, ttft: float | None) -> dict:
+    n = len(final.token_ids)
+    return {"num_prompt_tokens": len(final.prompt_token_ids), "num_output_tokens": n,
+            "elapsed_s": round(elapsed, 4), "ttft_s": round(ttft or 0.0, 4),
+            "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else 0.0}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""`specserve` CLI: streaming generate, --json, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specserve import __version__
+from specserve.cli import main
+
+TINY_ARGS = ["--num-kv-blocks", "64", "--block-size", "4", "-q"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and __version__ in capsys.readouterr().out
+
+
+def test_generate_json_and_stream_agree(capsys, tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    code, out, err = run(capsys, "generate", "def step(self):", "--model", model, "--max-tokens", "7",
+                         "--ignore-eos", "--json", *TINY_ARGS)
+    assert code == 0
+    result = json.loads(out)
+    assert result["num_output_tokens"] == 7 and result["finish_reason"] == "length"
+    code, out, err = run(capsys, "generate", "def step(self):", "--model", model, "--max-tokens", "7",
+                         "--ignore-eos", *TINY_ARGS)
+    assert code == 0 and out == result["text"] + "\n"
+    assert "7 tokens" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/no/such/model"], "no such file or directory"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--device", "tpu"], "device"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, tiny_model_dir, argv, message):
+    argv = ["--model", str(tiny_model_dir("llama"))] + argv if argv[0] != "--model" else argv
+    code, out, err = run(capsys, "generate", "hi", *argv, *TINY_ARGS)
+    assert code == 2
+    assert err.startswith("specserve: error:") and message in err and err.count("\n") == 1
+
+
+def test_console_script_has_no_traceback(tiny_model_dir):
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "hi", "--model",
+                           str(tiny_model_dir("llama")), "--max-tokens", "0", *TINY_ARGS],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "max_tokens" in done.stderr
+
+
+@pytest.mark.slow
+def test_generate_default_model_end_to_end(default_model_path):
+    """The quick start's main job: no --model, chat template applied, streamed to stdout."""
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "generate",
+                           "What is the capital of France?", "--max-tokens", "16"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    assert "SmolLM2-135M-Instruct" in done.stderr and "KV cache" in done.stderr

@@ -1,0 +1,175 @@
+"""End to end: the continuous-batched engine against per-prompt HF ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, LLMEngine, SamplingParams
+from tiny_models import make_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def mixed_prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    lengths = [1, 37, 5, 60, 12, 3, 21, 48][:n]
+    return [torch.randint(3, 512, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    # A small budget so long prompts are chunked while others decode.
+    return LLM(str(tiny_model_dir("llama")), max_num_batched_tokens=16, max_num_seqs=8,
+               block_size=4, num_kv_blocks=128)
+
+
+def test_continuous_batching_equals_hf_greedy(tiny_llm):
+    hf = make_hf_model("llama")
+    prompts = mixed_prompts()
+    outputs = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 20)
+        assert out.finish_reason == "length"
+    assert tiny_llm.engine.num_free_blocks == tiny_llm.engine.kv.num_blocks
+
+
+def test_preemption_keeps_greedy_output(tiny_model_dir):
+    """A KV cache too small for all requests forces preemption by recompute; the output
+    must not change and no block may leak."""
+    llm = LLM(str(tiny_model_dir("llama")), max_num_batched_tokens=32, block_size=4,
+              num_kv_blocks=40)
+    hf = make_hf_model("llama")
+    prompts = mixed_prompts(8)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outputs) > 0
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 24)
+    assert llm.engine.num_free_blocks == 40
+
+
+def test_streaming_deltas_add_up(tiny_llm):
+    engine = tiny_llm.engine
+    req_id = engine.add_request("def schedule(self):", SamplingParams(temperature=0, max_tokens=12,
+                                                                       ignore_eos=True))
+    text, tokens, finals = "", [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.req_id == req_id
+            text += out.delta_text
+            tokens += out.delta_token_ids
+            if out.finished:
+                finals.append(out)
+    assert len(finals) == 1  # ends exactly once
+    assert text == finals[0].text and tokens == finals[0].token_ids and len(tokens) == 12
+    assert finals[0].text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_stop_string_truncates_and_frees(tiny_llm):
+    engine = tiny_llm.engine
+    full = tiny_llm.generate(["import torch"], SamplingParams(temperature=0, max_tokens=16,
+                                                              ignore_eos=True), use_tqdm=False)[0]
+    stop = full.text[5:8]
+    assert stop and stop.strip()
+    out = tiny_llm.generate(["import torch"], SamplingParams(temperature=0, max_tokens=16,
+                                                             ignore_eos=True, stop=[stop]),
+                            use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.find(stop)]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_eos_stops(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0]
+    first = free.token_ids[2]
+    llm.engine.eos_token_ids = frozenset({first})  # make the third token an EOS
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6,
+                                                       stop_token_ids=[free.token_ids[1]]),
+                           use_tqdm=False)[0]
+    assert stopped.token_ids == free.token_ids[:2] and stopped.finish_reason == "stop"
+
+
+def test_max_model_len_finishes_with_length(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_model_len=12)
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=100,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum is 11"):
+        llm.engine.add_request(list(range(3, 15)))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_abort_ends_once_and_frees(tiny_llm):
+    engine = tiny_llm.engine
+    a = engine.add_request([5] * 30, SamplingParams(max_tokens=50, ignore_eos=True))
+    b = engine.add_request([6] * 3, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.abort(a) and engine.abort(b)
+    assert not engine.abort(a)
+    outs = engine.step()
+    assert sorted((o.req_id, o.finish_reason) for o in outs) == sorted([(a, "abort"), (b, "abort")])
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_bad_input_raises_value_error_and_queues_nothing(tiny_llm):
+    engine = tiny_llm.engine
+    for bad in ("", [], [1, 2, 99999], [1.5], None):
+        with pytest.raises(ValueError):
+            engine.add_request(bad)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5], req_id="dup")
+        engine.add_request([5], req_id="dup")
+    engine.abort("dup")
+    engine.step()
+    with pytest.raises(ValueError):
+        tiny_llm.generate(["fine", [1, 99999]], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLMEngine(model=None, max_num_batch_tokens=3)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10,
+                            ignore_eos=True)
+    alone = tiny_llm.generate([[9, 8, 7]], params, use_tqdm=False)[0].token_ids
+    batch = tiny_llm.generate([[1, 2, 3, 4], [9, 8, 7], [5]],
+                              [SamplingParams(temperature=1.0, max_tokens=7), params,
+                               SamplingParams(temperature=0.5, max_tokens=3)], use_tqdm=False)
+    assert batch[1].token_ids == alone
+    other = tiny_llm.generate([[9, 8, 7]], SamplingParams(**{**params.__dict__, "seed": 99}),
+                              use_tqdm=False)[0].token_ids
+    assert other != alone
+
+
+@pytest.mark.slow
+def test_default_model_batched_greedy_equals_hf(default_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    llm = LLM(max_num_batched_tokens=48, max_num_seqs=4)
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    questions = ["What is the capital of France?",
+                 "Explain in detail how a paged KV cache works in an LLM serving engine, "
+                 "and why continuous batching improves throughput compared to static batching.",
+                 "Write a Python function that reverses a string."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) for q in questions]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        assert out.token_ids == hf_greedy(hf, tok.encode(prompt), 32)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
