@@ -5,6 +5,8 @@ token slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -20,56 +22,81 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+@dataclass
+class AttentionPlan:
+    """Per-step gather indices and masks, shared by every layer with the same window.
+
+    Decode requests (one query token) are attended together, padded to the longest;
+    longer query spans (prefill chunks, verification) one request at a time.
+    """
+
+    decode_rows: torch.Tensor | None        # [num_decode]
+    decode_slots: torch.Tensor | None       # [num_decode, max_seq_len] slot of each key
+    decode_mask: torch.Tensor | None        # [num_decode, 1, max_seq_len]
+    spans: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows, slots [seq_len], mask [q_len, seq_len])
+
+
+def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                   block_size: int, sliding_window: int | None) -> AttentionPlan:
+    device = block_tables.device
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    decode = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+    rows = slots = mask = None
+    if decode:
+        max_len = max(seq_lens[i] for i in decode)
+        rows = torch.tensor([starts[i] for i in decode], device=device)
+        slots = _slots(block_tables[decode], max_len, block_size)
+        lens = torch.tensor([seq_lens[i] for i in decode], device=device)
+        key_pos = torch.arange(max_len, device=device)
+        mask = key_pos[None, :] < lens[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+        mask = mask[:, None, :]
+    spans = []
+    for i, q_len in enumerate(query_lens):
+        if q_len > 1:
+            span_slots = _slots(block_tables[i:i + 1], seq_lens[i], block_size)[0]
+            span_mask = _mask(seq_lens[i] - q_len, q_len, seq_lens[i], sliding_window, device)
+            spans.append((slice(starts[i], starts[i + 1]), span_slots, span_mask))
+    return AttentionPlan(rows, slots, mask, spans)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None,
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_dim]``, request i owning ``query_lens[i]``
     consecutive rows. Request i has ``seq_lens[i]`` cached tokens (this step's included);
     its queries are the last ``query_lens[i]`` of them and attend causally, and only to the
     last ``sliding_window`` positions when a window is set. Returns ``[num_tokens,
-    num_heads, head_dim]``. Requests with one query token (decode) are attended in one
-    batched call; longer spans one request at a time.
+    num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
+    lets many layers share the index work.
     """
+    if plan is None:
+        plan = plan_attention(block_tables, query_lens, seq_lens, k_cache.shape[1], sliding_window)
+    keys = k_cache.view(-1, *k_cache.shape[2:])
+    values = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(query)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    decode = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-    if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=query.device)
-        out[rows] = _decode_attention(query[rows], k_cache, v_cache, block_tables[decode],
-                                      [seq_lens[i] for i in decode], scale, sliding_window)
-    for i, q_len in enumerate(query_lens):
-        if q_len == 1:
-            continue
-        rows = slice(starts[i], starts[i + 1])
-        k, v = _gather(k_cache, v_cache, block_tables[i:i + 1], seq_lens[i])
-        mask = _mask(seq_lens[i] - q_len, q_len, seq_lens[i], sliding_window, query.device)
-        out[rows] = _sdpa(query[rows].unsqueeze(0), k, v, mask[None], scale)[0]
+    if plan.decode_rows is not None:
+        q = query[plan.decode_rows].unsqueeze(1)
+        out[plan.decode_rows] = _sdpa(q, keys[plan.decode_slots], values[plan.decode_slots],
+                                      plan.decode_mask, scale)[:, 0]
+    for rows, slots, mask in plan.spans:
+        out[rows] = _sdpa(query[rows].unsqueeze(0), keys[slots].unsqueeze(0),
+                          values[slots].unsqueeze(0), mask[None], scale)[0]
     return out
 
 
-def _decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
-    max_len = max(seq_lens)
-    k, v = _gather(k_cache, v_cache, block_tables, max_len)
-    lens = torch.tensor(seq_lens, device=query.device)
-    key_pos = torch.arange(max_len, device=query.device)
-    mask = key_pos[None, :] < lens[:, None]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
-    return _sdpa(query.unsqueeze(1), k, v, mask[:, None, :], scale)[:, 0]
-
-
-def _gather(k_cache, v_cache, block_tables, num_tokens):
-    """K and V of each row of ``block_tables``: ``[batch, num_tokens, num_kv_heads, head_dim]``."""
-    block_size = k_cache.shape[1]
+def _slots(block_tables: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slot of each of the first ``num_tokens`` positions: ``[batch, num_tokens]``."""
     num_blocks = -(-num_tokens // block_size)
-    blocks = block_tables[:, :num_blocks]
-    k = k_cache[blocks].flatten(1, 2)[:, :num_tokens]
-    v = v_cache[blocks].flatten(1, 2)[:, :num_tokens]
-    return k, v
+    blocks = block_tables[:, :num_blocks].long() * block_size
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (blocks[:, :, None] + offsets).flatten(1)[:, :num_tokens]
 
 
 def _mask(first_pos: int, q_len: int, kv_len: int, sliding_window: int | None, device):
@@ -83,11 +110,7 @@ def _mask(first_pos: int, q_len: int, kv_len: int, sliding_window: int | None, d
 
 def _sdpa(q, k, v, mask, scale):
     """q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hkv, D]``, mask ``[B or 1, Lq, Lk]``."""
-    groups = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=mask.unsqueeze(1), scale=scale)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1),
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

@@ -32,9 +32,15 @@ class TorchAttentionBackend:
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
 
     def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
+        # Index work is done once per step (per window) and shared by all layers.
+        plan = batch.attn_plans.get(sliding_window)
+        if plan is None:
+            plan = reference.plan_attention(batch.block_tables, batch.query_lens_host,
+                                            batch.seq_lens_host, k_cache.shape[1], sliding_window)
+            batch.attn_plans[sliding_window] = plan
         return reference.paged_attention(query, k_cache, v_cache, batch.block_tables,
                                          batch.query_lens_host, batch.seq_lens_host,
-                                         scale, sliding_window)
+                                         scale, sliding_window, plan)
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:

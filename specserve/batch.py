@@ -1,7 +1,7 @@
 """ForwardBatch: the tensors of one ragged step, built by the runner, read by the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64, rows whose logits are needed
     query_lens_host: list[int]    # host copies, so backends need no device->host sync
     seq_lens_host: list[int]
+    # Filled by the attention backend on first use in this step, keyed by sliding window.
+    attn_plans: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

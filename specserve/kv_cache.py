@@ -41,7 +41,11 @@ class BlockPool:
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:
+        if len(set(block_ids)) != len(block_ids):
+            raise KVCacheError(f"block ids {block_ids} repeat: a block freed twice")
         for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise KVCacheError(f"block id {block_id} is not in [0, {self.num_blocks})")
             if self._is_free[block_id]:
                 raise KVCacheError(f"block {block_id} freed twice")
         for block_id in block_ids:
@@ -90,15 +94,13 @@ class KVCacheManager:
 
         All or nothing: returns False and allocates nothing when the pool is short.
         """
-        table = self._block_tables.setdefault(req_id, [])
+        table = self._block_tables.get(req_id, [])
         missing = self.num_blocks_for(num_tokens) - len(table)
-        if missing <= 0:
-            return True
         if missing > self.pool.num_free_blocks:
-            if not table:
-                del self._block_tables[req_id]
             return False
-        table.extend(self.pool.allocate(missing))
+        self._block_tables[req_id] = table
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
         return True
 
     def truncate(self, req_id: str, num_tokens: int) -> list[int]:

@@ -50,6 +50,13 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the very end)."""
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix):]
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -61,6 +68,7 @@ class _RequestText:
     text: str = ""
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
+    stopped_by_string: bool = False
     hold_back: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,12 +99,15 @@ class OutputProcessor:
             index = state.text.find(stop, start)
             if index != -1:
                 state.text = state.text[:index]
+                state.stopped_by_string = True
                 return True
         return False
 
     def make_output(self, req: Request, error: str | None = None) -> RequestOutput:
         state = self._states[req.req_id]
         finished = req.is_finished
+        if finished and not state.stopped_by_string:
+            state.text += state.detokenizer.flush()
         visible = len(state.text) if finished else max(state.num_emitted_chars,
                                                        len(state.text) - state.hold_back)
         token_ids = req.output_token_ids

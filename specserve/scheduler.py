@@ -118,7 +118,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = min(drafts.get(req.req_id, 0), budget - num_new) if num_new == 1 else 0
+            k = min(drafts.get(req.req_id, 0), budget - num_new, self._max_drafts(req)) if num_new == 1 else 0
             if not self._allocate_or_preempt(req, num_new + k, scheduled, preempted):
                 continue
             scheduled.append(self._plan(req, num_new, k))
@@ -136,6 +136,14 @@ class Scheduler:
             scheduled.append(self._plan(req, num_new, 0))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _max_drafts(self, req: Request) -> int:
+        """Drafts past the request's last possible token would be wasted work: k accepted
+        drafts plus the bonus token must fit max_model_len and max_tokens."""
+        room = self.max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(room, 0)
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
                              scheduled: list[ScheduledRequest], preempted: list[str]) -> bool:
