@@ -1,3 +1,58 @@
-"""Drafters, installed as ``specserve.drafts``: one file per drafter behind one protocol
-(draft model, n-gram, layer-skip). The engine core already schedules k_i draft tokens per
-request (``ScheduledRequest.draft_token_ids``) and rewinds KV past rejected ones."""
+"""Drafters, installed as ``specserve.drafts``: one class per way of proposing draft
+tokens, all behind the ``Drafter`` protocol (``base.py``); ``build_drafter`` maps the
+configured method to one."""
+from __future__ import annotations
+
+import torch
+
+from specserve.errors import SpecserveError
+
+
+def build_drafter(config, target_model, target_hf_config, target_tokenizer,
+                  device: torch.device, dtype: torch.dtype):
+    """The drafter for ``config.speculative_method``, or None when speculation is off."""
+    if not config.speculation_enabled:
+        return None
+    return _BUILDERS[config.speculative_method](config, target_model, target_hf_config,
+                                               target_tokenizer, device, dtype)
+
+
+def _ngram(config, *_):
+    from specserve.drafts.ngram import NgramDrafter
+
+    return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+
+
+def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype):
+    from specserve.drafts.model_drafter import ModelDrafter
+
+    total = target_hf_config.num_hidden_layers
+    layers = config.layerskip_layers or max(1, total // 4)
+    if layers >= total:
+        raise SpecserveError(f"layerskip_layers must be below the target's {total} layers, got {layers}")
+    return ModelDrafter("layerskip", target_model, config, device, dtype, num_layers=layers,
+                        shares_target_cache=True)
+
+
+def _draft_model(config, _target, target_hf_config, target_tokenizer, device, dtype):
+    from specserve.drafts.model_drafter import ModelDrafter
+    from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
+
+    if config.draft_model is None:
+        raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint (--draft-model)")
+    files = resolve_model(config.draft_model)
+    draft_config = load_hf_config(files)
+    if draft_config.vocab_size != target_hf_config.vocab_size:
+        raise SpecserveError(f"draft model {files.name} has a vocabulary of {draft_config.vocab_size} "
+                             f"tokens, the target {target_hf_config.vocab_size}: they must share one")
+    if any((files.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        if load_tokenizer(files).get_vocab() != target_tokenizer.get_vocab():
+            raise SpecserveError(f"draft model {files.name} uses a different tokenizer "
+                                 "vocabulary from the target's")
+    from specserve.attention import get_backend
+
+    model = build_model(files, draft_config, dtype, device, get_backend(config.attention_backend, device))
+    return ModelDrafter("draft_model", model, config, device, dtype)
+
+
+_BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model}

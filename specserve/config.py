@@ -7,6 +7,8 @@ import torch
 
 from specserve.errors import SpecserveError
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip")
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -37,6 +39,13 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
     attention_backend: str = "auto"      # auto | torch
+    # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
+    speculative_method: str = "none"     # none | ngram | draft_model | layerskip
+    num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
+    draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
+    prompt_lookup_max: int = 4           # ngram: longest suffix to match
+    prompt_lookup_min: int = 2           # ngram: shortest suffix to match
+    layerskip_layers: int | None = None  # layerskip: target layers the draft runs (default: 1/4)
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
@@ -58,6 +67,18 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch"):
             raise SpecserveError(
                 f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                                 f"got {self.speculative_method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 32:
+            raise SpecserveError(f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise SpecserveError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.layerskip_layers is not None and self.layerskip_layers < 1:
+            raise SpecserveError(f"layerskip_layers must be >= 1, got {self.layerskip_layers}")
+        if self.draft_model is not None and self.speculative_method != "draft_model":
+            raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
         self.torch_device  # validates device
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise SpecserveError(
@@ -66,6 +87,10 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.speculative_method != "none" and self.num_speculative_tokens > 0
 
     @property
     def torch_device(self) -> torch.device:

@@ -10,13 +10,15 @@ from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
 from specserve.config import EngineConfig
+from specserve.drafts import build_drafter
 from specserve.errors import SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from specserve.model_runner import ModelRunner
 from specserve.outputs import OutputProcessor, RequestOutput
 from specserve.request import FinishReason, Request
-from specserve.sampler import Sampler
+from specserve.metrics import SpecDecodeStats
+from specserve.rejection_sampler import RejectionSampler, VerifyRequest
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import Scheduler, SchedulerOutput, StepResult
 
@@ -26,7 +28,8 @@ logger = logging.getLogger("specserve")
 class LLMEngine:
     """One model on one device, stepping a continuous batch.
 
-    ``step()`` is the whole engine: schedule, run the ragged forward pass, sample, update.
+    ``step()`` is the whole engine: schedule, propose drafts, verify them (and every
+    prefill chunk) in one ragged forward pass, rejection-sample, update.
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
@@ -38,14 +41,19 @@ class LLMEngine:
         self.hf_config = load_hf_config(files)
         self.tokenizer = load_tokenizer(files, config.tokenizer)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
-        self.max_model_len = self._max_model_len()
         backend = get_backend(config.attention_backend, self.device)
         model = build_model(files, self.hf_config, self.dtype, self.device, backend)
-        self.runner = ModelRunner(model, config, self.device, self.dtype)
+        self.drafter = build_drafter(config, model, self.hf_config, self.tokenizer,
+                                     self.device, self.dtype)
+        self.max_model_len = self._max_model_len()
+        extra = self.drafter.kv_bytes_per_block() if self.drafter else 0
+        self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra)
+        if self.drafter:
+            self.drafter.bind(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = RejectionSampler(self.device, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self._ids = itertools.count()
@@ -53,9 +61,13 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
+        draft_limit = getattr(self.drafter, "max_positions", None)
+        if draft_limit and draft_limit < limit:
+            limit = draft_limit  # the draft must be able to run every position too
         wanted = self.config.max_model_len or limit
         if wanted > limit:
-            raise SpecserveError(f"max_model_len {wanted} exceeds the model's maximum {limit}")
+            raise SpecserveError(f"max_model_len {wanted} exceeds the maximum {limit} "
+                                 f"the model{' and draft' if draft_limit else ''} support")
         return wanted
 
     def _log_startup(self, backend: str) -> None:
@@ -67,12 +79,13 @@ class LLMEngine:
             "  device      %s, dtype %s, attention backend %s\n"
             "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB)\n"
             "  scheduling  max_num_batched_tokens=%d max_num_seqs=%d max_model_len=%d\n"
-            "  speculation off",
+            "  speculation %s",
             self.model_name, self.hf_config.architectures[0], params / 1e6,
             self.device, str(self.dtype).removeprefix("torch."), backend,
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block / 2**30,
-            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
+            f"{self.drafter.describe()}, k = {c.num_speculative_tokens}" if self.drafter else "off")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -127,10 +140,14 @@ class LLMEngine:
         """Schedule -> forward -> sample -> update. Returns an output for every request
         that produced tokens or finished in this step."""
         outputs, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._draft_lengths())
         if scheduled.is_empty:
             return outputs
-        result = self._run(scheduled)
+        draft_probs = self._propose(scheduled)
+        logits = self.runner.execute(scheduled)
+        verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids)
+                  for p in scheduled.scheduled if p.sample]
+        result = StepResult(self.sampler(logits, verify, draft_probs))
         for req, new_token_ids in self.scheduler.update(scheduled, result):
             if self.outputs.process(req, new_token_ids) and not req.is_finished:
                 self.scheduler.finish_request(req.req_id, FinishReason.STOP)
@@ -138,14 +155,33 @@ class LLMEngine:
                            else self.outputs.make_output(req))
         return outputs
 
-    def _run(self, scheduled: SchedulerOutput) -> StepResult:
-        logits = self.runner.execute(scheduled)
-        sampling = [(p.req_id, p.params) for p in scheduled.scheduled if p.sample]
-        return StepResult([[t] for t in self.sampler(logits, sampling)])
+    def _draft_lengths(self) -> dict[str, int] | None:
+        """k_i for every running request: its own cap when it set one, else the engine's."""
+        if self.drafter is None:
+            return None
+        default = self.config.num_speculative_tokens
+        return {r.req_id: default if r.params.num_speculative_tokens is None
+                else r.params.num_speculative_tokens for r in self.scheduler.running}
+
+    def _propose(self, scheduled: SchedulerOutput):
+        """Fill each planned request's draft tokens; returns q (None: one-hot proposals)."""
+        if self.drafter is None:
+            return None
+        proposal = self.drafter.propose(scheduled.scheduled, self.scheduler.requests)
+        for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
+            planned.draft_token_ids = draft
+        return proposal.draft_probs
 
     def _finish_output(self, req: Request) -> RequestOutput:
         self.sampler.free(req.req_id)
+        if self.drafter:
+            self.drafter.free(req.req_id)
         return self.outputs.make_output(req)
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculation statistics over the engine's lifetime."""
+        return self.scheduler.spec_stats
 
     # ------------------------------------------------------------------ introspection
     @property

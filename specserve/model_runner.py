@@ -16,13 +16,18 @@ logger = logging.getLogger("specserve")
 class ModelRunner:
     """Owns the model's weights and its KV cache tensors on one device."""
 
-    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int | None = None, extra_bytes_per_block: int = 0) -> None:
+        """``num_blocks`` fixes the cache size (a draft model matching its target's);
+        otherwise it comes from the memory budget, which also pays for
+        ``extra_bytes_per_block`` held elsewhere per block (the draft model's cache)."""
         self.model = model
         self.config = config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks()
+        self.extra_bytes_per_block = extra_bytes_per_block
+        self.num_blocks = num_blocks or self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
@@ -57,7 +62,7 @@ class ModelRunner:
             budget -= self._activation_reserve()
         else:
             budget = self.config.kv_cache_memory_gib * 2**30
-        num_blocks = int(budget // self.bytes_per_block)
+        num_blocks = int(budget // (self.bytes_per_block + self.extra_bytes_per_block))
         if num_blocks < 1:
             raise SpecserveError("no memory left for the KV cache; lower max_num_batched_tokens "
                                  "or raise the memory budget")
@@ -73,11 +78,12 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+    def execute(self, output: SchedulerOutput, num_layers: int | None = None) -> torch.Tensor:
         """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
-        each sampling request's last 1 + k positions, in schedule order."""
+        each sampling request's last 1 + k positions, in schedule order. ``num_layers``
+        runs only the first layers (layer-skip drafting)."""
         batch = self.prepare(output)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def prepare(self, output: SchedulerOutput) -> ForwardBatch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.metrics import SpecDecodeStats
 from specserve.request import FinishReason, Request
 
 
@@ -23,6 +24,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    spec_stats: SpecDecodeStats | None = None  # this request's drafts and acceptance so far
 
 
 class IncrementalDetokenizer:
@@ -118,7 +120,9 @@ class OutputProcessor:
             delta_token_ids=token_ids[state.num_emitted_tokens:],
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            error=error, num_preemptions=req.num_preemptions)
+            error=error, num_preemptions=req.num_preemptions,
+            spec_stats=SpecDecodeStats(**{k: list(v) if isinstance(v, list) else v
+                                          for k, v in vars(req.spec_stats).items()}))
         state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
         if finished:
             del self._states[req.req_id]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import time
 
+from specserve.metrics import SpecDecodeStats
+
 from specserve.sampling_params import SamplingParams
 
 
@@ -43,6 +45,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
+        self.spec_stats = SpecDecodeStats()
 
     @property
     def num_prompt_tokens(self) -> int:

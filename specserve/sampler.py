@@ -1,5 +1,7 @@
-"""Token sampling: temperature, top-k, top-p, min-p; greedy rows by argmax; seeded rows
-reproducible whatever else shares the batch. No host synchronisation in here."""
+"""Sampling building blocks: temperature, top-k, top-p and min-p turned into the
+distribution a row samples from; inverse-CDF draws from given uniforms; per-request random
+generators. The target and the draft go through the very same functions, which is what
+keeps speculative sampling lossless."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,15 +19,13 @@ class SamplingMetadata:
     top_k: torch.Tensor                  # [num_rows] int64, 0 = off
     top_p: torch.Tensor                  # [num_rows] float32, 1 = off
     min_p: torch.Tensor                  # [num_rows] float32, 0 = off
-    generators: list[torch.Generator]    # one per row
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator],
-              device: torch.device) -> "SamplingMetadata":
+    def build(cls, params: list[SamplingParams], device: torch.device) -> "SamplingMetadata":
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -35,7 +35,6 @@ class SamplingMetadata:
             top_k=tensor(top_k, torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            generators=generators,
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=any(p.top_p < 1 for p in params),
@@ -46,8 +45,7 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The distribution each row samples from, after temperature and the filters.
 
     logits ``[num_rows, vocab]`` -> probs ``[num_rows, vocab]`` float32. Greedy rows get
-    temperature 1 here; ``sample`` takes their argmax instead. The speculative rejection
-    sampler applies this same function to target and draft logits.
+    temperature 1 here; samplers take their argmax instead.
     """
     logits = logits.float()
     temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
@@ -78,49 +76,40 @@ def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One draw per row via the exponential race (argmax p / E, E ~ Exp(1)), each row's
-    noise from its own generator. ``[num_rows, vocab]`` -> ``[num_rows]``."""
-    noise = torch.empty_like(probs)
-    for row, generator in enumerate(generators):
-        noise[row].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: row i takes the first token whose cumulative mass exceeds
+    ``uniforms[i]`` times the row's total. Zero-probability tokens are never drawn.
+    ``[num_rows, vocab]``, ``[num_rows]`` -> ``[num_rows]`` int64."""
+    cdf = probs.cumsum(dim=-1)
+    threshold = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, threshold, right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """``[num_rows, vocab]`` logits -> ``[num_rows]`` token ids."""
-    greedy = logits.argmax(dim=-1)
-    if meta.all_greedy:
-        return greedy
-    sampled = sample_from_probs(target_probs(logits, meta), meta.generators)
-    return torch.where(meta.temperature > 0, sampled, greedy)
+class Generators:
+    """One torch.Generator per request: seeded from ``SamplingParams.seed`` when given,
+    otherwise from the owner's seed and arrival order, so whole runs are reproducible
+    and a seeded request draws the same numbers whatever else shares its batch."""
 
-
-class Sampler:
-    """Samples one token per sampling request of a step, each request drawing from its own
-    generator: seeded from ``SamplingParams.seed`` when given, otherwise from the engine's
-    seed and arrival order, so whole runs are reproducible."""
-
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, salt: int = 0) -> None:
+        """``salt`` separates streams: a drafter drawing for a seeded request must not reuse
+        the numbers its verifier draws for the same request."""
         self.device = device
-        self._seeds = torch.Generator().manual_seed(seed)
+        self.salt = salt
+        self._seeds = torch.Generator().manual_seed(seed + salt)
         self._generators: dict[str, torch.Generator] = {}
 
-    def generator(self, req_id: str, params: SamplingParams) -> torch.Generator:
+    def get(self, req_id: str, params: SamplingParams) -> torch.Generator:
         generator = self._generators.get(req_id)
         if generator is None:
-            seed = params.seed if params.seed is not None else int(
+            seed = (params.seed * 1_000_003 + self.salt) % 2**63 if params.seed is not None else int(
                 torch.randint(2**62, (1,), generator=self._seeds))
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[req_id] = generator
         return generator
 
+    def uniforms(self, req_id: str, params: SamplingParams, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self.get(req_id, params), device=self.device)
+
     def free(self, req_id: str) -> None:
         self._generators.pop(req_id, None)
-
-    def __call__(self, logits: torch.Tensor, requests: list[tuple[str, SamplingParams]]) -> list[int]:
-        """logits ``[num_requests, vocab]`` -> one token id per request (one host sync)."""
-        params = [p for _, p in requests]
-        generators = [self.generator(req_id, p) for req_id, p in requests]
-        meta = SamplingMetadata.build(params, generators, logits.device)
-        return sample(logits, meta).tolist()

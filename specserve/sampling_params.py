@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = None  # per-request cap on k; None: engine default, 0: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +47,9 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _check(self.num_speculative_tokens is None or (
+            _is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 32),
+            f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.kv_cache import KVCacheManager
+from specserve.metrics import SpecDecodeStats
 from specserve.request import FinishReason, Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 
@@ -19,12 +20,15 @@ class ScheduledRequest:
     start_pos: int                # position of token_ids[0] == num_computed_tokens before the step
     block_table: list[int]
     params: SamplingParams
-    draft_token_ids: list[int] = field(default_factory=list)  # k proposals appended after token_ids
     sample: bool = True           # True when the chunk reaches the end of the known tokens
+    num_lookahead: int = 0        # k_i: draft slots reserved in the budget and the KV cache
+    # Set by the drafter before the forward pass: at most num_lookahead proposals, fed
+    # after token_ids and verified in the same pass.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids) + len(self.draft_token_ids)
+        return len(self.token_ids) + self.num_lookahead
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -174,8 +179,7 @@ class Scheduler:
         return ScheduledRequest(
             req_id=req.req_id, token_ids=token_ids, start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)), params=req.params,
-            draft_token_ids=[-1] * k,  # filled in by the drafter
-            sample=start + num_new == req.num_tokens)
+            sample=start + num_new == req.num_tokens, num_lookahead=k)
 
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, list[int]]]:
@@ -193,10 +197,12 @@ class Scheduler:
                 continue  # aborted while the step ran
             num_accepted = len(sampled) - 1 if sampled else 0
             req.num_computed_tokens = planned.start_pos + len(planned.token_ids) + num_accepted
-            if planned.draft_token_ids:
+            if planned.num_lookahead:  # rollback: free blocks wholly past the accepted length
                 self.kv.truncate(req.req_id, req.num_computed_tokens)
             if sampled is None:
                 continue
+            req.spec_stats.record(len(planned.draft_token_ids), num_accepted)
+            self.spec_stats.record(len(planned.draft_token_ids), num_accepted)
             appended = self._append(req, sampled)
             updates.append((req, appended))
         return updates

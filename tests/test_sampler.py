@@ -4,13 +4,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.sampler import Sampler, SamplingMetadata, sample, target_probs
+from specserve.rejection_sampler import RejectionSampler, VerifyRequest
+from specserve.sampler import Generators, SamplingMetadata, sample_from_probs, target_probs
 from specserve.sampling_params import SamplingParams
 
 
-def meta_for(params: list[SamplingParams], seed: int = 0) -> SamplingMetadata:
-    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(params))]
-    return SamplingMetadata.build(params, gens, torch.device("cpu"))
+def meta_for(params: list[SamplingParams]) -> SamplingMetadata:
+    return SamplingMetadata.build(params, torch.device("cpu"))
+
+
+def sample_rows(logits, params, seed=0):
+    """Plain sampling (k = 0) through the engine's sampler, one request per row."""
+    sampler = RejectionSampler(torch.device("cpu"), seed)
+    out = sampler(logits, [VerifyRequest(str(i), p, []) for i, p in enumerate(params)])
+    return torch.tensor([tokens[0] for tokens in out])
 
 
 LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]]))
@@ -50,7 +57,7 @@ def test_rows_are_independent():
 def test_greedy_rows_take_argmax_in_mixed_batch():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
-    tokens = sample(logits, meta_for(params))
+    tokens = sample_rows(logits, params)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
 
@@ -58,23 +65,29 @@ def test_sampling_follows_the_distribution():
     """10k draws: empirical frequencies within 4 sigma of the target probabilities."""
     n = 10_000
     logits = LOGITS.repeat(n, 1)
-    tokens = sample(logits, meta_for([SamplingParams(temperature=1.0)] * n))
+    tokens = sample_rows(logits, [SamplingParams(temperature=1.0)] * n)
     freq = torch.bincount(tokens, minlength=5).float() / n
     p = LOGITS.softmax(-1)[0]
     sigma = (p * (1 - p) / n).sqrt()
     assert ((freq - p).abs() < 4 * sigma).all(), (freq, p)
 
 
-def test_sampler_seeds_per_request():
-    sampler = Sampler(torch.device("cpu"), seed=0)
-    logits = torch.zeros(2, 1000)
+def test_generators_seed_per_request():
     seeded = SamplingParams(temperature=1.0, seed=7)
-    first = sampler(logits, [("a", seeded), ("b", SamplingParams(temperature=1.0))])
-    other = Sampler(torch.device("cpu"), seed=123)
-    second = other(logits[:1], [("a", seeded)])
-    assert first[0] == second[0]
-    sampler.free("a")
-    assert sampler(logits[:1], [("a", seeded)])[0] == first[0]  # fresh generator, same seed
+    gens = Generators(torch.device("cpu"), seed=0)
+    first = gens.uniforms("a", seeded, 4)
+    gens.uniforms("b", SamplingParams(), 4)
+    assert torch.equal(Generators(torch.device("cpu"), seed=123).uniforms("a", seeded, 4), first)
+    gens.free("a")
+    assert torch.equal(gens.uniforms("a", seeded, 4), first)  # fresh generator, same seed
+    salted = Generators(torch.device("cpu"), seed=0, salt=5).uniforms("a", seeded, 4)
+    assert not torch.equal(salted, first)  # a drafter's stream differs from the verifier's
+
+
+def test_inverse_cdf_never_draws_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
+    u = torch.tensor([0.0, 0.25, 0.5, 0.75, 0.999999])
+    assert sample_from_probs(probs, u).tolist() == [1, 1, 3, 3, 3]
 
 
 @pytest.mark.parametrize("kwargs, message", [

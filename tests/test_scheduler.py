@@ -125,7 +125,7 @@ def test_prompt_within_budget_is_one_chunk_that_samples():
     out = step(sched)
     assert summary(out) == [("a", 8, 0, True)]
     assert out.num_scheduled_tokens == 8
-    assert out.scheduled[0].draft_token_ids == []
+    assert out.scheduled[0].num_lookahead == 0
     assert req.num_computed_tokens == 8 and req.output_token_ids == [token_at(8)]
     assert summary(step(sched)) == [("a", 1, 8, True)]
     assert req.finish_reason is FinishReason.LENGTH
@@ -393,7 +393,7 @@ def test_draft_slots_count_in_the_budget_and_reserve_kv():
     check_plan(sched, out)
     [planned] = out.scheduled
     assert planned.token_ids == [token_at(6)] and planned.start_pos == 6
-    assert planned.draft_token_ids == [-1, -1, -1]
+    assert planned.num_lookahead == 3 and planned.draft_token_ids == []
     assert planned.num_tokens == 4 and out.num_scheduled_tokens == 4
     assert planned.block_table == [0, 1, 2]        # slots 6..9 for the token and 3 drafts
     sched.finish_request("a", FinishReason.ABORT)
@@ -434,7 +434,7 @@ def test_drafts_count_in_the_budget_ahead_of_prefill_chunks():
     out = sched.schedule({"a": 3, "b": 5})
     check_plan(sched, out)
     assert summary(out) == [("a", 1, 3, True), ("b", 4, 0, False)]
-    assert [len(s.draft_token_ids) for s in out.scheduled] == [3, 0]   # no drafts for prefill
+    assert [s.num_lookahead for s in out.scheduled] == [3, 0]   # no drafts for prefill
     assert [s.block_table for s in out.scheduled] == [[0, 1], [2]]
     assert out.num_scheduled_tokens == 8
     sched.update(out, StepResult([[token_at(4), 901]]))
@@ -443,7 +443,7 @@ def test_drafts_count_in_the_budget_ahead_of_prefill_chunks():
     out = sched.schedule({"a": 20})
     check_plan(sched, out)
     assert summary(out) == [("a", 1, 5, True)]
-    assert [len(s.draft_token_ids) for s in out.scheduled] == [7]
+    assert [s.num_lookahead for s in out.scheduled] == [7]
     assert out.num_scheduled_tokens == 8
     assert sched.kv.block_table("a") == [0, 1, 3, 4]  # slots 0..12; b holds block 2
     sched.finish_request("a", FinishReason.ABORT)
@@ -463,7 +463,7 @@ def test_stop_token_among_accepted_drafts_ends_the_request_there():
 def test_max_tokens_reached_at_the_bonus_token_after_all_drafts_accepted():
     sched, req = prefilled(6, max_tokens=5)
     out = sched.schedule({"a": 3})
-    assert len(out.scheduled[0].draft_token_ids) == 3
+    assert out.scheduled[0].num_lookahead == 3
     sched.update(out, StepResult([generated(7, 3) + [900]]))
     assert req.finish_reason is FinishReason.LENGTH
     assert req.output_token_ids == generated(6, 4) + [900]
@@ -523,14 +523,14 @@ def test_random_workload_keeps_budget_and_ends_every_request_once(seed):
         out = sched.schedule(drafts)
         check_plan(sched, out)
         for s in out.scheduled:
-            assert len(s.draft_token_ids) <= drafts.get(s.req_id, 0)
+            assert s.num_lookahead <= drafts.get(s.req_id, 0)
         if out.scheduled and rng.random() < 0.03:
             abort(rng.choice(out.scheduled).req_id)    # cancelled while the step runs
         result = []
         for s in out.scheduled:
             if not s.sample:
                 continue
-            num_accepted = rng.randint(0, len(s.draft_token_ids))
+            num_accepted = rng.randint(0, s.num_lookahead)
             first = s.start_pos + len(s.token_ids)
             result.append([rng.choice([EOS, 77]) if rng.random() < 0.03 else token_at(p)
                            for p in range(first, first + num_accepted + 1)])

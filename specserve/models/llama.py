@@ -181,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
+                num_layers: int | None = None) -> torch.Tensor:
+        """``num_layers`` stops after the first layers (the layer-skip draft), then norms."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, batch)
         return self.model.norm(hidden)
 

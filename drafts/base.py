@@ -1,0 +1,50 @@
+"""The drafter protocol: what the engine asks of every way of proposing draft tokens."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specserve.request import Request
+from specserve.scheduler import ScheduledRequest
+
+
+@dataclass
+class DraftProposal:
+    """Proposals for one step, one list per scheduled request (empty where k_i = 0).
+
+    ``draft_probs`` holds q, the distribution each proposal was drawn from, one row per
+    proposed token in schedule order (``[Σ len(draft_token_ids[i]), vocab]``); None means
+    every proposal is deterministic and q is one-hot on it.
+    """
+
+    draft_token_ids: list[list[int]]
+    draft_probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """Proposes up to ``planned.num_lookahead`` tokens for each scheduled request.
+
+    The engine calls ``propose`` once per step with the whole schedule (prefill chunks
+    included, so a drafter with its own KV cache can keep up in lockstep), then verifies
+    every proposal in the target's single ragged pass.
+    """
+
+    name: str
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of the drafter's own KV cache per block (0 when it has none)."""
+
+    def bind(self, runner) -> None:
+        """Called once the target runner (and so the number of KV blocks) exists."""
+
+    def propose(self, scheduled: list[ScheduledRequest],
+                requests: Mapping[str, Request]) -> DraftProposal: ...
+
+    def free(self, req_id: str) -> None:
+        """Forget a finished request."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""

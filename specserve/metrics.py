@@ -1,0 +1,47 @@
+"""Speculative-decoding statistics, kept per request and for the whole engine."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts over verify steps that carried at least one draft token.
+
+    ``accepted_per_position[j]`` counts drafts whose (j+1)-th token was accepted;
+    mean acceptance length = tokens emitted per draft = 1 + accepted / drafts.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafts_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for counts, upto in ((self.drafts_per_position, num_draft_tokens),
+                             (self.accepted_per_position, num_accepted)):
+            if len(counts) < num_draft_tokens:
+                counts.extend([0] * (num_draft_tokens - len(counts)))
+            for j in range(upto):
+                counts[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "acceptance_rate": round(self.acceptance_rate, 4)}

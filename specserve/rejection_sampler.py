@@ -1,0 +1,132 @@
+"""Verification of draft tokens against the target: the rejection sampler.
+
+Terms (for one request with k draft tokens d_1..d_k, verified by k + 1 target rows):
+  * accepted tokens — the longest prefix of the drafts the target keeps;
+  * recovered token — drawn at the first rejected position, from the residual
+    normalize(max(0, p − q));
+  * bonus token — drawn from p at row k + 1 when all k drafts are accepted.
+Each step emits the accepted tokens plus one recovered or bonus token, so 1 ≤ emitted ≤ k + 1.
+With k = 0 this is ordinary sampling, so every step of the engine goes through here.
+
+Greedy requests accept while d_j equals the target's argmax at row j and emit the argmax
+at the stop row. Sampling requests accept d_j with probability min(1, p(d_j) / q(d_j)),
+the rule of Leviathan et al. and Chen et al. (2023), which makes the emitted tokens follow
+the target distribution p exactly. p and q come from the same ``target_probs`` (same
+temperature, top-k, top-p, min-p); a deterministic drafter (n-gram, greedy-by-construction)
+has q one-hot on its proposal. Random numbers come from each request's own generator,
+2k + 1 uniforms per step, so seeded requests are bit-identical whatever shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampler import Generators, SamplingMetadata, sample_from_probs, target_probs
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class VerifyRequest:
+    """One sampling request of the step, in schedule order."""
+
+    req_id: str
+    params: SamplingParams
+    draft_token_ids: list[int]    # k proposals (empty: plain sampling)
+
+
+class RejectionSampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generators = Generators(device, seed)
+
+    def free(self, req_id: str) -> None:
+        self.generators.free(req_id)
+
+    def __call__(self, logits: torch.Tensor, requests: list[VerifyRequest],
+                 draft_probs: torch.Tensor | None = None) -> list[list[int]]:
+        """logits ``[Σ(1 + k_i), vocab]``: request i's k_i + 1 verify rows, in order.
+        draft_probs ``[Σ k_i, vocab]`` or None (q one-hot on each proposal).
+        Returns, per request, its accepted tokens followed by one recovered/bonus token.
+        One device->host copy.
+        """
+        if not requests:
+            return []
+        rows_per_req = [len(r.draft_token_ids) + 1 for r in requests]
+        row_params = [r.params for r, n in zip(requests, rows_per_req) for _ in range(n)]
+        meta = SamplingMetadata.build(row_params, logits.device)
+        greedy = logits.argmax(dim=-1)                        # [R]
+        draft_ids = torch.tensor([t for r in requests for t in r.draft_token_ids] or [0],
+                                 dtype=torch.int64, device=logits.device)
+        # Row index of every draft token's verifying row, and of every request's last row.
+        verify_rows, bonus_rows, start = [], [], 0
+        for n in rows_per_req:
+            verify_rows.extend(range(start, start + n - 1))
+            bonus_rows.append(start + n - 1)
+            start += n
+        verify_idx = torch.tensor(verify_rows or [0], dtype=torch.int64, device=logits.device)
+        num_drafts = len(verify_rows)
+
+        if meta.all_greedy:
+            accepted = draft_ids == greedy[verify_idx]
+            emitted = greedy
+        else:
+            accepted, emitted = self._sample(logits, meta, requests, rows_per_req, draft_ids,
+                                             verify_idx, num_drafts, draft_probs, greedy)
+        packed = torch.cat([emitted, accepted[:num_drafts].to(emitted.dtype)]).tolist()
+        emitted_host, accepted_host = packed[:len(row_params)], packed[len(row_params):]
+        return _assemble(requests, rows_per_req, emitted_host, accepted_host)
+
+    def _sample(self, logits, meta, requests, rows_per_req, draft_ids, verify_idx, num_drafts,
+                draft_probs, greedy):
+        p = target_probs(logits, meta)                       # [R, V]
+        # Uniforms: per request, k for acceptance then k + 1 for drawing, from its generator.
+        accept_u, draw_u = [], []
+        for req, n in zip(requests, rows_per_req):
+            if req.params.greedy:
+                accept_u.append(torch.zeros(n - 1, device=self.device))
+                draw_u.append(torch.zeros(n, device=self.device))
+                continue
+            u = self.generators.uniforms(req.req_id, req.params, 2 * n - 1)
+            accept_u.append(u[:n - 1])
+            draw_u.append(u[n - 1:])
+        accept_u = torch.cat(accept_u).to(logits.device)
+        draw_u = torch.cat(draw_u).to(logits.device)
+        is_greedy_row = meta.temperature == 0
+        # Residual distributions at the verify rows; p itself at the bonus rows.
+        dist = p.clone()
+        if num_drafts:
+            p_rows = p[verify_idx]
+            if draft_probs is None:
+                q_of_draft = torch.ones(num_drafts, device=p.device)
+                residual = p_rows.scatter(1, draft_ids[:, None], 0.0)
+            else:
+                q = draft_probs.float()
+                q_of_draft = q.gather(1, draft_ids[:, None])[:, 0]
+                residual = (p_rows - q).clamp_(min=0)
+            empty = residual.sum(dim=-1, keepdim=True) <= 0
+            dist[verify_idx] = torch.where(empty, p_rows, residual)
+            p_of_draft = p_rows.gather(1, draft_ids[:, None])[:, 0]
+            ratio = p_of_draft / q_of_draft.clamp(min=1e-30)
+            accepted = torch.where(is_greedy_row[verify_idx], draft_ids == greedy[verify_idx],
+                                   accept_u < ratio)
+        else:
+            accepted = torch.zeros(1, dtype=torch.bool, device=p.device)
+        sampled = sample_from_probs(dist, draw_u)
+        return accepted, torch.where(is_greedy_row, greedy, sampled)
+
+
+def _assemble(requests, rows_per_req, emitted, accepted) -> list[list[int]]:
+    """Walk each request's rows on the host: accepted drafts, then the token at the stop row."""
+    out, row, draft = [], 0, 0
+    for req, n in zip(requests, rows_per_req):
+        tokens = []
+        for j, token in enumerate(req.draft_token_ids):
+            if not accepted[draft + j]:
+                break
+            tokens.append(token)
+        tokens.append(emitted[row + len(tokens)])
+        out.append(tokens)
+        row += n
+        draft += n - 1
+    return out
