@@ -83,8 +83,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(query)
     if plan.decode_rows is not None:
         q = query[plan.decode_rows].unsqueeze(1)
-        out[plan.decode_rows] = _sdpa(q, keys[plan.decode_slots], values[plan.decode_slots],
-                                      plan.decode_mask, scale)[:, 0]
+        # Padding slots (past a row's own length) may hold anything, even NaN from a
+        # stale block: zero them so masked-out keys cannot poison the row.
+        valid = plan.decode_mask[:, 0, :, None, None]
+        k = torch.where(valid, keys[plan.decode_slots], 0)
+        v = torch.where(valid, values[plan.decode_slots], 0)
+        out[plan.decode_rows] = _sdpa(q, k, v, plan.decode_mask, scale)[:, 0]
     for rows, slots, mask in plan.spans:
         out[rows] = _sdpa(query[rows].unsqueeze(0), keys[slots].unsqueeze(0),
                           values[slots].unsqueeze(0), mask[None], scale)[0]

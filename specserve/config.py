@@ -1,6 +1,7 @@
 """Engine configuration: one validated dataclass shared by the engine, CLI and server."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -49,10 +50,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
-        for name in positive:
+        optional = ("max_model_len", "num_kv_blocks", "layerskip_layers")
+        for name in positive + optional:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value is None and name in optional:
+                continue
+            if not _is_int(value) or value < 1:
                 raise SpecserveError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(self.seed):
+            raise SpecserveError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("kv_cache_memory_gib", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise SpecserveError(f"{name} must be a finite number, got {value!r}")
+        for name in ("model", "tokenizer", "draft_model"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise SpecserveError(f"{name} must be a path or hub id, got {value!r}")
         if self.block_size & (self.block_size - 1):
             raise SpecserveError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -70,9 +84,10 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                  f"got {self.speculative_method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 32:
+        if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
             raise SpecserveError(f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise SpecserveError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.layerskip_layers is not None and self.layerskip_layers < 1:
@@ -111,3 +126,7 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

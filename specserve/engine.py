@@ -51,6 +51,7 @@ class LLMEngine:
         if self.drafter:
             self.drafter.bind(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self._fit_max_model_len_to_cache()
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
         self.sampler = RejectionSampler(self.device, config.seed)
@@ -69,6 +70,18 @@ class LLMEngine:
             raise SpecserveError(f"max_model_len {wanted} exceeds the maximum {limit} "
                                  f"the model{' and draft' if draft_limit else ''} support")
         return wanted
+
+    def _fit_max_model_len_to_cache(self) -> None:
+        """One request must always be able to finish alone, or preemption could loop forever."""
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.max_model_len <= capacity:
+            return
+        if self.config.max_model_len is not None:
+            raise SpecserveError(f"the KV cache holds {capacity} tokens, less than max_model_len "
+                                 f"{self.max_model_len}; give it more memory or lower max_model_len")
+        logger.info("max_model_len lowered from %d to the KV cache's %d tokens",
+                    self.max_model_len, capacity)
+        self.max_model_len = capacity
 
     def _log_startup(self, backend: str) -> None:
         c = self.config
@@ -101,20 +114,25 @@ class LLMEngine:
         if self.kv.num_blocks_for(len(token_ids) + 1) > self.kv.num_blocks:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the KV cache holds only "
                              f"{self.kv.num_blocks * self.kv.block_size}")
-        req_id = str(next(self._ids)) if req_id is None else str(req_id)
+        if req_id is None:
+            req_id = next(i for i in map(str, self._ids) if i not in self.scheduler.requests)
+        req_id = str(req_id)
         req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text)
         self.scheduler.add_request(req)
         self.outputs.add_request(req)
         return req_id
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        vocab = self.hf_config.vocab_size
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
+            if token_ids and max(token_ids) >= vocab:
+                raise ValueError(f"the tokenizer produced token id {max(token_ids)}, outside the "
+                                 f"model's vocabulary of {vocab}: tokenizer and model do not match")
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
                                                   for t in prompt):
             token_ids, text = list(prompt), None
-            vocab = self.hf_config.vocab_size
             if any(not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
         else:
@@ -143,17 +161,40 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self._draft_lengths())
         if scheduled.is_empty:
             return outputs
+        try:
+            result = self._verify(scheduled)
+        except Exception as exc:  # never a wedged engine: the step's requests end with an error
+            logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
+            return outputs + self._fail(scheduled, exc)
+        for req, new_token_ids in self.scheduler.update(scheduled, result):
+            if self.outputs.process(req, new_token_ids):  # a stop string matched
+                if req.is_finished:
+                    req.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+            outputs.append(self._finish_output(req) if req.is_finished
+                           else self.outputs.make_output(req))
+        return outputs
+
+    def _verify(self, scheduled: SchedulerOutput) -> StepResult:
+        """Propose drafts, run the one ragged target pass, rejection-sample."""
         draft_probs = self._propose(scheduled)
         logits = self.runner.execute(scheduled)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids)
                   for p in scheduled.scheduled if p.sample]
-        result = StepResult(self.sampler(logits, verify, draft_probs))
-        for req, new_token_ids in self.scheduler.update(scheduled, result):
-            if self.outputs.process(req, new_token_ids) and not req.is_finished:
-                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
-            outputs.append(self._finish_output(req) if req.is_finished
-                           else self.outputs.make_output(req))
-        return outputs
+        return StepResult(self.sampler(logits, verify, draft_probs))
+
+    def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        failed = []
+        for planned in scheduled.scheduled:
+            req = self.scheduler.finish_request(planned.req_id, FinishReason.ERROR)
+            if req is not None:
+                self.sampler.free(req.req_id)
+                if self.drafter:
+                    self.drafter.free(req.req_id)
+                failed.append(self.outputs.make_output(req, error=message))
+        return failed
 
     def _draft_lengths(self) -> dict[str, int] | None:
         """k_i for every running request: its own cap when it set one, else the engine's."""

@@ -265,7 +265,20 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
 def _iter_checkpoint(files: ModelFiles):
     from safetensors import safe_open
 
-    shards = sorted(files.path.glob("*.safetensors"))
+    index = files.path / "model.safetensors.index.json"
+    if index.is_file():  # follow the index: some repos also ship other *.safetensors layouts
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{files.name}: corrupt model.safetensors.index.json ({exc})") from None
+        shards = [files.path / name for name in names]
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise ModelLoadError(f"{files.name}: weight shard {missing[0]} named by the index is missing")
+    elif (files.path / "model.safetensors").is_file():
+        shards = [files.path / "model.safetensors"]
+    else:
+        shards = sorted(files.path.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{files.name}: no .safetensors weights in {files.path}")
     try:

@@ -29,9 +29,17 @@ class ModelRunner:
         self.extra_bytes_per_block = extra_bytes_per_block
         self.num_blocks = num_blocks or self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(self._num_layers)]
+        try:
+            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device))
+                              for _ in range(self._num_layers)]
+        except (RuntimeError, MemoryError) as exc:  # out of memory: say what to change
+            from specserve.errors import SpecserveError
+
+            raise SpecserveError(
+                f"cannot allocate a KV cache of {self.num_blocks} blocks "
+                f"({self.num_blocks * self.bytes_per_block / 2**30:.1f} GiB): "
+                f"{str(exc).splitlines()[0][:120]}; lower num_kv_blocks or the memory budget") from None
 
     # ---------------------------------------------------------------- sizing
     @property

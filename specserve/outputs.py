@@ -97,13 +97,12 @@ class OutputProcessor:
             return False
         start = max(0, len(state.text) - state.hold_back)
         state.text += state.detokenizer.append(new_token_ids)
-        for stop in state.stop:
-            index = state.text.find(stop, start)
-            if index != -1:
-                state.text = state.text[:index]
-                state.stopped_by_string = True
-                return True
-        return False
+        found = [i for i in (state.text.find(stop, start) for stop in state.stop) if i != -1]
+        if not found:
+            return False
+        state.text = state.text[:min(found)]  # the earliest match wins, whichever string
+        state.stopped_by_string = True
+        return True
 
     def make_output(self, req: Request, error: str | None = None) -> RequestOutput:
         state = self._states[req.req_id]

@@ -63,11 +63,12 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if meta.any_top_k:
-        k = torch.where(meta.top_k > 0, meta.top_k, torch.full_like(meta.top_k, vocab))
-        remove |= ranks >= k[:, None]
+        # Keep every token tied with the k-th largest, as transformers' TopKLogitsWarper does.
+        k = torch.where(meta.top_k > 0, meta.top_k, torch.full_like(meta.top_k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        remove |= sorted_logits < kth
     if meta.any_top_p:
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token

@@ -68,3 +68,14 @@ def test_generate_default_model_end_to_end(default_model_path):
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert "SmolLM2-135M-Instruct" in done.stderr and "KV cache" in done.stderr
+
+
+def test_config_types_are_checked():
+    from specserve import EngineConfig
+
+    for bad in (dict(max_model_len="10"), dict(kv_cache_memory_gib="1"), dict(num_kv_blocks=2.5),
+                dict(gpu_memory_utilization=None), dict(seed="x"), dict(kv_cache_memory_gib=float("inf")),
+                dict(speculative_method="magic"), dict(num_speculative_tokens=-1),
+                dict(draft_model="x"), dict(prompt_lookup_min=5)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)

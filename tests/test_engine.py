@@ -173,3 +173,83 @@ def test_default_model_batched_greedy_equals_hf(default_model_path):
         assert out.prompt_token_ids == tok.encode(prompt)
         assert out.token_ids == hf_greedy(hf, tok.encode(prompt), 32)
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(scheduled, *args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return real(scheduled, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.abort_marker = engine.add_request([8], SamplingParams(max_tokens=5, ignore_eos=True))
+    outs = engine.step()
+    assert {o.req_id: o.finish_reason for o in outs} == {a: "error", engine.abort_marker: "error"}
+    assert all("device fell over" in o.error for o in outs)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    monkeypatch.setattr(engine.runner, "execute", real)
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_max_model_len_is_capped_by_the_kv_cache(tiny_model_dir):
+    """A request must be able to finish alone; otherwise it would preempt itself forever."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4)
+    assert llm.engine.max_model_len == 8
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    with pytest.raises(ValueError, match="KV cache holds 8 tokens"):
+        LLM(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4, max_model_len=100)
+
+
+def test_stale_nan_in_the_cache_is_never_read(tiny_model_dir):
+    """Invariant 1: only a request's own computed entries are read, so poisoning every
+    cache slot with NaN before a run changes nothing."""
+    prompts = mixed_prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    clean = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for k_cache, v_cache in llm.engine.runner.kv_caches:
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == clean
+
+
+def test_earliest_stop_string_wins_and_reports_stop(tiny_llm):
+    params = dict(temperature=0, ignore_eos=True)
+    full = tiny_llm.generate(["import torch"], SamplingParams(max_tokens=16, **params), use_tqdm=False)[0]
+    # Stop strings made of whole printable tokens (a random model also emits stray bytes).
+    pieces = [(i, tiny_llm.tokenizer.decode([t])) for i, t in enumerate(full.token_ids)]
+    clean = [(i, p) for i, p in pieces if p.strip() and p.isascii() and p.isprintable()]
+    (i_early, early), (i_late, late) = clean[0], clean[-1]
+    assert i_early < i_late and full.text.find(early) < full.text.find(late)
+    out = tiny_llm.generate(["import torch"], SamplingParams(max_tokens=16, stop=[late, early], **params),
+                            use_tqdm=False)[0]
+    assert out.text == full.text[:full.text.find(early)] and out.finish_reason == "stop"
+    # A stop string completed by the very last allowed token still reports "stop".
+    out = tiny_llm.generate(["import torch"], SamplingParams(max_tokens=i_late + 1, stop=[late], **params),
+                            use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.find(late)]
+
+
+def test_automatic_ids_skip_ids_given_by_callers(tiny_llm):
+    engine = tiny_llm.engine
+    taken = engine.add_request([5], SamplingParams(max_tokens=1), req_id="0")
+    ids = {engine.add_request([5], SamplingParams(max_tokens=1)) for _ in range(3)}
+    assert taken not in ids and len(ids) == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_tokenizer_larger_than_the_model_is_refused(tiny_model_dir, default_model_path):
+    llm = LLM(str(tiny_model_dir("llama")), tokenizer=str(default_model_path), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="tokenizer and model do not match"):
+        llm.engine.add_request("Hello there, how are you doing today?")
+    assert not llm.engine.has_unfinished_requests()

@@ -103,3 +103,22 @@ def test_invalid_sampling_params_raise(kwargs, message):
 
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="END").stop == ["END"]
+
+
+@pytest.mark.parametrize("params, warper", [
+    (SamplingParams(top_k=2), ("TopKLogitsWarper", dict(top_k=2))),
+    (SamplingParams(top_p=0.8), ("TopPLogitsWarper", dict(top_p=0.8))),
+    (SamplingParams(min_p=0.2), ("MinPLogitsWarper", dict(min_p=0.2))),
+    (SamplingParams(temperature=0.6), ("TemperatureLogitsWarper", dict(temperature=0.6))),
+])
+def test_filters_match_transformers_warpers(params, warper):
+    """transformers' logits warpers are the oracle; ties included (top-k keeps all tied)."""
+    import transformers
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.5, 0.0]]),
+                        torch.randn(5, 6, generator=g) * 2])
+    name, kwargs = warper
+    want = getattr(transformers, name)(**kwargs)(None, logits.clone()).softmax(-1)
+    got = target_probs(logits, meta_for([params] * len(logits)))
+    assert torch.allclose(got, want, atol=1e-6)

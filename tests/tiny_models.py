@@ -1,8 +1,6 @@
 """Tiny seeded random Llama-family checkpoints with a real (tiny) tokenizer."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -26,11 +24,15 @@ VARIANTS = {
 
 
 def make_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on this repository's own source text."""
+    """A byte-level BPE tokenizer trained on a few standard-library modules' source (fixed
+    text, so the tokenizer does not change as this repository does)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [p.read_text() for p in sorted(Path(__file__).parent.parent.rglob("*.py"))]
+    import inspect
+    import bisect, fractions, heapq, shlex, string, textwrap  # noqa: E401  stable text
+
+    corpus = [inspect.getsource(m) for m in (bisect, fractions, heapq, shlex, string, textwrap)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
