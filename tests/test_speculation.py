@@ -1,0 +1,196 @@
+"""Speculative decoding end to end: every drafter is lossless, rollback leaks nothing."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, LLMEngine, SamplingParams
+from specserve.drafts.ngram import lookup
+from specserve.errors import SpecserveError
+from tiny_models import make_hf_model, make_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=200)
+
+
+def prompts_with_repeats() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randint(3, 60, (k,), generator=g).tolist() for k in (1, 37, 5, 50, 12, 3)]
+    return [p + p[: len(p) // 2] for p in base]  # repeated spans give n-gram matches
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(tmp_path_factory):
+    """Two tiny drafts sharing the tiny target's vocabulary: a 1-layer llama and a qwen3."""
+    out = {}
+    for name, variant, kwargs in (("small", "llama", dict(seed=1, num_hidden_layers=1)),
+                                  ("qwen3", "qwen3_qknorm", dict(seed=2))):
+        path = tmp_path_factory.mktemp(f"draft-{name}")
+        seed = kwargs.pop("seed")
+        make_hf_model(variant, seed=seed, **kwargs).save_pretrained(path)
+        make_tokenizer(512).save_pretrained(path)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), **SMALL)
+    return [o.token_ids for o in llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)]
+
+
+def drafter_settings(tiny_model_dir, draft_dirs):
+    target = str(tiny_model_dir("llama"))
+    return {
+        "ngram": dict(speculative_method="ngram"),
+        "layerskip": dict(speculative_method="layerskip", layerskip_layers=1),
+        "draft=target": dict(speculative_method="draft_model", draft_model=target),
+        "draft-llama": dict(speculative_method="draft_model", draft_model=str(draft_dirs["small"])),
+        "draft-qwen3": dict(speculative_method="draft_model", draft_model=str(draft_dirs["qwen3"])),
+    }
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip", "draft=target", "draft-llama", "draft-qwen3"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_with_speculation_equals_without(drafter, k, tiny_model_dir, draft_dirs, baseline):
+    """Batched, mixed prompt lengths, a 16-token budget: prefill chunks and verification
+    share steps. Output must be token-identical to plain greedy decoding."""
+    settings = drafter_settings(tiny_model_dir, draft_dirs)[drafter]
+    llm = LLM(str(tiny_model_dir("llama")), num_speculative_tokens=k, **SMALL, **settings)
+    outs = llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == baseline
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    if drafter == "draft=target":
+        assert stats.acceptance_rate == 1.0
+    if drafter == "ngram":
+        assert stats.num_accepted_tokens > 0
+    assert sum(o.spec_stats.num_drafts for o in outs) == stats.num_drafts
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_identical_draft_is_always_accepted_when_sampling(tiny_model_dir):
+    """p == q exactly when the draft is the target and both apply the same filters, so
+    every draft is accepted; a misaligned q row would show up as rejections."""
+    target = str(tiny_model_dir("llama"))
+    llm = LLM(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3, **SMALL)
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=20, ignore_eos=True, seed=i)
+              for i, (t, p, k) in enumerate([(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20), (0, 1.0, -1)])]
+    llm.generate(prompts_with_repeats()[:4], params, use_tqdm=False)
+    assert llm.engine.spec_stats.acceptance_rate > 0.999
+
+
+def test_seeded_speculative_sampling_is_reproducible(tiny_model_dir, draft_dirs):
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True, seed=11)
+    runs = []
+    for filler in (0, 3):  # different batch company each time
+        llm = LLM(target, speculative_method="draft_model", draft_model=str(draft_dirs["small"]),
+                  num_speculative_tokens=3, seed=filler, **SMALL)
+        prompts = [[7, 8, 9]] + prompts_with_repeats()[:filler]
+        others = [SamplingParams(temperature=1.0, max_tokens=10)] * filler
+        runs.append(llm.generate(prompts, [params] + others, use_tqdm=False)[0].token_ids)
+    assert runs[0] == runs[1]
+
+
+def test_per_request_k_overrides_the_engine(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4, **SMALL)
+    prompts = prompts_with_repeats()[:2]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                 num_speculative_tokens=0),
+                                  SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                 num_speculative_tokens=2)], use_tqdm=False)
+    assert outs[0].spec_stats.num_drafts == 0
+    assert outs[1].spec_stats.num_drafts > 0
+    assert max(len(outs[1].spec_stats.drafts_per_position), 0) <= 2
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    path = tmp_path / "draft"
+    make_hf_model("llama", vocab_size=600).save_pretrained(path)
+    with pytest.raises(SpecserveError, match="vocabulary of 600 tokens"):
+        LLM(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=str(path), **SMALL)
+    with pytest.raises(SpecserveError, match="needs a draft checkpoint"):
+        LLM(str(tiny_model_dir("llama")), speculative_method="draft_model", **SMALL)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, tiny_model_dir, draft_dirs):
+    """Many requests, drafts, aborts and a cache small enough to force preemption. After
+    every step each live request holds exactly the blocks its computed tokens need."""
+    rng = random.Random(seed)
+    engine = LLMEngine(model=str(tiny_model_dir("llama")), speculative_method="draft_model",
+                       draft_model=str(draft_dirs["small"]), num_speculative_tokens=3,
+                       max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36)
+    finished, submitted = {}, []
+    for step_no in range(400):
+        if step_no < 120 and rng.random() < 0.3:
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 40))]
+            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
+                                    ignore_eos=rng.random() < 0.5, seed=rng.randrange(1000))
+            submitted.append(engine.add_request(prompt, params))
+        live = sorted(engine.scheduler.requests)
+        if live and rng.random() < 0.05:
+            engine.abort(rng.choice(live))
+        for out in engine.step():
+            if out.finished:
+                assert out.req_id not in finished, "a request ended twice"
+                finished[out.req_id] = out.finish_reason
+        kv, bs = engine.kv, engine.kv.block_size
+        used = 0
+        for req in engine.scheduler.requests.values():
+            table = kv.block_table(req.req_id)
+            if req.status.value == "running":
+                assert len(table) == -(-req.num_computed_tokens // bs)
+            else:
+                assert not kv.holds(req.req_id)
+            used += len(table)
+        assert kv.num_free_blocks == kv.num_blocks - used
+        if step_no >= 120 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert set(finished) == set(submitted)
+    assert set(finished.values()) <= {"stop", "length", "abort"}
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("tokens, k, expected", [
+    ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),          # suffix [1, 2] seen before
+    ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, [7, 2]),    # most recent earlier match wins
+    ([5, 6, 7, 8], 3, []),                       # no match
+    ([1, 2, 3, 1, 2, 3], 8, [1, 2, 3]),          # fewer tokens than k remain
+])
+def test_ngram_lookup(tokens, k, expected):
+    assert lookup(tokens, k, max_n=3, min_n=2) == expected
+
+
+def test_ngram_prefers_longer_matches():
+    tokens = [4, 2, 9, 1, 2, 8, 5, 1, 2]   # [1, 2] -> 8 (recent); [5, 1, 2]: none; [4, 2]...
+    assert lookup(tokens, 1, max_n=2, min_n=1) == [8]
+    tokens = [7, 1, 2, 3, 0, 1, 2, 4, 7, 1, 2]  # [7, 1, 2] matches at the start -> 3
+    assert lookup(tokens, 1, max_n=3, min_n=1) == [3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "layerskip"])
+def test_default_model_greedy_with_speculation_equals_without(method, default_model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    questions = ["Rewrite this function to use a list comprehension:\n\ndef squares(n):\n"
+                 "    out = []\n    for i in range(n):\n        out.append(i * i)\n    return out",
+                 "What is the capital of France?",
+                 "List three uses of a paged KV cache."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(max_num_batched_tokens=48, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    spec = LLM(max_num_batched_tokens=48, max_num_seqs=4, speculative_method=method,
+               num_speculative_tokens=4)
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert spec.engine.spec_stats.num_drafts > 0
+    assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
