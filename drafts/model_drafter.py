@@ -71,7 +71,7 @@ class ModelDrafter:
         if self.shares_target_cache:
             return f"layerskip (first {self.num_layers} target layers + norm + LM head)"
         cfg = self.model.config
-        params = sum(p.numel() for p in self.model.parameters()) / 1e6
+        params = self.model.num_parameters / 1e6
         return f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, {params:.0f}M parameters)"
 
     # ------------------------------------------------------------------ the step

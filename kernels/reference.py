@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache at
-    ``slot_mapping`` ``[num_tokens]``; rows whose slot is -1 (padding) are skipped."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    ``slot_mapping`` ``[num_tokens]``; rows whose slot is -1 (padding) are skipped.
+    ``has_padding=False`` promises there are none and skips the check."""
+    if has_padding:
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
@@ -32,7 +33,7 @@ class AttentionPlan:
 
     decode_rows: torch.Tensor | None        # [num_decode]
     decode_slots: torch.Tensor | None       # [num_decode, max_seq_len] slot of each key
-    decode_mask: torch.Tensor | None        # [num_decode, 1, max_seq_len]
+    decode_mask: torch.Tensor | None        # [num_decode, 1, max_seq_len]; None: no padding
     spans: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows, slots [seq_len], mask [q_len, seq_len])
 
 
@@ -53,7 +54,7 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
         mask = key_pos[None, :] < lens[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        mask = mask[:, None, :]
+        mask = None if bool(mask.all()) else mask[:, None, :]
     spans = []
     for i, q_len in enumerate(query_lens):
         if q_len > 1:
@@ -83,11 +84,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(query)
     if plan.decode_rows is not None:
         q = query[plan.decode_rows].unsqueeze(1)
-        # Padding slots (past a row's own length) may hold anything, even NaN from a
-        # stale block: zero them so masked-out keys cannot poison the row.
-        valid = plan.decode_mask[:, 0, :, None, None]
-        k = torch.where(valid, keys[plan.decode_slots], 0)
-        v = torch.where(valid, values[plan.decode_slots], 0)
+        k, v = keys[plan.decode_slots], values[plan.decode_slots]
+        if plan.decode_mask is not None:
+            # Padding slots (past a row's own length) may hold anything, even NaN from a
+            # stale block: zero them so masked-out keys cannot poison the row.
+            valid = plan.decode_mask[:, 0, :, None, None]
+            k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
         out[plan.decode_rows] = _sdpa(q, k, v, plan.decode_mask, scale)[:, 0]
     for rows, slots, mask in plan.spans:
         out[rows] = _sdpa(query[rows].unsqueeze(0), keys[slots].unsqueeze(0),
@@ -115,6 +117,7 @@ def _mask(first_pos: int, q_len: int, kv_len: int, sliding_window: int | None, d
 def _sdpa(q, k, v, mask, scale):
     """q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hkv, D]``, mask ``[B or 1, Lq, Lk]``."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1),
+    mask = None if mask is None else mask.unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

@@ -29,7 +29,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
-        reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
 
     def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
         # Index work is done once per step (per window) and shared by all layers.

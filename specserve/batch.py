@@ -23,6 +23,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64, rows whose logits are needed
     query_lens_host: list[int]    # host copies, so backends need no device->host sync
     seq_lens_host: list[int]
+    has_padding: bool = False     # some slot_mapping rows are -1
     # Filled by the attention backend on first use in this step, keyed by sliding window.
     attn_plans: dict = field(default_factory=dict)
 

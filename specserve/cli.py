@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from specserve.config import SPECULATIVE_METHODS
+
 EXIT_USAGE = 2
 
 
@@ -34,11 +36,25 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of GPU memory the engine may use (default: 0.9)")
     g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
+    s = parser.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
+                   help="how draft tokens are proposed: ngram (prompt lookup), layerskip (the "
+                        "target's first layers), draft_model (a separate checkpoint); default: none")
+    s.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="k, the most draft tokens per request per step (default: 4)")
+    s.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
+    s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
+    s.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched (default: 2)")
+    s.add_argument("--layerskip-layers", type=int, default=None,
+                   help="layerskip: target layers the draft runs (default: a quarter)")
 
 
 ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
-                "kv_cache_memory_gib", "gpu_memory_utilization")
+                "kv_cache_memory_gib", "gpu_memory_utilization", "speculative_method",
+                "num_speculative_tokens", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
+                "layerskip_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,15 +151,19 @@ def _generate(args) -> int:
         sys.stdout.write("\n")
         print(f"[{stats['num_output_tokens']} tokens in {stats['elapsed_s']:.2f} s, "
               f"{stats['tokens_per_s']:.1f} tokens/s, TTFT {stats['ttft_s']:.3f} s, "
+              f"acceptance length {stats['mean_acceptance_length']:.2f}, "
               f"finish_reason={final.finish_reason}]", file=sys.stderr)
     return 0
 
 
 def _stats(final, elapsed: float, ttft: float | None) -> dict:
     n = len(final.token_ids)
+    spec = final.spec_stats
     return {"num_prompt_tokens": len(final.prompt_token_ids), "num_output_tokens": n,
             "elapsed_s": round(elapsed, 4), "ttft_s": round(ttft or 0.0, 4),
-            "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else 0.0}
+            "tokens_per_s": round(n / elapsed, 2) if elapsed > 0 else 0.0,
+            "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
+            "speculation": spec.as_dict()}
 
 
 if __name__ == "__main__":

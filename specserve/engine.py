@@ -85,7 +85,7 @@ class LLMEngine:
 
     def _log_startup(self, backend: str) -> None:
         c = self.config
-        params = sum(p.numel() for p in self.runner.model.parameters())
+        params = self.runner.model.num_parameters
         logger.info(
             "specserve engine ready\n"
             "  model       %s (%s, %.0fM parameters)\n"

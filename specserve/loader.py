@@ -224,7 +224,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     model.tie_weights()
     params = dict(model.named_parameters())
     for name, param in params.items():
-        set_module_tensor_to_device(model, name, device, value=torch.empty(param.shape, dtype=dtype))
+        set_module_tensor_to_device(model, name, device, value=torch.empty(param.shape, dtype=dtype),
+                                    dtype=dtype)
     model.tie_weights()
     params = dict(model.named_parameters())
     filled: dict[str, int] = {name: 0 for name in params}
@@ -235,6 +236,12 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[0]}")
     model.model.rotary.to(device)
+    model.num_parameters = sum(p.numel() for p in model.parameters())
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        from specserve.models.packed_linear import bf16_packing_supported, pack_linears
+
+        if bf16_packing_supported():
+            pack_linears(model)
     return model.eval()
 
 

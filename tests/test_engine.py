@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve import LLM, LLMEngine, SamplingParams
-from tiny_models import make_hf_model
+from tiny_models import LLM32, make_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -25,7 +25,7 @@ def mixed_prompts(n: int = 6) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
     # A small budget so long prompts are chunked while others decode.
-    return LLM(str(tiny_model_dir("llama")), max_num_batched_tokens=16, max_num_seqs=8,
+    return LLM32(str(tiny_model_dir("llama")), max_num_batched_tokens=16, max_num_seqs=8,
                block_size=4, num_kv_blocks=128)
 
 
@@ -42,7 +42,7 @@ def test_continuous_batching_equals_hf_greedy(tiny_llm):
 def test_preemption_keeps_greedy_output(tiny_model_dir):
     """A KV cache too small for all requests forces preemption by recompute; the output
     must not change and no block may leak."""
-    llm = LLM(str(tiny_model_dir("llama")), max_num_batched_tokens=32, block_size=4,
+    llm = LLM32(str(tiny_model_dir("llama")), max_num_batched_tokens=32, block_size=4,
               num_kv_blocks=40)
     hf = make_hf_model("llama")
     prompts = mixed_prompts(8)
@@ -87,7 +87,7 @@ def test_stop_string_truncates_and_frees(tiny_llm):
 
 
 def test_eos_stops(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)
     free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)[0]
     first = free.token_ids[2]
@@ -101,7 +101,7 @@ def test_eos_stops(tiny_model_dir):
 
 
 def test_max_model_len_finishes_with_length(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_model_len=12)
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_model_len=12)
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=100,
                                                          ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
@@ -138,7 +138,7 @@ def test_bad_input_raises_value_error_and_queues_nothing(tiny_llm):
     assert not engine.has_unfinished_requests()
     assert engine.num_free_blocks == engine.kv.num_blocks
     with pytest.raises(ValueError, match="unknown engine option"):
-        LLMEngine(model=None, max_num_batch_tokens=3)
+        LLMEngine(dtype="float32", model=None, max_num_batch_tokens=3)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_llm):
@@ -158,7 +158,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_llm):
 def test_default_model_batched_greedy_equals_hf(default_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(max_num_batched_tokens=48, max_num_seqs=4)
+    llm = LLM32(max_num_batched_tokens=48, max_num_seqs=4)
     tok = AutoTokenizer.from_pretrained(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
     questions = ["What is the capital of France?",
@@ -201,12 +201,12 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(t
 
 def test_max_model_len_is_capped_by_the_kv_cache(tiny_model_dir):
     """A request must be able to finish alone; otherwise it would preempt itself forever."""
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4)
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4)
     assert llm.engine.max_model_len == 8
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
     with pytest.raises(ValueError, match="KV cache holds 8 tokens"):
-        LLM(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4, max_model_len=100)
+        LLM32(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4, max_model_len=100)
 
 
 def test_stale_nan_in_the_cache_is_never_read(tiny_model_dir):
@@ -214,7 +214,7 @@ def test_stale_nan_in_the_cache_is_never_read(tiny_model_dir):
     cache slot with NaN before a run changes nothing."""
     prompts = mixed_prompts(4)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     clean = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     for k_cache, v_cache in llm.engine.runner.kv_caches:
         k_cache.fill_(float("nan"))
@@ -249,7 +249,7 @@ def test_automatic_ids_skip_ids_given_by_callers(tiny_llm):
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tiny_model_dir, default_model_path):
-    llm = LLM(str(tiny_model_dir("llama")), tokenizer=str(default_model_path), num_kv_blocks=16)
+    llm = LLM32(str(tiny_model_dir("llama")), tokenizer=str(default_model_path), num_kv_blocks=16)
     with pytest.raises(ValueError, match="tokenizer and model do not match"):
         llm.engine.add_request("Hello there, how are you doing today?")
     assert not llm.engine.has_unfinished_requests()

@@ -5,6 +5,8 @@ import json
 import shutil
 
 import pytest
+
+from tiny_models import LLM32
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -20,19 +22,19 @@ def copy_model(src, dst):
 
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="no such file or directory"):
-        LLM(str(tmp_path / "nope"))
+        LLM32(str(tmp_path / "nope"))
 
 
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
-        LLM(str(tmp_path))
+        LLM32(str(tmp_path))
 
 
 def test_non_gguf_file(tmp_path):
     path = tmp_path / "weights.bin"
     path.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=".gguf"):
-        LLM(str(path))
+        LLM32(str(path))
 
 
 def test_unsupported_architecture(tmp_path, tiny_model_dir):
@@ -41,14 +43,14 @@ def test_unsupported_architecture(tmp_path, tiny_model_dir):
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="unsupported architecture.*LlamaForCausalLM"):
-        LLM(str(model))
+        LLM32(str(model))
 
 
 def test_corrupt_safetensors(tmp_path, tiny_model_dir):
     model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
     (model / "model.safetensors").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(ModelLoadError, match="corrupt"):
-        LLM(str(model))
+        LLM32(str(model))
 
 
 def test_missing_tensor(tmp_path, tiny_model_dir):
@@ -57,7 +59,7 @@ def test_missing_tensor(tmp_path, tiny_model_dir):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, model / "model.safetensors")
     with pytest.raises(ModelLoadError, match="lacks 1 tensors.*qkv_proj"):
-        LLM(str(model))
+        LLM32(str(model))
 
 
 def test_wrong_shape(tmp_path, tiny_model_dir):
@@ -66,7 +68,7 @@ def test_wrong_shape(tmp_path, tiny_model_dir):
     tensors["model.norm.weight"] = torch.ones(3)
     save_file(tensors, model / "model.safetensors")
     with pytest.raises(ModelLoadError, match="model.norm.weight.*shape"):
-        LLM(str(model))
+        LLM32(str(model))
 
 
 def test_corrupt_gguf(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from specserve import LLM, LLMEngine, SamplingParams
 from specserve.drafts.ngram import lookup
 from specserve.errors import SpecserveError
-from tiny_models import make_hf_model, make_tokenizer
+from tiny_models import LLM32, make_hf_model, make_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=200)
@@ -37,7 +37,7 @@ def draft_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), **SMALL)
+    llm = LLM32(str(tiny_model_dir("llama")), **SMALL)
     return [o.token_ids for o in llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)]
 
 
@@ -58,7 +58,7 @@ def test_greedy_with_speculation_equals_without(drafter, k, tiny_model_dir, draf
     """Batched, mixed prompt lengths, a 16-token budget: prefill chunks and verification
     share steps. Output must be token-identical to plain greedy decoding."""
     settings = drafter_settings(tiny_model_dir, draft_dirs)[drafter]
-    llm = LLM(str(tiny_model_dir("llama")), num_speculative_tokens=k, **SMALL, **settings)
+    llm = LLM32(str(tiny_model_dir("llama")), num_speculative_tokens=k, **SMALL, **settings)
     outs = llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == baseline
     stats = llm.engine.spec_stats
@@ -75,7 +75,7 @@ def test_identical_draft_is_always_accepted_when_sampling(tiny_model_dir):
     """p == q exactly when the draft is the target and both apply the same filters, so
     every draft is accepted; a misaligned q row would show up as rejections."""
     target = str(tiny_model_dir("llama"))
-    llm = LLM(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3, **SMALL)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3, **SMALL)
     params = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=20, ignore_eos=True, seed=i)
               for i, (t, p, k) in enumerate([(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 20), (0, 1.0, -1)])]
     llm.generate(prompts_with_repeats()[:4], params, use_tqdm=False)
@@ -87,7 +87,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_model_dir, draft_dirs)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True, seed=11)
     runs = []
     for filler in (0, 3):  # different batch company each time
-        llm = LLM(target, speculative_method="draft_model", draft_model=str(draft_dirs["small"]),
+        llm = LLM32(target, speculative_method="draft_model", draft_model=str(draft_dirs["small"]),
                   num_speculative_tokens=3, seed=filler, **SMALL)
         prompts = [[7, 8, 9]] + prompts_with_repeats()[:filler]
         others = [SamplingParams(temperature=1.0, max_tokens=10)] * filler
@@ -96,7 +96,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_model_dir, draft_dirs)
 
 
 def test_per_request_k_overrides_the_engine(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4, **SMALL)
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4, **SMALL)
     prompts = prompts_with_repeats()[:2]
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                  num_speculative_tokens=0),
@@ -111,9 +111,9 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
     path = tmp_path / "draft"
     make_hf_model("llama", vocab_size=600).save_pretrained(path)
     with pytest.raises(SpecserveError, match="vocabulary of 600 tokens"):
-        LLM(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=str(path), **SMALL)
+        LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=str(path), **SMALL)
     with pytest.raises(SpecserveError, match="needs a draft checkpoint"):
-        LLM(str(tiny_model_dir("llama")), speculative_method="draft_model", **SMALL)
+        LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", **SMALL)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -121,7 +121,7 @@ def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, tiny_mod
     """Many requests, drafts, aborts and a cache small enough to force preemption. After
     every step each live request holds exactly the blocks its computed tokens need."""
     rng = random.Random(seed)
-    engine = LLMEngine(model=str(tiny_model_dir("llama")), speculative_method="draft_model",
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir("llama")), speculative_method="draft_model",
                        draft_model=str(draft_dirs["small"]), num_speculative_tokens=3,
                        max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36)
     finished, submitted = {}, []
@@ -187,8 +187,8 @@ def test_default_model_greedy_with_speculation_equals_without(method, default_mo
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                        add_generation_prompt=True) for q in questions]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = LLM(max_num_batched_tokens=48, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
-    spec = LLM(max_num_batched_tokens=48, max_num_seqs=4, speculative_method=method,
+    plain = LLM32(max_num_batched_tokens=48, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    spec = LLM32(max_num_batched_tokens=48, max_num_seqs=4, speculative_method=method,
                num_speculative_tokens=4)
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

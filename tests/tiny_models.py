@@ -59,3 +59,11 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
             else:
                 p.normal_(0, 0.05)
     return model
+
+
+def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
+    """``LLM`` in float32: exact comparisons with transformers need it, and ``auto`` picks
+    bfloat16 on CPUs with native bf16 GEMM."""
+    from specserve import LLM
+
+    return LLM(*args, dtype="float32", **kwargs)

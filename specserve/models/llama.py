@@ -30,11 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # As transformers does: normalise in fp32, cast back, then scale.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -46,16 +44,20 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos ``[num_tokens, 1, head_dim]`` and a signed sin ``[num_tokens, 1, 2, head_dim/2]``
+        (−sin on the first half), shaped for ``apply_rotary``; computed once per step."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+        sin = torch.stack((-sin, sin), dim=1)[:, None]
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[num_tokens, heads, head_dim]``, cos/sin ``[num_tokens, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate-half rotary on x ``[num_tokens, heads, head_dim]``:
+    x·cos + (−x₂, x₁)·sin, with the sign folded into ``sin`` and the half swap a flip."""
+    halves = x.unflatten(-1, (2, -1))
+    return x * cos + (halves.flip(-2) * sin).flatten(-2)
 
 
 def rope_parameters(config) -> tuple[torch.Tensor, float]:
@@ -105,13 +107,12 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated together
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, batch)
         out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
