@@ -1,0 +1,147 @@
+"""Speculative decoding on the CPU, default model: every drafter and k beside speculation
+off, HF transformers ``generate`` and HF prompt-lookup ``generate``, all in one run.
+
+Greedy, EOS ignored, a fixed number of new tokens per prompt. Batch 1 runs the prompts of
+a workload one after another; batch 8 runs 8 prompts of it at once. Outputs with
+speculation are compared with speculation off (token-identical in float32; in bfloat16
+batched numerics may differ, and the count of identical outputs is printed). One engine
+per drafter is loaded once; k varies per request (``SamplingParams.num_speculative_tokens``).
+
+    python benchmarks/speculation_cpu.py [--max-tokens 64] [--ks 1,2,3,4,5,6,7,8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import WORKLOADS, chat_prompts  # noqa: E402
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def run_engine(llm, prompts, batch: int, max_tokens: int, k: int):
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            num_speculative_tokens=k)
+    stats0 = _snapshot(llm)
+    outs, seconds = [], 0.0
+    for start in range(0, len(prompts), batch):
+        chunk, dt = timed(lambda: llm.generate(prompts[start:start + batch], params, use_tqdm=False))
+        outs += chunk
+        seconds += dt
+    drafts, accepted = (a - b for a, b in zip(_snapshot(llm), stats0))
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens_per_s": tokens / seconds, "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "token_ids": [o.token_ids for o in outs]}
+
+
+def _snapshot(llm):
+    s = llm.engine.spec_stats
+    return s.num_drafts, s.num_accepted_tokens
+
+
+def run_hf(model, tok, prompts, batch: int, max_tokens: int, lookup: int | None = None):
+    outs, seconds = [], 0.0
+    for start in range(0, len(prompts), batch):
+        tok.padding_side = "left"
+        enc = tok(prompts[start:start + batch], return_tensors="pt", padding=True)
+        kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                      pad_token_id=tok.pad_token_id or 0)
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = lookup
+        with torch.inference_mode():
+            out, dt = timed(lambda: model.generate(**enc, **kwargs))
+        outs += out[:, enc.input_ids.shape[1]:].tolist()
+        seconds += dt
+    return {"tokens_per_s": sum(map(len, outs)) / seconds, "token_ids": outs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--drafters", default="ngram,layerskip")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompts-per-workload", type=int, default=4,
+                        help="prompts run one at a time for batch 1")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", default=None, help="write all results here")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+
+    from transformers import AutoModelForCausalLM
+
+    from specserve import LLM
+    from specserve.loader import resolve_model
+
+    engines = {"off": LLM(dtype=args.dtype)}
+    for name in args.drafters.split(","):
+        engines[name] = LLM(dtype=args.dtype, speculative_method=name, num_speculative_tokens=max(ks))
+    llm = engines["off"]
+    tok = llm.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    cpu = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+    rows, results = [], []
+    for workload, messages in WORKLOADS.items():
+        prompts = chat_prompts(tok, messages)
+        for batch, chosen in ((1, prompts[:args.prompts_per_workload]), (args.batch, prompts[:args.batch])):
+            llm.generate(chosen[:1], use_tqdm=False)  # warm-up
+            base = run_engine(llm, chosen, batch, args.max_tokens, 0)
+            hf_plain = run_hf(hf, tok, chosen, batch, args.max_tokens)
+            entries = [("HF generate (fp32)", "", hf_plain, None),
+                       ("specserve, speculation off", "", base, None)]
+            if batch == 1:
+                for k in (3, 10):
+                    entries.append((f"HF prompt lookup (fp32)", k,
+                                    run_hf(hf, tok, chosen, 1, args.max_tokens, lookup=k), None))
+            for name in args.drafters.split(","):
+                for k in ks:
+                    r = run_engine(engines[name], chosen, batch, args.max_tokens, k)
+                    same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
+                    entries.append((f"specserve {name}", k, r, same))
+            for label, k, r, same in entries:
+                row = {"workload": workload, "batch": batch, "method": label, "k": k,
+                       "tokens_per_s": round(r["tokens_per_s"], 1),
+                       "speedup_vs_hf": round(r["tokens_per_s"] / hf_plain["tokens_per_s"], 2),
+                       "acceptance_length": round(r.get("acceptance_length", 0) or 0, 2) or None,
+                       "same_as_spec_off": f"{same}/{len(chosen)}" if same is not None else None}
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            rows.append((workload, batch, entries, hf_plain))
+
+    print(f"\nSmolLM2-135M-Instruct on {cpu}; specserve {dtype}, HF float32; greedy, "
+          f"{args.max_tokens} new tokens per prompt, EOS ignored\n")
+    print("| workload | batch | method | k | tokens/s | vs HF generate | acceptance length |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for workload, batch, entries, hf_plain in rows:
+        best = {}
+        for label, k, r, _ in entries:
+            if label.startswith("specserve ") and "off" not in label:
+                if label not in best or r["tokens_per_s"] > best[label][1]["tokens_per_s"]:
+                    best[label] = (k, r)
+        shown = [(label, k, r) for label, k, r, _ in entries if not label.startswith("specserve ")
+                 or "off" in label] + [(f"{label} (best k)", k, r) for label, (k, r) in best.items()]
+        for label, k, r in shown:
+            al = r.get("acceptance_length")
+            print(f"| {workload} | {batch} | {label} | {k} | {r['tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_s'] / hf_plain['tokens_per_s']:.2f}x | {f'{al:.2f}' if al else ''} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": cpu, "dtype": dtype, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
