@@ -84,7 +84,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(query)
     if plan.decode_rows is not None:
         q = query[plan.decode_rows].unsqueeze(1)
-        k, v = keys[plan.decode_slots], values[plan.decode_slots]
+        flat = plan.decode_slots.flatten()  # index_select is ~3x cheaper than advanced indexing
+        k = keys.index_select(0, flat).view(*plan.decode_slots.shape, *keys.shape[1:])
+        v = values.index_select(0, flat).view(*plan.decode_slots.shape, *values.shape[1:])
         if plan.decode_mask is not None:
             # Padding slots (past a row's own length) may hold anything, even NaN from a
             # stale block: zero them so masked-out keys cannot poison the row.
@@ -92,8 +94,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
         out[plan.decode_rows] = _sdpa(q, k, v, plan.decode_mask, scale)[:, 0]
     for rows, slots, mask in plan.spans:
-        out[rows] = _sdpa(query[rows].unsqueeze(0), keys[slots].unsqueeze(0),
-                          values[slots].unsqueeze(0), mask[None], scale)[0]
+        out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0),
+                          values.index_select(0, slots).unsqueeze(0), mask[None], scale)[0]
     return out
 
 
