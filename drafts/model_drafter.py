@@ -13,11 +13,8 @@ import torch
 from specserve.drafts.base import DraftProposal
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
-from specserve.sampler import Generators, SamplingMetadata, sample_from_probs, target_probs
+from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
-
-DRAFT_SALT = 0x5EED
-
 
 class ModelDrafter:
     """Proposes tokens by running a model autoregressively over the paged cache.
@@ -39,7 +36,7 @@ class ModelDrafter:
         self.device, self.dtype = device, dtype
         self.num_layers = num_layers
         self.shares_target_cache = shares_target_cache
-        self.generators = Generators(device, config.seed, salt=DRAFT_SALT)
+        self.uniforms = Uniforms(config.seed)
         self.runner: ModelRunner | None = None
         self._fed: dict[str, int] = {}   # draft-cache length per request (own cache only)
 
@@ -65,7 +62,7 @@ class ModelDrafter:
 
     def free(self, req_id: str) -> None:
         self._fed.pop(req_id, None)
-        self.generators.free(req_id)
+        self.uniforms.free(req_id)
 
     def describe(self) -> str:
         if self.shares_target_cache:
@@ -99,7 +96,8 @@ class ModelDrafter:
         logits = self._forward(entries) if entries else None
         active = drafting
         while active:
-            tokens, q = self._choose(logits, active, need_q)
+            positions = [ends[p.req_id] + len(proposals[p.req_id]) for p in active]
+            tokens, q = self._choose(logits, active, positions, need_q)
             for row, (planned, token) in enumerate(zip(active, tokens)):
                 proposals[planned.req_id].append(token)
                 if q is not None:
@@ -123,17 +121,19 @@ class ModelDrafter:
     def _forward(self, entries: list[ScheduledRequest]) -> torch.Tensor:
         return self.runner.execute(SchedulerOutput(entries, []), self.num_layers)
 
-    def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], need_q: bool):
+    def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
+                need_q: bool):
         """Greedy requests take the argmax; sampling ones draw from q, which is returned
-        (``[len(active), vocab]``) for the rejection sampler."""
+        (``[len(active), vocab]``) for the rejection sampler. ``positions``: the index of
+        the token each row drafts, which keys its random number."""
         greedy = logits.argmax(dim=-1)
         if not need_q:
             return greedy.tolist(), None
         meta = SamplingMetadata.build([p.params for p in active], logits.device)
         q = target_probs(logits, meta)
-        uniforms = torch.stack([self.generators.uniforms(p.req_id, p.params, 1)[0]
-                                if not p.params.greedy else torch.zeros((), device=self.device)
-                                for p in active])
-        sampled = sample_from_probs(q, uniforms.to(logits.device))
+        uniforms = [0.0 if p.params.greedy else
+                    self.uniforms.at(p.req_id, p.params, range(pos, pos + 1), Uniforms.DRAFT)[0]
+                    for p, pos in zip(active, positions)]
+        sampled = sample_from_probs(q, torch.tensor(uniforms, device=logits.device))
         tokens = torch.where(meta.temperature > 0, sampled, greedy)
         return tokens.tolist(), q

@@ -20,7 +20,7 @@ from specserve.request import FinishReason, Request
 from specserve.metrics import SpecDecodeStats
 from specserve.rejection_sampler import RejectionSampler, VerifyRequest
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler import Scheduler, SchedulerOutput, StepResult
+from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
 
 logger = logging.getLogger("specserve")
 
@@ -57,6 +57,7 @@ class LLMEngine:
         self.sampler = RejectionSampler(self.device, config.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
+        self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
         self._ids = itertools.count()
         self._log_startup(backend.name)
 
@@ -166,21 +167,33 @@ class LLMEngine:
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
-        for req, new_token_ids in self.scheduler.update(scheduled, result):
-            if self.outputs.process(req, new_token_ids):  # a stop string matched
+        for update in self.scheduler.update(scheduled, result):
+            req = update.req
+            kept = self.outputs.process(req, update.new_token_ids)
+            if kept is not None:  # a stop string: tokens after it never happened
+                req.drop_last(len(update.new_token_ids) - kept)
                 if req.is_finished:
                     req.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+            self._record_speculation(update, kept)
             outputs.append(self._finish_output(req) if req.is_finished
                            else self.outputs.make_output(req))
         return outputs
+
+    def _record_speculation(self, update: RequestUpdate, kept: int | None) -> None:
+        """Count drafts and the accepted tokens the request kept (a stop cuts them)."""
+        kept = len(update.new_token_ids) if kept is None else kept
+        accepted = min(update.num_accepted, kept)
+        update.req.spec_stats.record(update.num_draft_tokens, accepted)
+        self.spec_stats.record(update.num_draft_tokens, accepted)
 
     def _verify(self, scheduled: SchedulerOutput) -> StepResult:
         """Propose drafts, run the one ragged target pass, rejection-sample."""
         draft_probs = self._propose(scheduled)
         logits = self.runner.execute(scheduled)
-        verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids)
+        verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
+                                first_position=p.start_pos + len(p.token_ids))
                   for p in scheduled.scheduled if p.sample]
         return StepResult(self.sampler(logits, verify, draft_probs))
 
@@ -197,12 +210,12 @@ class LLMEngine:
         return failed
 
     def _draft_lengths(self) -> dict[str, int] | None:
-        """k_i for every running request: its own cap when it set one, else the engine's."""
+        """k_i for every running request: the engine's k, lowered by the request's own cap."""
         if self.drafter is None:
             return None
-        default = self.config.num_speculative_tokens
-        return {r.req_id: default if r.params.num_speculative_tokens is None
-                else r.params.num_speculative_tokens for r in self.scheduler.running}
+        k = self.config.num_speculative_tokens
+        return {r.req_id: k if r.params.num_speculative_tokens is None
+                else min(k, r.params.num_speculative_tokens) for r in self.scheduler.running}
 
     def _propose(self, scheduled: SchedulerOutput):
         """Fill each planned request's draft tokens; returns q (None: one-hot proposals)."""
@@ -219,10 +232,7 @@ class LLMEngine:
             self.drafter.free(req.req_id)
         return self.outputs.make_output(req)
 
-    @property
-    def spec_stats(self) -> SpecDecodeStats:
-        """Speculation statistics over the engine's lifetime."""
-        return self.scheduler.spec_stats
+
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class SpecDecodeStats:
-    """Counts over verify steps that carried at least one draft token.
+    """Counts over verify steps that carried at least one draft token. Accepted tokens
+    are those the request kept: a stop inside an accepted run cuts them.
 
     ``accepted_per_position[j]`` counts drafts whose (j+1)-th token was accepted;
     mean acceptance length = tokens emitted per draft = 1 + accepted / drafts.

@@ -90,19 +90,23 @@ class OutputProcessor:
                                        req.params.skip_special_tokens)
         self._states[req.req_id] = _RequestText(detok, req.params.stop)
 
-    def process(self, req: Request, new_token_ids: list[int]) -> bool:
-        """Detokenise ``new_token_ids``; returns True when a stop string ended the request."""
+    def process(self, req: Request, new_token_ids: list[int]) -> int | None:
+        """Detokenise ``new_token_ids``. When a stop string completes, returns how many of
+        them to keep (up to and including the token that completed it); else None."""
         state = self._states[req.req_id]
-        if not new_token_ids:
-            return False
-        start = max(0, len(state.text) - state.hold_back)
-        state.text += state.detokenizer.append(new_token_ids)
-        found = [i for i in (state.text.find(stop, start) for stop in state.stop) if i != -1]
-        if not found:
-            return False
-        state.text = state.text[:min(found)]  # the earliest match wins, whichever string
-        state.stopped_by_string = True
-        return True
+        if not state.stop:
+            state.text += state.detokenizer.append(new_token_ids)
+            return None
+        # Token by token, so a stop string inside a run of accepted drafts cuts the run there.
+        for count, token_id in enumerate(new_token_ids, start=1):
+            start = max(0, len(state.text) - state.hold_back)
+            state.text += state.detokenizer.append([token_id])
+            found = [i for i in (state.text.find(stop, start) for stop in state.stop) if i != -1]
+            if found:
+                state.text = state.text[:min(found)]  # the earliest match wins
+                state.stopped_by_string = True
+                return count
+        return None
 
     def make_output(self, req: Request, error: str | None = None) -> RequestOutput:
         state = self._states[req.req_id]

@@ -13,8 +13,9 @@ at the stop row. Sampling requests accept d_j with probability min(1, p(d_j) / q
 the rule of Leviathan et al. and Chen et al. (2023), which makes the emitted tokens follow
 the target distribution p exactly. p and q come from the same ``target_probs`` (same
 temperature, top-k, top-p, min-p); a deterministic drafter (n-gram, greedy-by-construction)
-has q one-hot on its proposal. Random numbers come from each request's own generator,
-2k + 1 uniforms per step, so seeded requests are bit-identical whatever shares the batch.
+has q one-hot on its proposal. Random numbers are keyed by the request's seed and the
+output position they decide (``Uniforms``), so seeded requests are bit-identical whatever
+shares the batch and whatever k each step gets.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampler import Generators, SamplingMetadata, sample_from_probs, target_probs
+from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.sampling_params import SamplingParams
 
 
@@ -33,15 +34,16 @@ class VerifyRequest:
     req_id: str
     params: SamplingParams
     draft_token_ids: list[int]    # k proposals (empty: plain sampling)
+    first_position: int = 0       # index in the request's tokens of the first token emitted
 
 
 class RejectionSampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generators = Generators(device, seed)
+        self.uniforms = Uniforms(seed)
 
     def free(self, req_id: str) -> None:
-        self.generators.free(req_id)
+        self.uniforms.free(req_id)
 
     def __call__(self, logits: torch.Tensor, requests: list[VerifyRequest],
                  draft_probs: torch.Tensor | None = None) -> list[list[int]]:
@@ -80,18 +82,19 @@ class RejectionSampler:
     def _sample(self, logits, meta, requests, rows_per_req, draft_ids, verify_idx, num_drafts,
                 draft_probs, greedy):
         p = target_probs(logits, meta)                       # [R, V]
-        # Uniforms: per request, k for acceptance then k + 1 for drawing, from its generator.
+        # Uniforms: for row j of a request, one to accept its draft, one to draw its token,
+        # both keyed by the output position the row decides.
         accept_u, draw_u = [], []
         for req, n in zip(requests, rows_per_req):
             if req.params.greedy:
-                accept_u.append(torch.zeros(n - 1, device=self.device))
-                draw_u.append(torch.zeros(n, device=self.device))
+                accept_u += [0.0] * (n - 1)
+                draw_u += [0.0] * n
                 continue
-            u = self.generators.uniforms(req.req_id, req.params, 2 * n - 1)
-            accept_u.append(u[:n - 1])
-            draw_u.append(u[n - 1:])
-        accept_u = torch.cat(accept_u).to(logits.device)
-        draw_u = torch.cat(draw_u).to(logits.device)
+            positions = range(req.first_position, req.first_position + n)
+            accept_u += self.uniforms.at(req.req_id, req.params, positions[:-1], Uniforms.ACCEPT)
+            draw_u += self.uniforms.at(req.req_id, req.params, positions, Uniforms.DRAW)
+        accept_u = torch.tensor(accept_u or [0.0], device=logits.device)
+        draw_u = torch.tensor(draw_u, device=logits.device)
         is_greedy_row = meta.temperature == 0
         # Residual distributions at the verify rows; p itself at the bonus rows.
         dist = p.clone()

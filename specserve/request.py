@@ -63,6 +63,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 
+    def drop_last(self, num_tokens: int) -> None:
+        """Forget the newest output tokens (those past a stop string)."""
+        if num_tokens > 0:
+            del self.all_token_ids[len(self.all_token_ids) - num_tokens:]
+
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

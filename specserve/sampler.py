@@ -1,9 +1,10 @@
 """Sampling building blocks: temperature, top-k, top-p and min-p turned into the
-distribution a row samples from; inverse-CDF draws from given uniforms; per-request random
-generators. The target and the draft go through the very same functions, which is what
+distribution a row samples from; inverse-CDF draws from given uniforms; per-request
+random numbers keyed by output position. The target and the draft go through the very same functions, which is what
 keeps speculative sampling lossless."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -87,30 +88,46 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
-class Generators:
-    """One torch.Generator per request: seeded from ``SamplingParams.seed`` when given,
-    otherwise from the owner's seed and arrival order, so whole runs are reproducible
-    and a seeded request draws the same numbers whatever else shares its batch."""
+_MASK64 = (1 << 64) - 1
 
-    def __init__(self, device: torch.device, seed: int, salt: int = 0) -> None:
-        """``salt`` separates streams: a drafter drawing for a seeded request must not reuse
-        the numbers its verifier draws for the same request."""
-        self.device = device
-        self.salt = salt
-        self._seeds = torch.Generator().manual_seed(seed + salt)
-        self._generators: dict[str, torch.Generator] = {}
 
-    def get(self, req_id: str, params: SamplingParams) -> torch.Generator:
-        generator = self._generators.get(req_id)
-        if generator is None:
-            seed = (params.seed * 1_000_003 + self.salt) % 2**63 if params.seed is not None else int(
-                torch.randint(2**62, (1,), generator=self._seeds))
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[req_id] = generator
-        return generator
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a fast, well-spread 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
-    def uniforms(self, req_id: str, params: SamplingParams, n: int) -> torch.Tensor:
-        return torch.rand(n, generator=self.get(req_id, params), device=self.device)
+
+class Uniforms:
+    """Random numbers keyed by (request seed, output position, purpose).
+
+    Each uniform a request ever uses is a pure function of its seed, the index of the
+    output token it decides and what it decides (accepting a draft, drawing a token,
+    drafting one). So a seeded request gets the same tokens whatever shares its batch and
+    however many drafts each step happens to carry. Reusing the number of a position in a
+    later step is safe: a step's outcome depends only on the numbers up to the position
+    where it stopped, and every later position is decided afresh.
+    Unseeded requests get a seed from the owner's seed, in order of first use.
+    """
+
+    ACCEPT, DRAW, DRAFT = 1, 2, 3
+
+    def __init__(self, seed: int) -> None:
+        self._seeds = random.Random(seed)
+        self._base: dict[str, int] = {}
+
+    def base_seed(self, req_id: str, params: SamplingParams) -> int:
+        base = self._base.get(req_id)
+        if base is None:
+            base = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            self._base[req_id] = base
+        return base
+
+    def at(self, req_id: str, params: SamplingParams, positions: range, purpose: int) -> list[float]:
+        """One uniform in [0, 1) per output position."""
+        base = _mix64(self.base_seed(req_id, params) * 4 + purpose)
+        return [(_mix64(base ^ p) >> 11) * 2.0**-53 for p in positions]
 
     def free(self, req_id: str) -> None:
-        self._generators.pop(req_id, None)
+        self._base.pop(req_id, None)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import NamedTuple
+
 from specserve.kv_cache import KVCacheManager
-from specserve.metrics import SpecDecodeStats
 from specserve.request import FinishReason, Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 
@@ -56,6 +57,15 @@ class StepResult:
     new_token_ids: list[list[int]]
 
 
+class RequestUpdate(NamedTuple):
+    """What one sampling request got from a step (returned by ``Scheduler.update``)."""
+
+    req: Request
+    new_token_ids: list[int]    # appended to the request, cut at a stop token
+    num_draft_tokens: int       # proposals verified this step
+    num_accepted: int           # of which the target accepted (before any stop cut)
+
+
 class Scheduler:
     """Chooses each step's work under ``max_num_batched_tokens`` and ``max_num_seqs``.
 
@@ -78,7 +88,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.spec_stats = SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -182,14 +191,14 @@ class Scheduler:
             sample=start + num_new == req.num_tokens, num_lookahead=k)
 
     # ------------------------------------------------------------------ after the forward
-    def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, list[int]]]:
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's result: advance computed tokens, append accepted + bonus tokens,
         rewind KV past rejected drafts, finish requests on token-level stop conditions.
 
-        Returns (request, newly appended token ids) for every request that sampled.
+        Returns an update for every request that sampled.
         """
         new_tokens = iter(result.new_token_ids)
-        updates: list[tuple[Request, list[int]]] = []
+        updates: list[RequestUpdate] = []
         for planned in output.scheduled:
             req = self.requests.get(planned.req_id)
             sampled = next(new_tokens) if planned.sample else None
@@ -201,10 +210,8 @@ class Scheduler:
                 self.kv.truncate(req.req_id, req.num_computed_tokens)
             if sampled is None:
                 continue
-            req.spec_stats.record(len(planned.draft_token_ids), num_accepted)
-            self.spec_stats.record(len(planned.draft_token_ids), num_accepted)
             appended = self._append(req, sampled)
-            updates.append((req, appended))
+            updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:

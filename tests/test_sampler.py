@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specserve.rejection_sampler import RejectionSampler, VerifyRequest
-from specserve.sampler import Generators, SamplingMetadata, sample_from_probs, target_probs
+from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.sampling_params import SamplingParams
 
 
@@ -72,16 +72,17 @@ def test_sampling_follows_the_distribution():
     assert ((freq - p).abs() < 4 * sigma).all(), (freq, p)
 
 
-def test_generators_seed_per_request():
+def test_uniforms_are_keyed_by_seed_position_and_purpose():
     seeded = SamplingParams(temperature=1.0, seed=7)
-    gens = Generators(torch.device("cpu"), seed=0)
-    first = gens.uniforms("a", seeded, 4)
-    gens.uniforms("b", SamplingParams(), 4)
-    assert torch.equal(Generators(torch.device("cpu"), seed=123).uniforms("a", seeded, 4), first)
-    gens.free("a")
-    assert torch.equal(gens.uniforms("a", seeded, 4), first)  # fresh generator, same seed
-    salted = Generators(torch.device("cpu"), seed=0, salt=5).uniforms("a", seeded, 4)
-    assert not torch.equal(salted, first)  # a drafter's stream differs from the verifier's
+    a = Uniforms(seed=0)
+    first = a.at("a", seeded, range(10, 14), Uniforms.DRAW)
+    a.at("b", SamplingParams(), range(4), Uniforms.DRAW)
+    assert Uniforms(seed=123).at("a", seeded, range(10, 14), Uniforms.DRAW) == first  # seed rules
+    assert a.at("a", seeded, range(12, 13), Uniforms.DRAW) == first[2:3]   # keyed by position
+    assert a.at("a", seeded, range(10, 14), Uniforms.ACCEPT) != first      # purposes differ
+    assert all(0 <= u < 1 for u in first) and len(set(first)) == 4
+    many = Uniforms(seed=0).at("c", SamplingParams(seed=1), range(20_000), Uniforms.DRAW)
+    assert abs(sum(many) / len(many) - 0.5) < 0.01
 
 
 def test_inverse_cdf_never_draws_zero_probability_tokens():

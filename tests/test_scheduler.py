@@ -369,7 +369,7 @@ def test_abort_while_the_step_runs_drops_only_that_requests_tokens():
     out = sched.schedule()
     sched.finish_request("a", FinishReason.ABORT)
     updates = sched.update(out, StepResult([[555], [666]]))
-    assert [(req.req_id, toks) for req, toks in updates] == [("b", [666])]
+    assert [(u.req.req_id, u.new_token_ids) for u in updates] == [("b", [666])]
     assert a.output_token_ids == [token_at(4)]
     assert b.output_token_ids == [token_at(4), 666]
     sched.finish_request("b", FinishReason.ABORT)
@@ -412,7 +412,7 @@ def test_rejected_drafts_are_rolled_back(num_accepted, blocks_left, free_queue):
     accepted = generated(7, num_accepted)
     bonus = 900 + num_accepted
     updates = sched.update(out, StepResult([accepted + [bonus]]))
-    assert [(r.req_id, toks) for r, toks in updates] == [("a", accepted + [bonus])]
+    assert [(u.req.req_id, u.new_token_ids) for u in updates] == [("a", accepted + [bonus])]
     assert req.num_computed_tokens == 7 + num_accepted
     assert req.num_tokens == 8 + num_accepted
     assert sched.kv.block_table("a") == blocks_left

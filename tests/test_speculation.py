@@ -22,9 +22,21 @@ def prompts_with_repeats() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def draft_dirs(tmp_path_factory):
-    """Two tiny drafts sharing the tiny target's vocabulary: a 1-layer llama and a qwen3."""
+def draft_dirs(tmp_path_factory, tiny_model_dir):
+    """Tiny drafts sharing the tiny target's vocabulary: a 1-layer llama, a qwen3, and
+    "near": the target with slightly perturbed weights (often but not always agreeing)."""
+    from transformers import AutoModelForCausalLM
+
     out = {}
+    for name, noise in (("near", 0.004), ("perturbed", 0.006)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+        out[name] = tmp_path_factory.mktemp(f"draft-{name}")
+        model.save_pretrained(out[name])
+        make_tokenizer(512).save_pretrained(out[name])
     for name, variant, kwargs in (("small", "llama", dict(seed=1, num_hidden_layers=1)),
                                   ("qwen3", "qwen3_qknorm", dict(seed=2))):
         path = tmp_path_factory.mktemp(f"draft-{name}")
@@ -194,3 +206,104 @@ def test_default_model_greedy_with_speculation_equals_without(method, default_mo
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.engine.spec_stats.num_drafts > 0
     assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_stop_string_inside_an_accepted_run_cuts_the_tokens(tiny_model_dir):
+    """With a draft equal to the target whole runs are accepted at once; a stop string in
+    the middle of one must end the output exactly where plain decoding ends it."""
+    target = str(tiny_model_dir("llama"))
+    prompt = [5, 17, 99, 230]
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = LLM32(target, block_size=4, num_kv_blocks=200)
+    full = plain.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
+    pieces = [tiny_tokenizer_piece for tiny_tokenizer_piece in
+              (plain.tokenizer.decode([t]) for t in full.token_ids[8:20])]
+    stop = next(p for p in pieces if p.strip() and p.isascii() and p.isprintable())
+    spec = LLM32(target, block_size=4, num_kv_blocks=200, speculative_method="draft_model",
+                 draft_model=target, num_speculative_tokens=6)
+    want = plain.generate([prompt], SamplingParams(stop=[stop], **greedy), use_tqdm=False)[0]
+    got = spec.generate([prompt], SamplingParams(stop=[stop], **greedy), use_tqdm=False)[0]
+    assert got.finish_reason == want.finish_reason == "stop"
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    assert got.spec_stats.num_accepted_tokens <= len(got.token_ids)
+    assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_accepted_tokens_cut_by_a_stop_token_are_not_counted(tiny_model_dir):
+    target = str(tiny_model_dir("llama"))
+    plain = LLM32(target, block_size=4, num_kv_blocks=200).generate(
+        [[5, 17, 99, 230]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    spec = LLM32(target, block_size=4, num_kv_blocks=200, speculative_method="draft_model",
+                 draft_model=target, num_speculative_tokens=8)
+    out = spec.generate([[5, 17, 99, 230]], SamplingParams(temperature=0, max_tokens=12,
+                                                          stop_token_ids=[plain.token_ids[3]]),
+                        use_tqdm=False)[0]
+    assert out.token_ids == plain.token_ids[:4]
+    stats = out.spec_stats
+    assert stats.num_drafts == 1 and stats.num_accepted_tokens == 3  # 4 kept: 3 drafts + the stop
+
+
+def test_a_request_cannot_raise_k_above_the_engine(tiny_model_dir):
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=2, **SMALL)
+    out = llm.generate(prompts_with_repeats()[3:4], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, num_speculative_tokens=7), use_tqdm=False)[0]
+    assert out.spec_stats.num_drafts > 0 and len(out.spec_stats.drafts_per_position) <= 2
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seed_gives_the_same_tokens_whatever_k_the_budget_leaves(method, tiny_model_dir, draft_dirs):
+    """A 10-token budget trims k differently depending on the other requests; a seeded
+    request must still produce the same tokens."""
+    extra = dict(draft_model=str(draft_dirs["near"])) if method == "draft_model" else dict(prompt_lookup_min=1)
+    params = SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, seed=11)
+    runs = []
+    for filler in (0, 5):
+        llm = LLM32(str(tiny_model_dir("llama")), speculative_method=method, num_speculative_tokens=4,
+                    max_num_batched_tokens=10, max_num_seqs=8, block_size=4, num_kv_blocks=200, **extra)
+        prompts = [[3 + i, 4, 5, 6] for i in range(filler)] + [[7, 8, 9, 7, 8, 9]]
+        others = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)] * filler
+        runs.append(llm.generate(prompts, others + [params], use_tqdm=False)[-1].token_ids)
+    assert runs[0] == runs[1]
+
+
+def test_speculative_sampling_has_the_target_distribution(tiny_model_dir, draft_dirs):
+    """End to end with a draft model that differs from the target: the distribution of
+    3-token continuations (top_k = 2, so 8 outcomes, computed exactly with transformers)
+    must match — chi-square well inside its 7 degrees of freedom."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.sampler import SamplingMetadata, target_probs
+
+    target = str(tiny_model_dir("llama"))
+    prompt, length, sp = [5, 17, 99, 230, 17, 99], 3, dict(temperature=1.0, top_k=2)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    meta = SamplingMetadata.build([SamplingParams(**sp)], torch.device("cpu"))
+    exact = {}
+
+    def expand(seq, prob):
+        if len(seq) == len(prompt) + length:
+            exact[tuple(seq[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            p = target_probs(hf(torch.tensor([seq])).logits[0, -1:], meta)[0]
+        for token in torch.nonzero(p).flatten().tolist():
+            expand(seq + [token], prob * p[token].item())
+
+    expand(list(prompt), 1.0)
+    n = 3000
+    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model",
+                       draft_model=str(draft_dirs["perturbed"]), num_speculative_tokens=2,
+                       max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
+    mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **sp))
+            for _ in range(n)}
+    counts: dict[tuple, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.req_id in mine:
+                counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    print(f"chi2 {chi2:.1f}, acceptance {engine.spec_stats.acceptance_rate:.3f}")
+    assert len(exact) == 8 and chi2 < 24.3  # p = 0.001 for 7 degrees of freedom
+    stats = engine.spec_stats
+    assert 0.2 < stats.acceptance_rate < 0.8  # the draft really differs, and often agrees
