@@ -39,10 +39,10 @@ def test_bf16_engine_agrees_with_float32(tiny_model_dir):
     from specserve import LLM, SamplingParams
 
     path = str(tiny_model_dir("llama"))
-    bf16 = LLM(path, num_kv_blocks=64, block_size=4)
+    bf16 = LLM(path, num_kv_blocks=64, block_size=4, device="cpu")
     assert bf16.engine.dtype == torch.bfloat16
     assert any(isinstance(m, PackedLinear) for m in bf16.engine.runner.model.modules())
-    fp32 = LLM32(path, num_kv_blocks=64, block_size=4)
+    fp32 = LLM32(path, num_kv_blocks=64, block_size=4, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [100, 200, 300]]
     a = [o.token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
