@@ -47,7 +47,10 @@ class LLMEngine:
                                      self.device, self.dtype)
         self.max_model_len = self._max_model_len()
         extra = self.drafter.kv_bytes_per_block() if self.drafter else 0
-        self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra)
+        useful = config.max_num_seqs * -(-(self.max_model_len + config.num_speculative_tokens)
+                                         // config.block_size)
+        self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
+                                  max_useful_blocks=useful)
         if self.drafter:
             self.drafter.bind(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)

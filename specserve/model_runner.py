@@ -17,10 +17,13 @@ class ModelRunner:
     """Owns the model's weights and its KV cache tensors on one device."""
 
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int | None = None, extra_bytes_per_block: int = 0) -> None:
+                 num_blocks: int | None = None, extra_bytes_per_block: int = 0,
+                 max_useful_blocks: int | None = None) -> None:
         """``num_blocks`` fixes the cache size (a draft model matching its target's);
         otherwise it comes from the memory budget, which also pays for
-        ``extra_bytes_per_block`` held elsewhere per block (the draft model's cache)."""
+        ``extra_bytes_per_block`` held elsewhere per block (the draft model's cache), capped
+        at ``max_useful_blocks`` (what max_num_seqs full-length requests could use)."""
+        self.max_useful_blocks = max_useful_blocks
         self.model = model
         self.config = config
         self.device = device
@@ -65,15 +68,22 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
+            # Our share of the card, less what we already hold (weights), and never more
+            # than is actually free (other processes may share the GPU).
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
-            budget -= self._activation_reserve()
+            ours = total * self.config.gpu_memory_utilization - torch.cuda.memory_reserved(self.device)
+            budget = min(ours, free - 2**30) - self._activation_reserve()
+            where = (f"GPU has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, "
+                     f"gpu_memory_utilization {self.config.gpu_memory_utilization}")
         else:
             budget = self.config.kv_cache_memory_gib * 2**30
+            where = f"kv_cache_memory_gib {self.config.kv_cache_memory_gib}"
         num_blocks = int(budget // (self.bytes_per_block + self.extra_bytes_per_block))
+        if self.max_useful_blocks is not None and num_blocks > 0:
+            num_blocks = min(num_blocks, self.max_useful_blocks)
         if num_blocks < 1:
-            raise SpecserveError("no memory left for the KV cache; lower max_num_batched_tokens "
-                                 "or raise the memory budget")
+            raise SpecserveError(f"no memory left for the KV cache ({where}); free memory or "
+                                 "raise the budget")
         return num_blocks
 
     def _activation_reserve(self) -> int:

@@ -248,6 +248,7 @@ def test_automatic_ids_skip_ids_given_by_callers(tiny_llm):
         engine.step()
 
 
+@pytest.mark.slow
 def test_tokenizer_larger_than_the_model_is_refused(tiny_model_dir, default_model_path):
     llm = LLM32(str(tiny_model_dir("llama")), tokenizer=str(default_model_path), num_kv_blocks=16)
     with pytest.raises(ValueError, match="tokenizer and model do not match"):
