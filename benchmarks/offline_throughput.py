@@ -101,8 +101,8 @@ def main() -> None:
 
     print(f"\nSmolLM2-135M-Instruct, {engine.dtype}, {n} new tokens, greedy, speculation off — "
           f"{machine(engine.device)}")
-    print(f"| workload | specserve tokens/s | HF generate tokens/s | speedup |")
-    print(f"| --- | ---: | ---: | ---: |")
+    print("| workload | specserve tokens/s | HF generate tokens/s | speedup |")
+    print("| --- | ---: | ---: | ---: |")
     for label, ours_tps, hf_tps in rows:
         print(f"| {label} | {ours_tps:.1f} | {hf_tps:.1f} | {ours_tps / hf_tps:.2f}x |")
 

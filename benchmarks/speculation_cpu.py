@@ -106,7 +106,7 @@ def main() -> None:
                        ("specserve, speculation off", "", base, None)]
             if batch == 1:
                 for k in (3, 10):
-                    entries.append((f"HF prompt lookup (fp32)", k,
+                    entries.append(("HF prompt lookup (fp32)", k,
                                     run_hf(hf, tok, chosen, 1, args.max_tokens, lookup=k), None))
             for name in args.drafters.split(","):
                 for k in ks:

@@ -143,6 +143,9 @@ def _generate(args) -> int:
             if out.finished and out.req_id == req_id:
                 final = out
     elapsed = time.perf_counter() - start
+    if final.finish_reason == "error":
+        print(f"\nspecserve: error: generation failed: {final.error}", file=sys.stderr)
+        return 1
     stats = _stats(final, elapsed, first_token_at - start if first_token_at else None)
     if args.json:
         print(json.dumps({"text": final.text, "token_ids": final.token_ids,

@@ -94,7 +94,7 @@ class EngineConfig:
             raise SpecserveError(f"layerskip_layers must be >= 1, got {self.layerskip_layers}")
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
-        self.torch_device  # validates device
+        _ = self.torch_device  # raises on a bad or unavailable device
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise SpecserveError(
                 f"dtype must be 'auto' or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")

@@ -5,7 +5,6 @@ import itertools
 import logging
 from collections.abc import Sequence
 
-import torch
 from tqdm.auto import tqdm
 
 from specserve.attention import get_backend

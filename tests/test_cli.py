@@ -79,3 +79,15 @@ def test_config_types_are_checked():
                 dict(draft_model="x"), dict(prompt_lookup_min=5)):
         with pytest.raises(ValueError):
             EngineConfig(**bad)
+
+
+def test_a_failed_generation_exits_1_with_one_line(capsys, tiny_model_dir, monkeypatch):
+    from specserve.model_runner import ModelRunner
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("out of device memory")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    code, out, err = run(capsys, "generate", "hi", "--model", str(tiny_model_dir("llama")), *TINY_ARGS)
+    assert code == 1
+    assert "specserve: error: generation failed: RuntimeError: out of device memory" in err

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve import LLM, LLMEngine, SamplingParams
+from specserve import LLMEngine, SamplingParams
 from tiny_models import LLM32, make_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

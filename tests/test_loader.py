@@ -10,7 +10,6 @@ from tiny_models import LLM32
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve import LLM
 from specserve.errors import ModelLoadError
 from specserve import loader
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from specserve import LLM, LLMEngine, SamplingParams
+from specserve import LLMEngine, SamplingParams
 from specserve.drafts.ngram import lookup
 from specserve.errors import SpecserveError
 from tiny_models import LLM32, make_hf_model, make_tokenizer
