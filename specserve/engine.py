@@ -158,7 +158,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule -> forward -> sample -> update. Returns an output for every request
+        """Schedule -> propose -> verify -> update. Returns an output for every request
         that produced tokens or finished in this step."""
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule(self._draft_lengths())
@@ -169,19 +169,20 @@ class LLMEngine:
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
-        for update in self.scheduler.update(scheduled, result):
-            req = update.req
-            kept = self.outputs.process(req, update.new_token_ids)
-            if kept is not None:  # a stop string: tokens after it never happened
-                req.drop_last(len(update.new_token_ids) - kept)
-                if req.is_finished:
-                    req.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish_request(req.req_id, FinishReason.STOP)
-            self._record_speculation(update, kept)
-            outputs.append(self._finish_output(req) if req.is_finished
-                           else self.outputs.make_output(req))
-        return outputs
+        return outputs + [self._postprocess(u) for u in self.scheduler.update(scheduled, result)]
+
+    def _postprocess(self, update: RequestUpdate) -> RequestOutput:
+        """Detokenise, apply stop strings, count speculation, make the caller's output."""
+        req = update.req
+        kept = self.outputs.process(req, update.new_token_ids)
+        if kept is not None:  # a stop string: tokens after it never happened
+            req.drop_last(len(update.new_token_ids) - kept)
+            if req.is_finished:
+                req.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+        self._record_speculation(update, kept)
+        return self._finish_output(req) if req.is_finished else self.outputs.make_output(req)
 
     def _record_speculation(self, update: RequestUpdate, kept: int | None) -> None:
         """Count drafts and the accepted tokens the request kept (a stop cuts them)."""
@@ -205,10 +206,7 @@ class LLMEngine:
         for planned in scheduled.scheduled:
             req = self.scheduler.finish_request(planned.req_id, FinishReason.ERROR)
             if req is not None:
-                self.sampler.free(req.req_id)
-                if self.drafter:
-                    self.drafter.free(req.req_id)
-                failed.append(self.outputs.make_output(req, error=message))
+                failed.append(self._finish_output(req, error=message))
         return failed
 
     def _draft_lengths(self) -> dict[str, int] | None:
@@ -228,11 +226,11 @@ class LLMEngine:
             planned.draft_token_ids = draft
         return proposal.draft_probs
 
-    def _finish_output(self, req: Request) -> RequestOutput:
+    def _finish_output(self, req: Request, error: str | None = None) -> RequestOutput:
         self.sampler.free(req.req_id)
         if self.drafter:
             self.drafter.free(req.req_id)
-        return self.outputs.make_output(req)
+        return self.outputs.make_output(req, error=error)
 
 
 
