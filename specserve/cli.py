@@ -21,8 +21,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+                   help="auto (bfloat16 on CUDA and on CPUs with native bf16 GEMM such as AMX, "
+                        "else float32), float32, bfloat16, float16; float32 for bit-exact output")
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed; the same seed gives the same sampled output (default: 0)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget per engine step, shared by decoding and prefill chunks")
     g.add_argument("--max-num-seqs", type=int, default=64, help="maximum requests per step")
