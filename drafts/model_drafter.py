@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from specserve.drafts.base import DraftProposal
-from specserve.model_runner import ModelRunner
+from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -44,10 +44,7 @@ class ModelDrafter:
     def kv_bytes_per_block(self) -> int:
         if self.shares_target_cache:
             return 0
-        cfg = self.model.config
-        head_dim = self.model.model.layers[0].self_attn.head_dim
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.config.block_size * cfg.num_key_value_heads * head_dim * element
+        return kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
 
     def bind(self, target_runner: ModelRunner) -> None:
         if self.shares_target_cache:

@@ -43,6 +43,10 @@ class SpecDecodeStats:
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafts_per_position)]
 
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position), list(self.drafts_per_position))
+
     def as_dict(self) -> dict:
         return {**asdict(self), "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4)}

@@ -13,6 +13,14 @@ from specserve.scheduler import SchedulerOutput
 logger = logging.getLogger("specserve")
 
 
+def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer of ``model`` for one block of ``block_size`` tokens."""
+    cfg = model.config
+    head_dim = model.model.layers[0].self_attn.head_dim
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * element
+
+
 class ModelRunner:
     """Owns the model's weights and its KV cache tensors on one device."""
 
@@ -59,8 +67,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self._num_layers * self.block_size * self._num_kv_heads * self._head_dim * element
+        return kv_bytes_per_block(self.model, self.block_size, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         from specserve.errors import SpecserveError

@@ -124,8 +124,7 @@ class OutputProcessor:
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             error=error, num_preemptions=req.num_preemptions,
-            spec_stats=SpecDecodeStats(**{k: list(v) if isinstance(v, list) else v
-                                          for k, v in vars(req.spec_stats).items()}))
+            spec_stats=req.spec_stats.copy())
         state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
         if finished:
             del self._states[req.req_id]

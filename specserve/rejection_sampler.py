@@ -55,28 +55,27 @@ class RejectionSampler:
         if not requests:
             return []
         rows_per_req = [len(r.draft_token_ids) + 1 for r in requests]
-        row_params = [r.params for r, n in zip(requests, rows_per_req) for _ in range(n)]
-        meta = SamplingMetadata.build(row_params, logits.device)
         greedy = logits.argmax(dim=-1)                        # [R]
         draft_ids = torch.tensor([t for r in requests for t in r.draft_token_ids] or [0],
                                  dtype=torch.int64, device=logits.device)
-        # Row index of every draft token's verifying row, and of every request's last row.
-        verify_rows, bonus_rows, start = [], [], 0
+        # Row index of every draft token's verifying row (all of a request's rows but its last).
+        verify_rows, start = [], 0
         for n in rows_per_req:
             verify_rows.extend(range(start, start + n - 1))
-            bonus_rows.append(start + n - 1)
             start += n
         verify_idx = torch.tensor(verify_rows or [0], dtype=torch.int64, device=logits.device)
-        num_drafts = len(verify_rows)
+        num_drafts, num_rows = len(verify_rows), start
 
-        if meta.all_greedy:
+        if all(r.params.greedy for r in requests):  # no sampling metadata needed
             accepted = draft_ids == greedy[verify_idx]
             emitted = greedy
         else:
+            row_params = [r.params for r, n in zip(requests, rows_per_req) for _ in range(n)]
+            meta = SamplingMetadata.build(row_params, logits.device)
             accepted, emitted = self._sample(logits, meta, requests, rows_per_req, draft_ids,
                                              verify_idx, num_drafts, draft_probs, greedy)
         packed = torch.cat([emitted, accepted[:num_drafts].to(emitted.dtype)]).tolist()
-        emitted_host, accepted_host = packed[:len(row_params)], packed[len(row_params):]
+        emitted_host, accepted_host = packed[:num_rows], packed[num_rows:]
         return _assemble(requests, rows_per_req, emitted_host, accepted_host)
 
     def _sample(self, logits, meta, requests, rows_per_req, draft_ids, verify_idx, num_drafts,

@@ -1,7 +1,7 @@
 """Sampling building blocks: temperature, top-k, top-p and min-p turned into the
 distribution a row samples from; inverse-CDF draws from given uniforms; per-request
-random numbers keyed by output position. The target and the draft go through the very same functions, which is what
-keeps speculative sampling lossless."""
+random numbers keyed by output position. The target and the draft go through the very
+same functions, which is what keeps speculative sampling lossless."""
 from __future__ import annotations
 
 import random

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
 from typing import NamedTuple
 
 from specserve.kv_cache import KVCacheManager

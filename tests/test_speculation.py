@@ -180,7 +180,7 @@ def test_ngram_lookup(tokens, k, expected):
 
 
 def test_ngram_prefers_longer_matches():
-    tokens = [4, 2, 9, 1, 2, 8, 5, 1, 2]   # [1, 2] -> 8 (recent); [5, 1, 2]: none; [4, 2]...
+    tokens = [4, 2, 9, 1, 2, 8, 5, 1, 2]   # only [1, 2] recurs: it was followed by 8
     assert lookup(tokens, 1, max_n=2, min_n=1) == [8]
     tokens = [7, 1, 2, 3, 0, 1, 2, 4, 7, 1, 2]  # [7, 1, 2] matches at the start -> 3
     assert lookup(tokens, 1, max_n=3, min_n=1) == [3]
@@ -216,8 +216,7 @@ def test_stop_string_inside_an_accepted_run_cuts_the_tokens(tiny_model_dir):
     greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
     plain = LLM32(target, block_size=4, num_kv_blocks=200)
     full = plain.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
-    pieces = [tiny_tokenizer_piece for tiny_tokenizer_piece in
-              (plain.tokenizer.decode([t]) for t in full.token_ids[8:20])]
+    pieces = [plain.tokenizer.decode([t]) for t in full.token_ids[8:20]]
     stop = next(p for p in pieces if p.strip() and p.isascii() and p.isprintable())
     spec = LLM32(target, block_size=4, num_kv_blocks=200, speculative_method="draft_model",
                  draft_model=target, num_speculative_tokens=6)
