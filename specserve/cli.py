@@ -87,6 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with the text and statistics instead of streaming")
     _engine_flags(gen)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+                                     "/health and /metrics (Prometheus) over HTTP.")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    srv.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* "
+                          "(default: $SPECSERVE_API_KEY; unset: no key)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model name clients use and /v1/models shows (default: the model's name)")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests that may wait for a slot; more get 429 (default: 256)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                     help="largest request body accepted; larger gets 413 (default: 4 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds in-flight requests get to finish before they are "
+                          "aborted (default: 30)")
+    srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                     help="uvicorn's log level (default: info)")
+    _engine_flags(srv)
     return parser
 
 
@@ -97,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
-        return _generate(args)
+        return {"generate": _generate, "serve": _serve}[args.command](args)
     except ValueError as exc:  # every user-facing error is a ValueError (see errors.py)
         print(f"specserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -130,8 +151,7 @@ def _generate(args) -> int:
     if use_chat:
         if not engine.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use --no-chat")
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
     start = time.perf_counter()
     req_id = engine.add_request(prompt, params)
     first_token_at, final = None, None
@@ -158,6 +178,25 @@ def _generate(args) -> int:
               f"{stats['tokens_per_s']:.1f} tokens/s, TTFT {stats['ttft_s']:.3f} s, "
               f"acceptance length {stats['mean_acceptance_length']:.2f}, "
               f"finish_reason={final.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from specserve import EngineConfig
+    from specserve.server import serve
+
+    for name in ("port", "max_queued_requests", "max_request_bytes", "shutdown_timeout"):
+        value = getattr(args, name)
+        if value < (0 if name in ("port", "shutdown_timeout") else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name in ('port', 'shutdown_timeout') else '>= 1'}, got {value}")
+    if args.port > 65535:
+        raise ValueError(f"--port must be at most 65535, got {args.port}")
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+    serve(EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}), args.host, args.port,
+          api_key=args.api_key or None, served_model_name=args.served_model_name,
+          max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+          max_body_bytes=args.max_request_bytes, log_level="warning" if args.quiet else args.log_level)
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -14,6 +15,7 @@ from specserve.errors import SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from specserve.model_runner import ModelRunner
+from specserve.prompts import chat_prompt_ids, tokenize_prompt
 from specserve.outputs import OutputProcessor, RequestOutput
 from specserve.request import FinishReason, Request
 from specserve.metrics import SpecDecodeStats
@@ -60,6 +62,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
+        self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self._ids = itertools.count()
         self._log_startup(backend.name)
 
@@ -125,24 +128,12 @@ class LLMEngine:
         self.outputs.add_request(req)
         return req_id
 
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat, ready for the assistant's turn (see ``prompts.chat_prompt_ids``)."""
+        return chat_prompt_ids(self.tokenizer, messages)
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        vocab = self.hf_config.vocab_size
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-            text = prompt
-            if token_ids and max(token_ids) >= vocab:
-                raise ValueError(f"the tokenizer produced token id {max(token_ids)}, outside the "
-                                 f"model's vocabulary of {vocab}: tokenizer and model do not match")
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                  for t in prompt):
-            token_ids, text = list(prompt), None
-            if any(not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        return text, token_ids
+        return tokenize_prompt(self.tokenizer, prompt, self.hf_config.vocab_size)
 
     def abort(self, req_id: str) -> bool:
         """Cancel a request; its final output (finish_reason 'abort') comes from the next
@@ -198,6 +189,8 @@ class LLMEngine:
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
                                 first_position=p.start_pos + len(p.token_ids))
                   for p in scheduled.scheduled if p.sample]
+        if self.drafter:
+            self.draft_length_counts.update(len(v.draft_token_ids) for v in verify)
         return StepResult(self.sampler(logits, verify, draft_probs))
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

@@ -47,6 +47,21 @@ class SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                list(self.accepted_per_position), list(self.drafts_per_position))
 
+    @classmethod
+    def total(cls, stats: "list[SpecDecodeStats]") -> "SpecDecodeStats":
+        """The counts of several requests together."""
+        out = cls()
+        for s in stats:
+            out.num_drafts += s.num_drafts
+            out.num_draft_tokens += s.num_draft_tokens
+            out.num_accepted_tokens += s.num_accepted_tokens
+            for mine, theirs in ((out.accepted_per_position, s.accepted_per_position),
+                                 (out.drafts_per_position, s.drafts_per_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for j, n in enumerate(theirs):
+                    mine[j] += n
+        return out
+
     def as_dict(self) -> dict:
         return {**asdict(self), "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate": round(self.acceptance_rate, 4)}

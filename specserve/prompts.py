@@ -1,0 +1,41 @@
+"""Prompts to token ids: plain text or ids, and chats through the tokenizer's template.
+
+Used by the engine and, with their own tokenizer copy, by callers on other threads (the
+HTTP server checks lengths before queuing anything).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def tokenize_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> tuple[str | None, list[int]]:
+    """``(text or None, token ids)``; ValueError for an empty, ill-typed or out-of-vocabulary prompt."""
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt)
+        text = prompt
+        if token_ids and max(token_ids) >= vocab_size:
+            raise ValueError(f"the tokenizer produced token id {max(token_ids)}, outside the "
+                             f"model's vocabulary of {vocab_size}: tokenizer and model do not match")
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+        token_ids, text = list(prompt), None
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    else:
+        raise ValueError("prompt must be a string or a list of token ids")
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    return text, token_ids
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (``[{"role": ..., "content": ...}]``) ready for the assistant's
+    turn. ValueError when the tokenizer has no chat template or it fails on the messages."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors from a conversation the template refuses
+        raise ValueError(f"the chat template failed on these messages: {exc}") from None
+    # The template already wrote any special tokens it wants as text.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,65 @@
+"""The OpenAI-compatible HTTP server: ``specserve serve`` (see ``app.py`` for the API)."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from specserve.config import EngineConfig
+
+logger = logging.getLogger("specserve")
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
+          api_key: str | None = None, served_model_name: str | None = None,
+          max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
+          max_body_bytes: int | None = None, log_level: str = "info") -> None:
+    """Load the engine and serve until SIGINT/SIGTERM. On shutdown the server stops
+    accepting connections, gives in-flight requests ``shutdown_timeout`` seconds to finish,
+    then aborts the rest and stops the engine."""
+    import uvicorn
+
+    from specserve.async_engine import AsyncLLMEngine
+    from specserve.engine import LLMEngine
+    from specserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+
+    sock = bind_socket(host, port)  # before the slow model load, so a busy port fails fast
+    engine = AsyncLLMEngine(LLMEngine(config), max_queued_requests=max_queued_requests)
+    app = create_app(engine, served_model_name=served_model_name, api_key=api_key,
+                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %s on http://%s:%d/v1%s", served_model_name or engine.engine.model_name,
+                host, port, " (API key required)" if api_key else "")
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # uvicorn stops accepting at once; what is still running when the timeout ends
+            # is aborted by the engine, so its stream ends with finish_reason "abort" and
+            # [DONE] rather than a cut connection. uvicorn's own deadline comes later.
+            if not self.should_exit:
+                timer = threading.Timer(shutdown_timeout, engine.abort_all)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_timeout + 5))
+    server.run(sockets=[sock])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket; ValueError with the reason when the address cannot be used."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,416 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an AsyncLLMEngine.
+
+Every refusal — bad JSON or values, an unknown model, a prompt too long, a full queue, a
+missing API key, a body too large — is answered before anything is queued, with an
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from specserve.metrics import SpecDecodeStats
+from specserve.outputs import RequestOutput
+from specserve.prompts import chat_prompt_ids, tokenize_prompt
+from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+class APIError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app. The engine thread starts with the app and is stopped (in-flight
+    requests aborted) when the app shuts down."""
+    llm = engine.engine
+    model_name = served_model_name or llm.model_name
+    metrics = ServerMetrics(engine, model_name)
+    # The engine thread detokenises with the engine's tokenizer; this copy is the event
+    # loop's own, so the two threads never share one tokenizer object.
+    prompts = _PromptEncoder(copy.deepcopy(llm.tokenizer), llm.hf_config.vocab_size, llm.max_model_len)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if not engine.is_alive:
+            engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="specserve", lifespan=lifespan)
+    app.add_middleware(_GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
+        return APIError(400, message, param=".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    # ------------------------------------------------------------------ service endpoints
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return APIError(503, f"the engine is not running{': ' + engine.error if engine.error else ''}",
+                            "service_unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "specserve",
+            "max_model_len": llm.max_model_len}]}
+
+    # ------------------------------------------------------------------ generation
+    def check_request(body) -> None:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")
+        why = body.unsupported()
+        if why:
+            raise APIError(400, why)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_request(body)
+        with _bad_input():
+            params = body.sampling_params(default_max_tokens=None)
+            prompt_ids = [prompts.encode(p, params.max_tokens) for p in body.prompts()]
+        run = _Run(engine, metrics, prompt_ids, params, "cmpl")
+        await run.start()
+        if body.stream:
+            return _sse(_stream_completion(run, model_name, body.include_usage))
+        outs = await _unless_disconnected(request, run.collect())
+        return {"id": run.id, "object": "text_completion", "created": run.created, "model": model_name,
+                "choices": [{"index": i, "text": o.text, "logprobs": None,
+                             "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                "usage": _usage(outs)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_request(body)
+        with _bad_input():
+            params = body.sampling_params(default_max_tokens=None)
+            prompt_ids = [prompts.encode_chat(body.conversation(), params.max_tokens)]
+        run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
+        await run.start()
+        if body.stream:
+            return _sse(_stream_chat(run, model_name, body.include_usage))
+        (out,) = await _unless_disconnected(request, run.collect())
+        return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "logprobs": None, "finish_reason": out.finish_reason}],
+                "usage": _usage([out])}
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await ``work``; if the client disconnects first, cancel it (which aborts its
+    requests) — a streaming response gets this from Starlette, a plain one needs it here."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    return work.result()
+
+
+class _bad_input:
+    """``with _bad_input(): ...`` turns a ValueError into a 400."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, _tb):
+        if exc_type is not None and issubclass(exc_type, ValueError):
+            raise APIError(400, str(exc)) from None
+        return False
+
+
+class _PromptEncoder:
+    """Tokenises on the event loop and refuses prompts that cannot fit."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+
+    def encode(self, prompt, max_tokens: int | None) -> list[int]:
+        _text, ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        return self._fits(ids, max_tokens)
+
+    def encode_chat(self, messages: list[dict], max_tokens: int | None) -> list[int]:
+        return self._fits(chat_prompt_ids(self.tokenizer, messages), max_tokens)
+
+    def _fits(self, ids: list[int], max_tokens: int | None) -> list[int]:
+        wanted = len(ids) + (max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                             f"the request asks for {wanted} ({len(ids)} in the prompt, "
+                             f"{max_tokens or 1} to generate)")
+        return ids
+
+
+class _Run:
+    """One HTTP request's engine requests (one per prompt) and their metrics."""
+
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, prompt_ids: list[list[int]],
+                 params, prefix: str) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.prompt_ids, self.params = prompt_ids, params
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        self.streams: list[RequestStream] = []
+        self._timing: dict[str, list[float | None]] = {}  # req_id -> [first, last token time]
+
+    async def start(self) -> None:
+        """Queue every prompt, or none: a refusal aborts those already queued."""
+        try:
+            for i, ids in enumerate(self.prompt_ids):
+                self.streams.append(await self.engine.add_request(ids, self.params, f"{self.id}-{i}"))
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc), "service_unavailable") from None
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc)) from None
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in self.prompt_ids))
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(choice index, output)`` as they come, all choices interleaved. Stopping
+        early (a disconnect cancels us) aborts whatever has not finished."""
+        reads: dict[asyncio.Future, int] = {}
+        try:
+            if len(self.streams) == 1:
+                async for out in self.streams[0]:
+                    self._observe(out)
+                    yield 0, out
+                return
+            reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self.streams)}
+            while reads:
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = reads.pop(task)
+                    out = task.result()
+                    self._observe(out)
+                    if not out.finished:
+                        reads[asyncio.ensure_future(anext(self.streams[index]))] = index
+                    yield index, out
+        finally:
+            for task in reads:
+                task.cancel()
+            self.abort()
+
+    async def collect(self) -> list[RequestOutput]:
+        final: dict[int, RequestOutput] = {}
+        async for index, out in self.outputs():
+            if out.finished:
+                final[index] = out
+        outs = [final[i] for i in range(len(self.streams))]
+        failed = [o for o in outs if o.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}", "server_error")
+        return outs
+
+    def _observe(self, out: RequestOutput) -> None:
+        """Latency and token metrics, as the client sees them."""
+        now = time.monotonic()
+        timing = self._timing.setdefault(out.req_id, [None, None])
+        if out.delta_token_ids:
+            self.metrics.generation_tokens.inc(len(out.delta_token_ids))
+            if timing[0] is None:
+                timing[0] = now
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.metrics.itl.observe(now - timing[1])
+            timing[1] = now
+        if out.finished:
+            self.metrics.request_finished(out.finish_reason, now - self.arrival, timing[0], now,
+                                          len(out.token_ids))
+
+
+def _usage(outs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(o.token_ids) for o in outs)
+    spec = SpecDecodeStats.total([o.spec_stats for o in outs if o.spec_stats])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "speculation": spec.as_dict()}
+
+
+# ---------------------------------------------------------------------- streaming
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for event in events:
+            yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _stream_events(run: _Run, include_usage: bool, chunk) -> AsyncIterator[dict]:
+    """Content chunks (``chunk(index, text, finish_reason)``), an error event if a request
+    fails, then the usage chunk when asked for."""
+    final: dict[int, RequestOutput] = {}
+    try:
+        async for index, out in run.outputs():
+            if out.finished:
+                final[index] = out
+                if out.finish_reason == "error":
+                    yield error_body(f"generation failed: {out.error}", "server_error")
+                    return
+            if out.delta_text or out.finished:
+                yield chunk(index, out.delta_text, out.finish_reason if out.finished else None)
+    except EngineDeadError as exc:  # headers are sent: the error travels as an event
+        yield error_body(str(exc), "service_unavailable")
+        return
+    if include_usage:
+        yield {**chunk(0, "", None), "choices": [], "usage": _usage(list(final.values()))}
+
+
+def _stream_completion(run: _Run, model: str, include_usage: bool) -> AsyncIterator[dict]:
+    def chunk(index, text, finish_reason):
+        return {"id": run.id, "object": "text_completion", "created": run.created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": None,
+                             "finish_reason": finish_reason}]}
+
+    return _stream_events(run, include_usage, chunk)
+
+
+async def _stream_chat(run: _Run, model: str, include_usage: bool) -> AsyncIterator[dict]:
+    def chunk(index, text, finish_reason, delta=None):
+        return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": model,
+                "choices": [{"index": index, "delta": delta if delta is not None else {"content": text},
+                             "logprobs": None, "finish_reason": finish_reason}]}
+
+    yield chunk(0, "", None, delta={"role": "assistant", "content": ""})
+    async for event in _stream_events(run, include_usage, chunk):
+        yield event
+
+
+# ---------------------------------------------------------------------- access and limits
+class _GuardMiddleware:
+    """API key on /v1/* (401) and a request-body limit (413), before any route runs.
+
+    The body is read here (at most ``max_body_bytes``) and replayed to the app; after it,
+    ``receive`` is the server's own, so disconnects still reach the app.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+            return await _send_error(send, 401, "missing or invalid API key: send "
+                                     "'Authorization: Bearer <key>'", "invalid_request_error",
+                                     "invalid_api_key")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+    async def _too_large(self, send):
+        await _send_error(send, 413, f"request body larger than {self.max_body_bytes} bytes",
+                          "invalid_request_error", "request_too_large")
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str) -> None:
+    payload = json.dumps(error_body(message, type_, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,522 @@
+"""The HTTP server, end to end: a real uvicorn on 127.0.0.1, the official ``openai``
+client and raw httpx, over the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve import EngineConfig, LLMEngine
+from specserve.async_engine import AsyncLLMEngine
+from specserve.server.app import create_app
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory, tiny_tokenizer):
+    """The tiny llama with a chat template, so both endpoints can be exercised."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_model_dir("llama"), path, dirs_exist_ok=True)
+    tok = tiny_tokenizer.__class__.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+class Server:
+    """uvicorn in a thread, on a free port; ``url`` once started."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def make_server(model_dir, *, max_queued_requests=None, api_key=None, max_body_bytes=None,
+                **engine_kwargs) -> tuple[Server, AsyncLLMEngine]:
+    settings = dict(dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=64,
+                    max_num_seqs=32, max_model_len=256)
+    config = EngineConfig(model=str(model_dir), **{**settings, **engine_kwargs})
+    engine = AsyncLLMEngine(LLMEngine(config), max_queued_requests=max_queued_requests)
+    kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
+    return Server(create_app(engine, served_model_name="tiny", api_key=api_key, **kwargs)), engine
+
+
+@pytest.fixture(scope="module")
+def server(chat_model_dir):
+    srv, engine = make_server(chat_model_dir, speculative_method="ngram", num_speculative_tokens=3)
+    with srv:
+        srv.engine = engine
+        yield srv
+
+
+def client(srv, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                         max_retries=0, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body into JSON events, with the final "[DONE]" kept as a string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+def metric(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------------- streaming vs not
+def test_completion_stream_equals_non_stream(server):
+    body = {"model": "tiny", "prompt": "def add(a, b):", **GREEDY}
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion"
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 12
+    assert whole["usage"]["total_tokens"] == whole["usage"]["prompt_tokens"] + 12
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage_event, chunks = events[-2], events[:-2]
+    assert usage_event["choices"] == [] and usage_event["usage"] == whole["usage"]
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] == "length" and reasons.count("length") == 1 and set(reasons[:-1]) <= {None}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_chat_stream_equals_non_stream_with_openai_client(server):
+    api = client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                        max_tokens=10, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 10
+    stream = api.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                         max_tokens=10, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    content = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in content].count("length") == 1
+    assert content[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_and_eos_finish_with_stop(server):
+    api = client(server)
+    full = api.completions.create(model="tiny", prompt="import os", temperature=0, max_tokens=20,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:8]
+    out = api.completions.create(model="tiny", prompt="import os", temperature=0, max_tokens=20,
+                                 stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:full.index(stop)]
+
+
+def test_several_prompts_give_one_choice_each(server):
+    api = client(server)
+    prompts = ["alpha", "beta gamma", "delta"]
+    batch = api.completions.create(model="tiny", prompt=prompts, **{k: GREEDY[k] for k in ("temperature", "max_tokens")},
+                                   extra_body={"ignore_eos": True})
+    singles = [api.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=12,
+                                      extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == singles
+    assert batch.usage.completion_tokens == 36
+    streamed = {i: "" for i in range(3)}
+    for chunk in api.completions.create(model="tiny", prompt=prompts, temperature=0, max_tokens=12,
+                                        stream=True, extra_body={"ignore_eos": True}):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert list(streamed.values()) == singles
+
+
+def test_token_id_prompt(server):
+    out = httpx.post(server.url + "/v1/completions",
+                     json={"prompt": [5, 6, 7, 8], **GREEDY}).json()
+    assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["completion_tokens"] == 12
+
+
+# ---------------------------------------------------------------------- speculation
+def test_per_request_speculation_control_and_stats(server):
+    prompt = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
+    on = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, **GREEDY, "max_tokens": 24}).json()
+    off = httpx.post(server.url + "/v1/completions",
+                     json={"prompt": prompt, **GREEDY, "max_tokens": 24,
+                           "speculative": {"num_speculative_tokens": 0}}).json()
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]  # lossless (fp32 greedy)
+    assert off["usage"]["speculation"]["num_draft_tokens"] == 0
+    spec = on["usage"]["speculation"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] <= 3 * spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == pytest.approx(
+        1 + spec["num_accepted_tokens"] / spec["num_drafts"], abs=1e-3)
+    bad = httpx.post(server.url + "/v1/completions",
+                     json={"prompt": "a", "speculative": {"num_speculative_tokens": -1}})
+    assert bad.status_code == 400
+
+
+# ---------------------------------------------------------------------- concurrency
+def test_32_concurrent_streams_complete(server):
+    async def one(api, i):
+        text, n_chunks = "", 0
+        stream = await api.completions.create(
+            model="tiny", prompt=f"request {i}: " + "word " * (i % 7), temperature=0.8, seed=i,
+            max_tokens=8 + i % 5, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                n_chunks += 1
+            if chunk.usage:
+                usage = chunk.usage
+        return usage.completion_tokens
+
+    async def main():
+        api = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        async with api:
+            return await asyncio.gather(*(one(api, i) for i in range(32)))
+
+    counts = asyncio.run(main())
+    assert counts == [8 + i % 5 for i in range(32)]
+    wait_for(lambda: metric(server, "specserve:kv_cache_usage_perc") == 0)
+
+
+def test_disconnected_streams_free_their_blocks(server):
+    async def read_a_little(http, i):
+        async with http.stream("POST", "/v1/completions",
+                               json={"prompt": f"long {i}", "max_tokens": 200, "ignore_eos": True,
+                                     "temperature": 0, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return True  # leave mid-stream: the connection closes
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            return await asyncio.gather(*(read_a_little(http, i) for i in range(8)))
+
+    assert all(asyncio.run(main()))
+    wait_for(lambda: metric(server, "specserve:num_requests_running") == 0
+             and metric(server, "specserve:kv_cache_usage_perc") == 0)
+    assert metric(server, 'specserve:request_success_total') >= 0
+    # The engine agrees, and still serves.
+    free = asyncio.run(_probe(server.engine, lambda e: (e.num_free_blocks, e.kv.num_blocks)))
+    assert free[0] == free[1]
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "still here", **GREEDY}).status_code == 200
+
+
+async def _probe(engine, fn):
+    return await engine.call(fn)
+
+
+def test_non_streaming_disconnect_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions",
+                   json={"prompt": "slow", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+                         "speculative": {"num_speculative_tokens": 0}},
+                   timeout=0.05)
+    wait_for(lambda: metric(server, "specserve:kv_cache_usage_perc") == 0, timeout=20)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "penalty"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"prompt": []}, 400, "empty"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "token ids"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "word " * 300}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+])
+def test_bad_requests_get_openai_error_bodies(server, path, body, status, fragment):
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_and_unknown_route(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_raises_bad_request(server):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client(server).completions.create(model="tiny", prompt="a", temperature=-3)
+
+
+def test_bad_input_leaves_nothing_queued(server):
+    before = metric(server, "specserve:kv_cache_usage_perc")
+    for _ in range(3):
+        httpx.post(server.url + "/v1/completions", json={"prompt": ["ok", ""], "max_tokens": 3})
+    assert metric(server, "specserve:num_requests_waiting") == 0
+    assert metric(server, "specserve:kv_cache_usage_perc") == before == 0
+
+
+# ---------------------------------------------------------------------- service endpoints
+def test_models_health_and_metrics(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for expected in ("specserve:time_to_first_token_seconds", "specserve:inter_token_latency_seconds",
+                     "specserve:e2e_request_latency_seconds", "specserve:num_requests_running",
+                     "specserve:num_requests_waiting", "specserve:kv_cache_usage_perc",
+                     "specserve:num_preemptions", "specserve:prompt_tokens",
+                     "specserve:generation_tokens", "specserve:spec_decode_num_drafts",
+                     "specserve:spec_decode_num_draft_tokens",
+                     "specserve:spec_decode_num_accepted_tokens",
+                     "specserve:spec_decode_num_accepted_tokens_per_pos",
+                     "specserve:spec_decode_draft_length"):
+        assert expected in names, expected
+
+
+def test_metrics_count_tokens_and_speculation(server):
+    before = metric(server, "specserve:generation_tokens_total")
+    drafts = metric(server, "specserve:spec_decode_num_drafts_total")
+    prompt = "a b c a b c a b c a b c"
+    out = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, **GREEDY}).json()
+    assert metric(server, "specserve:generation_tokens_total") - before == 12
+    assert metric(server, "specserve:spec_decode_num_drafts_total") - drafts == \
+        out["usage"]["speculation"]["num_drafts"]
+
+
+# ---------------------------------------------------------------------- access and limits
+def test_api_key(chat_model_dir):
+    srv, _ = make_server(chat_model_dir, api_key=KEY)
+    with srv:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, api_key="wrong").models.list()
+        assert client(srv, api_key=KEY).completions.create(model="tiny", prompt="a", max_tokens=2)
+        assert httpx.get(srv.url + "/health").status_code == 200  # probes need no key
+
+
+def test_body_limit(chat_model_dir):
+    srv, _ = make_server(chat_model_dir, max_body_bytes=1000)
+    with srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: the limit still holds while reading
+            for _ in range(20):
+                yield b"x" * 100
+
+        r = httpx.post(srv.url + "/v1/completions", content=chunks(),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_queue_full_gets_429(chat_model_dir):
+    srv, engine = make_server(chat_model_dir, max_queued_requests=1, max_num_seqs=1)
+    step = engine.engine.step
+    engine.engine.step = lambda: (time.sleep(0.01), step())[1]  # the running request lasts ~2 s
+    long = {"prompt": "hold", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url) as http:
+            async with http.stream("POST", "/v1/completions", json=long) as running:
+                lines = running.aiter_lines()  # kept: dropping it would close the stream
+                await anext(lines)  # the first request is running
+                async with http.stream("POST", "/v1/completions", json=long) as waiting:
+                    assert waiting.status_code == 200
+                    full = await http.post("/v1/completions", json={"prompt": "more", "max_tokens": 2})
+                    return full.status_code, full.json()
+
+    with srv:
+        status, body = asyncio.run(main())
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        wait_for(lambda: metric(srv, "specserve:kv_cache_usage_perc") == 0)
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "again", "max_tokens": 2}).status_code == 200
+
+
+def test_dead_engine_answers_503(chat_model_dir):
+    srv, engine = make_server(chat_model_dir)
+
+    def broken_schedule(*_args, **_kwargs):
+        raise RuntimeError("scheduler bug")
+
+    with srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        engine.engine.scheduler.schedule = broken_schedule
+        with httpx.stream("POST", srv.url + "/v1/completions",
+                          json={"prompt": "x", "max_tokens": 5, "stream": True}) as r:
+            events = sse_events(r)
+        assert "error" in events[0] and events[-1] == "[DONE]"
+        wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "scheduler bug" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------- the real command
+def _start_cli_server(model_dir, *extra) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "serve", "--model", str(model_dir), "--port", "0",
+         "--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512", *extra],
+        stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        if "serving " in line and "http://" in line:
+            url = line.split("http://")[1].split("/v1")[0]
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining
+            break
+        assert time.monotonic() < deadline
+    else:
+        raise AssertionError(f"server exited with {proc.wait()}")
+    url = "http://" + url
+    wait_for(lambda: _healthy(url), timeout=30)
+    return proc, url
+
+
+def _healthy(url) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url + "/health").status_code == 200
+    return False
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits(chat_model_dir):
+    proc, url = _start_cli_server(chat_model_dir, "--shutdown-timeout", "60")
+    try:
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": "a", "max_tokens": 60, "ignore_eos": True,
+                                "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
+                httpx.get(url + "/health")
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # uvicorn re-raises the signal once shut down, as process managers expect.
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+
+
+def test_sigterm_aborts_what_outlives_the_timeout(chat_model_dir):
+    proc, url = _start_cli_server(chat_model_dir, "--shutdown-timeout", "0.5", "--max-num-seqs", "1")
+    body = {"max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def one(http, i, started):
+        async with http.stream("POST", "/v1/completions", json={"prompt": f"p{i}", **body}) as r:
+            events = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+            return events
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            started = asyncio.Event()
+            streams = [asyncio.create_task(one(http, i, started)) for i in range(4)]
+            await started.wait()
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*streams)
+
+    try:
+        start = time.monotonic()
+        results = asyncio.run(main())
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - start < 20
+    finally:
+        proc.kill()
+    reasons = [json.loads(events[-2])["choices"][0]["finish_reason"] for events in results]
+    assert all(events[-1] == "[DONE]" for events in results)  # every stream ended cleanly
+    assert "abort" in reasons  # 4 x 400 tokens one at a time outlive half a second
+
+
+def test_busy_port_is_a_usage_error(chat_model_dir):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "specserve.cli", "serve", "--model",
+                               str(chat_model_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("specserve: error: cannot listen on")
