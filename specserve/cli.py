@@ -108,7 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="uvicorn's log level (default: info)")
     _engine_flags(srv)
+    _bench_parser(sub)
     return parser
+
+
+def _bench_parser(sub) -> None:
+    """``specserve bench serve|offline|spec-sweep`` (arguments in specserve/bench/cli.py)."""
+    from specserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _engine_flags)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
-        return {"generate": _generate, "serve": _serve}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "bench": _bench}[args.command](args)
     except ValueError as exc:  # every user-facing error is a ValueError (see errors.py)
         print(f"specserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -198,6 +206,12 @@ def _serve(args) -> int:
           max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
           max_body_bytes=args.max_request_bytes, log_level="warning" if args.quiet else args.log_level)
     return 0
+
+
+def _bench(args) -> int:
+    from specserve.bench.cli import run_bench
+
+    return run_bench(args, {k: getattr(args, k) for k in ENGINE_FLAGS})
 
 
 def _stats(final, elapsed: float, ttft: float | None) -> dict:

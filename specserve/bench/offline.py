@@ -1,0 +1,132 @@
+"""The offline benchmark: the engine in this process, no HTTP.
+
+Every request is tokenised first, then added to the engine (all at once, or keeping at
+most ``max_concurrency`` in flight), and the engine is stepped until all have finished.
+A request's clock starts when it is added; TTFT, TPOT, ITL (between outputs that carry
+tokens) and end-to-end latency are measured on the step outputs, and the statistics are
+the serving benchmark's (same keys). Speculation counts come from the engine itself.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tqdm.auto import tqdm
+
+from specserve.bench.client import RequestResult
+from specserve.bench.stats import DEFAULT_PERCENTILES, calculate_metrics
+from specserve.bench.workloads import BenchRequest
+from specserve.metrics import SpecDecodeStats
+
+
+def prompt_ids(engine, requests: list[BenchRequest]) -> list[list[int]]:
+    """Token ids of each request: chats through the chat template, text as it is."""
+    out = []
+    for req in requests:
+        if req.is_chat:
+            out.append(engine.apply_chat_template(req.messages))
+        elif isinstance(req.prompt, str):
+            out.append(engine.tokenizer.encode(req.prompt))
+        else:
+            out.append(list(req.prompt))
+    return out
+
+
+def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | None = None,
+                temperature: float = 0.0, ignore_eos: bool = False, num_speculative_tokens: int | None = None,
+                seed: int = 0, percentiles=DEFAULT_PERCENTILES, progress: bool = True, label: str = "",
+                token_ids: list[list[int]] | None = None) -> dict:
+    """Run ``requests`` through ``engine`` (an idle ``LLMEngine``); returns the result dict,
+    with ``output_token_ids`` per request for equality checks."""
+    from specserve import SamplingParams
+
+    token_ids = token_ids or prompt_ids(engine, requests)
+    params = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
+                             seed=seed + i, num_speculative_tokens=num_speculative_tokens)
+              for i, r in enumerate(requests)]
+    cap = max_concurrency or len(requests)
+    results = [RequestResult() for _ in requests]
+    final: dict[int, list[int]] = {}
+    owner: dict[str, int] = {}
+    last: dict[int, float] = {}
+    waiting = deque(range(len(requests)))
+    spec_before = engine.spec_stats.copy()
+    bar = tqdm(total=len(requests), desc=label or "requests", unit="req", disable=not progress, leave=False)
+    start = time.perf_counter()
+    while waiting or engine.has_unfinished_requests():
+        while waiting and len(owner) < cap:
+            i = waiting.popleft()
+            results[i].send_time = time.perf_counter()
+            owner[engine.add_request(token_ids[i], params[i])] = i
+        for out in engine.step():
+            now = time.perf_counter()
+            i = owner[out.req_id]
+            r = results[i]
+            if out.delta_token_ids:
+                if i not in last:
+                    r.ttft = now - r.send_time
+                else:
+                    r.itl.append(now - last[i])
+                r.chunk_times.append(now)
+                last[i] = now
+            if out.finished:
+                del owner[out.req_id]
+                r.prompt_len, r.output_len = len(out.prompt_token_ids), len(out.token_ids)
+                r.latency = last.get(i, now) - r.send_time
+                r.success, r.finish_reason = out.finish_reason != "error", out.finish_reason
+                r.error, r.text = out.error or "", out.text
+                final[i] = out.token_ids
+                bar.update(1)
+    duration = time.perf_counter() - start
+    bar.close()
+    spec = _spec_delta(spec_before, engine.spec_stats)
+    return {"label": label, "num_prompts": len(requests), "max_concurrency": max_concurrency,
+            **calculate_metrics(results, duration, percentiles), **spec,
+            "output_token_ids": [final[i] for i in range(len(requests))]}
+
+
+def _spec_delta(before: SpecDecodeStats, after: SpecDecodeStats) -> dict:
+    """The serving benchmark's speculation keys for what the engine counted in between."""
+    from specserve.bench.client import SpecCounters
+    from specserve.bench.stats import spec_decode_metrics
+
+    def counters(s: SpecDecodeStats) -> SpecCounters:
+        return SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                            dict(enumerate(s.accepted_per_position)))
+
+    return spec_decode_metrics(counters(before), counters(after))
+
+
+def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | None = None) -> None:
+    """One short request, so lazy initialisation is not timed."""
+    from specserve import SamplingParams
+
+    ids = (token_ids or prompt_ids(engine, requests[:1]))[0]
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def format_offline(run: dict) -> str:
+    lines = [f"{' Offline Benchmark Result ':=^60}"]
+    if run.get("label"):
+        lines.append(f"{'Run:':<44} {run['label']}")
+    for name, key, fmt in (("Successful requests:", "completed", "{}"),
+                           ("Failed requests:", "failed", "{}"),
+                           ("Maximum concurrency:", "max_concurrency", "{}"),
+                           ("Duration (s):", "duration", "{:.2f}"),
+                           ("Total input tokens:", "total_input_tokens", "{}"),
+                           ("Total generated tokens:", "total_output_tokens", "{}"),
+                           ("Request throughput (req/s):", "request_throughput", "{:.2f}"),
+                           ("Output token throughput (tok/s):", "output_throughput", "{:.2f}"),
+                           ("Total token throughput (tok/s):", "total_token_throughput", "{:.2f}"),
+                           ("Mean / P99 TTFT (ms):", ("mean_ttft_ms", "p99_ttft_ms"), "{:.2f} / {:.2f}"),
+                           ("Mean / P99 TPOT (ms):", ("mean_tpot_ms", "p99_tpot_ms"), "{:.2f} / {:.2f}"),
+                           ("Mean / P99 ITL (ms):", ("mean_itl_ms", "p99_itl_ms"), "{:.2f} / {:.2f}"),
+                           ("Mean / P99 E2EL (ms):", ("mean_e2el_ms", "p99_e2el_ms"), "{:.2f} / {:.2f}"),
+                           ("Acceptance length:", "spec_decode_acceptance_length", "{:.2f}")):
+        keys = key if isinstance(key, tuple) else (key,)
+        if all(run.get(k) is not None for k in keys):
+            lines.append(f"{name:<44} {fmt.format(*(run[k] for k in keys))}")
+    lines.append("=" * 60)
+    return "\n".join(lines)

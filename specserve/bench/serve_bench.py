@@ -1,0 +1,322 @@
+"""The serving benchmark: streaming requests against an OpenAI-compatible server.
+
+The server is either one already running (``--base-url``) or one started here, in this
+process, on a free local port for each speculation setting asked for (``--speculation
+none,ngram:4``). Requests are sent at arrival times drawn for a request rate (Poisson, or
+gamma with a burstiness factor; inf sends all at once), optionally capped at a fixed
+number in flight (``--max-concurrency``); a sweep repeats the run for several rates.
+Warm-up requests run first and are not measured. Results use ``vllm bench serve``'s keys
+(see ``stats``), so numbers from both tools can be compared.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import httpx
+from tqdm.auto import tqdm
+
+from specserve.bench.arrivals import arrival_times
+from specserve.bench.client import (
+    RequestResult,
+    read_spec_counters,
+    request_body,
+    send_request,
+)
+from specserve.bench.stats import (
+    DEFAULT_PERCENTILES,
+    calculate_metrics,
+    per_request,
+    spec_decode_metrics,
+)
+from specserve.bench.workloads import BenchRequest
+
+logger = logging.getLogger("specserve")
+
+ENDPOINTS = ("auto", "completions", "chat")
+
+
+@dataclass
+class ServeOptions:
+    """How one serving run sends its requests (the server is given separately)."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    endpoint: str = "auto"             # auto: chats to /v1/chat/completions, the rest to /v1/completions
+    served_model_name: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    num_warmups: int = 1
+    seed: int = 0
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    goodput: dict[str, float] | None = None
+    extra_body: dict = field(default_factory=dict)
+    save_detailed: bool = False
+    progress: bool = True
+    label: str = ""
+
+
+# ---------------------------------------------------------------------- one run
+async def run_benchmark(base_url: str, requests: list[BenchRequest], opts: ServeOptions) -> dict:
+    """Send ``requests`` to ``base_url`` as ``opts`` says; returns the result dict.
+    ValueError when the server cannot be reached or the warm-up request fails."""
+    base_url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits,
+                                 headers=headers) as http:
+        model = opts.served_model_name or await _served_model(http, base_url)
+
+        def target(req: BenchRequest) -> tuple[str, dict]:
+            chat = req.is_chat if opts.endpoint == "auto" else opts.endpoint == "chat"
+            url = f"{base_url}/v1/{'chat/completions' if chat else 'completions'}"
+            return url, request_body(req, chat, model, opts.temperature, opts.ignore_eos, opts.extra_body)
+
+        for _ in range(opts.num_warmups):
+            warm = await send_request(http, *target(requests[0]))
+            if not warm.success:
+                raise ValueError(f"the warm-up request failed: {warm.error}")
+        before = await read_spec_counters(http, base_url)
+        times = arrival_times(len(requests), opts.request_rate, opts.burstiness, opts.seed)
+        limit = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+        bar = tqdm(total=len(requests), desc=opts.label or "requests", unit="req",
+                   disable=not opts.progress, leave=False)
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            if limit is None:
+                result = await send_request(http, *target(req))
+            else:
+                async with limit:
+                    result = await send_request(http, *target(req))
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times)))
+        duration = time.perf_counter() - start
+        bar.close()
+        # The engine publishes its counters right after delivering a step's outputs; give
+        # it a moment so the last step is counted.
+        await asyncio.sleep(0.1)
+        after = await read_spec_counters(http, base_url)
+    out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "specserve",
+           "label": opts.label, "model_id": model, "base_url": base_url,
+           "num_prompts": len(requests), "request_rate": _rate_value(opts.request_rate),
+           "burstiness": opts.burstiness, "max_concurrency": opts.max_concurrency,
+           "temperature": opts.temperature, "ignore_eos": opts.ignore_eos,
+           **calculate_metrics(results, duration, opts.percentiles, opts.goodput),
+           **spec_decode_metrics(before, after)}
+    detail = per_request(results, start)
+    if opts.save_detailed:
+        out.update(detail, generated_texts=[r.text for r in results])
+    else:
+        out["_detail"] = detail  # for plots; dropped when the JSON is written
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        logger.warning("%d of %d requests failed; the first: %s", len(failed), len(results), failed[0])
+    return out
+
+
+def _rate_value(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+async def _served_model(http: httpx.AsyncClient, base_url: str) -> str:
+    try:
+        response = await http.get(base_url + "/v1/models")
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach the server at {base_url}: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise ValueError(f"{base_url}/v1/models answered HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{base_url}/v1/models listed no model; pass --served-model-name") from None
+
+
+# ---------------------------------------------------------------------- in-process server
+class InProcessServer:
+    """The engine and the HTTP app under uvicorn on a free port of 127.0.0.1, in a thread
+    of this process: ``with InProcessServer(config) as server: server.url``."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def __enter__(self) -> InProcessServer:
+        import uvicorn
+
+        from specserve.async_engine import AsyncLLMEngine
+        from specserve.engine import LLMEngine
+        from specserve.server.app import create_app
+
+        self.engine = AsyncLLMEngine(LLMEngine(self.config))
+        app = create_app(self.engine)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="bench-server", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def describe(self) -> dict:
+        llm = self.engine.engine
+        return {"model": llm.model_name, "device": str(llm.device),
+                "dtype": str(llm.dtype).removeprefix("torch."),
+                "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "max_num_seqs": self.config.max_num_seqs}
+
+
+# ---------------------------------------------------------------------- speculation settings
+@dataclass(frozen=True)
+class Speculation:
+    """One speculation setting for an in-process server: ``none`` or ``METHOD[:K]``."""
+
+    method: str
+    k: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.method == "none":
+            return "spec off"
+        return self.method + (f" k={self.k}" if self.k is not None else "")
+
+    def apply(self, config):
+        if self.method == "none":
+            return dataclasses.replace(config, speculative_method="none")
+        k = self.k if self.k is not None else config.num_speculative_tokens
+        return dataclasses.replace(config, speculative_method=self.method, num_speculative_tokens=k)
+
+
+def parse_speculation(text: str) -> list[Speculation]:
+    """``"none,ngram:4,layerskip:2"`` -> settings; ValueError on an unknown method or bad k."""
+    from specserve.config import SPECULATIVE_METHODS
+
+    out = []
+    for part in text.split(","):
+        method, sep, k = part.strip().partition(":")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculation {part.strip()!r}: the method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not sep:
+            out.append(Speculation(method))
+            continue
+        if method == "none" or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"--speculation {part.strip()!r}: give METHOD:K with K a positive integer")
+        out.append(Speculation(method, int(k)))
+    return out
+
+
+# ---------------------------------------------------------------------- runs and sweeps
+def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[float], *,
+              base_url: str | None = None, engine_config=None,
+              speculation: list[Speculation] | None = None) -> list[dict]:
+    """One run per (speculation setting, rate): against ``base_url``, or against an
+    in-process server per setting built from ``engine_config``."""
+    runs = []
+    if base_url is not None:
+        for rate in rates:
+            label = f"{rate:g} req/s"
+            runs.append(asyncio.run(run_benchmark(base_url, requests, dataclasses.replace(
+                opts, request_rate=rate, label=label))))
+        return runs
+    for spec in speculation or [None]:
+        config = spec.apply(engine_config) if spec else engine_config
+        with InProcessServer(config) as server:
+            server_info = server.describe()
+            for rate in rates:
+                name = spec.label if spec else _config_label(config)
+                run = asyncio.run(run_benchmark(server.url, requests, dataclasses.replace(
+                    opts, request_rate=rate, label=f"{name} @ {rate:g} req/s")))
+                run.update(speculation=name, speculative_method=config.speculative_method,
+                           num_speculative_tokens=config.num_speculative_tokens
+                           if config.speculative_method != "none" else 0, server=server_info)
+                runs.append(run)
+    return runs
+
+
+def _config_label(config) -> str:
+    if config.speculative_method == "none":
+        return "spec off"
+    return f"{config.speculative_method} k={config.num_speculative_tokens}"
+
+
+# ---------------------------------------------------------------------- console output
+def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
+    """A run as ``vllm bench serve`` prints it, speculation included."""
+    lines = [f"{' Serving Benchmark Result ':=^60}"]
+    if run.get("label"):
+        lines.append(f"{'Run:':<44} {run['label']}")
+
+    def row(name, value, fmt="{:<10.2f}"):
+        lines.append(f"{name:<44} {fmt.format(value)}")
+
+    row("Successful requests:", run["completed"], "{:<10}")
+    row("Failed requests:", run["failed"], "{:<10}")
+    if run.get("max_concurrency"):
+        row("Maximum request concurrency:", run["max_concurrency"], "{:<10}")
+    if run["request_rate"] != "inf":
+        row("Request rate configured (RPS):", run["request_rate"])
+    row("Benchmark duration (s):", run["duration"])
+    row("Total input tokens:", run["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", run["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", run["request_throughput"])
+    if run.get("request_goodput") is not None:
+        row("Request goodput (req/s):", run["request_goodput"])
+    row("Output token throughput (tok/s):", run["output_throughput"])
+    row("Peak concurrent requests:", run["max_concurrent_requests"], "{:<10}")
+    row("Total token throughput (tok/s):", run["total_token_throughput"])
+    for key, name, header in (("ttft", "TTFT", "Time to First Token"),
+                              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                              ("itl", "ITL", "Inter-token Latency"),
+                              ("e2el", "E2EL", "End-to-end Latency")):
+        lines.append(f"{header:-^60}")
+        row(f"Mean {name} (ms):", run[f"mean_{key}_ms"])
+        row(f"Median {name} (ms):", run[f"median_{key}_ms"])
+        for p in percentiles:
+            word = str(int(p)) if float(p).is_integer() else str(p)
+            row(f"P{word} {name} (ms):", run[f"p{word}_{key}_ms"])
+    if "spec_decode_acceptance_length" in run:
+        lines.append(f"{'Speculative Decoding':-^60}")
+        row("Acceptance rate (%):", run["spec_decode_acceptance_rate"])
+        row("Acceptance length:", run["spec_decode_acceptance_length"])
+        row("Drafts:", run["spec_decode_num_drafts"], "{:<10}")
+        row("Draft tokens:", run["spec_decode_draft_tokens"], "{:<10}")
+        row("Accepted tokens:", run["spec_decode_accepted_tokens"], "{:<10}")
+        lines.append(f"{'Per-position acceptance rate:':<44} "
+                     + " ".join(f"{x:.2f}" for x in run["spec_decode_per_position_acceptance_rates"]))
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def summary_table(runs: list[dict]) -> str:
+    """A markdown table of several runs, one line each."""
+    head = ("| speculation | rate (req/s) | completed | req/s | output tok/s | TTFT mean / p99 (ms) "
+            "| TPOT mean / p99 (ms) | ITL mean (ms) | E2EL mean / p99 (s) | acceptance length |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in runs:
+        accept = r.get("spec_decode_acceptance_length")
+        lines.append(
+            f"| {r.get('speculation', r.get('label', ''))} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} "
+            f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
+            f"| {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
+            f"| {r['mean_itl_ms']:.1f} | {r['mean_e2el_ms'] / 1000:.2f} / {r['p99_e2el_ms'] / 1000:.2f} "
+            f"| {f'{accept:.2f}' if accept else ''} |")
+    return "\n".join(lines)
