@@ -39,10 +39,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None     # explicit override of the memory budget
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
-    attention_backend: str = "auto"      # auto | torch
+    attention_backend: str = "auto"      # auto (triton on CUDA, torch on CPU) | torch | triton
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
+    speculative_adaptive: bool = False   # choose each request's k <= num_speculative_tokens per step
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match
@@ -78,12 +79,14 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise SpecserveError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch"):
-            raise SpecserveError(
-                f"attention_backend must be 'auto' or 'torch', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise SpecserveError("attention_backend must be 'auto', 'torch' or 'triton', "
+                                 f"got {self.attention_backend!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                  f"got {self.speculative_method!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
             raise SpecserveError(f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens!r}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)

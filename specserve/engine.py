@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -21,7 +22,9 @@ from specserve.request import FinishReason, Request
 from specserve.metrics import SpecDecodeStats
 from specserve.rejection_sampler import RejectionSampler, VerifyRequest
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
+from specserve.scheduler import (RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput,
+                                 StepResult)
+from specserve.spec_controller import DraftLengthController
 
 logger = logging.getLogger("specserve")
 
@@ -59,6 +62,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
         self.sampler = RejectionSampler(self.device, config.seed)
+        self.controller = None
+        if self.drafter and config.speculative_adaptive:
+            self.controller = DraftLengthController(config.num_speculative_tokens)
+            self._profile_step_cost()
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
@@ -104,7 +111,8 @@ class LLMEngine:
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block / 2**30,
             c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
-            f"{self.drafter.describe()}, k = {c.num_speculative_tokens}" if self.drafter else "off")
+            f"{self.drafter.describe()}, k {'adaptive, at most ' if self.controller else '= '}"
+            f"{c.num_speculative_tokens}" if self.drafter else "off")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -179,19 +187,62 @@ class LLMEngine:
         """Count drafts and the accepted tokens the request kept (a stop cuts them)."""
         kept = len(update.new_token_ids) if kept is None else kept
         accepted = min(update.num_accepted, kept)
+        if self.controller:
+            self.controller.observe_acceptance(update.req.req_id, update.num_planned, update.num_accepted)
         update.req.spec_stats.record(update.num_draft_tokens, accepted)
         self.spec_stats.record(update.num_draft_tokens, accepted)
 
     def _verify(self, scheduled: SchedulerOutput) -> StepResult:
         """Propose drafts, run the one ragged target pass, rejection-sample."""
+        start = time.perf_counter()
         draft_probs = self._propose(scheduled)
+        drafted = time.perf_counter()
         logits = self.runner.execute(scheduled)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
                                 first_position=p.start_pos + len(p.token_ids))
                   for p in scheduled.scheduled if p.sample]
+        result = StepResult(self.sampler(logits, verify, draft_probs))  # syncs with the device
         if self.drafter:
-            self.draft_length_counts.update(len(v.draft_token_ids) for v in verify)
-        return StepResult(self.sampler(logits, verify, draft_probs))
+            self.draft_length_counts.update(p.num_lookahead for p in scheduled.scheduled if p.sample)
+        if self.controller:
+            self._observe_cost(scheduled, drafted - start, time.perf_counter() - drafted)
+        return result
+
+    def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:
+        planned = scheduled.scheduled
+        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
+        lookahead = [p.num_lookahead for p in planned]
+        self.controller.observe_step(sum(lengths), sum(n > 1 for n in lengths), target_s,
+                                     max(lookahead), sum(k > 0 for k in lookahead), draft_s)
+
+    def _profile_step_cost(self) -> None:
+        """Seed the controller's cost model: time a few verify passes of dummy requests
+        (batch sizes x draft lengths) over scratch KV blocks, freed afterwards."""
+        c = self.config
+        k = c.num_speculative_tokens
+        context = 4 * c.block_size
+        greedy = SamplingParams(temperature=0)
+        for batch in sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)}):
+            for drafts in (0, k):
+                if batch * (1 + drafts) > c.max_num_batched_tokens:
+                    continue
+                ids = [f"__profile_{i}" for i in range(batch)]
+                if not all(self.kv.allocate_slots(i, context + 1 + drafts) for i in ids):
+                    for i in ids:
+                        if self.kv.holds(i):
+                            self.kv.free(i)
+                    continue
+                step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
+                                                         greedy, num_lookahead=drafts,
+                                                         draft_token_ids=[0] * drafts)
+                                        for i in ids], [])
+                for _ in range(2):  # the first run warms up
+                    start = time.perf_counter()
+                    self.runner.execute(step).argmax(-1).tolist()
+                    elapsed = time.perf_counter() - start
+                self.controller.observe_step(batch * (1 + drafts), batch if drafts else 0, elapsed, 0, 0, 0.0)
+                for i in ids:
+                    self.kv.free(i)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
@@ -203,12 +254,28 @@ class LLMEngine:
         return failed
 
     def _draft_lengths(self) -> dict[str, int] | None:
-        """k_i for every running request: the engine's k, lowered by the request's own cap."""
+        """k_i for every running request: the engine's k, lowered by the request's own cap;
+        with adaptive speculation the controller chooses below that, except for requests
+        that set their own k (the API's override wins)."""
         if self.drafter is None:
             return None
         k = self.config.num_speculative_tokens
-        return {r.req_id: k if r.params.num_speculative_tokens is None
+        caps = {r.req_id: k if r.params.num_speculative_tokens is None
                 else min(k, r.params.num_speculative_tokens) for r in self.scheduler.running}
+        if self.controller is None:
+            return caps
+        decoding, other_tokens, other_spans = {}, 0, 0
+        for r in self.scheduler.running:
+            remaining = r.num_tokens - r.num_computed_tokens
+            if remaining == 1 and r.params.num_speculative_tokens is None:
+                decoding[r.req_id] = caps[r.req_id]
+            elif remaining > 1:
+                other_tokens, other_spans = other_tokens + remaining, other_spans + 1
+        budget = self.config.max_num_batched_tokens
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        other_tokens = min(other_tokens + waiting, max(budget - len(caps), 0))
+        other_spans += min(len(self.scheduler.waiting), self.config.max_num_seqs - len(caps))
+        return {**caps, **self.controller.choose(decoding, other_tokens, other_spans)}
 
     def _propose(self, scheduled: SchedulerOutput):
         """Fill each planned request's draft tokens; returns q (None: one-hot proposals)."""
@@ -223,6 +290,8 @@ class LLMEngine:
         self.sampler.free(req.req_id)
         if self.drafter:
             self.drafter.free(req.req_id)
+        if self.controller:
+            self.controller.free(req.req_id)
         return self.outputs.make_output(req, error=error)
 
 

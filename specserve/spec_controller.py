@@ -1,0 +1,159 @@
+"""Adaptive speculation: each step, every decoding request's draft length k_i is chosen to
+maximise expected goodput — expected emitted tokens per second of step time.
+
+Two online estimates feed the choice:
+
+* **Acceptance.** Per request, the conditional probability ``alpha[j]`` that draft
+  position j is accepted given that all before it were (exponentially smoothed; a new
+  request starts from the engine-wide estimate). A request drafting k tokens then emits
+  ``E(k) = 1 + sum_{j<k} prod_{m<=j} alpha[m]`` tokens in expectation. A position the
+  drafter planned but could not propose counts as a rejection: it emitted nothing.
+* **Step cost.** ``target = a + b * tokens + c * spans`` — a fixed cost, a cost per token
+  in the verify pass and a cost per request whose query span is longer than one token
+  (attention is batched for one-token rows and runs per span otherwise) — plus
+  ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
+  Both are least-squares fits with exponential forgetting over measured steps, seeded by
+  a short profile at start-up.
+
+The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
+solved per draft depth D (0..k_max) with Dinkelbach's method: with the current ratio
+lambda, request i takes the k <= D maximising ``sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0]``;
+lambda is then recomputed, which converges in a few rounds. So k falls to 0 when tokens
+are expensive (a compute-bound batch) or a request's drafts keep failing, and rises to
+k_max when acceptance is high and extra tokens are nearly free. A request that has fallen
+to k = 0 is probed with k = 1 every ``probe_interval`` steps so it can recover.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
+PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
+INITIAL_ACCEPTANCE = 0.6    # before any observation
+PROBE_INTERVAL = 16
+
+
+class CostModel:
+    """Least squares ``y ~ x . theta`` with exponential forgetting (recursive, tiny)."""
+
+    def __init__(self, num_features: int, forgetting: float = 0.98, ridge: float = 1e-6) -> None:
+        self.xtx = np.eye(num_features) * ridge
+        self.xty = np.zeros(num_features)
+        self.forgetting = forgetting
+        self.theta = np.zeros(num_features)
+        self.num_samples = 0
+
+    def observe(self, x: list[float], y: float) -> None:
+        x = np.asarray(x, dtype=float)
+        self.xtx = self.forgetting * self.xtx + np.outer(x, x)
+        self.xty = self.forgetting * self.xty + x * y
+        self.num_samples += 1
+        # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
+        self.theta = np.clip(np.linalg.lstsq(self.xtx, self.xty, rcond=None)[0], 0.0, None)
+
+    def predict(self, x: list[float]) -> float:
+        return float(np.dot(self.theta, x))
+
+
+class DraftLengthController:
+    """Chooses k_i per request per step; learns from what each step cost and accepted."""
+
+    def __init__(self, max_k: int, probe_interval: int = PROBE_INTERVAL) -> None:
+        self.max_k = max_k
+        self.probe_interval = probe_interval
+        self.target_cost = CostModel(3)   # [1, tokens, spans] -> seconds
+        self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
+        self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
+        self._alpha: dict[str, np.ndarray] = {}
+        self._idle_steps: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ learning
+    def observe_step(self, num_tokens: int, num_spans: int, target_s: float,
+                     depth: int, num_drafting: int, draft_s: float) -> None:
+        """One step's measured cost: the verify pass and, if any drafting ran, the drafter."""
+        self.target_cost.observe([1.0, num_tokens, num_spans], target_s)
+        if depth:
+            self.draft_cost.observe([depth, depth * num_drafting], draft_s)
+
+    def observe_acceptance(self, req_id: str, num_planned: int, num_accepted: int) -> None:
+        """A request planned ``num_planned`` drafts and the target accepted the first
+        ``num_accepted`` (positions it could not propose count as rejected)."""
+        if num_planned == 0:
+            return
+        alpha = self._alpha.setdefault(req_id, self.prior.copy())
+        seen = min(num_accepted + 1, num_planned)  # accepted ones, then the first rejection
+        outcome = np.zeros(seen)
+        outcome[:num_accepted] = 1.0
+        alpha[:seen] += ACCEPT_SMOOTHING * (outcome - alpha[:seen])
+        self.prior[:seen] += PRIOR_SMOOTHING * (outcome - self.prior[:seen])
+
+    def free(self, req_id: str) -> None:
+        self._alpha.pop(req_id, None)
+        self._idle_steps.pop(req_id, None)
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
+               num_other_spans: int = 0) -> dict[str, int]:
+        """k_i for each decoding request (``caps``: req_id -> most drafts it may take).
+        ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway."""
+        if not caps or self.target_cost.num_samples == 0:
+            return dict(caps)
+        req_ids = list(caps)
+        cap = np.array([min(caps[r], self.max_k) for r in req_ids])
+        gains = np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
+        gains[np.arange(self.max_k)[None, :] >= cap[:, None]] = 0.0   # beyond a request's cap
+        _a, b, c = self.target_cost.theta
+        fixed = self.target_cost.predict([1.0, len(req_ids) + num_other_tokens, num_other_spans])
+        best_ratio, best_k = -1.0, np.zeros(len(req_ids), dtype=int)
+        for depth in range(int(cap.max(initial=0)) + 1):
+            k, ratio = self._best_for_depth(gains[:, :depth], fixed, depth, b, c)
+            if ratio > best_ratio * (1 + 1e-9):
+                best_ratio, best_k = ratio, k
+        return self._with_probes(dict(zip(req_ids, best_k.tolist())), caps)
+
+    def _best_for_depth(self, gains: np.ndarray, fixed: float, depth: int, b: float,
+                        c: float) -> tuple[np.ndarray, float]:
+        """Dinkelbach iterations for a fixed draft depth; returns (k per request, ratio).
+        ``fixed``: the predicted cost of the step with no drafts."""
+        num_reqs = gains.shape[0]
+        if depth:
+            d, e = self.draft_cost.theta
+            fixed += depth * d
+            per_token = b + e      # each drafted token is verified and (roughly) drafted once
+        else:
+            per_token = b
+        k = np.zeros(num_reqs, dtype=int)
+        ratio = num_reqs / max(fixed, 1e-9)
+        if depth == 0:
+            return k, ratio
+        # Net value of taking the first n drafts, n = 0..depth.
+        for _ in range(6):
+            net = np.concatenate([np.zeros((num_reqs, 1)),
+                                  np.cumsum(gains - ratio * per_token, axis=1)], axis=1)
+            net[:, 1:] -= ratio * c
+            new_k = net.argmax(axis=1)
+            cost = fixed + per_token * new_k.sum() + c * np.count_nonzero(new_k)
+            new_ratio = (num_reqs + _expected(gains, new_k)) / max(cost, 1e-9)
+            converged = np.array_equal(new_k, k)
+            k, ratio = new_k, new_ratio
+            if converged:
+                break
+        return k, ratio
+
+    def _with_probes(self, chosen: dict[str, int], caps: dict[str, int]) -> dict[str, int]:
+        """Give a request idle at k = 0 for ``probe_interval`` steps one draft to test."""
+        for req_id, k in chosen.items():
+            if k or not caps[req_id]:
+                self._idle_steps.pop(req_id, None)
+                continue
+            idle = self._idle_steps.get(req_id, 0) + 1
+            if idle >= self.probe_interval:
+                chosen[req_id], idle = 1, 0
+            self._idle_steps[req_id] = idle
+        return chosen
+
+
+def _expected(gains: np.ndarray, k: np.ndarray) -> float:
+    """Expected accepted drafts: sum over requests of gains[i, :k_i]."""
+    mask = np.arange(gains.shape[1])[None, :] < k[:, None]
+    return float((gains * mask).sum())

@@ -1,0 +1,113 @@
+"""The adaptive draft-length controller on synthetic acceptance and cost inputs."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.spec_controller import CostModel, DraftLengthController
+from tiny_models import LLM32
+
+MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
+COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than the fixed part
+
+
+def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0)) -> DraftLengthController:
+    ctl = DraftLengthController(max_k, probe_interval=1000)
+    for tokens, spans in ((1, 0), (5, 1), (8, 0), (40, 8), (32, 0), (160, 32), (100, 3)):
+        ctl.observe_step(tokens, spans, a + b * tokens + c * spans, 0, 0, 0.0)
+    for depth, reqs in ((1, 1), (4, 1), (4, 8), (2, 32)):
+        ctl.observe_step(1, 0, a + b, depth, reqs, depth * (draft[0] + draft[1] * reqs))
+    return ctl
+
+
+def train_acceptance(ctl, req_id, rate_accepted: int, k: int = 4, times: int = 30):
+    for _ in range(times):
+        ctl.observe_acceptance(req_id, k, rate_accepted)
+
+
+def test_cost_model_recovers_linear_costs():
+    model = CostModel(3)
+    for tokens in range(1, 50):
+        for spans in (0, 3):
+            model.observe([1, tokens, spans], 0.01 + 0.002 * tokens + 0.004 * spans)
+    assert model.theta == pytest.approx([0.01, 0.002, 0.004], rel=1e-3)
+
+
+def test_memory_bound_and_always_accepted_drafts_take_the_maximum():
+    ctl = controller(**MEMORY_BOUND)
+    caps = {f"r{i}": 4 for i in range(8)}
+    for r in caps:
+        train_acceptance(ctl, r, 4)
+    assert ctl.choose(caps) == caps
+
+
+def test_never_accepted_drafts_get_zero():
+    ctl = controller(**MEMORY_BOUND)
+    train_acceptance(ctl, "bad", 0)
+    train_acceptance(ctl, "good", 4)
+    chosen = ctl.choose({"bad": 4, "good": 4})
+    assert chosen == {"bad": 0, "good": 4}
+
+
+def test_compute_bound_batch_gets_zero_even_with_fair_acceptance():
+    ctl = controller(**COMPUTE_BOUND)
+    caps = {f"r{i}": 4 for i in range(32)}
+    for r in caps:
+        for _ in range(20):  # the first draft is accepted half the time
+            ctl.observe_acceptance(r, 4, 1)
+            ctl.observe_acceptance(r, 4, 0)
+    assert set(ctl.choose(caps).values()) == {0}
+
+
+def test_draft_cost_lowers_k():
+    # The first draft is accepted half the time: worth drafting when drafting is free,
+    # not when each draft pass costs two thirds of a step (1.5 tokens for 5/3 the time).
+    cheap = controller(**MEMORY_BOUND)
+    dear = controller(**MEMORY_BOUND, draft=(0.02, 0.0))
+    for ctl in (cheap, dear):
+        for _ in range(40):
+            ctl.observe_acceptance("r", 4, 1)
+            ctl.observe_acceptance("r", 4, 0)
+    assert cheap.choose({"r": 4})["r"] >= 1
+    assert dear.choose({"r": 4})["r"] == 0
+
+
+def test_caps_are_respected_and_idle_requests_are_probed():
+    ctl = controller(**MEMORY_BOUND)
+    ctl.probe_interval = 3
+    train_acceptance(ctl, "good", 4)
+    train_acceptance(ctl, "bad", 0)
+    assert ctl.choose({"good": 2, "bad": 4, "off": 0}) == {"good": 2, "bad": 0, "off": 0}
+    picks = [ctl.choose({"bad": 4})["bad"] for _ in range(6)]
+    assert picks == [0, 1, 0, 0, 1, 0]  # one probe every 3 steps (the first choose counted)
+
+
+def test_acceptance_tracks_the_position_of_the_first_rejection():
+    ctl = DraftLengthController(4)
+    for _ in range(50):
+        ctl.observe_acceptance("r", 4, 2)
+    alpha = ctl._alpha["r"]
+    assert alpha[0] == pytest.approx(1, abs=1e-3) and alpha[1] == pytest.approx(1, abs=1e-3)
+    assert alpha[2] == pytest.approx(0, abs=1e-3)
+    assert alpha[3] == pytest.approx(0.6)  # never observed: still the initial value
+    ctl.free("r")
+    assert "r" not in ctl._alpha
+
+
+def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_model_dir):
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                speculative_adaptive=True, block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
+    plain = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
+    prompts = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    engine = llm.engine
+    assert engine.controller.target_cost.num_samples > 6  # profiled, then learned online
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert sum(engine.draft_length_counts.values()) > 0
+    # A request's own k still wins.
+    out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                  num_speculative_tokens=0), use_tqdm=False)[0]
+    assert out.spec_stats.num_drafts == 0
