@@ -2,10 +2,12 @@
 
 The model calls ``backend.store_kv`` then ``backend.attend`` with the step's ForwardBatch;
 backends differ only in the kernels behind them. The torch backend runs the references in
-``specserve.kernels.reference`` (the CPU path and the test oracle).
+``specserve.kernels.reference`` (the CPU path and the test oracle); the Triton backend runs
+``specserve.kernels.store_kv`` and ``specserve.kernels.paged_attention`` (the CUDA path).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 import torch
@@ -43,8 +45,58 @@ class TorchAttentionBackend:
                                          scale, sliding_window, plan)
 
 
+class TritonAttentionBackend:
+    """Triton kernels: one KV-store launch and one ragged paged-attention launch (plus a
+    split reduce) per layer. Tile sizes and split counts are planned once per step from
+    the batch's host-side lengths, so no layer syncs with the device."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here, not at module level: the kernels are compiled (or interpreted,
+        # under TRITON_INTERPRET=1) as decided when their module is first imported.
+        from specserve.kernels import paged_attention, store_kv
+
+        self._attention = paged_attention
+        self._store_kv = store_kv.store_kv
+
+    def store_kv(self, key, value, k_cache, v_cache, batch):
+        self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
+        key = ("triton", *query.shape[1:], k_cache.shape[2])
+        plan = batch.attn_plans.get(key)
+        if plan is None:
+            plan = self._attention.plan_launch(query, k_cache, len(batch.seq_lens_host),
+                                               max(batch.query_lens_host), max(batch.seq_lens_host))
+            batch.attn_plans[key] = plan
+        return self._attention.paged_attention(
+            query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
+            scale, sliding_window, plan=plan)
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks the fastest backend available on ``device``."""
-    if name in ("auto", "torch"):
+    """``auto``: Triton on CUDA (when triton is installed), the torch reference elsewhere.
+    ``triton`` on a CPU device runs only under the Triton interpreter (TRITON_INTERPRET=1,
+    set before the kernels are first imported) — slow, for tests."""
+    if name not in BACKENDS:
+        raise SpecserveError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_installed() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    raise SpecserveError(f"unknown attention backend {name!r}")
+    if not _triton_installed():
+        raise SpecserveError("attention backend 'triton' needs the triton package (pip install triton)")
+    from specserve.kernels.paged_attention import interpreted
+
+    if device.type != "cuda" and not interpreted():
+        raise SpecserveError(f"attention backend 'triton' needs a CUDA device, not {device.type}; "
+                             "use 'torch', or run under the Triton interpreter (TRITON_INTERPRET=1)")
+    return TritonAttentionBackend()
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

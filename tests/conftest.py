@@ -12,6 +12,11 @@ from tiny_models import TINY_COMMON, make_hf_model, make_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU (test_triton_kernels.py). Triton
+    # reads this when it and each kernel are first imported, so it is set before anything
+    # imports triton; nothing else in the suite uses triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

@@ -1,0 +1,312 @@
+"""Paged attention over a ragged batch in one launch (Triton), plus a split-KV reduce.
+
+Same semantics as ``reference.paged_attention``: request i owns query rows
+``cu_query_lens[i]:cu_query_lens[i+1]``, which are the last ``q_i`` of its ``seq_lens[i]``
+cached tokens; they attend causally (and only to the last ``sliding_window`` positions when
+a window is set) through ``block_tables[i]``.
+
+How the work is split. The grid is ``(query tile, kv head, kv split)``:
+
+- A *query tile* is up to ``BLOCK_Q`` consecutive query tokens of one request, together
+  with all ``group = num_heads // num_kv_heads`` query heads that share one KV head, so
+  each K/V tile is loaded once for ``BLOCK_M = BLOCK_Q * group`` (padded) query rows.
+  Decode steps use ``BLOCK_Q = 1``; batches with longer spans (verification, prefill
+  chunks) use bigger tiles. Request i's tiles start at ``cu_query_lens[i] // BLOCK_Q + i``
+  (one spare tile per request), so a program finds its request by a binary search over
+  ``cu_query_lens`` and the grid depends only on ``num_tokens`` and ``num_reqs`` — no
+  host sync and no per-step index tensors.
+- The KV range a tile needs (from its window start to its last query's position) is cut
+  into ``num_splits`` chunks of whole ``BLOCK_N`` tiles (flash-decoding), so a small decode
+  batch still fills the GPU. Each program runs an online softmax in fp32 over its chunk.
+  With one split it writes the output directly; otherwise it writes a normalised partial
+  output and its log-sum-exp, and ``_reduce_splits_kernel`` combines the splits.
+
+All index math that can exceed 2**31 (cache block offsets, token offsets) is int64.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
+_MAX_SPLITS = 32
+
+
+# ---------------------------------------------------------------------------- kernels
+@triton.jit
+def _tile_start(cu_query_lens_ptr, req, BLOCK_Q: tl.constexpr):
+    """First query-tile index of request ``req``."""
+    if BLOCK_Q == 1:
+        return tl.load(cu_query_lens_ptr + req)
+    else:
+        return tl.load(cu_query_lens_ptr + req) // BLOCK_Q + req
+
+
+@triton.jit
+def _find_request(cu_query_lens_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
+    """The request owning query tile ``tile``: the last i with ``_tile_start(i) <= tile``."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _tile_start(cu_query_lens_ptr, mid, BLOCK_Q) <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in fp32. ``UPCAST``: compute in fp32 (the interpreter cannot
+    multiply bf16); ``IEEE``: no tf32 rounding for fp32 inputs."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
+    num_reqs, num_splits, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, USE_WINDOW: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    """One (query tile, kv head, kv split): online softmax over the split's KV chunk."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(cu_query_lens_ptr, num_reqs, tile, BLOCK_Q)
+    q_begin = tl.load(cu_query_lens_ptr + req)
+    q_len = tl.load(cu_query_lens_ptr + req + 1) - q_begin
+    q_first = (tile - _tile_start(cu_query_lens_ptr, req, BLOCK_Q)) * BLOCK_Q
+    if q_first >= q_len:  # a spare tile
+        return
+    kv_len = tl.load(seq_lens_ptr + req)
+
+    # Row r of the tile is query token q_first + r // GROUP, head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_first + rows // GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = kv_len - q_len + q_idx                            # [BLOCK_M] absolute positions
+    token = (q_begin + q_idx).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # KV range of the whole tile, cut into num_splits chunks of whole BLOCK_N tiles.
+    kv_hi = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(kv_len - q_len + q_first - window + 1, 0)
+    kv_lo = kv_lo // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, BLOCK_N), num_splits) * BLOCK_N
+    start = kv_lo + split * chunk
+    end = tl.minimum(start + chunk, kv_hi)
+
+    # m starts finite so fully masked rows and empty splits give exp2(-inf) = 0, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for kv_start in range(start, end, BLOCK_N):
+        k_pos = kv_start + tl.arange(0, BLOCK_N)              # [BLOCK_N]
+        k_valid = k_pos < end
+        block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        offset = k_pos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        # Masked loads: slots past a request's length may hold stale data (even NaN).
+        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)       # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
+                    + d[None, :], mask=kv_mask, other=0.0)       # [BLOCK_N, BLOCK_D]
+        s = _dot(q, tl.trans(k), UPCAST_DOT, IEEE_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, IEEE_DOT)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT_KV:
+        part = part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(part[:, None] + d[None, :], result, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no key seen
+        tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+    else:
+        out = out_ptr + token * stride_ot + head * stride_oh
+        tl.store(out[:, None] + d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(cu_query_lens_ptr + num_reqs):  # padding row past every request
+        return
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + s, mask=s_valid,
+                  other=float("-inf"))                          # [BLOCK_S]
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = part_out_ptr + token * stride_pt + head * stride_ph + s * stride_ps
+    parts = tl.load(part[:, None] + d[None, :], mask=s_valid[:, None] & (d < HEAD_DIM)[None, :],
+                    other=0.0)                                  # [BLOCK_S, BLOCK_D]
+    result = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+    out = out_ptr + token * stride_ot + head * stride_oh + d
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------- host side
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Tile sizes and grid of one step's attention; depends only on host-known sizes."""
+
+    block_q: int       # query tokens per tile
+    block_m: int       # query rows per tile (block_q tokens × group heads, padded)
+    block_n: int       # keys per inner iteration
+    num_tiles: int     # grid axis 0 (an upper bound; spare tiles exit at once)
+    num_splits: int    # grid axis 2
+    num_warps: int
+    num_stages: int
+
+
+def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_query_len: int,
+                max_seq_len: int, num_splits: int | None = None) -> LaunchPlan:
+    """Tile sizes from the group size and the longest query span; the number of KV splits
+    so that about two programs per SM run, never fewer than _MIN_SPLIT_TOKENS keys a split.
+    Only shapes are read from ``query`` / ``k_cache``. ``num_splits`` forces the count."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # Decode: one token per tile. Longer spans: up to 128 rows, so prefill tiles reuse each
+    # K/V tile for many queries; decode rows in such a batch waste compute, not bandwidth.
+    block_m = max(16, triton.next_power_of_2(max_query_len * group))
+    block_m = max(min(block_m, 128), triton.next_power_of_2(group))
+    block_q = max(1, min(block_m // group, max_query_len))
+    num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
+    if num_splits is None:
+        wanted = triton.cdiv(2 * _num_sms(query.device), num_tiles * num_kv_heads)
+        by_length = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+        num_splits = max(1, min(wanted, by_length, _MAX_SPLITS))
+    wide = head_dim > 128 or query.element_size() > 2  # keep K/V stages within shared memory
+    block_n = 32 if wide and block_m >= 64 else 64
+    num_warps = 8 if block_m >= 128 else 4
+    return LaunchPlan(block_q, block_m, block_n, num_tiles, num_splits, num_warps, num_stages=2)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                    *, max_query_len: int | None = None, max_seq_len: int | None = None,
+                    plan: LaunchPlan | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of a ragged batch over the paged cache, in one launch (two with
+    KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+
+    query ``[num_tokens, num_heads, head_dim]``; k_cache / v_cache ``[num_blocks,
+    block_size, num_kv_heads, head_dim]``; block_tables ``[num_reqs, max_blocks]`` int32;
+    cu_query_lens ``[num_reqs + 1]`` int32; seq_lens ``[num_reqs]`` int32.
+    Give either ``plan`` (from ``plan_launch``, shared by a step's layers) or the host-side
+    ``max_query_len`` / ``max_seq_len`` to plan from (no device sync); ``num_splits``
+    forces the split count. Rows past ``cu_query_lens[-1]`` (padding) are left unwritten.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_shapes(query, k_cache, v_cache, num_heads, num_kv_heads, head_dim)
+    if plan is None:
+        if max_query_len is None or max_seq_len is None:
+            raise ValueError("paged_attention needs a plan or max_query_len and max_seq_len")
+        plan = plan_launch(query, k_cache, block_tables.shape[0], max_query_len, max_seq_len,
+                           num_splits)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    split_kv = plan.num_splits > 1
+    if split_kv:
+        part_out = torch.empty(num_tokens, num_heads, plan.num_splits, head_dim,
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_tokens, num_heads, plan.num_splits, dtype=torch.float32,
+                               device=query.device)
+    else:  # unused by the kernel; any fp32 tensor will do
+        part_out = part_lse = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    upcast = interpreted() and query.dtype == torch.bfloat16
+    _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
+        out, part_out, part_lse,
+        query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
+        block_tables.shape[0], plan.num_splits, scale * LOG2E, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, SPLIT_KV=split_kv, USE_WINDOW=sliding_window is not None,
+        UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if split_kv:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,
+            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(plan.num_splits), num_warps=4)
+    return out
+
+
+def _check_shapes(query, k_cache, v_cache, num_heads, num_kv_heads, head_dim) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not "
+                         f"match head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16:
+        raise ValueError(f"head_dim must be at least 16 for tl.dot, got {head_dim}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few programs, but still exercise the split path
+
+
+def interpreted() -> bool:
+    """Whether these kernels run under the Triton interpreter (TRITON_INTERPRET=1 was set
+    when this module was imported): then they take CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_paged_attention_kernel, InterpretedFunction)

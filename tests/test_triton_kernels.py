@@ -1,0 +1,332 @@
+"""Triton kernels (KV store, ragged paged attention) against their torch references.
+
+On a CPU they run under the Triton interpreter at small sizes; with a CUDA GPU present
+they are compiled and run at real sizes (bf16 within 1.5e-2 of an fp32 reference). Every
+cache starts as NaN, so any read of a stale slot or unowned block poisons the result.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+from specserve.kernels import paged_attention as pa, store_kv as skv  # noqa: E402
+
+# conftest.py sets TRITON_INTERPRET=1 on CPU before anything imports triton.
+assert CUDA or pa.interpreted(), "on a CPU, run with TRITON_INTERPRET=1 set before triton is imported"
+
+from specserve.attention import TorchAttentionBackend, TritonAttentionBackend, get_backend  # noqa: E402
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.errors import SpecserveError  # noqa: E402
+from specserve.kernels import reference  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+from tiny_models import LLM32  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (query len, kv len) per request: decode, verify, prefill chunks, a first token, all in one batch.
+if CUDA:
+    MIXED_SPANS = [(1, 1328), (5, 18), (129, 463), (1, 1), (1, 4000), (8, 2055), (512, 512), (3, 3)]
+    DECODE_LENS = [1, 17, 1000, 1024, 2049, 4096, 3000, 64] * 4
+    NUM_BLOCKS = 20_000
+else:
+    MIXED_SPANS = [(1, 133), (5, 18), (29, 46), (1, 1), (3, 70)]
+    DECODE_LENS = [133, 1, 40, 77]
+    NUM_BLOCKS = 300
+
+
+# ---------------------------------------------------------------------------- helpers
+@dataclass
+class Batch:
+    query: torch.Tensor          # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor   # [num_reqs, max_blocks] int32
+    cu_query_lens: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor       # [num_reqs] int32
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+
+def make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype,
+               num_blocks=NUM_BLOCKS, seed=0) -> Batch:
+    """A NaN cache with random K/V at each request's slots, reached through block tables
+    drawn from a random permutation (non-contiguous, unordered block ids)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    free = torch.randperm(num_blocks, generator=g, device=DEVICE).tolist()
+    tables = []
+    for _, kv_len in spans:
+        table = [free.pop() for _ in range(-(-kv_len // block_size))]
+        slots = torch.tensor(table, device=DEVICE)[:, None] * block_size + torch.arange(block_size, device=DEVICE)
+        slots = slots.flatten()[:kv_len]
+        kv = torch.randn(2, kv_len, num_kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+        reference.store_kv(kv[0], kv[1], k_cache, v_cache, slots, has_padding=False)
+        tables.append(table)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    query_lens = [q for q, _ in spans]
+    seq_lens = [kv for _, kv in spans]
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g, device=DEVICE).to(dtype)
+    return Batch(query, k_cache, v_cache, block_tables, cu,
+                 torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_lens, seq_lens)
+
+
+def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None):
+    query = b.query if query is None else query
+    return pa.paged_attention(query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
+                              b.seq_lens, scale, window, max_query_len=max(b.query_lens_host),
+                              max_seq_len=max(b.seq_lens_host), num_splits=num_splits)
+
+
+def reference_attention(b: Batch, scale, window=None):
+    """The torch reference in fp32 on the same (upcast) inputs."""
+    return reference.paged_attention(b.query.float(), b.k_cache.float(), b.v_cache.float(),
+                                     b.block_tables, b.query_lens_host, b.seq_lens_host, scale, window)
+
+
+def assert_close(out, want, dtype):
+    assert out.dtype == dtype and out.shape == want.shape
+    assert torch.isfinite(out).all()
+    err = (out.float() - want).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+# ---------------------------------------------------------------------------- attention
+# (num_heads, num_kv_heads, head_dim, block_size, dtype, sliding_window, num_splits)
+CPU_CASES = [
+    (8, 2, 64, 16, F32, None, None),
+    (8, 2, 64, 16, F32, None, 3),
+    (5, 1, 128, 32, F32, None, 2),
+    (5, 1, 64, 16, BF16, None, None),
+    (8, 2, 128, 32, BF16, None, 4),
+    (8, 2, 64, 32, F16, None, 1),
+    (5, 1, 128, 16, F16, None, 3),
+    (4, 4, 64, 16, F32, 7, None),
+    (8, 2, 64, 32, BF16, 20, 2),
+    (4, 2, 80, 16, F32, None, 2),   # head_dim not a power of two
+]
+GPU_CASES = [(h, kvh, d, bs, dt, None, None)
+             for h, kvh in ((8, 2), (5, 1)) for d in (64, 128) for bs in (16, 32)
+             for dt in (BF16, F16, F32)]
+GPU_CASES += [(32, 8, 128, 16, BF16, None, None), (32, 8, 128, 32, F32, None, 2)]
+GPU_CASES += [(h, kvh, 128, 16, dt, w, s) for h, kvh in ((8, 2), (5, 1)) for dt in (BF16, F32)
+              for w, s in ((256, None), (None, 1), (None, 7), (4096, 3))]
+
+
+def case_id(case):
+    h, kvh, d, bs, dt, w, s = case
+    return f"{h}:{kvh}-d{d}-bs{bs}-{str(dt)[6:]}-w{w}-s{s}"
+
+
+@pytest.mark.parametrize("case", GPU_CASES if CUDA else CPU_CASES, ids=case_id)
+def test_paged_attention_mixed_batch(case):
+    num_heads, num_kv_heads, head_dim, block_size, dtype, window, num_splits = case
+    b = make_batch(MIXED_SPANS, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    out = triton_attention(b, scale, window, num_splits)
+    assert_close(out, reference_attention(b, scale, window), dtype)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, dtype", [(8, 2, BF16), (5, 1, F32), (4, 4, F16)])
+def test_paged_attention_decode_batch(num_heads, num_kv_heads, dtype):
+    """All spans 1 (plain decode): one-token tiles, splits chosen from the lengths."""
+    b = make_batch([(1, n) for n in DECODE_LENS], num_heads, num_kv_heads, 128, 16, dtype, seed=1)
+    plan = pa.plan_launch(b.query, b.k_cache, len(DECODE_LENS), 1, max(DECODE_LENS))
+    assert plan.block_q == 1 and plan.num_tiles == len(DECODE_LENS)
+    out = pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
+                             b.seq_lens, 128 ** -0.5, plan=plan)
+    assert_close(out, reference_attention(b, 128 ** -0.5), dtype)
+
+
+def test_paged_attention_padding_rows_and_strided_query():
+    """Rows past the last request (CUDA-graph padding) are ignored; a query that is a
+    strided view (q sliced out of a fused qk tensor, as the model passes it) works."""
+    b = make_batch(MIXED_SPANS, 4, 2, 64, 16, F32, seed=2)
+    qk = torch.randn(b.query.shape[0] + 3, 6, 64, device=DEVICE)
+    qk[: b.query.shape[0], :4] = b.query
+    out = triton_attention(b, 0.125, num_splits=2, query=qk[:, :4])
+    assert_close(out[: b.query.shape[0]], reference_attention(b, 0.125), F32)
+
+
+def shaped(*shape, dtype=BF16):
+    """A tensor of this shape without the memory (plan_launch reads only shapes)."""
+    return torch.empty(1, dtype=dtype, device=DEVICE).expand(*shape)
+
+
+def test_plan_splits_small_batches_not_large_ones():
+    cache = shaped(1000, 16, 8, 128)
+    one = pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 4096)
+    assert one.num_splits > 1 and one.block_q == 1 and one.num_tiles == 1
+    assert pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 100).num_splits == 1  # short
+    prefill = pa.plan_launch(shaped(4096, 32, 128), cache, 1, 4096, 4096)
+    assert prefill.num_splits == 1 and prefill.block_m == 128 and prefill.block_q == 32
+    verify = pa.plan_launch(shaped(40, 32, 128), cache, 8, 5, 1000)
+    assert verify.block_m == 32 and verify.block_q == 5 and verify.num_tiles == 40 // 5 + 8
+    wide = pa.plan_launch(shaped(4096, 32, 128, dtype=F32), cache, 1, 4096, 4096)
+    assert wide.block_n == 32  # fp32 K/V stages must fit in shared memory
+
+
+def test_paged_attention_rejects_bad_shapes():
+    b = make_batch([(1, 5)], 6, 4, 64, 16, F32, num_blocks=4)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_attention(b, 0.1)
+    b = make_batch([(1, 5)], 2, 1, 8, 16, F32, num_blocks=4)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_attention(b, 0.1)
+
+
+# Compiles (does not run) a few variants of each kernel for Hopper in a fresh process
+# without the interpreter: catches what only the compiler rejects (types of loop-carried
+# values, shapes tl.dot refuses, shared memory). No GPU is needed for this.
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specserve.kernels import paged_attention as pa, store_kv as skv
+
+def compile(fn, pointers, constants, num_warps, num_stages=2, i64=()):
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i64" if name in i64 else "i32")
+                 for name in fn.arg_names}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+    triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+for dtype, group, head_dim, block_size, block_q, block_m, block_n, split, window in (
+        ("bf16", 4, 128, 16, 1, 16, 64, True, False),      # decode, split KV
+        ("fp32", 5, 64, 32, 25, 128, 32, False, True),     # prefill tile, window, IEEE dot
+        ("fp16", 2, 80, 16, 16, 32, 64, True, True)):      # padded head_dim
+    pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
+                    cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
+    compile(pa._paged_attention_kernel, pointers, dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_KV=split,
+        USE_WINDOW=window, UPCAST_DOT=False, IEEE_DOT=dtype == "fp32"),
+        num_warps=8 if block_m >= 128 else 4, i64=("stride_kb", "stride_vb"))
+compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+        cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)
+compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*bf16",
+        v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), num_warps=4)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU every test above compiles the kernels for real")
+def test_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 notice
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------- KV store
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_store_kv_matches_reference_and_skips_padding(dtype, block_size):
+    """Random scattered slots with -1 rows; a strided key (sliced from a fused tensor);
+    fp32 inputs cast to the cache dtype. -1 rows and every other slot stay untouched."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    num_blocks, kv_heads, head_dim = (4096, 8, 128) if CUDA else (64, 2, 64)
+    num_tokens = 1000 if CUDA else 40
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, generator=g, device=DEVICE).to(dtype)
+    fused = torch.randn(num_tokens, 3 * kv_heads, head_dim, generator=g, device=DEVICE)
+    key, value = fused[:, kv_heads:2 * kv_heads], fused[:, 2 * kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=g, device=DEVICE)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=g, device=DEVICE)[: num_tokens // 4]] = -1
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, want_k, want_v, slots)
+    before = k_cache.clone()
+    skv.store_kv(key, value, k_cache, v_cache, slots)
+    if CUDA or dtype != BF16:
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    else:  # the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even
+        for got, want in ((k_cache, want_k), (v_cache, want_v)):
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    changed = k_cache.view(-1, kv_heads, head_dim) != before.view(-1, kv_heads, head_dim)
+    written = changed.flatten(1).any(1).nonzero().flatten()  # slots that differ now
+    assert set(written.tolist()) <= set(slots[slots >= 0].tolist())
+
+
+def test_store_kv_all_padding_writes_nothing():
+    k_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(5, 2, 64, device=DEVICE)
+    skv.store_kv(key, key, k_cache, v_cache, torch.full((5,), -1, device=DEVICE))
+    assert not k_cache.any() and not v_cache.any()
+
+
+# ---------------------------------------------------------------------------- index overflow
+def test_large_num_blocks_index_math():
+    """A cache of more than 2**31 elements, used at its last blocks: int32 offsets would
+    wrap. The cache is left uninitialised (only touched pages cost memory); the result is
+    compared with the reference over a compact cache holding the same blocks."""
+    block_size, kv_heads, head_dim, dtype = 16, 1, 16, BF16
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 64
+    small = make_batch(MIXED_SPANS[:3], 4, kv_heads, head_dim, block_size, dtype, num_blocks=64)
+    big_k = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    big_v = torch.empty_like(big_k)
+    far = torch.arange(num_blocks - 64, num_blocks, device=DEVICE).flip(0)  # small block j -> far[j]
+    big_k[far], big_v[far] = small.k_cache, small.v_cache
+    big = Batch(small.query, big_k, big_v, far[small.block_tables.long()].int(), small.cu_query_lens,
+                small.seq_lens, small.query_lens_host, small.seq_lens_host)
+    out = triton_attention(big, 0.25, num_splits=2)
+    assert_close(out, reference_attention(small, 0.25), dtype)
+
+    key = torch.randn(3, kv_heads, head_dim, device=DEVICE).to(dtype)
+    slots = torch.tensor([(num_blocks - 1) * block_size + 5, -1, (num_blocks - 2) * block_size],
+                         device=DEVICE)
+    skv.store_kv(key, -key, big_k, big_v, slots)
+    assert torch.equal(big_k[-1, 5], key[0]) and torch.equal(big_v[-2, 0], -key[2])
+
+
+# ---------------------------------------------------------------------------- backend + engine
+def test_backend_selection(monkeypatch):
+    assert isinstance(get_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    assert isinstance(get_backend("torch", DEVICE), TorchAttentionBackend)
+    assert isinstance(get_backend("triton", DEVICE), TritonAttentionBackend)
+    if CUDA:
+        assert isinstance(get_backend("auto", DEVICE), TritonAttentionBackend)
+    with pytest.raises(SpecserveError, match="unknown attention backend"):
+        get_backend("flash", DEVICE)
+    monkeypatch.setattr(pa, "interpreted", lambda: False)
+    with pytest.raises(SpecserveError, match="needs a CUDA device"):
+        get_backend("triton", torch.device("cpu"))
+    assert EngineConfig(attention_backend="triton").attention_backend == "triton"
+    with pytest.raises(SpecserveError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ENGINE = dict(max_num_batched_tokens=24, max_num_seqs=4, block_size=16, num_kv_blocks=32)
+
+
+@pytest.mark.parametrize("variant, extra", [
+    ("llama", dict(speculative_method="ngram", num_speculative_tokens=3)),  # decode+verify+prefill
+    ("mistral_window", dict()),                                             # sliding window
+])
+def test_engine_greedy_output_matches_torch_backend(tiny_model_dir, variant, extra):
+    prompts = [[5, 9, 11, 5, 9, 11, 5, 9], list(range(3, 40)), [7]]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM32(str(tiny_model_dir(variant)), attention_backend=backend, **ENGINE, **extra)
+        assert llm.engine.runner.model.model.layers[0].self_attn.backend.name == backend
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert outputs["triton"] == outputs["torch"]
