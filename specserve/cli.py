@@ -37,6 +37,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="KV-cache memory on CPU, in GiB (default: 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of GPU memory the engine may use (default: 0.9)")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML or JSON file of settings (any flag of this command, named as the "
+                        "flag or with underscores); flags given on the command line win")
     g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
@@ -44,6 +49,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         "target's first layers), draft_model (a separate checkpoint); default: none")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="k, the most draft tokens per request per step (default: 4)")
+    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=False,
+                   help="choose each request's k (up to --num-speculative-tokens) every step from "
+                        "its measured acceptance and the measured step cost (default: off)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
     s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
@@ -54,8 +62,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
-                "kv_cache_memory_gib", "gpu_memory_utilization", "speculative_method",
-                "num_speculative_tokens", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
+                "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend",
+                "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
                 "layerskip_layers")
 
 
@@ -122,6 +130,12 @@ def _bench_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        if getattr(args, "config", None):
+            args = _apply_config_file(parser, args, argv)
+    except ValueError as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
@@ -132,6 +146,60 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
+    """Re-parse with the file's settings as defaults, so flags on the command line win."""
+    settings = load_config_file(args.config)
+    command = _subparser(parser, args)
+    known = {a.dest: a for a in command._actions
+             if a.option_strings and a.dest not in ("help", "config", "version")}
+    defaults = {}
+    for key, value in settings.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known:
+            raise ValueError(f"{args.config}: unknown setting {key!r} for 'specserve {args.command}'")
+        action = known[dest]
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{args.config}: {key} must be one of {', '.join(map(str, action.choices))}, "
+                             f"got {value!r}")
+        if action.type is not None and value is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{args.config}: {key} has an invalid value {value!r}") from None
+        defaults[dest] = value
+    command.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def _subparser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The (innermost) subcommand parser that parsed ``args``."""
+    current = parser
+    for dest in ("command", "bench_command"):
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or getattr(args, dest, None) is None:
+            break
+        current = subs[0].choices[getattr(args, dest)]
+    return current
+
+
+def load_config_file(path: str) -> dict:
+    """A YAML or JSON mapping of settings; ValueError with the reason otherwise."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            settings = yaml.safe_load(f)  # JSON is YAML too
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML or JSON: {str(exc).splitlines()[0]}") from None
+    if settings is None:
+        return {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"config file {path} must hold a mapping of setting: value")
+    return settings
 
 
 def _quiet_libraries() -> None:

@@ -91,3 +91,39 @@ def test_a_failed_generation_exits_1_with_one_line(capsys, tiny_model_dir, monke
     code, out, err = run(capsys, "generate", "hi", "--model", str(tiny_model_dir("llama")), *TINY_ARGS)
     assert code == 1
     assert "specserve: error: generation failed: RuntimeError: out of device memory" in err
+
+
+def test_config_file_sets_flags_and_command_line_wins(capsys, tiny_model_dir, tmp_path):
+    model = str(tiny_model_dir("llama"))
+    config = tmp_path / "tuned.yaml"
+    config.write_text(f"model: {model}\nmax-tokens: 5\nignore_eos: true\nnum_kv_blocks: 64\n"
+                      "block_size: 4\nspeculative_method: ngram\nnum_speculative_tokens: 3\n")
+    code, out, _ = run(capsys, "generate", "abc", "--config", str(config), "--json", "-q")
+    assert code == 0 and json.loads(out)["num_output_tokens"] == 5
+    code, out, _ = run(capsys, "generate", "abc", "--config", str(config), "--json", "-q",
+                       "--max-tokens", "3")
+    assert code == 0 and json.loads(out)["num_output_tokens"] == 3
+    as_json = tmp_path / "tuned.json"
+    as_json.write_text(json.dumps({"model": model, "max_tokens": 2, "ignore_eos": True,
+                                   "num_kv_blocks": 64, "block_size": 4}))
+    code, out, _ = run(capsys, "generate", "abc", "--config", str(as_json), "--json", "-q")
+    assert code == 0 and json.loads(out)["num_output_tokens"] == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bogus: 1\n", "unknown setting 'bogus'"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("max_tokens: [1\n", "not valid YAML"),
+    ("max_tokens: lots\n", "invalid value"),
+    ("speculative_method: magic\n", "must be one of"),
+])
+def test_bad_config_file_is_a_usage_error(capsys, tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    code, _, err = run(capsys, "generate", "abc", "--config", str(config))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_config_file_is_a_usage_error(capsys, tmp_path):
+    code, _, err = run(capsys, "serve", "--config", str(tmp_path / "none.yaml"))
+    assert code == 2 and "cannot read config file" in err
