@@ -52,6 +52,8 @@ class ModelDrafter:
         else:
             self.runner = ModelRunner(self.model, self.config, self.device, self.dtype,
                                       num_blocks=target_runner.num_blocks)
+            if target_runner.graphs is not None:  # its one-token steps replay graphs too
+                self.runner.enable_graphs(1, target_runner.graphs.max_model_len)
 
     @property
     def max_positions(self) -> int | None:
@@ -66,7 +68,9 @@ class ModelDrafter:
             return f"layerskip (first {self.num_layers} target layers + norm + LM head)"
         cfg = self.model.config
         params = self.model.num_parameters / 1e6
-        return f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, {params:.0f}M parameters)"
+        shared = " + the target's embeddings and LM head" if self.model.shared_modules else ""
+        return (f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, "
+                f"{params:.0f}M parameters{shared})")
 
     # ------------------------------------------------------------------ the step
     def propose(self, scheduled: list[ScheduledRequest],

@@ -39,6 +39,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None     # explicit override of the memory budget
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
+    enforce_eager: bool = False          # CUDA: no CUDA graphs for decode/verify steps
     attention_backend: str = "auto"      # auto (triton on CUDA, torch on CPU) | torch | triton
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip
@@ -85,6 +86,8 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                  f"got {self.speculative_method!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise SpecserveError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:

@@ -55,10 +55,13 @@ class LLMEngine:
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
                                   max_useful_blocks=useful)
-        if self.drafter:
-            self.drafter.bind(self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self._fit_max_model_len_to_cache()
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            max_k = config.num_speculative_tokens if self.drafter else 0
+            self.runner.enable_graphs(1 + max_k, self.max_model_len)
+        if self.drafter:
+            self.drafter.bind(self.runner)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
         self.sampler = RejectionSampler(self.device, config.seed)

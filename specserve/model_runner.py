@@ -38,6 +38,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.extra_bytes_per_block = extra_bytes_per_block
+        self.graphs = None  # a GraphRunner once enable_graphs() ran
         self.num_blocks = num_blocks or self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
         try:
@@ -101,12 +102,29 @@ class ModelRunner:
         logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 4
         return tokens * per_token * 4 + logits + 256 * 2**20
 
+    # ---------------------------------------------------------------- CUDA graphs
+    def enable_graphs(self, max_query_len: int, max_model_len: int, capture: bool = True) -> None:
+        """Run decode/verify steps of up to ``max_query_len`` tokens per request as CUDA
+        graph replays (``capture=False``: the same padded path, eagerly — for tests)."""
+        from specserve.cuda_graphs import GraphRunner
+
+        self.graphs = GraphRunner(
+            self.model, self.kv_caches, max_num_seqs=self.config.max_num_seqs,
+            max_query_len=max_query_len,
+            max_blocks_per_seq=-(-(max_model_len + max_query_len) // self.block_size),
+            max_model_len=max_model_len, device=self.device, capture=capture)
+        if capture:
+            with torch.inference_mode():
+                self.graphs.capture_all(list(range(1, max_query_len + 1)))
+
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, num_layers: int | None = None) -> torch.Tensor:
         """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
         each sampling request's last 1 + k positions, in schedule order. ``num_layers``
         runs only the first layers (layer-skip drafting)."""
+        if self.graphs is not None and num_layers is None and self.graphs.fits(output):
+            return self.graphs.run(output, self.block_size)
         batch = self.prepare(output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
