@@ -1,5 +1,5 @@
-"""``specserve bench``, end to end on the tiny model: the serving benchmark against an
-in-process server and against a URL, the offline benchmark, the speculation sweep, and
+"""``specserve bench``, end to end on the tiny model: the serving benchmark against the
+servers it starts and against a URL, the offline benchmark, the speculation sweep, and
 the command line's help and errors."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specserve.bench.serve_bench import InProcessServer
+from specserve.bench.serve_bench import InProcessServer, engine_args
 from specserve.cli import main
 from specserve.config import EngineConfig
 
@@ -39,7 +39,7 @@ def bench(capsys, *argv):
     return code, out, err
 
 
-def test_serving_benchmark_in_process(capsys, tiny_model_dir, repetitive_set, tmp_path):
+def test_serving_benchmark_with_its_own_servers(capsys, tiny_model_dir, repetitive_set, tmp_path):
     result_path, plots = tmp_path / "result.json", tmp_path / "plots"
     code, out, err = bench(capsys, "serve", "--model", str(tiny_model_dir("llama")), *ENGINE, "-q",
                            "--workload", str(repetitive_set), "--num-prompts", "12", "--output-len", "16",
@@ -50,6 +50,8 @@ def test_serving_benchmark_in_process(capsys, tiny_model_dir, repetitive_set, tm
     payload = json.loads(result_path.read_text())
     off, ngram = payload["runs"]
     assert "cpu" in payload["machine"]
+    assert off["server"]["mode"] == "process" and off["server"]["dtype"] == "float32"
+    assert (off["speculative_method"], ngram["speculative_method"]) == ("none", "ngram")
     for run in (off, ngram):
         assert [k for k in VLLM_KEYS if k not in run] == []
         assert run["completed"] == 12 and run["failed"] == 0 and run["request_rate"] == 20
@@ -67,6 +69,14 @@ def test_serving_benchmark_in_process(capsys, tiny_model_dir, repetitive_set, tm
     assert per_pos == sorted(per_pos, reverse=True)  # accepting position j needs every one before it
     assert "Serving Benchmark Result" in out and "| ngram k=3 | 20.0 | 12/12 |" in out
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_per_position.png", "latency_cdfs.png"]
+
+
+def test_a_server_that_cannot_start_is_a_usage_error(capsys, repetitive_set):
+    code, _out, err = bench(capsys, "serve", "--model", "/no/such/model", "-q", "--workload",
+                            str(repetitive_set))
+    assert code == 2
+    assert err.startswith("specserve: error: the benchmark's server did not start: /no/such/model: no such")
+    assert err.count("\n") == 1
 
 
 def test_serving_benchmark_against_a_url_with_a_rate_sweep(capsys, tiny_model_dir, tmp_path):
@@ -113,6 +123,15 @@ def test_offline_benchmark_and_speculation_sweep(capsys, tiny_model_dir, repetit
 
 
 # ---------------------------------------------------------------------- the command line
+def test_engine_args_rebuild_the_config():
+    from specserve.cli import ENGINE_FLAGS, build_parser
+
+    config = EngineConfig(model="/m", dtype="float32", max_model_len=256, kv_cache_memory_gib=0.5,
+                          speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=True)
+    args = build_parser().parse_args(["serve", *engine_args(config)])
+    assert EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}) == config
+
+
 def test_bench_help(capsys):
     done = subprocess.run([sys.executable, "-m", "specserve.cli", "bench", "serve", "--help"],
                           capture_output=True, text=True, timeout=120, check=False)
@@ -142,6 +161,8 @@ def test_bad_flag_exits_2(capsys):
     (["serve", "--speculation", "ngram:2", "--base-url", "http://127.0.0.1:9"], "--base-url"),
     (["serve", "--base-url", "http://127.0.0.1:9", "--workload", "chat"], "cannot reach"),
     (["serve", "--workload", "/no/such.jsonl"], "No such file"),
+    (["serve", "--workload", "random", "--model", "/no/such/model"], "no such file or directory"),
+    (["serve", "--max-num-seqs", "0", "--workload", "chat"], "max_num_seqs"),
     (["serve", "--num-prompts", "0"], "--num-prompts"),
     (["serve", "--metric-percentiles", "99,100"], "percentiles"),
     (["spec-sweep", "--drafters", "eagle"], "unknown drafter"),

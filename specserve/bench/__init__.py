@@ -1,7 +1,7 @@
 """The latency benchmark suite behind ``specserve bench``.
 
-* ``serve_bench`` — the serving benchmark: streaming requests against a server URL or an
-  in-process server, arrivals at a request rate (Poisson or gamma) or fixed concurrency,
+* ``serve_bench`` — the serving benchmark: streaming requests against a server URL or a
+  server it starts itself, arrivals at a request rate (Poisson or gamma) or fixed concurrency,
   client-side TTFT / TPOT / ITL / end-to-end latency, throughput, goodput and speculation
   statistics read from ``/metrics``; results under ``vllm bench serve``'s key names.
 * ``offline`` — the engine in-process, no HTTP: throughput and per-request latency.

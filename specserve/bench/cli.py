@@ -6,6 +6,7 @@ module level, so ``specserve --help`` stays fast.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -27,17 +28,17 @@ def add_bench_parser(sub, engine_flags) -> None:
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
 
     serve = kinds.add_parser(
-        "serve", help="serving benchmark: streaming requests at a rate, against a URL or an "
-                      "in-process server",
+        "serve", help="serving benchmark: streaming requests at a rate, against a URL or a "
+                      "server it starts",
         description="Send streaming requests to an OpenAI-compatible server and measure, client "
                     "side, TTFT, TPOT, ITL and end-to-end latency, throughput, goodput, and the "
                     "server's speculation statistics (from /metrics). Without --base-url a server "
-                    "is started in this process from the engine flags, once per --speculation "
-                    "setting. The JSON result uses vllm bench serve's key names.")
+                    "is started here from the engine flags, once per --speculation setting. The "
+                    "JSON result uses vllm bench serve's key names.")
     target = serve.add_argument_group("server")
     target.add_argument("--base-url", default=None,
                         help="benchmark the server at this URL (e.g. http://127.0.0.1:8000); "
-                             "default: start one in this process (engine flags below)")
+                             "default: start one here from the engine flags below")
     target.add_argument("--endpoint", default="auto", choices=("auto", "completions", "chat"),
                         help="auto: chats to /v1/chat/completions, raw prompts to /v1/completions")
     target.add_argument("--served-model-name", default=None,
@@ -45,8 +46,13 @@ def add_bench_parser(sub, engine_flags) -> None:
     target.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                         help="bearer key for the server (default: $SPECSERVE_API_KEY)")
     target.add_argument("--speculation", default=None, metavar="LIST",
-                        help="in-process only: comma-separated settings, each 'none' or METHOD[:K] "
-                             "(e.g. none,ngram:4), one server each; default: the engine flags")
+                        help="without --base-url: comma-separated settings, each 'none' or "
+                             "METHOD[:K] (e.g. none,ngram:4), one server each; default: the "
+                             "engine flags")
+    target.add_argument("--server-mode", default="process", choices=("process", "thread"),
+                        help="without --base-url: run the server as a child process (default; "
+                             "the client never slows the engine) or as a thread of this process "
+                             "(faster to start)")
     load = serve.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=None,
                       help="requests per second, arrivals drawn from a gamma process; inf sends "
@@ -126,6 +132,7 @@ def run_bench(args, engine_kwargs: dict) -> int:
     if not args.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     percentiles = parse_percentiles(args.metric_percentiles)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
     return {"serve": _serve, "offline": _offline, "spec-sweep": _spec_sweep}[args.bench_command](
@@ -166,7 +173,7 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     speculation = parse_speculation(args.speculation) if args.speculation else None
     if speculation and args.base_url:
-        raise ValueError("--speculation starts in-process servers; it cannot be used with --base-url")
+        raise ValueError("--speculation starts servers here; it cannot be used with --base-url")
     opts = ServeOptions(burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                         endpoint=args.endpoint, served_model_name=args.served_model_name,
                         api_key=args.api_key or None, temperature=args.temperature,
@@ -182,7 +189,7 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
 
         config = EngineConfig(**engine_kwargs)
     runs = run_serve(requests, opts, rates, base_url=args.base_url, engine_config=config,
-                     speculation=speculation)
+                     speculation=speculation, server_mode=args.server_mode)
     for run in runs:
         run["workload"] = args.workload
         print(format_run(run, percentiles))

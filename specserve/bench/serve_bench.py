@@ -1,8 +1,8 @@
 """The serving benchmark: streaming requests against an OpenAI-compatible server.
 
-The server is either one already running (``--base-url``) or one started here, in this
-process, on a free local port for each speculation setting asked for (``--speculation
-none,ngram:4``). Requests are sent at arrival times drawn for a request rate (Poisson, or
+The server is either one already running (``--base-url``) or one started here on a free
+local port for each speculation setting asked for (``--speculation none,ngram:4``): a
+``specserve serve`` child process by default, or a thread of this process. Requests are sent at arrival times drawn for a request rate (Poisson, or
 gamma with a burstiness factor; inf sends all at once), optionally capped at a fixed
 number in flight (``--max-concurrency``); a sweep repeats the run for several rates.
 Warm-up requests run first and are not measured. Results use ``vllm bench serve``'s keys
@@ -14,6 +14,11 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -143,12 +148,96 @@ async def _served_model(http: httpx.AsyncClient, base_url: str) -> str:
         raise ValueError(f"{base_url}/v1/models listed no model; pass --served-model-name") from None
 
 
-# ---------------------------------------------------------------------- in-process server
-class InProcessServer:
-    """The engine and the HTTP app under uvicorn on a free port of 127.0.0.1, in a thread
-    of this process: ``with InProcessServer(config) as server: server.url``."""
+# ---------------------------------------------------------------------- servers started here
+class ServerProcess:
+    """``specserve serve`` in a child process on a free port of 127.0.0.1, as ``vllm bench
+    serve`` measures ``vllm serve``: the client never shares an interpreter (and its GIL)
+    with the engine. ``with ServerProcess(config) as server: server.url``. A server that
+    fails to start raises ValueError with its last line (bad engine flags say why)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, quiet: bool = False, start_timeout: float = 600.0) -> None:
+        self.config, self.quiet, self.start_timeout = config, quiet, start_timeout
+        self.info: dict = {}
+
+    def __enter__(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--log-level", "warning", *engine_args(self.config)]
+        env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self._lines: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline, last = time.monotonic() + self.start_timeout, "no output"
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._stop()
+                raise ValueError(f"the benchmark's server did not start within {self.start_timeout:.0f} s") from None
+            if line is None:  # it exited
+                self.proc.wait()
+                raise ValueError(f"the benchmark's server did not start: {last.removeprefix('specserve: error: ')}")
+            last = line.strip() or last
+            self._parse(line)
+            if "serving " in line and "http://" in line:
+                self.url = "http://" + line.split("http://", 1)[1].split("/v1", 1)[0]
+                return self
+
+    def _drain(self) -> None:
+        """Forward the server's log (unless quiet) and hand lines to ``__enter__``."""
+        for line in self.proc.stderr:
+            if not self.quiet:
+                sys.stderr.write(line)
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _parse(self, line: str) -> None:
+        """What the engine's start-up log says about where it runs."""
+        key, _, value = line.strip().partition(" ")
+        value = value.strip()
+        if key == "model":
+            self.info["model"] = value.split(" (")[0]
+        elif key == "device" and ", dtype " in value:
+            device, dtype = value.split(", dtype ", 1)
+            self.info.update(device=device, dtype=dtype.split(",")[0])
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def describe(self) -> dict:
+        return {**self.info, "mode": "process", "max_num_batched_tokens": self.config.max_num_batched_tokens,
+                "max_num_seqs": self.config.max_num_seqs}
+
+
+def engine_args(config) -> list[str]:
+    """The ``specserve serve`` flags that rebuild ``config``."""
+    from specserve.cli import ENGINE_FLAGS
+
+    args = []
+    for name in ENGINE_FLAGS:
+        value, flag = getattr(config, name), name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            args += [f"--{flag}", str(value)]
+    return args
+
+
+class InProcessServer:
+    """The engine and the HTTP app under uvicorn in a thread of this process, on a free
+    port: quick to start (tests), but the client then shares the interpreter with the
+    engine, which costs the engine some throughput (~15 % on 2 CPU cores)."""
+
+    def __init__(self, config, quiet: bool = False) -> None:
         self.config = config
 
     def __enter__(self) -> InProcessServer:
@@ -179,15 +268,18 @@ class InProcessServer:
     def describe(self) -> dict:
         llm = self.engine.engine
         return {"model": llm.model_name, "device": str(llm.device),
-                "dtype": str(llm.dtype).removeprefix("torch."),
+                "dtype": str(llm.dtype).removeprefix("torch."), "mode": "thread",
                 "max_num_batched_tokens": self.config.max_num_batched_tokens,
                 "max_num_seqs": self.config.max_num_seqs}
+
+
+SERVER_MODES = {"process": ServerProcess, "thread": InProcessServer}
 
 
 # ---------------------------------------------------------------------- speculation settings
 @dataclass(frozen=True)
 class Speculation:
-    """One speculation setting for an in-process server: ``none`` or ``METHOD[:K]``."""
+    """One speculation setting for a server started here: ``none`` or ``METHOD[:K]``."""
 
     method: str
     k: int | None = None
@@ -227,9 +319,10 @@ def parse_speculation(text: str) -> list[Speculation]:
 # ---------------------------------------------------------------------- runs and sweeps
 def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[float], *,
               base_url: str | None = None, engine_config=None,
-              speculation: list[Speculation] | None = None) -> list[dict]:
-    """One run per (speculation setting, rate): against ``base_url``, or against an
-    in-process server per setting built from ``engine_config``."""
+              speculation: list[Speculation] | None = None, server_mode: str = "process") -> list[dict]:
+    """One run per (speculation setting, rate): against ``base_url``, or against a server
+    started here per setting from ``engine_config`` (``server_mode``: a child process, or
+    a thread of this process)."""
     runs = []
     if base_url is not None:
         for rate in rates:
@@ -239,7 +332,7 @@ def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[floa
         return runs
     for spec in speculation or [None]:
         config = spec.apply(engine_config) if spec else engine_config
-        with InProcessServer(config) as server:
+        with SERVER_MODES[server_mode](config, quiet=not opts.progress) as server:
             server_info = server.describe()
             for rate in rates:
                 name = spec.label if spec else _config_label(config)
