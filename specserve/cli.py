@@ -117,7 +117,42 @@ def build_parser() -> argparse.ArgumentParser:
                      help="uvicorn's log level (default: info)")
     _engine_flags(srv)
     _bench_parser(sub)
+    _tune_parser(sub)
     return parser
+
+
+def _tune_parser(sub) -> None:
+    tune = sub.add_parser(
+        "tune", help="find the best draft length and token budget for a workload",
+        description="Sweep --num-speculative-tokens x --max-num-batched-tokens (x drafter) on the "
+                    "engine in this process, with requests arriving at --request-rate or held at "
+                    "--max-concurrency; print a table and write the best setting as a config file "
+                    "for 'specserve serve --config'. Settings clearly worse after a quick round on "
+                    "a quarter of the prompts are dropped before the full round.")
+    w = tune.add_argument_group("workload")
+    w.add_argument("--workload", default="chat",
+                   help="code-edit, summarize, chat, random, or a .jsonl file (one object per line: "
+                        '{"prompt": ...} or {"messages": [...]}, optional "max_tokens"); default: chat')
+    w.add_argument("--num-prompts", type=int, default=32, help="requests per setting (default: 32)")
+    w.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default: 64)")
+    w.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens (default: 128)")
+    w.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    w.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in the engine at once (default: no cap)")
+    g = tune.add_argument_group("search")
+    g.add_argument("--speculative-methods", default=None, metavar="LIST",
+                   help="drafters to try, comma-separated (default: --speculative-method, or ngram)")
+    g.add_argument("--num-speculative-tokens-list", default="0,1,2,4,6", metavar="LIST",
+                   help="k values to try; 0 is speculation off (default: 0,1,2,4,6)")
+    g.add_argument("--max-num-batched-tokens-list", default="128,256,512", metavar="LIST",
+                   help="token budgets to try (default: 128,256,512)")
+    g.add_argument("--ttft-slo-ms", type=float, default=None, help="objective: p99 TTFT at most this")
+    g.add_argument("--tpot-slo-ms", type=float, default=None, help="objective: p99 TPOT at most this")
+    g.add_argument("--output", default="specserve-tuned.yaml",
+                   help="where to write the best setting (default: specserve-tuned.yaml)")
+    g.add_argument("--result-json", default=None, help="also write every run's metrics here")
+    _engine_flags(tune)
 
 
 def _bench_parser(sub) -> None:
@@ -140,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
-        return {"generate": _generate, "serve": _serve, "bench": _bench}[args.command](args)
+        return {"generate": _generate, "serve": _serve, "bench": _bench,
+                "tune": _tune}[args.command](args)
     except ValueError as exc:  # every user-facing error is a ValueError (see errors.py)
         print(f"specserve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -274,6 +310,79 @@ def _serve(args) -> int:
           max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
           max_body_bytes=args.max_request_bytes, log_level="warning" if args.quiet else args.log_level)
     return 0
+
+
+def _tune(args) -> int:
+    import math
+
+    import yaml
+
+    from specserve import EngineConfig, LLMEngine
+    from specserve.bench.workloads import load_workload
+    from specserve.tune import Objectives, best_config, format_table, settings_grid, tune
+
+    ks = _int_list(args.num_speculative_tokens_list, "--num-speculative-tokens-list", 0)
+    budgets = _int_list(args.max_num_batched_tokens_list, "--max-num-batched-tokens-list", 1)
+    methods = (args.speculative_methods or (args.speculative_method if args.speculative_method != "none"
+                                            else "ngram")).split(",")
+    for method in methods:
+        if method not in SPECULATIVE_METHODS or method == "none":
+            raise ValueError(f"--speculative-methods: unknown drafter {method!r}")
+    if not (args.request_rate > 0):
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"
+    base = {k: getattr(args, k) for k in ENGINE_FLAGS}
+    base["max_num_batched_tokens"] = max(budgets)
+    # One engine per drafter, loaded once; k varies per request, the budget on the scheduler.
+    # k = 0 runs on the n-gram engine when there is one (it drafts nothing for those
+    # requests), so plain decoding needs no engine of its own.
+    engines = {}
+    for method in methods if any(k > 0 for k in ks) else []:
+        engines[method] = LLMEngine(EngineConfig(**{**base, "speculative_method": method,
+                                                    "num_speculative_tokens": max(ks),
+                                                    "speculative_adaptive": False}))
+    if 0 in ks:
+        engines["none"] = engines.get("ngram") or LLMEngine(
+            EngineConfig(**{**base, "speculative_method": "none"}))
+    any_engine = next(iter(engines.values()))
+    requests = load_workload(args.workload, args.num_prompts, output_len=args.output_len,
+                             input_len=args.input_len, seed=args.seed, tokenizer=any_engine.tokenizer)
+    objectives = Objectives(args.ttft_slo_ms, args.tpot_slo_ms)
+    rows = tune(engines, requests, settings_grid(methods, ks, budgets), objectives,
+                request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                progress=not args.quiet)
+    load = (f"{args.request_rate:g} requests/s" if not math.isinf(args.request_rate) else "all at once") + (
+        f", at most {args.max_concurrency} in flight" if args.max_concurrency else "")
+    print(f"{args.workload}: {len(requests)} requests x {args.output_len} tokens, {load}")
+    print(format_table(rows, objectives))
+    best = rows[0]
+    config = best_config({k: v for k, v in base.items() if k != "speculative_adaptive"}, best["setting"])
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write(f"# specserve tune: best of {len(rows)} settings for {args.workload} ({load})\n")
+        yaml.safe_dump(config, f, sort_keys=False)
+    verdict = "meets the objectives" if best["objectives_met"] else "misses the objectives least"
+    print(f"best: {best['setting'].label} ({best['output_throughput']:.1f} tokens/s, {verdict}); "
+          f"written to {args.output} (specserve serve --config {args.output})")
+    if args.result_json:
+        with open(args.result_json, "w", encoding="utf-8") as f:
+            json.dump([{**r, "setting": r["setting"].label} for r in rows], f, indent=1)
+    return 0
+
+
+def _int_list(text: str, flag: str, minimum: int) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < minimum:
+        raise ValueError(f"{flag} values must be >= {minimum}, got {text!r}")
+    return values
 
 
 def _bench(args) -> int:

@@ -35,9 +35,12 @@ def prompt_ids(engine, requests: list[BenchRequest]) -> list[list[int]]:
 def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | None = None,
                 temperature: float = 0.0, ignore_eos: bool = False, num_speculative_tokens: int | None = None,
                 seed: int = 0, percentiles=DEFAULT_PERCENTILES, progress: bool = True, label: str = "",
-                token_ids: list[list[int]] | None = None) -> dict:
+                token_ids: list[list[int]] | None = None,
+                arrivals: list[float] | None = None) -> dict:
     """Run ``requests`` through ``engine`` (an idle ``LLMEngine``); returns the result dict,
-    with ``output_token_ids`` per request for equality checks."""
+    with ``output_token_ids`` per request for equality checks. ``arrivals`` (seconds from
+    the start, non-decreasing) holds each request back until its time, as a request rate
+    does; latencies count from that time."""
     from specserve import SamplingParams
 
     token_ids = token_ids or prompt_ids(engine, requests)
@@ -55,9 +58,16 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
     start = time.perf_counter()
     while waiting or engine.has_unfinished_requests():
         while waiting and len(owner) < cap:
+            if arrivals is not None and time.perf_counter() - start < arrivals[waiting[0]]:
+                if not engine.has_unfinished_requests():  # idle until the next arrival
+                    time.sleep(max(0.0, arrivals[waiting[0]] - (time.perf_counter() - start)))
+                    continue
+                break
             i = waiting.popleft()
-            results[i].send_time = time.perf_counter()
+            results[i].send_time = time.perf_counter() if arrivals is None else start + arrivals[i]
             owner[engine.add_request(token_ids[i], params[i])] = i
+        if not engine.has_unfinished_requests():
+            continue
         for out in engine.step():
             now = time.perf_counter()
             i = owner[out.req_id]
