@@ -34,13 +34,19 @@ def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype
                         shares_target_cache=True)
 
 
-def _draft_model(config, _target, target_hf_config, target_tokenizer, device, dtype):
+def _draft_model(config, target, target_hf_config, target_tokenizer, device, dtype):
+    """A draft checkpoint: the one named, else the draft shipped for this target."""
     from specserve.drafts.model_drafter import ModelDrafter
+    from specserve.drafts.shipped import shipped_draft_for, shares_target_embeddings
     from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
 
-    if config.draft_model is None:
-        raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint (--draft-model)")
-    files = resolve_model(config.draft_model)
+    if config.draft_model is not None:
+        files = resolve_model(config.draft_model)
+    else:
+        files = shipped_draft_for(config.model)
+        if files is None:
+            raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint "
+                                 "(--draft-model); only the embedded default model has one built in")
     draft_config = load_hf_config(files)
     if draft_config.vocab_size != target_hf_config.vocab_size:
         raise SpecserveError(f"draft model {files.name} has a vocabulary of {draft_config.vocab_size} "
@@ -49,9 +55,17 @@ def _draft_model(config, _target, target_hf_config, target_tokenizer, device, dt
         if load_tokenizer(files).get_vocab() != target_tokenizer.get_vocab():
             raise SpecserveError(f"draft model {files.name} uses a different tokenizer "
                                  "vocabulary from the target's")
+    shared = None
+    if shares_target_embeddings(draft_config):
+        if draft_config.hidden_size != target_hf_config.hidden_size:
+            raise SpecserveError(f"draft model {files.name} shares its target's embeddings but has "
+                                 f"hidden size {draft_config.hidden_size}, the target "
+                                 f"{target_hf_config.hidden_size}: it was trained for another model")
+        shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
     from specserve.attention import get_backend
 
-    model = build_model(files, draft_config, dtype, device, get_backend(config.attention_backend, device))
+    model = build_model(files, draft_config, dtype, device,
+                        get_backend(config.attention_backend, device), shared_modules=shared)
     return ModelDrafter("draft_model", model, config, device, dtype)
 
 

@@ -210,24 +210,35 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 
 # ---------------------------------------------------------------------------- weights
-def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend):
+def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
+                shared_modules: dict | None = None):
     """Build our model on the meta device (no random init), then stream the checkpoint's
-    tensors into it on ``device``, merging q/k/v and gate/up as they arrive."""
+    tensors into it on ``device``, merging q/k/v and gate/up as they arrive.
+
+    ``shared_modules`` (module path -> module of another model already on ``device``) are
+    used as they are, same storage: a draft that shares its target's embeddings and LM
+    head takes them this way, and its checkpoint holds only its own tensors.
+    ``model.num_parameters`` counts the model's own parameters."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
     from specserve.models import ARCHITECTURES, LlamaForCausalLM
 
     spec = ARCHITECTURES[_check_architecture(config)]
+    shared_modules = shared_modules or {}
     with init_empty_weights():
         model = LlamaForCausalLM(config, spec, backend)
-    model.tie_weights()
-    params = dict(model.named_parameters())
-    for name, param in params.items():
+    for path, module in shared_modules.items():
+        model.set_submodule(path, module)
+    if "lm_head" not in shared_modules:
+        model.tie_weights()
+    own = {name: p for name, p in model.named_parameters() if p.is_meta}
+    for name, param in own.items():
         set_module_tensor_to_device(model, name, device, value=torch.empty(param.shape, dtype=dtype),
                                     dtype=dtype)
-    model.tie_weights()
-    params = dict(model.named_parameters())
+    if "lm_head" not in shared_modules:
+        model.tie_weights()
+    params = {name: p for name, p in model.named_parameters() if name in own}
     filled: dict[str, int] = {name: 0 for name in params}
     for ckpt_name, tensor in _iter_checkpoint(files):
         _load_one(model, params, filled, ckpt_name, tensor)
@@ -236,7 +247,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[0]}")
     model.model.rotary.to(device)
-    model.num_parameters = sum(p.numel() for p in model.parameters())
+    model.num_parameters = sum(p.numel() for p in params.values())
+    model.shared_modules = tuple(shared_modules)
     if device.type == "cpu" and dtype == torch.bfloat16:
         from specserve.models.packed_linear import bf16_packing_supported, pack_linears
 

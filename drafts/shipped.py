@@ -1,0 +1,33 @@
+"""Draft checkpoints shipped inside the package, each trained for one target model.
+
+A shipped draft stores only its own decoder layers and final norm (bf16 safetensors);
+its ``config.json`` declares ``"specserve_draft": {"shares_target_embeddings": true}``, and
+the loader then hands it the target's embedding and LM head modules, same storage, so it
+costs no memory for them and its file stays small. ``train_draft.py`` writes this format.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specserve.errors import ModelLoadError
+from specserve.loader import DEFAULT_MODEL_NAME, ModelFiles
+
+# Target -> folder beside this file. The key None is the embedded default model.
+SHIPPED_DRAFTS: dict[str | None, str] = {None: "smollm2_draft"}
+
+
+def shipped_draft_for(model: str | None) -> ModelFiles | None:
+    """The draft shipped for target ``model`` (None: the embedded default model), if any."""
+    folder = SHIPPED_DRAFTS.get(model)
+    if folder is None:
+        return None
+    path = Path(__file__).resolve().parent / folder
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ModelLoadError(f"the built-in draft for {model or DEFAULT_MODEL_NAME} is missing from "
+                             f"{path}: reinstall specserve")
+    return ModelFiles(f"{model or DEFAULT_MODEL_NAME} draft (built in)", path)
+
+
+def shares_target_embeddings(config) -> bool:
+    """Whether a draft checkpoint's config says it takes the target's embeddings and LM head."""
+    return bool((getattr(config, "specserve_draft", None) or {}).get("shares_target_embeddings"))
