@@ -279,11 +279,12 @@ def test_large_num_blocks_index_math():
     wrap. The cache is left uninitialised (only touched pages cost memory); the result is
     compared with the reference over a compact cache holding the same blocks."""
     block_size, kv_heads, head_dim, dtype = 16, 1, 16, BF16
-    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 64
-    small = make_batch(MIXED_SPANS[:3], 4, kv_heads, head_dim, block_size, dtype, num_blocks=64)
+    used = sum(-(-kv_len // block_size) for _, kv_len in MIXED_SPANS[:3])  # GPU spans are long
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + used
+    small = make_batch(MIXED_SPANS[:3], 4, kv_heads, head_dim, block_size, dtype, num_blocks=used)
     big_k = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     big_v = torch.empty_like(big_k)
-    far = torch.arange(num_blocks - 64, num_blocks, device=DEVICE).flip(0)  # small block j -> far[j]
+    far = torch.arange(num_blocks - used, num_blocks, device=DEVICE).flip(0)  # small block j -> far[j]
     big_k[far], big_v[far] = small.k_cache, small.v_cache
     big = Batch(small.query, big_k, big_v, far[small.block_tables.long()].int(), small.cu_query_lens,
                 small.seq_lens, small.query_lens_host, small.seq_lens_host)
