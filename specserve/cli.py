@@ -39,6 +39,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory the engine may use (default: 0.9)")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="CUDA: run every step eagerly, no CUDA graphs (default: graphs for "
+                        "decode/verify steps)")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="YAML or JSON file of settings (any flag of this command, named as the "
                         "flag or with underscores); flags given on the command line win")
@@ -62,7 +65,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
-                "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend",
+                "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend", "enforce_eager",
                 "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
                 "layerskip_layers")
 

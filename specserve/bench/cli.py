@@ -47,7 +47,7 @@ def add_bench_parser(sub, engine_flags) -> None:
                         help="bearer key for the server (default: $SPECSERVE_API_KEY)")
     target.add_argument("--speculation", default=None, metavar="LIST",
                         help="without --base-url: comma-separated settings, each 'none' or "
-                             "METHOD[:K] (e.g. none,ngram:4), one server each; default: the "
+                             "METHOD[:K][:adaptive] (e.g. none,ngram:4,ngram:4:adaptive), one server each; default: the "
                              "engine flags")
     target.add_argument("--server-mode", default="process", choices=("process", "thread"),
                         help="without --base-url: run the server as a child process (default; "

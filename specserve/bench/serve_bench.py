@@ -279,31 +279,42 @@ SERVER_MODES = {"process": ServerProcess, "thread": InProcessServer}
 # ---------------------------------------------------------------------- speculation settings
 @dataclass(frozen=True)
 class Speculation:
-    """One speculation setting for a server started here: ``none`` or ``METHOD[:K]``."""
+    """One speculation setting for a server started here: ``none`` or ``METHOD[:K][:adaptive]``
+    (adaptive: the engine chooses each request's k up to K every step)."""
 
     method: str
     k: int | None = None
+    adaptive: bool = False
 
     @property
     def label(self) -> str:
         if self.method == "none":
             return "spec off"
-        return self.method + (f" k={self.k}" if self.k is not None else "")
+        return (self.method + (f" k={self.k}" if self.k is not None else "")
+                + (" adaptive" if self.adaptive else ""))
 
     def apply(self, config):
         if self.method == "none":
             return dataclasses.replace(config, speculative_method="none")
         k = self.k if self.k is not None else config.num_speculative_tokens
-        return dataclasses.replace(config, speculative_method=self.method, num_speculative_tokens=k)
+        return dataclasses.replace(config, speculative_method=self.method, num_speculative_tokens=k,
+                                   speculative_adaptive=self.adaptive)
 
 
 def parse_speculation(text: str) -> list[Speculation]:
-    """``"none,ngram:4,layerskip:2"`` -> settings; ValueError on an unknown method or bad k."""
+    """``"none,ngram:4,ngram:4:adaptive,layerskip:2"`` -> settings; ValueError on an
+    unknown method or bad k."""
     from specserve.config import SPECULATIVE_METHODS
 
     out = []
     for part in text.split(","):
-        method, sep, k = part.strip().partition(":")
+        adaptive = part.strip().endswith(":adaptive")
+        method, sep, k = part.strip().removesuffix(":adaptive").partition(":")
+        if adaptive and method == "none":
+            raise ValueError("--speculation none:adaptive: there is nothing to adapt")
+        if adaptive and not sep:
+            out.append(Speculation(method, adaptive=True))
+            continue
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculation {part.strip()!r}: the method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
@@ -312,7 +323,7 @@ def parse_speculation(text: str) -> list[Speculation]:
             continue
         if method == "none" or not k.isdigit() or int(k) < 1:
             raise ValueError(f"--speculation {part.strip()!r}: give METHOD:K with K a positive integer")
-        out.append(Speculation(method, int(k)))
+        out.append(Speculation(method, int(k), adaptive))
     return out
 
 
