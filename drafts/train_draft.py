@@ -1,0 +1,785 @@
+"""Train a small draft model for a target by distilling the target into a few of its own
+layers, in one command: prompts -> the target's responses -> training -> a layers-only
+checkpoint with its model card -> held-out acceptance in the engine.
+
+    python -m specserve.drafts.train_draft --out drafts/smollm2_draft --time-budget-min 8
+
+1. Prompts: ``prompt_sets.build_prompt_set`` (offline: the benchmark workloads and prompts
+   generated for the project, split train / val / test by source; test is never trained on).
+2. Data: the target answers every training and validation prompt greedily and, while the
+   generation budget lasts, ``--samples`` more times sampled at temperature 0.7, with the
+   chat template applied. HF ``generate`` (batched, left-padded; bf16 on CUDA) or our engine (``auto``:
+   the engine on CPU, where its bf16 path is faster). Responses are cached under
+   ``--work-dir``, so a rerun skips what is already generated.
+3. Training: the draft is ``--num-layers`` decoder layers initialised from the target's
+   layers ``--init-layers`` plus the target's final norm, on top of the target's own
+   embeddings and LM head (frozen, shared). Loss on response positions: forward
+   KL(p_target || q_draft) with target logits computed on the fly, plus ``--ce-weight`` ×
+   cross-entropy to the target's argmax. AdamW, linear warm-up then cosine decay, bf16
+   autocast on CUDA (and on CPUs with native bf16). With a time budget the number of steps
+   is fixed after a short calibration and printed, so ``--steps`` reproduces the run.
+   Validation: KL and the greedy acceptance length at k = 4 simulated exactly on the
+   validation responses (draft argmax vs target argmax under teacher forcing).
+4. Output (``--out``): ``model.safetensors`` with the draft's layers and norm only (bf16),
+   ``config.json`` (the target's config with the draft's layer count and
+   ``"specserve_draft": {"shares_target_embeddings": true, ...}``), ``training_log.json``
+   and ``MODEL_CARD.md`` with the figures.
+5. Evaluation: the engine with the new draft, n-gram and layer-skip on held-out chat and
+   code prompts, greedy, k = 4: mean acceptance length, as ``spec_stats`` counts it.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+SAMPLE_TEMPERATURE = 0.7
+
+
+def log(message: str) -> None:
+    print(f"[train_draft {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class Example:
+    token_ids: list[int]   # prompt (chat template applied) + response
+    num_prompt: int        # the response starts here
+    kind: str              # chat | code
+    split: str             # train | val
+    sampled: bool
+
+
+# ---------------------------------------------------------------------------- arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specserve.drafts.train_draft",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=None, help="target model (default: the embedded default model)")
+    p.add_argument("--out", required=True, help="folder for the draft checkpoint and its model card")
+    p.add_argument("--work-dir", default=None, help="cache of generated responses "
+                   "(default: $SPECSERVE_CACHE/draft-training)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-min", type=float, default=None,
+                   help="whole pipeline, generation and evaluation included; sets the generation "
+                        "budget and the number of steps (unless --steps)")
+    # data
+    p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: all)")
+    p.add_argument("--num-val-prompts", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-seq-len", type=int, default=1024, help="longer prompts are skipped")
+    p.add_argument("--samples", type=int, default=2,
+                   help="sampled answers (T = 0.7) per training prompt, beside the greedy one, budget allowing")
+    p.add_argument("--generator", choices=("auto", "hf", "engine"), default="auto")
+    p.add_argument("--gen-batch-tokens", type=int, default=None,
+                   help="padded tokens per HF generate batch (default: 800k on CUDA, 16k on CPU)")
+    p.add_argument("--gen-max-batch", type=int, default=None,
+                   help="sequences per HF generate batch (default: 1024 on CUDA, 64 on CPU)")
+    p.add_argument("--gen-budget-frac", type=float, default=0.45,
+                   help="share of the time budget generation may use")
+    # model and training
+    p.add_argument("--num-layers", type=int, default=3)
+    p.add_argument("--init-layers", default="first-last",
+                   help="target layers to copy: comma-separated indices, 'first-last', 'first' or 'spread'")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="the draft's MLP width (default: 2/3 of the target's, a multiple of 64); a "
+                        "narrower MLP keeps the target neurons with the largest weights")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from the budget, else 1000)")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="padded tokens per step (default: 16384 on CUDA, 2048 on CPU)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.05)
+    p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--ce-weight", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=None, help="steps between validations (default: ~10 per run)")
+    # evaluation
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts per kind (chat, code)")
+    p.add_argument("--eval-max-tokens", type=int, default=128)
+    p.add_argument("--eval-baselines", default="ngram,layerskip",
+                   help="other drafters evaluated beside the draft ('' for none)")
+    p.add_argument("--eval-reserve-s", type=float, default=None,
+                   help="seconds of the budget kept for saving and evaluation (default: 60 CUDA, 240 CPU)")
+    return p.parse_args(argv)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def use_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    from specserve.models.packed_linear import bf16_packing_supported
+
+    return bf16_packing_supported()
+
+
+# ---------------------------------------------------------------------------- prompts
+def select_prompts(args, tokenizer) -> dict[str, list[tuple[str, str, list[int]]]]:
+    """(kind, source, prompt token ids) for the train and val splits, seeded order;
+    training prompts alternate chat and code so any prefix of the list is balanced."""
+    from specserve.drafts.prompt_sets import build_prompt_set
+
+    rng = random.Random(args.seed)
+    chosen = {}
+    everything = build_prompt_set(args.seed)
+    for split, limit in (("train", args.num_prompts), ("val", args.num_val_prompts)):
+        by_kind: dict[str, list] = {}
+        for prompt in everything:
+            if prompt.split == split:
+                by_kind.setdefault(prompt.kind, []).append(prompt)
+        for group in by_kind.values():
+            rng.shuffle(group)
+        mixed = [p for row in itertools.zip_longest(*by_kind.values()) for p in row if p is not None]
+        items = []
+        for prompt in mixed:
+            ids = encode_prompt(tokenizer, prompt.text)
+            if len(ids) + 16 <= args.max_seq_len:
+                items.append((prompt.kind, prompt.source, ids))
+        chosen[split] = items[:limit] if limit is not None else items
+    return chosen
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------- generation
+class ResponseCache:
+    """Generated responses keyed by (prompt ids, mode); saved after every batch."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, list[int]] = torch.load(path) if path.is_file() else {}
+
+    @staticmethod
+    def key(prompt_ids: list[int], mode: str) -> str:
+        return hashlib.sha256(f"{mode}:{prompt_ids}".encode()).hexdigest()[:24]
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".partial")
+        torch.save(self.data, tmp)
+        tmp.replace(self.path)
+
+
+def generate_responses(args, files, tokenizer, prompts, device, deadline: float | None,
+                       work_dir: Path) -> list[Example]:
+    """Greedy responses for every prompt, then sampled ones while the budget lasts."""
+    settings = f"{files.name}|{args.max_new_tokens}|{args.seed}|{generator_for(args, device)}"
+    cache = ResponseCache(work_dir / f"responses-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.pt")
+    generator = generator_for(args, device)
+    eos = eos_ids(files, tokenizer)
+    jobs = [(split, kind, ids, "greedy") for split in ("val", "train") for kind, _, ids in prompts[split]]
+    for round_ in range(args.samples):  # "sampled", "sampled2", ...: one round after another
+        mode = "sampled" + (str(round_ + 1) if round_ else "")
+        jobs += [("train", kind, ids, mode) for kind, _, ids in prompts["train"]]
+    todo = [j for j in jobs if ResponseCache.key(j[2], j[3]) not in cache.data]
+    log(f"generation: {len(jobs)} responses wanted, {len(jobs) - len(todo)} cached, "
+        f"{len(todo)} to generate with {generator} on {device_name(device)}")
+    if todo:
+        run = _generate_engine if generator == "engine" else _generate_hf
+        run(args, files, tokenizer, todo, device, deadline, cache, eos)
+    examples = []
+    for split, kind, ids, mode in jobs:
+        response = cache.data.get(ResponseCache.key(ids, mode))
+        if response:
+            full = (ids + response)[:args.max_seq_len]
+            examples.append(Example(full, len(ids), kind, split, mode != "greedy"))
+    log(f"generation: {len(examples)} examples, "
+        f"{sum(len(e.token_ids) - e.num_prompt for e in examples)} response tokens")
+    return examples
+
+
+def generator_for(args, device: torch.device) -> str:
+    if args.generator != "auto":
+        return args.generator
+    return "hf" if device.type == "cuda" else "engine"
+
+
+def eos_ids(files, tokenizer) -> list[int]:
+    from specserve.loader import eos_token_ids, load_hf_config
+
+    return sorted(eos_token_ids(files, load_hf_config(files), tokenizer))
+
+
+def _batches_by_length(jobs, budget: int, max_new: int, max_batch: int):
+    """Jobs sorted by prompt length, cut into batches of at most ``budget`` padded tokens."""
+    order = sorted(jobs, key=lambda j: (j[3] != "greedy", j[3], len(j[2])))
+    batch: list = []
+    for job in order:
+        longest = max([len(job[2])] + [len(j[2]) for j in batch])
+        if batch and ((len(batch) + 1) * (longest + max_new) > budget or len(batch) >= max_batch
+                      or job[3] != batch[0][3]):
+            yield batch
+            batch = []
+        batch.append(job)
+    if batch:
+        yield batch
+
+
+def _cut_response(tokens: list[int], eos: list[int], pad: int | None) -> list[int]:
+    out = []
+    for token in tokens:
+        out.append(token)
+        if token in eos:
+            break
+    while out and pad is not None and out[-1] == pad and pad not in eos:
+        out.pop()
+    return out
+
+
+def _generate_hf(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    cuda = device.type == "cuda"
+    budget = args.gen_batch_tokens or (800_000 if cuda else 16_384)
+    max_batch = args.gen_max_batch or (1024 if cuda else 64)
+    batches = list(_batches_by_length(todo, budget, args.max_new_tokens, max_batch))
+    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
+    for index, batch in enumerate(batches):
+        if deadline is not None and time.time() > deadline:
+            log(f"generation budget spent: {len(todo) - bar.n} responses not generated")
+            break
+        width = max(len(j[2]) for j in batch)
+        input_ids = torch.tensor([[pad] * (width - len(j[2])) + j[2] for j in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(j[2])) + [1] * len(j[2]) for j in batch], device=device)
+        sampled = batch[0][3] != "greedy"
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=sampled,
+                                  temperature=SAMPLE_TEMPERATURE if sampled else 1.0,
+                                  top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad)
+        torch.manual_seed(args.seed * 1_000_003 + index)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        for job, row in zip(batch, out[:, width:].tolist()):
+            cache.data[ResponseCache.key(job[2], job[3])] = _cut_response(row, eos, pad)
+        cache.save()
+        bar.update(len(batch))
+    bar.close()
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(args.target, device=str(device), max_num_seqs=64, max_num_batched_tokens=2048,
+              max_model_len=args.max_seq_len + args.max_new_tokens)
+    chunk = 64
+    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
+    for start in range(0, len(todo), chunk):
+        if deadline is not None and time.time() > deadline:
+            log(f"generation budget spent: {len(todo) - start} responses not generated")
+            break
+        batch = todo[start:start + chunk]
+        params = [SamplingParams(temperature=SAMPLE_TEMPERATURE if j[3] != "greedy" else 0.0,
+                                 seed=args.seed * 1_000_003 + start + i, max_tokens=args.max_new_tokens)
+                  for i, j in enumerate(batch)]
+        outs = llm.generate([j[2] for j in batch], params, use_tqdm=False)
+        for job, out in zip(batch, outs):
+            cache.data[ResponseCache.key(job[2], job[3])] = list(out.token_ids)
+        cache.save()
+        bar.update(len(batch))
+    bar.close()
+
+
+# ---------------------------------------------------------------------------- the draft
+def parse_init_layers(spec: str, num_layers: int, target_layers: int) -> list[int]:
+    if spec == "first-last":
+        layers = list(range(num_layers - 1)) + [target_layers - 1]
+    elif spec == "spread":
+        layers = [round(i * (target_layers - 1) / max(1, num_layers - 1)) for i in range(num_layers)]
+    elif spec == "first":
+        layers = list(range(num_layers))
+    else:
+        layers = [int(x) for x in spec.split(",")]
+    if len(layers) != num_layers or not all(0 <= i < target_layers for i in layers):
+        raise SystemExit(f"--init-layers {spec!r}: need {num_layers} indices in [0, {target_layers})")
+    return layers
+
+
+def build_draft(target, init_layers: list[int], device: torch.device, intermediate_size: int | None = None):
+    """A ``len(init_layers)``-layer HF model of the target's family: its layers and final
+    norm copied from the target (float32 master weights), its embeddings and LM head the
+    target's own modules (frozen). A narrower MLP keeps the target's widest neurons."""
+    import copy
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(init_layers)
+    config.intermediate_size = intermediate_size or config.intermediate_size
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in init_layers]
+    draft = type(target)(config)
+    for mine, theirs in zip(draft.model.layers, init_layers):
+        mine.load_state_dict(_narrowed(target.model.layers[theirs].state_dict(), config.intermediate_size))
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    draft = draft.float().to(device)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = target.lm_head
+    return draft
+
+
+def _narrowed(state: dict, width: int) -> dict:
+    """A decoder layer's weights with only the ``width`` MLP neurons of largest
+    ‖down column‖ · (‖gate row‖ + ‖up row‖)."""
+    gate, up, down = (state[f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    if gate.shape[0] == width:
+        return state
+    importance = down.float().norm(dim=0) * (gate.float().norm(dim=1) + up.float().norm(dim=1))
+    keep = importance.topk(width).indices.sort().values
+    state = dict(state)
+    for name in ("gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias"):
+        if f"mlp.{name}" in state:
+            state[f"mlp.{name}"] = state[f"mlp.{name}"][keep]
+    state["mlp.down_proj.weight"] = down[:, keep]
+    return state
+
+
+def own_parameters(draft) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in draft.named_parameters()
+            if n.startswith(("model.layers.", "model.norm."))}
+
+
+# ---------------------------------------------------------------------------- training
+def make_batches(examples: list[Example], budget: int, rng: random.Random) -> list[list[Example]]:
+    """Examples of similar length together, at most ``budget`` padded tokens a batch."""
+    order = sorted(examples, key=lambda e: len(e.token_ids))
+    batches, batch = [], []
+    for example in order:
+        if batch and (len(batch) + 1) * len(example.token_ids) > budget:
+            batches.append(batch)
+            batch = []
+        batch.append(example)
+    if batch:
+        batches.append(batch)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(batch: list[Example], device: torch.device, pad: int):
+    """Right-padded ids ``[B, L]`` and the response positions: row and column of each
+    position whose next token is a response token. Causal attention never lets a real
+    token see the padding after it, so no attention mask is needed."""
+    width = max(len(e.token_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    rows, cols = [], []
+    for r, e in enumerate(batch):
+        ids[r, :len(e.token_ids)] = torch.tensor(e.token_ids)
+        span = range(e.num_prompt - 1, len(e.token_ids) - 1)
+        rows.extend([r] * len(span))
+        cols.extend(span)
+    return ids.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+
+
+def logits_at(model, ids, rows, cols) -> torch.Tensor:
+    hidden = model.model(input_ids=ids).last_hidden_state
+    return model.lm_head(hidden[rows, cols]).float()
+
+
+def distill_loss(draft_logits, target_logits, ce_weight: float):
+    log_p = F.log_softmax(target_logits, dim=-1)
+    log_q = F.log_softmax(draft_logits, dim=-1)
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+    ce = F.cross_entropy(draft_logits, target_logits.argmax(dim=-1))
+    return kl + ce_weight * ce, kl, ce
+
+
+def lr_at(step: int, steps: int | None, args) -> float:
+    """Linear warm-up over ``--warmup-steps``, then cosine decay to ``min_lr_frac`` × lr at
+    ``steps`` (not yet known while a time budget is being calibrated: warm-up only)."""
+    warmup = max(1, args.warmup_steps)
+    if step < warmup or steps is None:
+        return args.lr * min(1.0, (step + 1) / warmup)
+    progress = (step - warmup) / max(1, steps - warmup)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def simulated_acceptance(matches: list[list[bool]], k: int = 4) -> float:
+    """Greedy verification replayed on teacher-forced agreement: from each verify position,
+    the draft's run of agreeing tokens (at most k) is accepted and one more token is
+    emitted. Returns tokens per verify step, as the engine's ``mean_acceptance_length``."""
+    steps = accepted = 0
+    for row in matches:
+        i = 0
+        while i < len(row):
+            run = 0
+            while run < k and i + run < len(row) and row[i + run]:
+                run += 1
+            steps += 1
+            accepted += run
+            i += run + 1
+    return 1 + accepted / steps if steps else 1.0
+
+
+@torch.no_grad()
+def validate(draft, target, batches, device, pad, autocast) -> dict:
+    draft.eval()
+    kl_sum = n = 0.0
+    matches: dict[str, list[list[bool]]] = {"chat": [], "code": []}
+    for batch in batches:
+        ids, rows, cols = collate(batch, device, pad)
+        with autocast():
+            t_logits = logits_at(target, ids, rows, cols)
+            d_logits = logits_at(draft, ids, rows, cols)
+        _, kl, _ = distill_loss(d_logits, t_logits, 0.0)
+        kl_sum += kl.item() * len(rows)
+        n += len(rows)
+        agree = (d_logits.argmax(-1) == t_logits.argmax(-1)).tolist()
+        start = 0
+        for e in batch:
+            length = len(e.token_ids) - e.num_prompt
+            if not e.sampled:
+                matches[e.kind].append(agree[start:start + length])
+            start += length
+    draft.train()
+    result = {"kl": round(kl_sum / max(n, 1), 4)}
+    for kind, rows_ in matches.items():
+        if rows_:
+            result[f"sim_accept_len_{kind}"] = round(simulated_acceptance(rows_), 3)
+            result[f"top1_agreement_{kind}"] = round(sum(map(sum, rows_)) / sum(map(len, rows_)), 4)
+    return result
+
+
+def train(args, target, draft, examples, device, pad, deadline: float | None) -> dict:
+    rng = random.Random(args.seed)
+    budget = args.batch_tokens or (16384 if device.type == "cuda" else 2048)
+    train_set = [e for e in examples if e.split == "train"]
+    val_batches = make_batches([e for e in examples if e.split == "val"], budget, random.Random(0))
+    params = own_parameters(draft)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    decay = [p for n, p in params.items() if p.dim() >= 2]
+    no_decay = [p for n, p in params.items() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    bf16 = use_bf16(device)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    history = {"train": [], "val": []}
+    initial = validate(draft, target, val_batches, device, pad, autocast)
+    history["val"].append({"step": 0, **initial})
+    log(f"validation before training: {initial}")
+
+    # With a time budget, steps [40, 100) are timed (the first ones pay one-off costs:
+    # kernel selection, the allocator growing for new shapes) and fix the number of steps;
+    # until then the learning rate warms up and holds at its peak.
+    epoch_batches: list = []
+    steps = args.steps if args.steps or deadline is None else None
+    steps = steps or (1000 if deadline is None else None)
+    timed_from, timed_to = 40, 100
+    step = tokens_seen = 0
+    started = time.time()
+    bar = None
+    draft.train()
+    while True:
+        if steps is None and step in (timed_from, timed_to):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step == timed_from:
+                timer = time.time()
+            else:
+                per_step = (time.time() - timer) / (timed_to - timed_from)
+                left = deadline - time.time()
+                steps = step + max(1, int(left / (per_step * 1.05)))  # 5 %: validations, jitter
+                log(f"training: {per_step * 1000:.0f} ms per step -> {steps} steps "
+                    f"(pass --steps {steps} to reproduce)")
+        if steps is None and time.time() > deadline:  # a budget too small to calibrate in
+            steps = step
+            log(f"training: the budget ran out before step {timed_to}: {steps} steps")
+        if steps is not None and step >= steps:
+            break
+        if bar is None and steps is not None:
+            bar = tqdm(total=steps, initial=step, desc="training", unit="step", mininterval=10)
+        if not epoch_batches:
+            epoch_batches = make_batches(train_set, budget, rng)
+        batch = epoch_batches.pop()
+        ids, rows, cols = collate(batch, device, pad)
+        lr = lr_at(step, steps, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast():
+            with torch.no_grad():
+                t_logits = logits_at(target, ids, rows, cols)
+            d_logits = logits_at(draft, ids, rows, cols)
+        loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+        optimizer.step()
+        tokens_seen += len(rows)
+        step += 1
+        if bar is not None:
+            bar.update(1)
+        every = args.eval_every or max(1, (steps or 10**9) // 10)
+        if step % 10 == 0 or step == steps:
+            history["train"].append({"step": step, "lr": round(lr, 7), "loss": round(loss.item(), 4),
+                                     "kl": round(kl.item(), 4), "ce": round(ce.item(), 4),
+                                     "grad_norm": round(norm.item(), 3)})
+        if steps is not None and (step % every == 0 or step == steps):
+            result = {"step": step, **validate(draft, target, val_batches, device, pad, autocast)}
+            history["val"].append(result)
+            log(f"step {step}/{steps}: train kl {kl.item():.3f} ce {ce.item():.3f} | val {result}")
+    if bar is not None:
+        bar.close()
+    seconds = time.time() - started
+    return {"steps": steps, "seconds": round(seconds, 1), "batch_tokens": budget,
+            "response_tokens_seen": tokens_seen, "epochs": round(tokens_seen / max(1, sum(
+                len(e.token_ids) - e.num_prompt for e in train_set)), 2),
+            "history": history, "final_val": history["val"][-1]}
+
+
+# ---------------------------------------------------------------------------- saving
+def save_draft(draft, files, init_layers: list[int], out: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {n: p.detach().to(torch.bfloat16).cpu().contiguous()
+             for n, p in own_parameters(draft).items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((files.path / "config.json").read_text())
+    for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label", "label2id"):
+        config.pop(key, None)
+    config["num_hidden_layers"] = len(init_layers)
+    config["intermediate_size"] = draft.config.intermediate_size
+    if config.get("layer_types"):
+        config["layer_types"] = [config["layer_types"][i] for i in init_layers]
+    config["dtype"] = "bfloat16"
+    config["specserve_draft"] = {"shares_target_embeddings": True, "target": files.name,
+                                 "init_from_target_layers": init_layers,
+                                 "trained_by": "python -m specserve.drafts.train_draft"}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------- evaluation
+def evaluate_in_engine(args, out: Path, device: torch.device) -> dict:
+    """Held-out chat and code prompts, greedy, k = 4, all at once: mean acceptance length
+    for the trained draft and the baseline drafters."""
+    from specserve.drafts.prompt_sets import held_out_prompts
+
+    from specserve import LLM, SamplingParams
+
+    prompts = {kind: held_out_prompts(kind, args.eval_prompts, args.seed) for kind in ("chat", "code")}
+    methods = {"draft_model": {"draft_model": str(out)}}
+    methods.update({m: {} for m in args.eval_baselines.split(",") if m})
+    params = SamplingParams(temperature=0, max_tokens=args.eval_max_tokens)
+    results = {}
+    for method, extra in methods.items():
+        llm = LLM(args.target, device=str(device), speculative_method=method, num_speculative_tokens=4,
+                  max_num_seqs=32, max_model_len=args.max_seq_len + args.eval_max_tokens, **extra)
+        tokenizer = llm.tokenizer
+        results[method] = {}
+        for kind, messages in prompts.items():
+            ids = [p for p in (encode_prompt(tokenizer, m) for m in messages) if len(p) <= args.max_seq_len]
+            outs = llm.generate(ids, params, use_tqdm=False)
+            drafts = sum(o.spec_stats.num_drafts for o in outs)
+            accepted = sum(o.spec_stats.num_accepted_tokens for o in outs)
+            results[method][kind] = round(1 + accepted / drafts, 3) if drafts else 1.0
+        log(f"held-out acceptance length, k = 4, {method}: {results[method]}")
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"num_prompts_per_kind": {k: len(v) for k, v in prompts.items()},
+            "max_tokens": args.eval_max_tokens, "k": 4, "mean_acceptance_length": results}
+
+
+# ---------------------------------------------------------------------------- model card
+def write_model_card(out: Path, record: dict) -> None:
+    t, d, e = record["training"], record["data"], record.get("evaluation")
+    val0, val1 = t["history"]["val"][0], t["final_val"]
+    lines = [
+        f"# {record['name']}",
+        "",
+        f"A {record['num_layers']}-layer draft model for **{record['target']}**, made for speculative "
+        "decoding in specserve. It stores only its own decoder layers and final norm "
+        f"({record['file_mb']:.1f} MB, bf16); the target's embeddings and (tied) LM head are shared "
+        "with it at load time, same storage, so it costs no memory for them.",
+        "",
+        *(["It is the built-in draft of the embedded default model, used when no other is named:",
+           "", "```bash", "specserve generate --speculative-method draft_model \"Why is the sky blue?\"",
+           "```"] if record["args"]["target"] is None else [
+            "Use it with its target:", "", "```bash",
+            f"specserve generate --model {record['target']} --speculative-method draft_model "
+            f"--draft-model {record['args']['out']} \"Why is the sky blue?\"", "```"]),
+        "",
+        "## How it was trained",
+        "",
+        f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
+        f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons.",
+        f"- **Data:** {d['train_prompts']} training prompts ({d['train_by_kind']['chat']} chat, "
+        f"{d['train_by_kind']['code']} code), built offline by "
+        "`specserve.drafts.prompt_sets` (chat questions from topic lists × question templates, "
+        "writing and maths tasks, code tasks and explain/summarise/rewrite tasks over Python "
+        "standard-library functions and docstrings). The target answered each with the chat "
+        f"template applied: greedy, plus {d['sampled_examples']} sampled answers at temperature "
+        f"{SAMPLE_TEMPERATURE}; at most {d['max_new_tokens']} new tokens; {d['response_tokens']} "
+        f"response tokens in all, generated with "
+        f"{'HF transformers generate' if d['generator'] == 'hf' else 'the specserve engine'} "
+        f"in {d['seconds']:.0f} s.",
+        "- **Held out:** the benchmark workloads (`benchmarks/workloads.py`) and every prompt whose "
+        "source (topic, function, document) hashes into the test bucket (10 %); a further 5 % "
+        f"(validation, {d['val_prompts']} prompts) is watched during training. Neither is trained on.",
+        f"- **Objective:** forward KL(target ‖ draft) on response positions with the target's logits "
+        f"computed on the fly, plus {record['args']['ce_weight']} × cross-entropy to the target's "
+        "argmax; only the draft's layers and norm learn.",
+        f"- **Optimisation:** AdamW (lr {record['args']['lr']}, betas 0.9/0.95, weight decay "
+        f"{record['args']['weight_decay']}), {record['args']['warmup_steps']} warm-up steps then cosine "
+        f"decay, {t['steps']} steps of ≤ {t['batch_tokens']} padded tokens, "
+        f"{t['response_tokens_seen']} response tokens seen ({t['epochs']} epochs), "
+        f"{t['seconds']:.0f} s on {record['device']}, seed {record['args']['seed']}.",
+        f"- **Whole run:** {record['total_seconds']:.0f} s, {record['date']}, torch "
+        f"{record['torch']}, transformers {record['transformers']}, Python {record['python']}.",
+        "",
+        "## Figures",
+        "",
+        "Validation (teacher forcing on the validation prompts' greedy answers; acceptance length "
+        "at k = 4 replayed exactly from draft-vs-target argmax agreement):",
+        "",
+        "| | KL | top-1 agreement chat | top-1 agreement code | accept. length chat | accept. length code |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, v in (("before training", val0), ("after training", val1)):
+        lines.append(f"| {label} | {v['kl']} | {v.get('top1_agreement_chat', '')} | "
+                     f"{v.get('top1_agreement_code', '')} | {v.get('sim_accept_len_chat', '')} | "
+                     f"{v.get('sim_accept_len_code', '')} |")
+    if e:
+        n = e["num_prompts_per_kind"]
+        lines += ["", f"Held-out prompts in the engine ({n['chat']} chat, {n['code']} code), greedy, "
+                  f"k = 4, up to {e['max_tokens']} new tokens, mean acceptance length (tokens per "
+                  "verify step):", "", "| drafter | chat | code |", "| --- | ---: | ---: |"]
+        for method, r in e["mean_acceptance_length"].items():
+            name = "this draft" if method == "draft_model" else method
+            lines.append(f"| {name} | {r['chat']:.2f} | {r['code']:.2f} |")
+    if record.get("evaluation_error"):
+        lines += ["", f"Evaluation in the engine failed: {record['evaluation_error']}"]
+    lines += ["", "Validation during training:", "", "| step | KL | accept. length chat | accept. length code |",
+              "| ---: | ---: | ---: | ---: |"]
+    for v in t["history"]["val"]:
+        lines.append(f"| {v['step']} | {v['kl']} | {v.get('sim_accept_len_chat', '')} | "
+                     f"{v.get('sim_accept_len_code', '')} |")
+    lines += ["", "`training_log.json` beside this card holds every figure and the training curve.", "",
+              "## Reproduce", "", "```bash", record["command"], "```", "",
+              "Greedy output with this draft equals the target's own (speculative decoding is "
+              "lossless); the draft only changes speed.", ""]
+    (out / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.time()
+    deadline = started + args.time_budget_min * 60 if args.time_budget_min else None
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    out = Path(args.out)
+
+    from transformers import AutoModelForCausalLM
+
+    from specserve.loader import cache_dir, load_tokenizer, resolve_model
+
+    files = resolve_model(args.target)
+    tokenizer = load_tokenizer(files)
+    work_dir = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-training"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log(f"target {files.name} on {device_name(device)}; budget "
+        f"{args.time_budget_min or 'none'} min; out {out}")
+
+    prompts = select_prompts(args, tokenizer)
+    log(f"prompts: {len(prompts['train'])} train, {len(prompts['val'])} val")
+    gen_started = time.time()
+    gen_deadline = started + args.time_budget_min * 60 * args.gen_budget_frac if deadline else None
+    examples = generate_responses(args, files, tokenizer, prompts, device, gen_deadline, work_dir)
+    gen_seconds = time.time() - gen_started
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
+    init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
+    width = target.config.intermediate_size * 2 // 3
+    args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
+    draft = build_draft(target, init_layers, device, args.intermediate_size)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    reserve = args.eval_reserve_s if args.eval_reserve_s is not None else (60 if device.type == "cuda" else 240)
+    train_deadline = deadline - reserve if deadline else None
+    training = train(args, target, draft, examples, device, pad, train_deadline)
+
+    save_draft(draft, files, init_layers, out)
+    del draft, target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    record = make_record(args, argv, files, device, init_layers, out, prompts, examples, gen_seconds,
+                         training, started)
+    write_outputs(out, record)  # before evaluating: a failing evaluation keeps the draft's card
+    if args.eval_prompts:
+        try:
+            record["evaluation"] = evaluate_in_engine(args, out, device)
+        except Exception as exc:  # the checkpoint is saved; say what failed and carry on
+            log(f"evaluation in the engine failed: {type(exc).__name__}: {exc}")
+            record["evaluation_error"] = f"{type(exc).__name__}: {exc}"
+        record["total_seconds"] = round(time.time() - started, 1)
+        write_outputs(out, record)
+    log(f"done in {record['total_seconds']:.0f} s: {out}/model.safetensors "
+        f"({record['file_mb']:.1f} MB), MODEL_CARD.md, training_log.json")
+    return record
+
+
+def write_outputs(out: Path, record: dict) -> None:
+    (out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_model_card(out, record)
+
+
+def make_record(args, argv, files, device, init_layers, out, prompts, examples, gen_seconds,
+                training, started) -> dict:
+    import transformers
+
+    train_examples = [e for e in examples if e.split == "train"]
+    return {
+        "name": f"{files.name} draft ({args.num_layers} layers)", "target": files.name,
+        "num_layers": args.num_layers, "init_layers": init_layers, "device": device_name(device),
+        "file_mb": (out / "model.safetensors").stat().st_size / 1e6,
+        "args": vars(args), "command": " ".join(["python -m specserve.drafts.train_draft", *(
+            sys.argv[1:] if argv is None else argv), *([] if args.steps else ["--steps", str(training["steps"])])]),
+        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "data": {"train_prompts": len(prompts["train"]), "val_prompts": len(prompts["val"]),
+                 "train_by_kind": {k: sum(e.kind == k and not e.sampled for e in train_examples)
+                                   for k in ("chat", "code")},
+                 "sampled_examples": sum(e.sampled for e in train_examples),
+                 "response_tokens": sum(len(e.token_ids) - e.num_prompt for e in train_examples),
+                 "max_new_tokens": args.max_new_tokens, "seconds": gen_seconds,
+                 "generator": generator_for(args, device)},
+        "training": training, "evaluation": None,
+        "total_seconds": round(time.time() - started, 1),
+    }
+
+
+if __name__ == "__main__":
+    main()
