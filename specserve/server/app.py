@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
@@ -128,7 +129,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
         if body.stream:
-            return _sse(_stream_completion(run, model_name, body.include_usage))
+            return _sse(_stream_completion(run, model_name, body.include_usage), run)
         outs = await _unless_disconnected(request, run.collect())
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": model_name,
                 "choices": [{"index": i, "text": o.text, "logprobs": None,
@@ -144,7 +145,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
         if body.stream:
-            return _sse(_stream_chat(run, model_name, body.include_usage))
+            return _sse(_stream_chat(run, model_name, body.include_usage), run)
         (out,) = await _unless_disconnected(request, run.collect())
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
@@ -302,13 +303,15 @@ def _usage(outs: list[RequestOutput]) -> dict:
 
 
 # ---------------------------------------------------------------------- streaming
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict], run: _Run) -> StreamingResponse:
     async def body():
         async for event in events:
             yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+    # A client gone before the first chunk cancels the stream before its generator ever
+    # runs (so no finally of ours would): the background task aborts whatever is left.
+    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(run.abort),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
