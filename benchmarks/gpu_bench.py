@@ -199,7 +199,6 @@ def eight_b_section(args, rows: list, device: torch.device = torch.device("cuda"
     from specserve.config import EngineConfig
     from specserve.model_runner import ModelRunner
     from specserve.models import ARCHITECTURES, LlamaForCausalLM
-    from specserve.models.llama import rope_parameters
     from specserve.sampling_params import SamplingParams
     from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -215,7 +214,7 @@ def eight_b_section(args, rows: list, device: torch.device = torch.device("cuda"
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    model.model.rotary.inv_freq = rope_parameters(config)[0].to(device)
+    model.model.rotary.reset_tables(device)  # to_empty left inv_freq and the cos/sin cache garbage
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = _copy_bandwidth()

@@ -1,4 +1,5 @@
-"""Pure-torch reference ops over the paged KV cache.
+"""Pure-torch reference ops: over the paged KV cache, and the decoder layer's glue
+(RMSNorm + residual, SiLU·mul, rotary) that the fused kernels replace on CUDA.
 
 Cache layout: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 token slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
@@ -123,3 +124,59 @@ def _sdpa(q, k, v, mask, scale):
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------- layer glue
+# References of the fused kernels in fused_norm.py, fused_act.py and fused_rotary.py; the
+# norms and the activation are also the model's CPU path, op for op as it always was.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · x / rms(x)`` over the last dim, as transformers does it: normalise in
+    fp32, cast back to x's dtype, then scale."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused into the next norm: ``(rms_norm(x + residual), x + residual)``,
+    the sum rounded to x's dtype before it is normalised."""
+    residual = x + residual
+    normed = F.rms_norm(residual.float(), (x.shape[-1],), eps=eps)  # rms_norm, inlined: the CPU path
+    return weight * normed.to(residual.dtype), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` of the merged gate/up projection ``[num_tokens, 2 · intermediate]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_cos_sin_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:
+    """``[max_positions, head_dim]`` fp32: ``cos`` of each position's angles in the first
+    half, ``sin`` in the second, both times the rope type's attention scaling."""
+    angles = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq
+    return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary of query ``[num_tokens, num_heads, head_dim]`` and key
+    ``[num_tokens, num_kv_heads, head_dim]`` at ``positions`` ``[num_tokens]``: with
+    ``x = (x₁, x₂)`` halves, ``(x₁·cos − x₂·sin, x₂·cos + x₁·sin)``, in fp32, cast back."""
+    cos, sin = cos_sin_cache[positions][:, None].chunk(2, dim=-1)  # [num_tokens, 1, head_dim / 2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def rotary_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotary on query and key, then the rotated key and the value stored at
+    ``slot_mapping`` (-1 rows skipped); returns the rotated query."""
+    query, key = rotary_embedding(query, key, positions, cos_sin_cache)
+    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return query

@@ -4,6 +4,8 @@ The model calls ``backend.store_kv`` then ``backend.attend`` with the step's For
 backends differ only in the kernels behind them. The torch backend runs the references in
 ``specserve.kernels.reference`` (the CPU path and the test oracle); the Triton backend runs
 ``specserve.kernels.store_kv`` and ``specserve.kernels.paged_attention`` (the CUDA path).
+With the Triton backend the model also fuses its layer glue (``models/layer_ops.py``),
+and its rotary kernel stores K/V itself: only ``attend`` is called then.
 """
 from __future__ import annotations
 

@@ -3,17 +3,23 @@
 One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias)
 and Qwen3 (per-head q/k RMSNorm); ``ArchSpec`` records how they differ. Q/K/V and
 gate/up projections are merged at load time so each is one matmul.
+
+The glue between the matmuls (norms, activation, rotary, KV store) runs through the
+model's ``LayerOps`` (``layer_ops.py``): torch on CPU, fused Triton kernels with the Triton
+backend. Layers hand back ``(hidden, residual)`` un-added, so each residual add is fused
+into the next norm (the last one into the final norm).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
+from specserve.models.layer_ops import LayerOps, layer_ops_for
+from specserve.models.rotary import Rotary, head_dim_of, rope_parameters  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -24,70 +30,22 @@ class ArchSpec:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers does: normalise in fp32, cast back, then scale.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """Rotary embedding (rotate-half layout) for any static rope type transformers knows."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        inv_freq, self.scaling = rope_parameters(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos ``[num_tokens, 1, head_dim]`` and a signed sin ``[num_tokens, 1, 2, head_dim/2]``
-        (−sin on the first half), shaped for ``apply_rotary``; computed once per step."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
-        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-        sin = torch.stack((-sin, sin), dim=1)[:, None]
-        return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on x ``[num_tokens, heads, head_dim]``:
-    x·cos + (−x₂, x₁)·sin, with the sign folded into ``sin`` and the half swap a flip."""
-    halves = x.unflatten(-1, (2, -1))
-    return x * cos + (halves.flip(-2) * sin).flatten(-2)
-
-
-def rope_parameters(config) -> tuple[torch.Tensor, float]:
-    from specserve.errors import ModelLoadError
-
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:  # transformers < 5: rope_theta + rope_scaling
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        dim = head_dim_of(config)
-        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (params["rope_theta"] ** exponent), 1.0
-    if rope_type in ("dynamic", "longrope"):
-        raise ModelLoadError(f"rope type {rope_type!r} (length-dependent) is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ModelLoadError(f"unknown rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv_freq.float(), float(scaling)
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
+                 ops: LayerOps) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -99,22 +57,21 @@ class Attention(nn.Module):
         o_bias = bias if spec.o_bias is None else spec.o_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
         self.scale = self.head_dim ** -0.5
         self.sliding_window = _sliding_window(config, layer_idx)
         self.backend = backend
+        self.ops = ops
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, rotary_tables,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated together
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch)
         k_cache, v_cache = kv_cache
-        self.backend.store_kv(k, v, k_cache, v_cache, batch)
         out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -128,8 +85,9 @@ def _sliding_window(config, layer_idx: int) -> int | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -139,31 +97,39 @@ class MLP(nn.Module):
             raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
+                 ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = Attention(config, spec, layer_idx, backend)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, spec, layer_idx, backend, ops)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, hidden, cos, sin, kv_cache, batch):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, rotary_tables, kv_cache, batch):
+        """The residual stream is ``hidden + residual`` (``residual`` None: just ``hidden``,
+        the first layer); returns the next layer's ``(hidden, residual)``, not yet added."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary_tables, kv_cache, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config, spec: ArchSpec, backend: AttentionBackend) -> None:
         super().__init__()
+        self.ops = layer_ops_for(backend)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, backend) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config)
+            DecoderLayer(config, spec, i, backend, self.ops) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
+        self.rotary = Rotary(config, config.max_position_embeddings if self.ops.fused else None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,10 +152,13 @@ class LlamaForCausalLM(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:
         """``num_layers`` stops after the first layers (the layer-skip draft), then norms."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions, hidden.dtype)
+        rotary_tables = self.model.ops.rotary_tables(self.model.rotary, positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, batch)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotary_tables, kv_cache, batch)
+        if residual is None:  # no layer ran
+            return self.model.norm(hidden)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

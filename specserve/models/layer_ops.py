@@ -1,0 +1,80 @@
+"""The decoder layer's glue — RMSNorm (the residual add fused into it), SiLU·mul, rotary
+and the KV store — behind one small interface, chosen once per model by its attention
+backend.
+
+``TorchLayerOps`` runs the torch references, op for op what the model always ran: the CPU
+path, tuned for it. ``TritonLayerOps`` (with the Triton backend, i.e. on CUDA) runs fused
+kernels instead — one launch per norm, one for the activation, one for rotary + KV store —
+where the torch ops launch about 25 tiny kernels per layer and a small model's decode step
+is bound by those launches, not by its weights. Both take and give the same tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.batch import ForwardBatch
+from specserve.kernels import reference
+from specserve.models.rotary import Rotary, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class TorchLayerOps:
+    """The torch references; rotary from per-step cos/sin tables, the KV store by the
+    attention backend."""
+
+    fused = False  # the model's Rotary needs no cos/sin cache
+    rms_norm = staticmethod(reference.rms_norm)
+    add_rms_norm = staticmethod(reference.add_rms_norm)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+        """What ``rotary_store_kv`` needs for this step's positions, made once per step."""
+        return rotary(positions, dtype)
+
+    def rotary_store_kv(self, qk: torch.Tensor, value: torch.Tensor, tables, kv_cache: KVCache,
+                        batch: ForwardBatch) -> torch.Tensor:
+        """Rotate q and k (``qk`` ``[num_tokens, num_heads + num_kv_heads, head_dim]``),
+        store k and ``value`` ``[num_tokens, num_kv_heads, head_dim]`` in the cache;
+        returns the rotated q ``[num_tokens, num_heads, head_dim]``."""
+        qk = apply_rotary(qk, *tables)  # q and k rotated together
+        num_heads = qk.shape[1] - value.shape[1]
+        self.backend.store_kv(qk[:, num_heads:], value, *kv_cache, batch)
+        return qk[:, :num_heads]
+
+
+class TritonLayerOps:
+    """The fused Triton kernels (compiled on CUDA, interpreted under TRITON_INTERPRET=1).
+    Rotary and the KV store are one launch, so the attention backend's store_kv is not used."""
+
+    fused = True  # the model's Rotary keeps a cos/sin cache
+
+    def __init__(self) -> None:
+        # Imported here, not at module level, as the attention backend does: the kernels are
+        # compiled or interpreted as decided when their module is first imported.
+        from specserve.kernels import fused_act, fused_norm, fused_rotary
+
+        self.rms_norm = fused_norm.rms_norm
+        self.add_rms_norm = fused_norm.add_rms_norm
+        self.silu_and_mul = fused_act.silu_and_mul
+        self._rotary_store_kv = fused_rotary.rotary_store_kv
+
+    def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+        return positions, rotary.cos_sin_cache
+
+    def rotary_store_kv(self, qk, value, tables, kv_cache, batch):
+        positions, cos_sin_cache = tables
+        num_heads = qk.shape[1] - value.shape[1]
+        return self._rotary_store_kv(qk[:, :num_heads], qk[:, num_heads:], value, positions,
+                                     cos_sin_cache, *kv_cache, batch.slot_mapping)
+
+
+LayerOps = TorchLayerOps | TritonLayerOps
+
+
+def layer_ops_for(backend) -> LayerOps:
+    """The one switch: fused kernels go with the Triton attention backend."""
+    return TritonLayerOps() if backend.name == "triton" else TorchLayerOps(backend)

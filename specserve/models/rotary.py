@@ -1,0 +1,79 @@
+"""Rotary position embedding (rotate-half layout) for any static rope type transformers knows.
+
+Two forms of the same tables: the torch path computes cos/sin of the step's positions
+each step (``Rotary.forward`` + ``apply_rotary``, the CPU path); the fused Triton path
+reads a cos/sin cache over every position, built once when the model is
+(``reference.rotary_cos_sin_cache``; the kernel is ``kernels/fused_rotary.py``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.kernels import reference
+
+
+class Rotary(nn.Module):
+    """``inv_freq`` and the rope type's attention ``scaling`` of one model; with
+    ``max_positions`` also its ``cos_sin_cache`` ``[max_positions, head_dim]`` fp32."""
+
+    def __init__(self, config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the tables, on ``device`` when given: a model built on the meta
+        device (then ``to_empty``) has garbage in them until this runs."""
+        inv_freq, self.scaling = rope_parameters(self.config)
+        cache = None
+        if self.max_positions is not None:
+            cache = reference.rotary_cos_sin_cache(inv_freq, self.scaling, self.max_positions)
+        if device is not None:
+            inv_freq = inv_freq.to(device)
+            cache = None if cache is None else cache.to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos ``[num_tokens, 1, head_dim]`` and a signed sin ``[num_tokens, 1, 2, head_dim/2]``
+        (−sin on the first half), shaped for ``apply_rotary``; computed once per step."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+        sin = torch.stack((-sin, sin), dim=1)[:, None]
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on x ``[num_tokens, heads, head_dim]``:
+    x·cos + (−x₂, x₁)·sin, with the sign folded into ``sin`` and the half swap a flip."""
+    halves = x.unflatten(-1, (2, -1))
+    return x * cos + (halves.flip(-2) * sin).flatten(-2)
+
+
+def rope_parameters(config) -> tuple[torch.Tensor, float]:
+    from specserve.errors import ModelLoadError
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:  # transformers < 5: rope_theta + rope_scaling
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        dim = head_dim_of(config)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise ModelLoadError(f"rope type {rope_type!r} (length-dependent) is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"unknown rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
