@@ -13,6 +13,13 @@ from specserve.config import SPECULATIVE_METHODS
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit code 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"specserve: error: {message} (see '{self.prog} --help')\n")
+
+
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -73,7 +80,7 @@ ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batche
 def build_parser() -> argparse.ArgumentParser:
     from specserve import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specserve", description="specserve: a speculative-decoding-first LLM serving engine.")
     parser.add_argument("--version", action="version", version=f"specserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -127,3 +127,42 @@ def test_bad_config_file_is_a_usage_error(capsys, tmp_path, text, message):
 def test_missing_config_file_is_a_usage_error(capsys, tmp_path):
     code, _, err = run(capsys, "serve", "--config", str(tmp_path / "none.yaml"))
     assert code == 2 and "cannot read config file" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-speculative-tokens", "-1", "--speculative-method", "ngram"], "num_speculative_tokens"),
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens"),
+    (["--speculative-method", "magic"], "invalid choice: 'magic'"),
+    (["--max-tokens", "many"], "invalid int value"),
+])
+def test_bad_flags_are_one_line_exit_2(capsys, tiny_model_dir, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(["generate", "hi", "--model", str(tiny_model_dir("llama")), *argv, *TINY_ARGS])
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("specserve: error:") and message in err and err.count("\n") == 1
+
+
+def test_draft_model_with_another_vocabulary_is_refused(capsys, tiny_model_dir, tmp_path):
+    from tiny_models import make_hf_model
+
+    other = tmp_path / "draft"
+    make_hf_model("llama", vocab_size=300).save_pretrained(other)
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    code, _, err = run(capsys, "generate", "hi", "--model", str(tiny_model_dir("llama")),
+                       "--speculative-method", "draft_model", "--draft-model", str(other), *TINY_ARGS)
+    assert code == 2 and "vocabulary" in err and err.count("\n") == 1
+
+
+def test_generate_equals_the_python_api(capsys, tiny_model_dir):
+    from specserve import SamplingParams
+    from tiny_models import LLM32
+
+    model = str(tiny_model_dir("llama"))
+    code, out, _ = run(capsys, "generate", "def step(self):", "--model", model, "--max-tokens", "9",
+                       "--ignore-eos", "--json", "--dtype", "float32", "--no-chat", *TINY_ARGS)
+    api = LLM32(model, num_kv_blocks=64, block_size=4).generate(
+        "def step(self):", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)[0]
+    assert code == 0 and json.loads(out)["token_ids"] == api.token_ids
+    assert json.loads(out)["text"] == api.text
