@@ -123,7 +123,12 @@ class AsyncLLMEngine:
         (QueueFullError when the waiting queue is full) and queues nothing."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        await self._call(self._add, prompt, params, req_id, loop, outputs)
+        try:
+            await self._call(self._add, prompt, params, req_id, loop, outputs)
+        except asyncio.CancelledError:
+            # The engine thread may have added it before the cancel came: nobody will read it.
+            self._call_nowait(self._abort_unread, req_id, outputs)
+            raise
         return RequestStream(self, req_id, outputs)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams,
@@ -159,6 +164,12 @@ class AsyncLLMEngine:
     def _abort(self, req_id: str) -> None:
         self._streams.pop(req_id, None)  # its reader left: no output to deliver
         self.engine.abort(req_id)
+
+    def _abort_unread(self, req_id: str, outputs: asyncio.Queue) -> None:
+        """Abort ``req_id`` if ``outputs`` is its stream (not another request's of that id)."""
+        stream = self._streams.get(req_id)
+        if stream is not None and stream[1] is outputs:
+            self._abort(req_id)
 
     def _abort_all(self) -> None:
         # Streams stay registered, so each reader still gets its final "abort" output.
