@@ -273,6 +273,27 @@ def test_non_streaming_disconnect_aborts(server):
     wait_for(lambda: metric(server, "specserve:kv_cache_usage_perc") == 0, timeout=20)
 
 
+def test_a_client_gone_first_gets_499_once_the_work_has_ended():
+    """The work is cancelled and awaited (its finally, which aborts, has run), never left
+    half-cancelled so that reading its result raises (a 500 and a traceback)."""
+    from specserve.server.app import _unless_disconnected
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    cleaned = []
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.append(True)
+
+    response = asyncio.run(_unless_disconnected(Gone(), work()))
+    assert response.status_code == 499 and cleaned == [True]
+
+
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("path, body, status, fragment", [
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
@@ -280,6 +301,7 @@ def test_non_streaming_disconnect_aborts(server):
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of must be 1"),
     ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "penalty"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
@@ -360,7 +382,8 @@ def test_metrics_count_tokens_and_speculation(server):
 def test_api_key(chat_model_dir):
     srv, _ = make_server(chat_model_dir, api_key=KEY)
     with srv:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                        {"Authorization": "Bearer café".encode()}):  # non-ASCII: 401, not 500
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "invalid_api_key"

@@ -169,6 +169,8 @@ async def _unless_disconnected(request: Request, work):
         watch.cancel()
         if not work.done():
             work.cancel()
+    if not work.done():  # cancelled just now: let it finish (its finally aborts the requests)
+        await asyncio.wait({work})
     if work.cancelled():
         return Response(status_code=499)  # nobody is listening
     return work.result()
@@ -404,7 +406,9 @@ class _GuardMiddleware:
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key)
+        # As bytes: compare_digest refuses str with non-ASCII characters (a 500, not a 401).
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode("latin-1"), self.api_key.encode())
 
     async def _too_large(self, send):
         await _send_error(send, 413, f"request body larger than {self.max_body_bytes} bytes",

@@ -62,6 +62,8 @@ class _SamplingRequest(BaseModel):
             return "echo is not supported"
         if getattr(self, "suffix", None):
             return "suffix is not supported"
+        if getattr(self, "best_of", None) not in (None, 1):
+            return "best_of must be 1: one completion per prompt is supported"
         return None
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
