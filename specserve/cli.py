@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -313,6 +314,8 @@ def _serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name in ('port', 'shutdown_timeout') else '>= 1'}, got {value}")
     if args.port > 65535:
         raise ValueError(f"--port must be at most 65535, got {args.port}")
+    if not math.isfinite(args.shutdown_timeout):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds, got {args.shutdown_timeout}")
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
     serve(EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}), args.host, args.port,
@@ -323,8 +326,6 @@ def _serve(args) -> int:
 
 
 def _tune(args) -> int:
-    import math
-
     import yaml
 
     from specserve import EngineConfig, LLMEngine

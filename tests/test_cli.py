@@ -124,6 +124,19 @@ def test_bad_config_file_is_a_usage_error(capsys, tmp_path, text, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_serve_refuses_a_shutdown_timeout_that_is_not_finite(capsys, monkeypatch, value):
+    # inf crashed the abort timer at SIGTERM; nan aborted everything at once.
+    import specserve.server
+
+    def serve(*_args, **_kwargs):
+        raise AssertionError("served with a shutdown timeout that is not finite")
+
+    monkeypatch.setattr(specserve.server, "serve", serve)
+    code, _, err = run(capsys, "serve", "--shutdown-timeout", value)
+    assert code == 2 and "--shutdown-timeout" in err and err.count("\n") == 1
+
+
 def test_missing_config_file_is_a_usage_error(capsys, tmp_path):
     code, _, err = run(capsys, "serve", "--config", str(tmp_path / "none.yaml"))
     assert code == 2 and "cannot read config file" in err
