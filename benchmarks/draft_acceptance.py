@@ -4,6 +4,7 @@ run: speculation off, n-gram, layer-skip and the built-in draft model.
 Held-out chat and code prompts (``specserve.drafts.prompt_sets``: never trained on),
 chat template applied, greedy, k = 4, up to ``--max-tokens`` new tokens (EOS ends a
 request). Batch 1 runs the prompts one after another; a larger batch runs them together.
+The methods take turns chunk by chunk, so load from elsewhere falls on all of them alike.
 Reports mean acceptance length (tokens per verify step, as ``spec_stats`` counts it),
 tokens/s, speed-up over speculation off, and how many outputs equal speculation off's
 (all in float32; bf16 batched numerics may differ). Works on CPU and CUDA.
@@ -29,25 +30,32 @@ def machine_name(device: torch.device) -> str:
     return f"{platform.machine()} CPU {model}, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
-def run(llm, prompts, batch: int, max_tokens: int, k: int) -> dict:
+def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: int) -> dict:
+    """Every method on the same prompts, interleaved chunk by chunk so that a burst of load
+    elsewhere on a shared machine hits all of them alike."""
     from specserve import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=k)
-    before = llm.engine.spec_stats.copy()
-    outs, seconds = [], 0.0
+    acc = {m: {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "token_ids": []} for m in engines}
     for start in range(0, len(prompts), batch):
-        began = time.perf_counter()
-        outs += llm.generate(prompts[start:start + batch], params, use_tqdm=False)
-        if llm.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - began
-    after = llm.engine.spec_stats
-    drafts = after.num_drafts - before.num_drafts
-    accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-            "num_drafts": drafts, "token_ids": [o.token_ids for o in outs]}
+        chunk = prompts[start:start + batch]
+        for method, llm in engines.items():
+            params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                                    num_speculative_tokens=k if method != "none" else 0)
+            before = llm.engine.spec_stats.copy()
+            began = time.perf_counter()
+            outs = llm.generate(chunk, params, use_tqdm=False)
+            if llm.engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            a = acc[method]
+            a["seconds"] += time.perf_counter() - began
+            a["tokens"] += sum(len(o.token_ids) for o in outs)
+            a["drafts"] += llm.engine.spec_stats.num_drafts - before.num_drafts
+            a["accepted"] += llm.engine.spec_stats.num_accepted_tokens - before.num_accepted_tokens
+            a["token_ids"] += [o.token_ids for o in outs]
+    return {m: {"tokens": a["tokens"], "seconds": round(a["seconds"], 3),
+                "tokens_per_s": round(a["tokens"] / a["seconds"], 2),
+                "acceptance_length": round(1 + a["accepted"] / a["drafts"], 3) if a["drafts"] else None,
+                "num_drafts": a["drafts"], "token_ids": a["token_ids"]} for m, a in acc.items()}
 
 
 def main() -> None:
@@ -77,20 +85,18 @@ def main() -> None:
     tok, device = first.tokenizer, first.device
     machine, dtype = machine_name(device), str(first.dtype).removeprefix("torch.")
     workloads = {kind: chat_prompts(tok, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
-    for llm in engines.values():  # warm-up
-        run(llm, workloads["chat"][:1], 1, 8, args.k)
+    run_all(engines, workloads["chat"][:1], 1, 8, args.k)  # warm-up
 
     rows = []
     for kind, prompts in workloads.items():
         for batch in (int(b) for b in args.batch.split(",")):
-            base = None
-            for method in methods:
-                r = run(engines[method], prompts, batch, args.max_tokens, args.k if method != "none" else 0)
-                token_ids = r.pop("token_ids")
-                base = base or (r["tokens_per_s"], token_ids)
-                same = sum(a == b for a, b in zip(token_ids, base[1]))
+            results = run_all(engines, prompts, batch, args.max_tokens, args.k)
+            base = results[methods[0]]
+            base_ids = base["token_ids"]
+            for method, r in results.items():
+                same = sum(a == b for a, b in zip(r.pop("token_ids"), base_ids))
                 row = {"workload": kind, "batch": batch, "method": method, **r,
-                       "speedup": round(r["tokens_per_s"] / base[0], 2),
+                       "speedup": round(r["tokens_per_s"] / base["tokens_per_s"], 2),
                        "same_as_spec_off": f"{same}/{len(prompts)}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -101,6 +101,19 @@ def test_the_shipped_draft_is_small_and_holds_only_its_own_layers():
     assert (files.path / "MODEL_CARD.md").is_file()
 
 
+def test_every_file_of_the_shipped_draft_is_package_data():
+    """A non-editable install gets the draft only through pyproject's package-data."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["specserve.drafts"]
+    folder = shipped_draft_for(None).path
+    for path in folder.iterdir():
+        assert any(fnmatch.fnmatch(f"{folder.name}/{path.name}", g) for g in globs), path.name
+
+
 # ---------------------------------------------------------------------------- prompt sets
 def test_the_prompt_split_is_by_source_and_holds_out_the_benchmarks():
     prompts = prompt_sets.build_prompt_set(0)
