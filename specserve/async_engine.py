@@ -198,12 +198,16 @@ class AsyncLLMEngine:
             self._fail_all(EngineDeadError("the engine has stopped"))
             self._fail_commands()
 
-    def _run_commands(self) -> None:
+    def _queued_commands(self):
+        """Take the queued commands, oldest first, until the queue is empty."""
         while True:
             try:
-                fn, args, future = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_commands(self) -> None:
+        for fn, args, future in self._queued_commands():
             if future is not None and not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -219,11 +223,7 @@ class AsyncLLMEngine:
 
     def _fail_commands(self) -> None:
         """Commands that arrive after the thread ended are answered, never left pending."""
-        while True:
-            try:
-                _fn, _args, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for _fn, _args, future in self._queued_commands():
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError("the engine has stopped"))
 

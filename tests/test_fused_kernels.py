@@ -7,9 +7,6 @@ fp32 reference, i.e. within its two bf16 roundings).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ from specserve.models.layer_ops import TorchLayerOps, TritonLayerOps  # noqa: E4
 from specserve.models.rotary import Rotary, apply_rotary  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+from sm90_compile import compiles_for_sm90  # noqa: E402
 from tiny_models import LLM32, VARIANTS  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -333,11 +331,7 @@ print("compiled")
 
 @pytest.mark.skipif(CUDA, reason="with a GPU every test above compiles the kernels for real")
 def test_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 notice
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_for_sm90(COMPILE_FOR_SM90)
 
 
 # ---------------------------------------------------------------------------- the model

@@ -6,9 +6,6 @@ cache starts as NaN, so any read of a stale slot or unowned block poisons the re
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +26,7 @@ from specserve.config import EngineConfig  # noqa: E402
 from specserve.errors import SpecserveError  # noqa: E402
 from specserve.kernels import reference  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
+from sm90_compile import compiles_for_sm90  # noqa: E402
 from tiny_models import LLM32  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
@@ -228,11 +226,7 @@ print("compiled")
 
 @pytest.mark.skipif(CUDA, reason="with a GPU every test above compiles the kernels for real")
 def test_kernels_compile_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 notice
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_for_sm90(COMPILE_FOR_SM90)
 
 
 # ---------------------------------------------------------------------------- KV store

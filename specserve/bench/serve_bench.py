@@ -241,29 +241,18 @@ class InProcessServer:
         self.config = config
 
     def __enter__(self) -> InProcessServer:
-        import uvicorn
-
         from specserve.async_engine import AsyncLLMEngine
         from specserve.engine import LLMEngine
+        from specserve.server import ThreadedServer
         from specserve.server.app import create_app
 
         self.engine = AsyncLLMEngine(LLMEngine(self.config))
-        app = create_app(self.engine)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="bench-server", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.http = ThreadedServer(create_app(self.engine)).__enter__()
+        self.url = self.http.url
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+        self.http.__exit__(*exc)
 
     def describe(self) -> dict:
         llm = self.engine.engine

@@ -63,3 +63,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+class ThreadedServer:
+    """``with ThreadedServer(app) as srv: srv.url`` — uvicorn on a free port of 127.0.0.1
+    in a thread of this process (tests, and the benchmark's in-process mode)."""
+
+    def __init__(self, app, timeout: float = 60.0) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="specserve-http", daemon=True)
+        self.timeout = timeout
+        self.url = ""
+
+    def __enter__(self) -> "ThreadedServer":
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process HTTP server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)
