@@ -24,17 +24,24 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+SHORT_SPAN = 16  # query spans up to this long (decode rows, verify spans) are batched
+
+
 @dataclass
 class AttentionPlan:
     """Per-step gather indices and masks, shared by every layer with the same window.
 
-    Decode requests (one query token) are attended together, padded to the longest;
-    longer query spans (prefill chunks, verification) one request at a time.
+    Short query spans — decode rows and verify spans of 1 + k tokens — are attended
+    together, each padded to the longest such span and its keys to the longest sequence,
+    so verifying drafts for many requests costs one attention call per layer, not one
+    per request. Longer spans (prefill chunks) go one request at a time.
     """
 
-    decode_rows: torch.Tensor | None        # [num_decode]
-    decode_slots: torch.Tensor | None       # [num_decode, max_seq_len] slot of each key
-    decode_mask: torch.Tensor | None        # [num_decode, 1, max_seq_len]; None: no padding
+    short_rows: torch.Tensor | None        # [num_short, max_q] query row of each padded slot (padding: row 0)
+    short_real: torch.Tensor | None        # [num_short, max_q] bool, a real query row; None: all real
+    short_slots: torch.Tensor | None       # [num_short, max_seq_len] cache slot of each key
+    short_keys_valid: torch.Tensor | None  # [num_short, max_seq_len] bool; None: every key real
+    short_mask: torch.Tensor | None        # [num_short, max_q, max_seq_len]; None: nothing masked
     spans: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows, slots [seq_len], mask [q_len, seq_len])
 
 
@@ -44,25 +51,35 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
-    decode = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-    rows = slots = mask = None
-    if decode:
-        max_len = max(seq_lens[i] for i in decode)
-        rows = torch.tensor([starts[i] for i in decode], device=device)
-        slots = _slots(block_tables[decode], max_len, block_size)
-        lens = torch.tensor([seq_lens[i] for i in decode], device=device)
+    short = [i for i, q_len in enumerate(query_lens) if q_len <= SHORT_SPAN]
+    rows = real = slots = keys_valid = mask = None
+    if short:
+        max_q = max(query_lens[i] for i in short)
+        max_len = max(seq_lens[i] for i in short)
+        q_lens = torch.tensor([query_lens[i] for i in short], device=device)
+        lens = torch.tensor([seq_lens[i] for i in short], device=device)
+        offsets = torch.arange(max_q, device=device)
+        real = offsets[None, :] < q_lens[:, None]
+        rows = torch.tensor([starts[i] for i in short], device=device)[:, None] + offsets
+        rows = torch.where(real, rows, 0)
+        slots = _slots(block_tables[short], max_len, block_size)
         key_pos = torch.arange(max_len, device=device)
-        mask = key_pos[None, :] < lens[:, None]
+        keys_valid = key_pos[None, :] < lens[:, None]
+        # A padding query sits at its request's last position, so it has keys to attend to.
+        q_pos = lens[:, None] - q_lens[:, None] + torch.minimum(offsets[None, :], q_lens[:, None] - 1)
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
-            mask &= key_pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        mask = None if bool(mask.all()) else mask[:, None, :]
+            mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        real = None if bool(real.all()) else real
+        keys_valid = None if bool(keys_valid.all()) else keys_valid
+        mask = None if bool(mask.all()) else mask
     spans = []
     for i, q_len in enumerate(query_lens):
-        if q_len > 1:
+        if q_len > SHORT_SPAN:
             span_slots = _slots(block_tables[i:i + 1], seq_lens[i], block_size)[0]
             span_mask = _mask(seq_lens[i] - q_len, q_len, seq_lens[i], sliding_window, device)
             spans.append((slice(starts[i], starts[i + 1]), span_slots, span_mask))
-    return AttentionPlan(rows, slots, mask, spans)
+    return AttentionPlan(rows, real, slots, keys_valid, mask, spans)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,17 +100,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     keys = k_cache.view(-1, *k_cache.shape[2:])
     values = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(query)
-    if plan.decode_rows is not None:
-        q = query[plan.decode_rows].unsqueeze(1)
-        flat = plan.decode_slots.flatten()  # index_select is ~3x cheaper than advanced indexing
-        k = keys.index_select(0, flat).view(*plan.decode_slots.shape, *keys.shape[1:])
-        v = values.index_select(0, flat).view(*plan.decode_slots.shape, *values.shape[1:])
-        if plan.decode_mask is not None:
-            # Padding slots (past a row's own length) may hold anything, even NaN from a
-            # stale block: zero them so masked-out keys cannot poison the row.
-            valid = plan.decode_mask[:, 0, :, None, None]
+    if plan.short_rows is not None:
+        q = query[plan.short_rows]                           # [num_short, max_q, H, D]
+        flat = plan.short_slots.flatten()  # index_select is ~3x cheaper than advanced indexing
+        k = keys.index_select(0, flat).view(*plan.short_slots.shape, *keys.shape[1:])
+        v = values.index_select(0, flat).view(*plan.short_slots.shape, *values.shape[1:])
+        if plan.short_keys_valid is not None:
+            # Keys past a request's own length may hold anything, even NaN from a stale
+            # block: zero them so masked-out keys cannot poison the row.
+            valid = plan.short_keys_valid[:, :, None, None]
             k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
-        out[plan.decode_rows] = _sdpa(q, k, v, plan.decode_mask, scale)[:, 0]
+        attended = _sdpa(q, k, v, plan.short_mask, scale)
+        if plan.short_real is None:
+            out[plan.short_rows.flatten()] = attended.flatten(0, 1)
+        else:
+            out[plan.short_rows[plan.short_real]] = attended[plan.short_real]
     for rows, slots, mask in plan.spans:
         out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0),
                           values.index_select(0, slots).unsqueeze(0), mask[None], scale)[0]

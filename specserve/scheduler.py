@@ -63,7 +63,6 @@ class RequestUpdate(NamedTuple):
     new_token_ids: list[int]    # appended to the request, cut at a stop token
     num_draft_tokens: int       # proposals verified this step
     num_accepted: int           # of which the target accepted (before any stop cut)
-    num_planned: int = 0        # draft slots planned (k_i); the drafter may propose fewer
 
 
 class Scheduler:
@@ -211,8 +210,7 @@ class Scheduler:
             if sampled is None:
                 continue
             appended = self._append(req, sampled)
-            updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
-                                         planned.num_lookahead))
+            updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:

@@ -6,14 +6,18 @@ Two online estimates feed the choice:
 * **Acceptance.** Per request, the conditional probability ``alpha[j]`` that draft
   position j is accepted given that all before it were (exponentially smoothed; a new
   request starts from the engine-wide estimate). A request drafting k tokens then emits
-  ``E(k) = 1 + sum_{j<k} prod_{m<=j} alpha[m]`` tokens in expectation. A position the
-  drafter planned but could not propose counts as a rejection: it emitted nothing.
+  ``E(k) = 1 + sum_{j<k} prod_{m<=j} alpha[m]`` tokens in expectation. Only proposed
+  positions are observed: where a drafter (n-gram lookup) finds nothing to propose, the
+  position is neither verified nor paid for, so it says nothing about what drafting costs
+  or gains.
 * **Step cost.** ``target = a + b * tokens + c * spans`` — a fixed cost, a cost per token
   in the verify pass and a cost per request whose query span is longer than one token
-  (attention is batched for one-token rows and runs per span otherwise) — plus
-  ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
-  Both are least-squares fits with exponential forgetting over measured steps, seeded by
-  a short profile at start-up.
+  (whatever a verify span costs beyond its tokens: its own attention tiles, its padding)
+  — plus ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential
+  passes. Both are least-squares fits with exponential forgetting over measured steps,
+  seeded by a short profile at start-up. A step slower than twice the prediction (another
+  process stalled the machine) counts as twice the prediction, so one stall cannot poison
+  the fit, while a cost that really changed is still learned, clip after clip.
 
 The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
 solved per draft depth D (0..k_max) with Dinkelbach's method: with the current ratio
@@ -31,6 +35,7 @@ ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
 PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
 PROBE_INTERVAL = 16
+OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
 
 
 class CostModel:
@@ -45,6 +50,9 @@ class CostModel:
 
     def observe(self, x: list[float], y: float) -> None:
         x = np.asarray(x, dtype=float)
+        predicted = self.predict(x)
+        if self.num_samples >= len(x) and predicted > 0:
+            y = min(y, OUTLIER_RATIO * predicted)  # a stall, not the cost of this batch
         self.xtx = self.forgetting * self.xtx + np.outer(x, x)
         self.xty = self.forgetting * self.xty + x * y
         self.num_samples += 1
@@ -75,13 +83,13 @@ class DraftLengthController:
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
-    def observe_acceptance(self, req_id: str, num_planned: int, num_accepted: int) -> None:
-        """A request planned ``num_planned`` drafts and the target accepted the first
-        ``num_accepted`` (positions it could not propose count as rejected)."""
-        if num_planned == 0:
+    def observe_acceptance(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
+        """The drafter proposed ``num_proposed`` tokens for a request and the target
+        accepted the first ``num_accepted``."""
+        if num_proposed == 0:
             return
         alpha = self._alpha.setdefault(req_id, self.prior.copy())
-        seen = min(num_accepted + 1, num_planned)  # accepted ones, then the first rejection
+        seen = min(num_accepted + 1, num_proposed)  # accepted ones, then the first rejection
         outcome = np.zeros(seen)
         outcome[:num_accepted] = 1.0
         alpha[:seen] += ACCEPT_SMOOTHING * (outcome - alpha[:seen])

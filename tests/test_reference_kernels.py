@@ -27,9 +27,13 @@ def dense_attention(q, k, v, scale, window=None):
 def test_paged_attention_matches_dense(heads, kv_heads, window, block_size):
     g = torch.Generator().manual_seed(0)
     head_dim, num_blocks = 16, 400
-    spans = [(1, 133), (5, 18), (29, 46), (1, 1), (1, 7)]  # (query len, kv len)
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
+    # (query len, kv len): decode rows, verify-length spans and a whole short prompt share
+    # one batched call (up to SHORT_SPAN tokens); longer spans go one by one.
+    spans = [(1, 133), (5, 18), (29, 46), (1, 1), (1, 7), (reference.SHORT_SPAN, reference.SHORT_SPAN),
+             (reference.SHORT_SPAN + 1, 40), (3, 70)]
+    # Unwritten slots hold NaN: keys past a request's length must never reach its output.
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, qs, dense_kv = [], [], []
     for q_len, kv_len in spans:
@@ -47,6 +51,19 @@ def test_paged_attention_matches_dense(heads, kv_heads, window, block_size):
                                     [s[0] for s in spans], [s[1] for s in spans], 0.25, window)
     want = torch.cat([dense_attention(q, k, v, 0.25, window) for q, (k, v) in zip(qs, dense_kv)])
     assert (out - want).abs().max().item() < 1e-5
+
+
+def test_short_spans_share_one_batched_call():
+    """Decode rows and verify spans form one padded group; only the prefill chunk is a span."""
+    block_tables = torch.arange(12, dtype=torch.int32).view(3, 4)
+    plan = reference.plan_attention(block_tables, [1, 5, 20], [9, 14, 30], 8, None)
+    assert plan.short_rows.tolist() == [[0, 0, 0, 0, 0], [1, 2, 3, 4, 5]]
+    assert plan.short_real.tolist() == [[True] + [False] * 4, [True] * 5]
+    assert [rows for rows, _, _ in plan.spans] == [slice(6, 26)]
+    # Request 1's queries sit at positions 9..13: query j sees keys 0..9+j.
+    assert plan.short_mask[1].sum(-1).tolist() == [10, 11, 12, 13, 14]
+    # The padding rows of request 0 attend like its real row (position 8), never to nothing.
+    assert plan.short_mask[0].sum(-1).tolist() == [9] * 5
 
 
 def test_store_kv_skips_padding_slots():

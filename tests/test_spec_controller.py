@@ -33,6 +33,26 @@ def test_cost_model_recovers_linear_costs():
     assert model.theta == pytest.approx([0.01, 0.002, 0.004], rel=1e-3)
 
 
+def test_one_stall_does_not_poison_the_fit():
+    model = CostModel(3)
+    for tokens in (1, 8, 40):
+        for spans in (0, 8):
+            model.observe([1, tokens, spans], 0.03 + 0.0005 * tokens + 0.001 * spans)
+    model.observe([1, 40, 8], 3.0)  # another process held the CPU for three seconds
+    assert model.predict([1, 40, 8]) < 2 * (0.03 + 0.0005 * 40 + 0.001 * 8)
+    for _ in range(20):  # but a cost that really changed is learned, clip after clip
+        model.observe([1, 40, 8], 0.5)
+    assert model.predict([1, 40, 8]) == pytest.approx(0.5, rel=0.2)
+
+
+def test_positions_the_drafter_could_not_propose_are_not_rejections():
+    ctl = controller(**MEMORY_BOUND)
+    train_acceptance(ctl, "r", 4)
+    for _ in range(30):  # n-gram lookup found nothing: nothing verified, nothing paid
+        ctl.observe_acceptance("r", 0, 0)
+    assert ctl.choose({"r": 4}) == {"r": 4}
+
+
 def test_memory_bound_and_always_accepted_drafts_take_the_maximum():
     ctl = controller(**MEMORY_BOUND)
     caps = {f"r{i}": 4 for i in range(8)}
