@@ -109,6 +109,23 @@ def test_offline_benchmark_and_speculation_sweep(capsys, tiny_model_dir, repetit
     run = json.loads((tmp_path / "offline.json").read_text())
     assert run["completed"] == 4 and run["total_output_tokens"] == 2 * 8 + 2 * 10  # a line's own max_tokens
     assert 0 < run["mean_ttft_ms"] <= run["mean_e2el_ms"] and run["max_concurrent_requests"] <= 2
+    # A rate sweep over speculation settings, each engine loaded once, without HTTP.
+    code, out, err = bench(capsys, "offline", "--model", model, *ENGINE, "-q", "--workload",
+                           str(repetitive_set), "--num-prompts", "4", "--output-len", "8",
+                           "--speculation", "none,ngram:3:adaptive", "--request-rate-sweep", "50,inf",
+                           "--result-json", str(tmp_path / "sweep_offline.json"),
+                           "--plot-dir", str(tmp_path / "plots"))
+    assert code == 0, err
+    runs = json.loads((tmp_path / "sweep_offline.json").read_text())["runs"]
+    assert [(r["speculation"], r["request_rate"]) for r in runs] == [
+        ("spec off", 50.0), ("ngram k=3 adaptive", 50.0), ("spec off", "inf"), ("ngram k=3 adaptive", "inf")]
+    assert all(r["completed"] == 4 for r in runs)
+    assert "spec_decode_draft_lengths" not in runs[0]
+    for run in runs[1::2]:  # the controller's choices, counted per run
+        assert sum(run["spec_decode_draft_lengths"].values()) >= run["total_output_tokens"] / 4
+        assert set(run["spec_decode_draft_lengths"]) <= {"0", "1", "2", "3"}
+    assert "| ngram k=3 adaptive | inf | 4/4 |" in out and "Draft length chosen" in out
+    assert (tmp_path / "plots" / "rate_sweep.png").stat().st_size > 0
     code, out, err = bench(capsys, "spec-sweep", "--model", model, *ENGINE, "-q", "--workload",
                            str(repetitive_set), "--num-prompts", "2", "--output-len", "8", "--ks", "1,2",
                            "--concurrency", "1,2", "--result-json", str(tmp_path / "sweep.json"),

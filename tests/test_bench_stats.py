@@ -17,6 +17,8 @@ from specserve.bench.stats import (
     count_good,
     max_concurrency,
     parse_goodput,
+    format_draft_lengths,
+    mean_draft_length,
     parse_percentiles,
     percentile,
     spec_decode_metrics,
@@ -127,6 +129,18 @@ def test_spec_decode_metrics_are_counter_deltas():
     assert spec_decode_metrics(None, after) == {}
 
 
+def test_draft_lengths_chosen_are_deltas_too():
+    before = SpecCounters(10, 30, 12, {0: 8}, {0: 5, 4: 10})
+    after = SpecCounters(12, 38, 14, {0: 10}, {0: 11, 2: 1, 4: 11})
+    m = spec_decode_metrics(before, after)
+    assert m["spec_decode_draft_lengths"] == {"0": 6, "2": 1, "4": 1}
+    assert mean_draft_length(m) == pytest.approx(6 / 8)
+    assert format_draft_lengths(m) == "k=0 75%  k=2 12%  k=4 12%"
+    # An adaptive engine that chose k = 0 throughout drafted nothing, but chose something.
+    idle = spec_decode_metrics(after, SpecCounters(12, 38, 14, {0: 10}, {0: 31, 2: 1, 4: 11}))
+    assert idle == {"spec_decode_draft_lengths": {"0": 20}}
+
+
 PROMETHEUS = """\
 # HELP {p}:spec_decode_num_drafts_total Drafts.
 # TYPE {p}:spec_decode_num_drafts_total counter
@@ -140,13 +154,20 @@ PROMETHEUS = """\
 {p}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="1"}} 10.0
 # TYPE {p}:generation_tokens_total counter
 {p}:generation_tokens_total{{model_name="m"}} 99.0
+# TYPE {p}:spec_decode_draft_length histogram
+{p}:spec_decode_draft_length_bucket{{model_name="m",le="0.0"}} 3.0
+{p}:spec_decode_draft_length_bucket{{model_name="m",le="1.0"}} 3.0
+{p}:spec_decode_draft_length_bucket{{model_name="m",le="2.0"}} 8.0
+{p}:spec_decode_draft_length_bucket{{model_name="m",le="+Inf"}} 8.0
+{p}:spec_decode_draft_length_count{{model_name="m"}} 8.0
+{p}:spec_decode_draft_length_sum{{model_name="m"}} 10.0
 """
 
 
 @pytest.mark.parametrize("prefix", ["specserve", "vllm"])
 def test_parse_spec_counters_reads_specserve_and_vllm_names(prefix):
     counters = parse_spec_counters(PROMETHEUS.format(p=prefix))
-    assert counters == SpecCounters(12, 40, 21, {0: 11, 1: 10})
+    assert counters == SpecCounters(12, 40, 21, {0: 11, 1: 10}, {0: 3, 1: 0, 2: 5})
     assert parse_spec_counters('# TYPE x counter\nx_total 1.0\n') is None
 
 

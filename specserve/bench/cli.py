@@ -53,17 +53,7 @@ def add_bench_parser(sub, engine_flags) -> None:
                         help="without --base-url: run the server as a child process (default; "
                              "the client never slows the engine) or as a thread of this process "
                              "(faster to start)")
-    load = serve.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=None,
-                      help="requests per second, arrivals drawn from a gamma process; inf sends "
-                           "all at once (default: inf)")
-    load.add_argument("--request-rate-sweep", default=None, metavar="RATES",
-                      help="run once per rate, e.g. 0.5,1,2,inf")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the gaps between requests: 1 is Poisson, lower is "
-                           "burstier, higher more regular (default: 1)")
-    load.add_argument("--max-concurrency", type=int, default=None,
-                      help="at most this many requests in flight (with rate inf: fixed concurrency)")
+    load = _load_flags(serve)
     load.add_argument("--num-warmups", type=int, default=1,
                       help="unmeasured requests sent first (default: 1)")
     _workload_flags(serve)
@@ -79,12 +69,22 @@ def add_bench_parser(sub, engine_flags) -> None:
 
     offline = kinds.add_parser(
         "offline", help="offline benchmark: the engine in-process, no HTTP",
-        description="Run a batch of prompts through the engine in this process and report "
-                    "throughput and per-request latency (TTFT, TPOT, ITL, end-to-end).")
-    offline.add_argument("--max-concurrency", type=int, default=None,
-                         help="at most this many requests in the engine at once (default: all)")
+        description="Run prompts through the engine in this process — all at once, at most "
+                    "--max-concurrency at a time, or arriving at a --request-rate — and report "
+                    "throughput and per-request latency (TTFT, TPOT, ITL, end-to-end), with the "
+                    "serving benchmark's keys. Needs no HTTP stack, so it also runs where "
+                    "fastapi/uvicorn are not installed.")
+    _load_flags(offline)
+    offline.add_argument("--speculation", default=None, metavar="LIST",
+                         help="comma-separated settings, each 'none' or METHOD[:K][:adaptive] (e.g. "
+                              "none,ngram:4,ngram:4:adaptive): one engine each, all loaded at once "
+                              "and run in turn at every rate, so drift hits them alike (on a GPU, "
+                              "size their caches with --num-kv-blocks); default: the engine flags")
     _workload_flags(offline)
-    _result_flags(offline)
+    out = offline.add_argument_group("results")
+    _result_flags(out)
+    out.add_argument("--plot-dir", default=None,
+                     help="write PNG plots here (latency CDFs, rate sweep, acceptance per position)")
     engine_flags(offline)
 
     sweep = kinds.add_parser(
@@ -100,6 +100,21 @@ def add_bench_parser(sub, engine_flags) -> None:
     _result_flags(sweep)
     sweep.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
     engine_flags(sweep)
+
+
+def _load_flags(parser):
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=None,
+                      help="requests per second, arrivals drawn from a gamma process; inf sends "
+                           "all at once (default: inf)")
+    load.add_argument("--request-rate-sweep", default=None, metavar="RATES",
+                      help="run once per rate, e.g. 0.5,1,2,inf")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps between requests: 1 is Poisson, lower is "
+                           "burstier, higher more regular (default: 1)")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests in flight (with rate inf: fixed concurrency)")
+    return load
 
 
 def _workload_flags(parser, num_prompts: int = 24, output_len: int = 128) -> None:
@@ -152,7 +167,7 @@ def _requests(args, engine_kwargs: dict):
 
 
 def _serve(args, engine_kwargs: dict, percentiles) -> int:
-    from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
+    from specserve.bench.arrivals import arrival_times
     from specserve.bench.serve_bench import (
         ServeOptions,
         format_run,
@@ -162,13 +177,7 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
     )
     from specserve.bench.stats import parse_goodput
 
-    if args.request_rate is not None and args.request_rate_sweep is not None:
-        raise ValueError("give --request-rate or --request-rate-sweep, not both")
-    if args.request_rate_sweep is not None:
-        rates = parse_rates(args.request_rate_sweep)
-    else:
-        rates = [math.inf if args.request_rate is None else args.request_rate]
-        check_rate(rates[0])
+    rates = _rates(args)
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     speculation = parse_speculation(args.speculation) if args.speculation else None
@@ -205,25 +214,67 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
     return 0 if all(r["completed"] for r in runs) else 1
 
 
+def _rates(args) -> list[float]:
+    from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
+
+    if args.request_rate is not None and args.request_rate_sweep is not None:
+        raise ValueError("give --request-rate or --request-rate-sweep, not both")
+    if args.request_rate_sweep is not None:
+        rates = parse_rates(args.request_rate_sweep)
+    else:
+        rates = [math.inf if args.request_rate is None else args.request_rate]
+        check_rate(rates[0])
+    arrival_times(0, rates[0], args.burstiness)  # validates the burstiness before any model loads
+    return rates
+
+
 def _offline(args, engine_kwargs: dict, percentiles) -> int:
     from specserve import EngineConfig
+    from specserve.bench.arrivals import arrival_times
     from specserve.bench.offline import format_offline, prompt_ids, run_offline, warm_up
+    from specserve.bench.serve_bench import config_label, parse_speculation, summary_table
     from specserve.engine import LLMEngine
 
+    rates = _rates(args)
+    settings = parse_speculation(args.speculation) if args.speculation else [None]
     requests = _requests(args, engine_kwargs)
-    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    base = EngineConfig(**engine_kwargs)
+    engines = {}
+    for spec in settings:
+        engine = LLMEngine(spec.apply(base) if spec else base)
+        engines[spec.label if spec else config_label(engine.config)] = engine
     ids = prompt_ids(engine, requests)
-    warm_up(engine, requests, ids)
-    run = run_offline(engine, requests, max_concurrency=args.max_concurrency, temperature=args.temperature,
-                      ignore_eos=args.ignore_eos, seed=engine_kwargs["seed"], percentiles=percentiles,
-                      progress=not args.quiet, token_ids=ids, label=args.workload)
-    run.pop("output_token_ids")
-    run.update(workload=args.workload, model_id=engine.model_name,
-               device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-               speculative_method=engine.config.speculative_method)
-    print(format_offline(run))
-    _write_json(args.result_json, [run])
-    return 0 if run["completed"] else 1
+    for engine in engines.values():
+        warm_up(engine, requests, ids)
+    runs = []
+    for rate in rates:
+        arrivals = None if math.isinf(rate) else arrival_times(len(requests), rate, args.burstiness,
+                                                               engine_kwargs["seed"])
+        for name, engine in engines.items():
+            run = run_offline(engine, requests, max_concurrency=args.max_concurrency,
+                              temperature=args.temperature, ignore_eos=args.ignore_eos,
+                              seed=engine_kwargs["seed"], percentiles=percentiles,
+                              progress=not args.quiet, token_ids=ids, arrivals=arrivals,
+                              label=f"{name} @ {rate:g} req/s" if len(rates) > 1 else name)
+            run.pop("output_token_ids")
+            run.update(workload=args.workload, model_id=engine.model_name, speculation=name,
+                       request_rate="inf" if math.isinf(rate) else rate, burstiness=args.burstiness,
+                       device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                       speculative_method=engine.config.speculative_method,
+                       num_speculative_tokens=engine.config.num_speculative_tokens
+                       if engine.drafter else 0, speculative_adaptive=engine.controller is not None)
+            print(format_offline(run))
+            runs.append(run)
+    if len(runs) > 1:
+        print()
+        print(summary_table(runs))
+    if args.plot_dir:
+        from specserve.bench.plots import plot_serving
+
+        for path in plot_serving(runs, args.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
+    _write_json(args.result_json, runs)
+    return 0 if all(r["completed"] for r in runs) else 1
 
 
 def _spec_sweep(args, engine_kwargs: dict, _percentiles) -> int:

@@ -115,12 +115,14 @@ class SpecCounters:
     num_draft_tokens: float = 0.0
     num_accepted_tokens: float = 0.0
     accepted_per_position: dict[int, float] = field(default_factory=dict)
+    draft_lengths: dict[int, float] = field(default_factory=dict)  # k chosen -> request-steps
 
 
 _COUNTERS = {"spec_decode_num_drafts_total": "num_drafts",
              "spec_decode_num_draft_tokens_total": "num_draft_tokens",
              "spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+_DRAFT_LENGTH_BUCKET = "spec_decode_draft_length_bucket"
 
 
 async def read_spec_counters(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
@@ -138,6 +140,7 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     counters, found = SpecCounters(), False
+    cumulative: dict[int, float] = {}  # the draft-length histogram's buckets, k -> requests with <= k
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.split(":", 1)[-1]  # "specserve:" or "vllm:"
@@ -147,4 +150,10 @@ def parse_spec_counters(text: str) -> SpecCounters | None:
             elif name == _PER_POS and "position" in sample.labels:
                 pos = int(sample.labels["position"])
                 counters.accepted_per_position[pos] = counters.accepted_per_position.get(pos, 0) + sample.value
+            elif name == _DRAFT_LENGTH_BUCKET and sample.labels.get("le", "+Inf") != "+Inf":
+                k = int(float(sample.labels["le"]))
+                cumulative[k] = cumulative.get(k, 0) + sample.value
+    below = 0.0
+    for k in sorted(cumulative):
+        counters.draft_lengths[k], below = cumulative[k] - below, cumulative[k]
     return counters if found else None

@@ -14,7 +14,8 @@ from collections import deque
 from tqdm.auto import tqdm
 
 from specserve.bench.client import RequestResult
-from specserve.bench.stats import DEFAULT_PERCENTILES, calculate_metrics
+from specserve.bench.stats import (DEFAULT_PERCENTILES, calculate_metrics, format_draft_lengths,
+                                   per_request)
 from specserve.bench.workloads import BenchRequest
 from specserve.metrics import SpecDecodeStats
 
@@ -53,7 +54,7 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
     owner: dict[str, int] = {}
     last: dict[int, float] = {}
     waiting = deque(range(len(requests)))
-    spec_before = engine.spec_stats.copy()
+    spec_before = engine.spec_stats.copy(), dict(engine.draft_length_counts)
     bar = tqdm(total=len(requests), desc=label or "requests", unit="req", disable=not progress, leave=False)
     start = time.perf_counter()
     while waiting or engine.has_unfinished_requests():
@@ -89,22 +90,25 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
                 bar.update(1)
     duration = time.perf_counter() - start
     bar.close()
-    spec = _spec_delta(spec_before, engine.spec_stats)
+    spec = _spec_delta(*spec_before, engine.spec_stats, engine.draft_length_counts)
     return {"label": label, "num_prompts": len(requests), "max_concurrency": max_concurrency,
             **calculate_metrics(results, duration, percentiles), **spec,
+            "_detail": per_request(results, start),  # for plots; dropped when the JSON is written
             "output_token_ids": [final[i] for i in range(len(requests))]}
 
 
-def _spec_delta(before: SpecDecodeStats, after: SpecDecodeStats) -> dict:
-    """The serving benchmark's speculation keys for what the engine counted in between."""
+def _spec_delta(before: SpecDecodeStats, lengths_before: dict[int, int], after: SpecDecodeStats,
+                lengths_after: dict[int, int]) -> dict:
+    """The serving benchmark's speculation keys for what the engine counted in between
+    (``lengths_*``: the engine's count of each draft length chosen)."""
     from specserve.bench.client import SpecCounters
     from specserve.bench.stats import spec_decode_metrics
 
-    def counters(s: SpecDecodeStats) -> SpecCounters:
+    def counters(s: SpecDecodeStats, lengths: dict[int, int]) -> SpecCounters:
         return SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                            dict(enumerate(s.accepted_per_position)))
+                            dict(enumerate(s.accepted_per_position)), dict(lengths))
 
-    return spec_decode_metrics(counters(before), counters(after))
+    return spec_decode_metrics(counters(before, lengths_before), counters(after, lengths_after))
 
 
 def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | None = None) -> None:
@@ -138,5 +142,7 @@ def format_offline(run: dict) -> str:
         keys = key if isinstance(key, tuple) else (key,)
         if all(run.get(k) is not None for k in keys):
             lines.append(f"{name:<44} {fmt.format(*(run[k] for k in keys))}")
+    if format_draft_lengths(run):
+        lines.append(f"{'Draft length chosen (request-steps):':<44} {format_draft_lengths(run)}")
     lines.append("=" * 60)
     return "\n".join(lines)

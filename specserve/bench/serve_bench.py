@@ -37,6 +37,8 @@ from specserve.bench.client import (
 from specserve.bench.stats import (
     DEFAULT_PERCENTILES,
     calculate_metrics,
+    format_draft_lengths,
+    mean_draft_length,
     per_request,
     spec_decode_metrics,
 )
@@ -335,7 +337,7 @@ def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[floa
         with SERVER_MODES[server_mode](config, quiet=not opts.progress) as server:
             server_info = server.describe()
             for rate in rates:
-                name = spec.label if spec else _config_label(config)
+                name = spec.label if spec else config_label(config)
                 run = asyncio.run(run_benchmark(server.url, requests, dataclasses.replace(
                     opts, request_rate=rate, label=f"{name} @ {rate:g} req/s")))
                 run.update(speculation=name, speculative_method=config.speculative_method,
@@ -345,7 +347,7 @@ def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[floa
     return runs
 
 
-def _config_label(config) -> str:
+def config_label(config) -> str:
     if config.speculative_method == "none":
         return "spec off"
     return f"{config.speculative_method} k={config.num_speculative_tokens}"
@@ -395,6 +397,8 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
         row("Accepted tokens:", run["spec_decode_accepted_tokens"], "{:<10}")
         lines.append(f"{'Per-position acceptance rate:':<44} "
                      + " ".join(f"{x:.2f}" for x in run["spec_decode_per_position_acceptance_rates"]))
+    if format_draft_lengths(run):
+        lines.append(f"{'Draft length chosen (request-steps):':<44} {format_draft_lengths(run)}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -402,14 +406,14 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
 def summary_table(runs: list[dict]) -> str:
     """A markdown table of several runs, one line each."""
     head = ("| speculation | rate (req/s) | completed | req/s | output tok/s | TTFT mean / p99 (ms) "
-            "| TPOT mean / p99 (ms) | ITL mean (ms) | E2EL mean / p99 (s) | acceptance length |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| TPOT mean / p99 (ms) | ITL mean (ms) | E2EL mean / p99 (s) | acceptance length | mean k |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
-        accept = r.get("spec_decode_acceptance_length")
+        accept, mean_k = r.get("spec_decode_acceptance_length"), mean_draft_length(r)
         lines.append(
             f"| {r.get('speculation', r.get('label', ''))} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} "
             f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
             f"| {r['mean_itl_ms']:.1f} | {r['mean_e2el_ms'] / 1000:.2f} / {r['p99_e2el_ms'] / 1000:.2f} "
-            f"| {f'{accept:.2f}' if accept else ''} |")
+            f"| {f'{accept:.2f}' if accept else ''} | {'' if mean_k is None else f'{mean_k:.2f}'} |")
     return "\n".join(lines)

@@ -148,9 +148,14 @@ def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None)
     """
     if before is None or after is None:
         return {}
+    lengths = {k: n - before.draft_lengths.get(k, 0) for k, n in sorted(after.draft_lengths.items())}
+    # The draft length chosen per request per step (k = 0 included): adaptive speculation's decisions.
+    chosen = {"spec_decode_draft_lengths": {str(k): int(n) for k, n in lengths.items() if n > 0}}
+    if not any(chosen["spec_decode_draft_lengths"].values()):
+        chosen = {}
     drafts = after.num_drafts - before.num_drafts
     if drafts <= 0:
-        return {}
+        return chosen
     draft_tokens = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     positions = range(max(after.accepted_per_position, default=-1) + 1)
@@ -161,4 +166,21 @@ def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None)
             "spec_decode_num_drafts": int(drafts),
             "spec_decode_draft_tokens": int(draft_tokens),
             "spec_decode_accepted_tokens": int(accepted),
-            "spec_decode_per_position_acceptance_rates": per_position}
+            "spec_decode_per_position_acceptance_rates": per_position, **chosen}
+
+
+def mean_draft_length(run: dict) -> float | None:
+    """The mean k chosen per request per step, from ``spec_decode_draft_lengths``."""
+    lengths = run.get("spec_decode_draft_lengths")
+    if not lengths:
+        return None
+    return sum(int(k) * n for k, n in lengths.items()) / sum(lengths.values())
+
+
+def format_draft_lengths(run: dict) -> str | None:
+    """``k=0 12%  k=4 88%``: how often each draft length was chosen."""
+    lengths = run.get("spec_decode_draft_lengths")
+    if not lengths:
+        return None
+    total = sum(lengths.values())
+    return "  ".join(f"k={k} {100 * n / total:.0f}%" for k, n in lengths.items())
