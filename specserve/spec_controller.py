@@ -20,9 +20,11 @@ Two online estimates feed the choice:
   the fit, while a cost that really changed is still learned, clip after clip.
 
 The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
-solved per draft depth D (0..k_max) with Dinkelbach's method: with the current ratio
-lambda, request i takes the k <= D maximising ``sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0]``;
-lambda is then recomputed, which converges in a few rounds. So k falls to 0 when tokens
+solved exactly with Dinkelbach's method: with the current ratio lambda, each request's
+net value of k drafts is ``sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0]``; the best plan
+for every draft depth D at once is each request's best k <= D (a running maximum over k)
+less ``lambda * d * D``; the best depth's plan gives the next lambda, which converges in a
+few rounds (a handful of numpy operations each, so it is cheap next to a step). So k falls to 0 when tokens
 are expensive (a compute-bound batch) or a request's drafts keep failing, and rises to
 k_max when acceptance is high and extra tokens are nearly free. A request that has fallen
 to k = 0 is probed with k = 1 every ``probe_interval`` steps so it can recover.
@@ -107,46 +109,31 @@ class DraftLengthController:
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
         req_ids = list(caps)
-        cap = np.array([min(caps[r], self.max_k) for r in req_ids])
+        num_reqs, max_k = len(req_ids), self.max_k
+        cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), max_k)
         gains = np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
-        gains[np.arange(self.max_k)[None, :] >= cap[:, None]] = 0.0   # beyond a request's cap
+        over_cap = np.arange(max_k + 1)[None, :] > cap[:, None]        # [num_reqs, max_k + 1]
         _a, b, c = self.target_cost.theta
-        fixed = self.target_cost.predict([1.0, len(req_ids) + num_other_tokens, num_other_spans])
-        best_ratio, best_k = -1.0, np.zeros(len(req_ids), dtype=int)
-        for depth in range(int(cap.max(initial=0)) + 1):
-            k, ratio = self._best_for_depth(gains[:, :depth], fixed, depth, b, c)
-            if ratio > best_ratio * (1 + 1e-9):
-                best_ratio, best_k = ratio, k
-        return self._with_probes(dict(zip(req_ids, best_k.tolist())), caps)
-
-    def _best_for_depth(self, gains: np.ndarray, fixed: float, depth: int, b: float,
-                        c: float) -> tuple[np.ndarray, float]:
-        """Dinkelbach iterations for a fixed draft depth; returns (k per request, ratio).
-        ``fixed``: the predicted cost of the step with no drafts."""
-        num_reqs = gains.shape[0]
-        if depth:
-            d, e = self.draft_cost.theta
-            fixed += depth * d
-            per_token = b + e      # each drafted token is verified and (roughly) drafted once
-        else:
-            per_token = b
+        d, e = self.draft_cost.theta
+        per_token = b + e  # each drafted token is verified and (roughly) drafted once
+        fixed = self.target_cost.predict([1.0, num_reqs + num_other_tokens, num_other_spans])
+        depth_cost = d * np.arange(max_k + 1)
         k = np.zeros(num_reqs, dtype=int)
-        ratio = num_reqs / max(fixed, 1e-9)
-        if depth == 0:
-            return k, ratio
-        # Net value of taking the first n drafts, n = 0..depth.
-        for _ in range(6):
-            net = np.concatenate([np.zeros((num_reqs, 1)),
-                                  np.cumsum(gains - ratio * per_token, axis=1)], axis=1)
-            net[:, 1:] -= ratio * c
-            new_k = net.argmax(axis=1)
-            cost = fixed + per_token * new_k.sum() + c * np.count_nonzero(new_k)
+        ratio = num_reqs / max(fixed, 1e-9)                            # the plan without drafts
+        for _ in range(10):
+            net = np.zeros((num_reqs, max_k + 1))                      # value of k = 0..max_k drafts
+            net[:, 1:] = np.cumsum(gains - ratio * per_token, axis=1) - ratio * c
+            net[over_cap] = -np.inf
+            best_upto = np.maximum.accumulate(net, axis=1)             # best k <= D, per request
+            depth = int(np.argmax(best_upto.sum(axis=0) - ratio * depth_cost))
+            new_k = np.argmax(net[:, :depth + 1], axis=1)              # ties: the smaller k
+            cost = (fixed + depth_cost[new_k.max()] + per_token * new_k.sum()
+                    + c * np.count_nonzero(new_k))
             new_ratio = (num_reqs + _expected(gains, new_k)) / max(cost, 1e-9)
-            converged = np.array_equal(new_k, k)
-            k, ratio = new_k, new_ratio
-            if converged:
+            if np.array_equal(new_k, k) or new_ratio <= ratio:
                 break
-        return k, ratio
+            k, ratio = new_k, new_ratio
+        return self._with_probes(dict(zip(req_ids, k.tolist())), caps)
 
     def _with_probes(self, chosen: dict[str, int], caps: dict[str, int]) -> dict[str, int]:
         """Give a request idle at k = 0 for ``probe_interval`` steps one draft to test."""

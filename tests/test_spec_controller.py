@@ -53,6 +53,32 @@ def test_positions_the_drafter_could_not_propose_are_not_rejections():
     assert ctl.choose({"r": 4}) == {"r": 4}
 
 
+def test_choice_is_the_best_plan_of_all():
+    """Dinkelbach over every draft depth at once finds the plan a brute force finds."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        a, b, c = rng.uniform(0.001, 0.03), rng.uniform(0, 0.004), rng.uniform(0, 0.004)
+        ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)))
+        caps = {f"r{i}": int(rng.integers(0, 4)) for i in range(3)}
+        for r in caps:
+            ctl._alpha[r] = rng.uniform(0, 1, size=3)
+        (_, b, c), (d, e) = ctl.target_cost.theta, ctl.draft_cost.theta
+        fixed = ctl.target_cost.predict([1.0, 3, 0])
+
+        def ratio(plan):
+            gain = sum(np.prod(ctl._alpha[r][:j + 1]) for r, k in zip(caps, plan) for j in range(k))
+            cost = fixed + d * max(plan) + (b + e) * sum(plan) + c * sum(k > 0 for k in plan)
+            return (3 + gain) / cost
+
+        plans = itertools.product(*(range(cap + 1) for cap in caps.values()))
+        best = max(ratio(plan) for plan in plans)
+        assert ratio(list(ctl.choose(caps).values())) == pytest.approx(best, rel=1e-9), trial
+
+
 def test_memory_bound_and_always_accepted_drafts_take_the_maximum():
     ctl = controller(**MEMORY_BOUND)
     caps = {f"r{i}": 4 for i in range(8)}
