@@ -54,8 +54,6 @@ def add_bench_parser(sub, engine_flags) -> None:
                              "the client never slows the engine) or as a thread of this process "
                              "(faster to start)")
     load = _load_flags(serve)
-    load.add_argument("--num-warmups", type=int, default=1,
-                      help="unmeasured requests sent first (default: 1)")
     _workload_flags(serve)
     out = serve.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -114,6 +112,9 @@ def _load_flags(parser):
                            "burstier, higher more regular (default: 1)")
     load.add_argument("--max-concurrency", type=int, default=None,
                       help="at most this many requests in flight (with rate inf: fixed concurrency)")
+    load.add_argument("--num-warmups", type=int, default=1,
+                      help="unmeasured requests sent first, all at once (default: 1); on a GPU, "
+                           "the whole workload warms every kernel shape up")
     return load
 
 
@@ -178,8 +179,6 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
     from specserve.bench.stats import parse_goodput
 
     rates = _rates(args)
-    if args.num_warmups < 0:
-        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     speculation = parse_speculation(args.speculation) if args.speculation else None
     if speculation and args.base_url:
         raise ValueError("--speculation starts servers here; it cannot be used with --base-url")
@@ -215,8 +214,11 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
 
 
 def _rates(args) -> list[float]:
+    """The request rates to run; also checks the other load flags, before any model loads."""
     from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
 
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.request_rate is not None and args.request_rate_sweep is not None:
         raise ValueError("give --request-rate or --request-rate-sweep, not both")
     if args.request_rate_sweep is not None:
@@ -245,7 +247,7 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
         engines[spec.label if spec else config_label(engine.config)] = engine
     ids = prompt_ids(engine, requests)
     for engine in engines.values():
-        warm_up(engine, requests, ids)
+        warm_up(engine, requests, ids, num_requests=args.num_warmups)
     runs = []
     for rate in rates:
         arrivals = None if math.isinf(rate) else arrival_times(len(requests), rate, args.burstiness,

@@ -111,12 +111,21 @@ def _spec_delta(before: SpecDecodeStats, lengths_before: dict[int, int], after: 
     return spec_decode_metrics(counters(before, lengths_before), counters(after, lengths_after))
 
 
-def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | None = None) -> None:
-    """One short request, so lazy initialisation is not timed."""
+def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | None = None,
+            num_requests: int | None = None) -> None:
+    """Run requests untimed so lazy initialisation (and, on a GPU, kernel compilation for
+    each shape) is not timed: by default one short request; with ``num_requests``, that
+    many of the workload's requests (cycled) at their own lengths, all at once."""
     from specserve import SamplingParams
 
-    ids = (token_ids or prompt_ids(engine, requests[:1]))[0]
-    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    if num_requests is None:
+        ids = (token_ids or prompt_ids(engine, requests[:1]))[0]
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    else:
+        token_ids = token_ids or prompt_ids(engine, requests)
+        for i in range(num_requests):
+            j = i % len(requests)
+            engine.add_request(token_ids[j], SamplingParams(temperature=0, max_tokens=requests[j].max_tokens))
     while engine.has_unfinished_requests():
         engine.step()
 
