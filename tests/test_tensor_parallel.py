@@ -286,3 +286,71 @@ def test_engine_output_equals_unsharded(tp_job, tp_models, run):
 def test_ranks_turn_multicast_off(tp_job):
     assert all(rank["env"] == MULTICAST_OFF for rank in tp_job)
 
+
+# ---------------------------------------------------------------------- command line
+TINY_CLI = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
+            "--max-tokens", "12", "--ignore-eos", "--no-chat", "--json", "-q"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive integer"),
+    (["--tensor-parallel-size", "3"], "must divide the model's 4 attention heads"),
+])
+def test_cli_bad_sizes_are_one_line_exit_2(capsys, tiny_model_dir, monkeypatch, argv, message):
+    from specserve.cli import main
+
+    model = str(tiny_model_dir("llama"))
+    capsys.readouterr()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("must not start ranks"))
+    code = main(["generate", "hi", "--model", model, *TINY_CLI, *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("specserve: error:") and message in err and err.count("\n") == 1
+
+
+def test_cli_tensor_parallel_only_for_generate_and_serve(capsys):
+    from specserve.cli import main
+
+    assert main(["tune", "--tensor-parallel-size", "2", "--device", "cpu"]) == 2
+    assert "'specserve generate' and 'specserve serve'" in capsys.readouterr().err
+
+
+def test_cli_starts_its_ranks_under_torchrun_with_multicast_off(capsys, tiny_model_dir, monkeypatch):
+    from specserve.cli import main
+
+    class Started(Exception):
+        pass
+
+    def execve(path, args, env):
+        raise Started(path, args, env)
+
+    for name in MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "execve", execve)
+    argv = ["generate", "hi", "--model", str(tiny_model_dir("llama")), "--tensor-parallel-size", "2",
+            "--device", "cpu"]
+    with pytest.raises(Started) as started:
+        main(argv)
+    path, args, env = started.value.args
+    assert path == sys.executable
+    assert args[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert args[6:] == ["specserve.cli", *argv]
+    assert all(env[k] == v for k, v in MULTICAST_OFF.items())
+    assert not any(k in os.environ for k in MULTICAST_OFF)  # only the ranks' environment
+
+
+@pytest.mark.slow
+def test_cli_generate_with_two_ranks_equals_one(tiny_model_dir):
+    """The real thing: `specserve generate --tensor-parallel-size 2` starts torchrun, two
+    gloo ranks, and prints the same greedy completion as one process."""
+    def generate(*extra):
+        done = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "def f(x):",
+                               "--model", str(tiny_model_dir("llama")), *TINY_CLI, *extra],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    one, two = generate(), generate("--tensor-parallel-size", "2", "--speculative-method", "ngram")
+    assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 12
