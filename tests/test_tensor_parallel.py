@@ -210,6 +210,11 @@ ENGINE_RUNS = [
          engine=dict(block_size=4, num_kv_blocks=128, speculative_method="layerskip",
                      layerskip_layers=1, num_speculative_tokens=2),
          params=[GREEDY]),
+    # a draft checkpoint runs whole on rank 0 only, beside the sharded target
+    dict(name="draft_model", variant="llama", draft="draft",
+         engine=dict(block_size=4, num_kv_blocks=128, speculative_method="draft_model",
+                     num_speculative_tokens=3),
+         params=[GREEDY, dict(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True)]),
 ]
 
 
@@ -221,7 +226,8 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
     made = {}
     for name, variant, overrides in (("llama", "llama", {}),
                                      ("kv1", "qwen2_bias", dict(num_key_value_heads=1)),
-                                     ("vocab515", "qwen3_qknorm", dict(vocab_size=515))):
+                                     ("vocab515", "qwen3_qknorm", dict(vocab_size=515)),
+                                     ("draft", "llama", dict(seed=1, num_hidden_layers=1))):
         path = tmp_path_factory.mktemp(f"tp-{name}")
         make_hf_model(variant, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
@@ -246,10 +252,17 @@ def run_tp_job(spec: dict, tmp: Path, nproc: int = 2) -> list[dict]:
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
+def _engine_kwargs(run: dict, tp_models) -> dict:
+    if "draft" in run:
+        return dict(run["engine"], draft_model=str(tp_models[run["draft"]]))
+    return run["engine"]
+
+
 @pytest.fixture(scope="module")
 def tp_job(tp_models, tmp_path_factory):
-    spec = {"models": {k: str(v) for k, v in tp_models.items()}, "prompts": _prompts(),
-            "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS) for r in ENGINE_RUNS]}
+    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515")}, "prompts": _prompts(),
+            "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS,
+                             engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS]}
     return run_tp_job(spec, tmp_path_factory.mktemp("tp-job"))
 
 
@@ -274,13 +287,29 @@ def test_each_rank_holds_its_shard_and_its_kv_heads(tp_job):
 
 @pytest.mark.parametrize("run", ENGINE_RUNS, ids=[r["name"] for r in ENGINE_RUNS])
 def test_engine_output_equals_unsharded(tp_job, tp_models, run):
-    llm = LLM32(str(tp_models[run["variant"]]), **run["engine"])
+    llm = LLM32(str(tp_models[run["variant"]]), **_engine_kwargs(run, tp_models))
     want = [[o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)]
             for p in run["params"]]
     assert tp_job[0]["outputs"][run["name"]] == want
     free, total, drafts = tp_job[0]["free_blocks"][run["name"]]
     assert free == total  # every block back in the pool
     assert drafts > 0
+
+
+def test_a_draft_sharing_the_split_embeddings_is_refused(tmp_path, tiny_tokenizer):
+    from types import SimpleNamespace
+
+    from specserve.drafts import build_drafter
+
+    draft = make_hf_model("llama", num_hidden_layers=1)
+    draft.config.specserve_draft = {"shares_target_embeddings": True}
+    draft.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    target = SimpleNamespace(tp=TPGroup(rank=0, size=2))
+    config = EngineConfig(speculative_method="draft_model", draft_model=str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="tensor parallelism splits"):
+        build_drafter(config, target, SimpleNamespace(vocab_size=512, hidden_size=64), tiny_tokenizer,
+                      torch.device("cpu"), torch.float32)
 
 
 def test_ranks_turn_multicast_off(tp_job):
