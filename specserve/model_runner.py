@@ -151,6 +151,10 @@ class ModelRunner:
         except Exception as exc:
             from specserve.errors import RanksOutOfStepError
 
+            # The others may be waiting inside this pass: no further message (not even
+            # the stop) could be matched right, so none is sent; torchrun ends them.
+            self.channel = None
+            self.closed = True
             raise RanksOutOfStepError(f"a tensor-parallel forward pass failed on rank 0 "
                                       f"({type(exc).__name__}: {exc})") from exc
 

@@ -161,6 +161,33 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     assert GRAPHS != STEP
 
 
+def test_a_failed_pass_on_rank_0_ends_the_engine_and_sends_nothing_more(tiny_model_dir):
+    """After the others were told to run a pass that then failed here, no message could be
+    matched right (they may wait inside it), so the runner stops sending and the engine
+    stops stepping instead of failing just that step's requests."""
+    from specserve.errors import RanksOutOfStepError
+    from specserve.model_runner import ModelRunner
+
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=32, block_size=4)
+    sent = []
+    runner = ModelRunner(llm.engine.runner.model, llm.engine.config, torch.device("cpu"), torch.float32,
+                         num_blocks=32, tp=TPGroup(rank=0, size=2))
+    runner.channel = type("Recorder", (), {"send_step": lambda self, *a: sent.append("step"),
+                                           "send_shutdown": lambda self: sent.append("stop")})()
+    runner._forward = lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    step = SchedulerOutput([ScheduledRequest("r", [5, 6], 0, [0], SamplingParams())], [])
+    with pytest.raises(RanksOutOfStepError, match="out of memory"):
+        runner.execute(step)
+    runner.close()
+    assert sent == ["step"] and runner.channel is None
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.execute(step)
+    llm.engine.runner.execute = lambda *a: (_ for _ in ()).throw(RanksOutOfStepError("lost step"))
+    llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RanksOutOfStepError):
+        llm.engine.step()
+
+
 # ---------------------------------------------------------------------- configuration errors
 @pytest.mark.parametrize("size", [0, -2, True, "2", 1.5])
 def test_bad_tensor_parallel_size_is_a_value_error(size):
