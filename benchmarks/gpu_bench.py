@@ -192,60 +192,99 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 # ---------------------------------------------------------------------- 8B shape
-def eight_b_section(args, rows: list, device: torch.device = torch.device("cuda")) -> None:
+def llama_8b_config(**overrides):
+    """The Llama-3.1-8B shape (``overrides``: a smaller one for dry runs)."""
     from transformers import LlamaConfig
 
-    from specserve.attention import get_backend
-    from specserve.config import EngineConfig
-    from specserve.model_runner import ModelRunner
-    from specserve.models import ARCHITECTURES, LlamaForCausalLM
-    from specserve.sampling_params import SamplingParams
-    from specserve.scheduler import ScheduledRequest, SchedulerOutput
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(**{**shape, **overrides})
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    log("building the Llama-3.1-8B shape with random bf16 weights on the GPU")
+
+def random_llama(config, device: torch.device, dtype=torch.bfloat16, tp=None, seed: int = 0):
+    """Our model with random weights made on ``device`` (never zeros: speed must not
+    depend on them). With a tensor-parallel group ``tp`` only this rank's shard exists:
+    the whole model is never materialised on one device."""
+    from specserve.attention import get_backend
+    from specserve.distributed import SINGLE
+    from specserve.models import ARCHITECTURES, LlamaForCausalLM
+
+    backend = get_backend("triton" if device.type == "cuda" else "torch", device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ARCHITECTURES["LlamaForCausalLM"], get_backend("triton", device))
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    torch.manual_seed(0)
+        model = LlamaForCausalLM(config, ARCHITECTURES["LlamaForCausalLM"], backend, tp or SINGLE)
+    model = model.to(dtype).to_empty(device=device)  # allocated in ``dtype`` straight away
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
     model.model.rotary.reset_tables(device)  # to_empty left inv_freq and the cos/sin cache garbage
-    model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bandwidth = _copy_bandwidth()
+    return model.eval()
+
+
+def decode_step(batch: int, drafts: int, context: int, block_size: int = 16):
+    """A SchedulerOutput of ``batch`` requests each feeding 1 token + ``drafts`` drafts
+    after ``context`` cached tokens (distinct blocks per request)."""
+    from specserve.sampling_params import SamplingParams
+    from specserve.scheduler import ScheduledRequest, SchedulerOutput
+
+    blocks_per = -(-(context + 1 + drafts) // block_size)
+    greedy = SamplingParams(temperature=0)
+    return SchedulerOutput([ScheduledRequest(f"r{i}", [1], context, list(range(i * blocks_per, (i + 1) * blocks_per)),
+                                             greedy, num_lookahead=drafts, draft_token_ids=[2] * drafts)
+                            for i in range(batch)], [])
+
+
+def median_ms(fn, reps: int, device: torch.device, warmup: int = 3) -> float:
+    """Median time of ``fn()`` in ms: CUDA events on a GPU, a synchronised clock otherwise."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            _sync()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - begin))
+    return statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_read_bytes(model, context: int, batch: int = 1) -> int:
+    """K and V one decode step reads: ``context`` tokens per request, this rank's heads."""
+    attn = model.model.layers[0].self_attn
+    element = next(model.parameters()).element_size()
+    return 2 * model.config.num_hidden_layers * context * attn.num_kv_heads * attn.head_dim * element * batch
+
+
+def eight_b_section(args, rows: list, device: torch.device = torch.device("cuda")) -> None:
+    from specserve.config import EngineConfig
+    from specserve.model_runner import ModelRunner
+
+    log("building the Llama-3.1-8B shape with random bf16 weights on the GPU")
+    model = random_llama(llama_8b_config(), device)
+    bandwidth = _copy_bandwidth(device)
     cfg = EngineConfig(device=str(device), dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
                        num_kv_blocks=4096, block_size=16)
     runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=4096)
     context = 512
     runner.enable_graphs(5, 4096)
-    greedy = SamplingParams(temperature=0)
 
     def step(batch: int, drafts: int) -> float:
-        blocks_per = -(-(context + 1 + drafts) // 16)
-        planned = [ScheduledRequest(f"r{i}", [1], context, list(range(i * blocks_per, (i + 1) * blocks_per)),
-                                    greedy, num_lookahead=drafts, draft_token_ids=[2] * drafts)
-                   for i in range(batch)]
-        out = SchedulerOutput(planned, [])
-        for _ in range(3):
-            runner.execute(out)
-        times = []
-        for _ in range(args.reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            runner.execute(out)
-            end.record()
-            _sync()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        out = decode_step(batch, drafts, context)
+        return median_ms(lambda: runner.execute(out), args.reps, device)
 
-    kv_bytes_b1 = 2 * 32 * context * 8 * 128 * 2
-    floor_ms = 1000 * (weight_bytes + kv_bytes_b1) / bandwidth
+    floor_ms = 1000 * (weight_bytes(model) + kv_read_bytes(model, context)) / bandwidth
     decode = step(1, 0)
     verify = step(1, 4)
     b64 = step(64, 0)
@@ -255,7 +294,7 @@ def eight_b_section(args, rows: list, device: torch.device = torch.device("cuda"
             ("batch 1 verify 1+4 step (ms)", verify, f"verify/decode {verify / decode:.3f}"),
             ("batch 64 decode step (ms)", b64, f"{64 * 1000 / b64:.0f} tokens/s")):
         row = {"section": "Llama-3.1-8B shape (random bf16)", "method": name, "value": round(value, 3),
-               "note": note, "weight_gb": round(weight_bytes / 1e9, 2),
+               "note": note, "weight_gb": round(weight_bytes(model) / 1e9, 2),
                "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2), "card": card}
         rows.append(row)
         log(json.dumps(row))
@@ -265,19 +304,12 @@ def _card() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
 
 
-def _copy_bandwidth() -> float:
+def _copy_bandwidth(device: torch.device = torch.device("cuda"), size: int = 2**30) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.ones(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    _sync()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000)
+    seconds = median_ms(lambda: dst.copy_(src), 10, device) / 1000
+    return 2 * src.numel() / seconds
 
 
 def main() -> None:

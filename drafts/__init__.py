@@ -1,6 +1,15 @@
 """Drafters, installed as ``specserve.drafts``: one class per way of proposing draft
 tokens, all behind the ``Drafter`` protocol (``base.py``); ``build_drafter`` maps the
-configured method to one."""
+configured method to one.
+
+Under tensor parallelism every drafter runs on rank 0, beside the scheduler. n-gram
+lookup is host-only. A draft checkpoint is loaded whole (replicated, not split) on rank
+0's GPU: a draft is small enough that splitting it saves little memory and would add an
+all-reduce per layer to every one of its k sequential steps, and running it on rank 0
+alone needs no broadcast per draft token — the other ranks only take part in the
+target's verify pass. Layer-skip drafting runs the target's own (sharded) first layers,
+so it goes through the target's runner and its step broadcast like any target pass.
+"""
 from __future__ import annotations
 
 import torch
@@ -57,6 +66,10 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                                  "vocabulary from the target's")
     shared = None
     if shares_target_embeddings(draft_config):
+        if target.tp.size > 1:
+            raise SpecserveError(f"draft model {files.name} shares the target's embeddings and LM "
+                                 "head, which tensor parallelism splits over the ranks; use a draft "
+                                 "with its own, or speculative_method ngram or layerskip")
         if draft_config.hidden_size != target_hf_config.hidden_size:
             raise SpecserveError(f"draft model {files.name} shares its target's embeddings but has "
                                  f"hidden size {draft_config.hidden_size}, the target "

@@ -50,6 +50,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA: run every step eagerly, no CUDA graphs (default: graphs for "
                         "decode/verify steps)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs of this host, one process each (generate "
+                        "and serve; the command starts them under torchrun itself; default: 1)")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="YAML or JSON file of settings (any flag of this command, named as the "
                         "flag or with underscores); flags given on the command line win")
@@ -74,6 +77,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                 "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend", "enforce_eager",
+                "tensor_parallel_size",
                 "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
                 "layerskip_layers")
 
@@ -186,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "tensor_parallel_size", 1) != 1:
+            done = _tensor_parallel_rank(args, sys.argv[1:] if argv is None else argv)
+            if done is not None:
+                return done
         return {"generate": _generate, "serve": _serve, "bench": _bench,
                 "tune": _tune}[args.command](args)
     except ValueError as exc:  # every user-facing error is a ValueError (see errors.py)
@@ -193,6 +201,53 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    finally:
+        if getattr(args, "tensor_parallel_size", 1) != 1:
+            from specserve.distributed import destroy_tensor_parallel
+
+            destroy_tensor_parallel()
+
+
+def _tensor_parallel_rank(args, argv: list[str]) -> int | None:
+    """``--tensor-parallel-size N``: outside torchrun, check what can be checked and
+    start this same command as N ranks under torchrun (this process becomes torchrun);
+    under torchrun, rank 0 returns None and runs the command, the other ranks follow it
+    (``tp_worker.run_worker``) and return 0."""
+    from specserve.distributed import MULTICAST_OFF, disable_multicast, init_tensor_parallel
+
+    size = args.tensor_parallel_size
+    if args.command not in ("generate", "serve"):
+        raise ValueError("--tensor-parallel-size runs with 'specserve generate' and 'specserve serve'")
+    config = _engine_config(args)  # validates the size against the device and its GPUs
+    if "WORLD_SIZE" not in os.environ:
+        from specserve.loader import load_hf_config, resolve_model
+        from specserve.models.parallel import check_tensor_parallel
+
+        check_tensor_parallel(load_hf_config(resolve_model(config.model)), size)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={size}", "-m", "specserve.cli", *argv]
+        env = disable_multicast(dict(os.environ))
+        if not args.quiet:
+            print(f"specserve: starting {size} ranks: torchrun --nproc-per-node {size} -m specserve.cli "
+                  f"... ({', '.join(f'{k}={env[k]}' for k in MULTICAST_OFF)})", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
+    tp = init_tensor_parallel(size, config.device)
+    if tp.is_driver:
+        return None
+    from specserve.tp_worker import run_worker
+
+    logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the job
+    os.environ["TQDM_DISABLE"] = "1"
+    run_worker(config)
+    return 0
+
+
+def _engine_config(args):
+    from specserve import EngineConfig
+
+    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS})
 
 
 def _apply_config_file(parser: argparse.ArgumentParser, args, argv) -> argparse.Namespace:
@@ -269,7 +324,14 @@ def _generate(args) -> int:
                             ignore_eos=args.ignore_eos, seed=args.seed)
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
-    engine = LLMEngine(EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}))
+    engine = LLMEngine(_engine_config(args))
+    try:
+        return _generate_with(engine, args, prompt, params)
+    finally:
+        engine.shutdown()
+
+
+def _generate_with(engine, args, prompt, params) -> int:
     use_chat = args.chat if args.chat is not None else bool(engine.tokenizer.chat_template)
     if use_chat:
         if not engine.tokenizer.chat_template:
@@ -318,7 +380,7 @@ def _serve(args) -> int:
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds, got {args.shutdown_timeout}")
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
-    serve(EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS}), args.host, args.port,
+    serve(_engine_config(args), args.host, args.port,
           api_key=args.api_key or None, served_model_name=args.served_model_name,
           max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
           max_body_bytes=args.max_request_bytes, log_level="warning" if args.quiet else args.log_level)

@@ -41,6 +41,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
     enforce_eager: bool = False          # CUDA: no CUDA graphs for decode/verify steps
     attention_backend: str = "auto"      # auto (triton on CUDA, torch on CPU) | torch | triton
+    # Tensor parallelism: the target model split over this many ranks (one process and
+    # one GPU each, started by torchrun); rank 0 runs the engine (see tp_worker.py).
+    tensor_parallel_size: int = 1
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
@@ -101,6 +104,9 @@ class EngineConfig:
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
         _ = self.torch_device  # raises on a bad or unavailable device
+        from specserve.distributed import check_tensor_parallel_size
+
+        check_tensor_parallel_size(self.tensor_parallel_size, self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise SpecserveError(
                 f"dtype must be 'auto' or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -12,7 +13,8 @@ from tqdm.auto import tqdm
 from specserve.attention import get_backend
 from specserve.config import EngineConfig
 from specserve.drafts import build_drafter
-from specserve.errors import SpecserveError
+from specserve.distributed import init_tensor_parallel
+from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from specserve.model_runner import ModelRunner
@@ -34,19 +36,30 @@ class LLMEngine:
 
     ``step()`` is the whole engine: schedule, propose drafts, verify them (and every
     prefill chunk) in one ragged forward pass, rejection-sample, update.
+
+    With ``tensor_parallel_size`` N > 1 the engine is rank 0 of N processes started by
+    torchrun: it holds its shard of the target model, and its runner has the other ranks
+    (``tp_worker.run_worker``) run every forward pass with it. Drafting, sampling and
+    scheduling happen here only. ``shutdown()`` releases the other ranks.
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**_engine_kwargs(kwargs))
         self.config = config
-        self.device, self.dtype = config.torch_device, config.torch_dtype
-        files = resolve_model(config.model)
+        self.tp = init_tensor_parallel(config.tensor_parallel_size, config.device)
+        if not self.tp.is_driver:
+            raise SpecserveError(f"rank {self.tp.rank}: the engine runs on rank 0; the other "
+                                 "ranks run specserve.tp_worker.run_worker(config)")
+        self.device = self.tp.device if self.tp.size > 1 else config.torch_device
+        self.dtype = config.torch_dtype
+        with self.tp.rank_zero_first():  # a GGUF is converted into the cache once
+            files = resolve_model(config.model)
         self.model_name = files.name
         self.hf_config = load_hf_config(files)
         self.tokenizer = load_tokenizer(files, config.tokenizer)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         backend = get_backend(config.attention_backend, self.device)
-        model = build_model(files, self.hf_config, self.dtype, self.device, backend)
+        model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp)
         self.drafter = build_drafter(config, model, self.hf_config, self.tokenizer,
                                      self.device, self.dtype)
         self.max_model_len = self._max_model_len()
@@ -54,7 +67,10 @@ class LLMEngine:
         useful = config.max_num_seqs * -(-(self.max_model_len + config.num_speculative_tokens)
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
-                                  max_useful_blocks=useful)
+                                  max_useful_blocks=useful, tp=self.tp)
+        # The other ranks wait for rank 0's word: release them even if shutdown() is
+        # never called (at garbage collection or exit).
+        self._release_ranks = weakref.finalize(self, self.runner.close) if self.tp.size > 1 else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self._fit_max_model_len_to_cache()
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
@@ -102,17 +118,19 @@ class LLMEngine:
     def _log_startup(self, backend: str) -> None:
         c = self.config
         params = self.runner.model.num_parameters
+        per_rank = " per rank" if self.tp.size > 1 else ""
         logger.info(
             "specserve engine ready\n"
-            "  model       %s (%s, %.0fM parameters)\n"
+            "  model       %s (%s, %.0fM parameters%s)\n"
             "  device      %s, dtype %s, attention backend %s\n"
-            "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB)\n"
+            "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB%s)\n"
             "  scheduling  max_num_batched_tokens=%d max_num_seqs=%d max_model_len=%d\n"
             "  speculation %s",
-            self.model_name, self.hf_config.architectures[0], params / 1e6,
-            self.device, str(self.dtype).removeprefix("torch."), backend,
+            self.model_name, self.hf_config.architectures[0], params / 1e6, per_rank,
+            f"{self.device} (rank 0 of {self.tp.size}, tensor parallel)" if self.tp.size > 1 else self.device,
+            str(self.dtype).removeprefix("torch."), backend,
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
-            self.kv.num_blocks * self.runner.bytes_per_block / 2**30,
+            self.kv.num_blocks * self.runner.bytes_per_block / 2**30, per_rank,
             c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
             f"{self.drafter.describe()}, k {'adaptive, at most ' if self.controller else '= '}"
             f"{c.num_speculative_tokens}" if self.drafter else "off")
@@ -168,6 +186,8 @@ class LLMEngine:
             return outputs
         try:
             result = self._verify(scheduled)
+        except RanksOutOfStepError:
+            raise  # the ranks cannot go on together: end the engine, not just the step
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
@@ -299,6 +319,14 @@ class LLMEngine:
         return self.outputs.make_output(req, error=error)
 
 
+
+    def shutdown(self) -> None:
+        """Release the other ranks of a tensor-parallel engine (they return from
+        ``run_worker``) and free CUDA graphs; the engine cannot step afterwards."""
+        if self._release_ranks is not None:
+            self._release_ranks()  # runs runner.close() once and lets go of the runner
+        else:
+            self.runner.close()
 
     # ------------------------------------------------------------------ introspection
     @property

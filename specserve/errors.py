@@ -12,3 +12,8 @@ class ModelLoadError(SpecserveError):
 
 class KVCacheError(RuntimeError):
     """Misuse of the KV cache manager (double free, unknown request). A bug, not bad input."""
+
+
+class RanksOutOfStepError(RuntimeError):
+    """A forward pass failed on a tensor-parallel engine after the other ranks were told
+    to run it: they can no longer agree on what runs next, so the engine stops."""

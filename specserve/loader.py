@@ -211,9 +211,12 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 # ---------------------------------------------------------------------------- weights
 def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
-                shared_modules: dict | None = None):
+                shared_modules: dict | None = None, tp=None):
     """Build our model on the meta device (no random init), then stream the checkpoint's
     tensors into it on ``device``, merging q/k/v and gate/up as they arrive.
+
+    ``tp`` (a TPGroup of several ranks): build this rank's shard only; each checkpoint
+    tensor is cut to this rank's part before it is copied (``models/parallel.py``).
 
     ``shared_modules`` (module path -> module of another model already on ``device``) are
     used as they are, same storage: a draft that shares its target's embeddings and LM
@@ -222,12 +225,13 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
+    from specserve.distributed import SINGLE
     from specserve.models import ARCHITECTURES, LlamaForCausalLM
 
     spec = ARCHITECTURES[_check_architecture(config)]
     shared_modules = shared_modules or {}
     with init_empty_weights():
-        model = LlamaForCausalLM(config, spec, backend)
+        model = LlamaForCausalLM(config, spec, backend, tp or SINGLE)
     for path, module in shared_modules.items():
         model.set_submodule(path, module)
     if "lm_head" not in shared_modules:
@@ -264,7 +268,7 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     parts = ckpt_name.split(".")
     stacked = next(((i, p) for i, p in enumerate(parts) if p in model.STACKED), None)
     if stacked is None:
-        target, rows = ckpt_name, None
+        target, rows, shard = ckpt_name, None, None
     else:
         index, part = stacked
         merged, shard = model.STACKED[part]
@@ -273,6 +277,11 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     param = params.get(target)
     if param is None:
         raise ModelLoadError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
+    try:
+        tensor = model.layout.shard(target, shard, tensor)  # this rank's part (all of it at tp 1)
+    except IndexError:
+        raise ModelLoadError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                             f"which tensor parallelism cannot split") from None
     view = param.data if rows is None else param.data[rows[0]:rows[1]]
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "

@@ -8,29 +8,44 @@ import torch
 
 from specserve.batch import ForwardBatch
 from specserve.config import EngineConfig
+from specserve.distributed import SINGLE, TPGroup
 from specserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger("specserve")
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer of ``model`` for one block of ``block_size`` tokens."""
-    cfg = model.config
-    head_dim = model.model.layers[0].self_attn.head_dim
+    """K and V of every layer of ``model`` for one block of ``block_size`` tokens (the
+    KV heads this rank holds, under tensor parallelism)."""
+    attn = model.model.layers[0].self_attn
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * element
+    return 2 * model.config.num_hidden_layers * block_size * attn.num_kv_heads * attn.head_dim * element
 
 
 class ModelRunner:
-    """Owns the model's weights and its KV cache tensors on one device."""
+    """Owns the model's weights and its KV cache tensors on one device.
+
+    Under tensor parallelism (``tp`` of several ranks) every rank has a runner over its
+    shard, and the runners must run the same passes in the same order: rank 0's runner
+    announces each pass (``execute``) and each CUDA-graph set-up (``enable_graphs``) on
+    its ``channel`` before running it, and the other ranks' runners replay what it
+    announces (``tp_worker.follow``). Blocks are ids shared by all ranks, so every rank's
+    cache gets the smallest number of blocks any rank can hold.
+    """
 
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  num_blocks: int | None = None, extra_bytes_per_block: int = 0,
-                 max_useful_blocks: int | None = None) -> None:
+                 max_useful_blocks: int | None = None, tp: TPGroup = SINGLE) -> None:
         """``num_blocks`` fixes the cache size (a draft model matching its target's);
         otherwise it comes from the memory budget, which also pays for
         ``extra_bytes_per_block`` held elsewhere per block (the draft model's cache), capped
         at ``max_useful_blocks`` (what max_num_seqs full-length requests could use)."""
+        self.tp = tp
+        self.channel = None
+        if tp.size > 1 and tp.is_driver:
+            from specserve.tp_worker import StepChannel
+
+            self.channel = StepChannel(tp)
         self.max_useful_blocks = max_useful_blocks
         self.model = model
         self.config = config
@@ -39,7 +54,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.extra_bytes_per_block = extra_bytes_per_block
         self.graphs = None  # a GraphRunner once enable_graphs() ran
-        self.num_blocks = num_blocks or self._num_kv_blocks()
+        self.closed = False
+        self.num_blocks = num_blocks or tp.min(self._num_kv_blocks())
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
         try:
             self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -60,7 +76,7 @@ class ModelRunner:
 
     @property
     def _num_kv_heads(self) -> int:
-        return self.model.config.num_key_value_heads
+        return self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
 
     @property
     def _head_dim(self) -> int:
@@ -108,6 +124,8 @@ class ModelRunner:
         graph replays (``capture=False``: the same padded path, eagerly — for tests)."""
         from specserve.cuda_graphs import GraphRunner
 
+        if self.channel is not None:
+            self.channel.send_graphs(max_query_len, max_model_len, capture)
         self.graphs = GraphRunner(
             self.model, self.kv_caches, max_num_seqs=self.config.max_num_seqs,
             max_query_len=max_query_len,
@@ -123,11 +141,38 @@ class ModelRunner:
         """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
         each sampling request's last 1 + k positions, in schedule order. ``num_layers``
         runs only the first layers (layer-skip drafting)."""
+        if self.closed:
+            raise RuntimeError("this model runner was closed")
+        if self.channel is None:
+            return self._forward(output, num_layers)
+        self.channel.send_step(output, num_layers)
+        try:
+            return self._forward(output, num_layers)
+        except Exception as exc:
+            from specserve.errors import RanksOutOfStepError
+
+            # The others may be waiting inside this pass: no further message (not even
+            # the stop) could be matched right, so none is sent; torchrun ends them.
+            self.channel = None
+            self.closed = True
+            raise RanksOutOfStepError(f"a tensor-parallel forward pass failed on rank 0 "
+                                      f"({type(exc).__name__}: {exc})") from exc
+
+    def _forward(self, output: SchedulerOutput, num_layers: int | None) -> torch.Tensor:
         if self.graphs is not None and num_layers is None and self.graphs.fits(output):
             return self.graphs.run(output, self.block_size)
         batch = self.prepare(output)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (rank 0) and free the CUDA graphs, which hold on to
+        the NCCL communicator until they go. Idempotent."""
+        if self.channel is not None:
+            self.channel.send_shutdown()
+            self.channel = None
+        self.graphs = None
+        self.closed = True
 
     def prepare(self, output: SchedulerOutput) -> ForwardBatch:
         input_ids: list[int] = []

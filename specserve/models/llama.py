@@ -4,6 +4,11 @@ One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (q
 and Qwen3 (per-head q/k RMSNorm); ``ArchSpec`` records how they differ. Q/K/V and
 gate/up projections are merged at load time so each is one matmul.
 
+With a tensor-parallel group of several ranks each rank builds only its shard
+(``parallel.py``): its heads, its MLP rows, its vocabulary rows, and one all-reduce
+after o_proj and after down_proj. A group of one builds the whole model and runs no
+collective.
+
 The glue between the matmuls (norms, activation, rotary, KV store) runs through the
 model's ``LayerOps`` (``layer_ops.py``): torch on CPU, fused Triton kernels with the Triton
 backend. Layers hand back ``(hidden, residual)`` un-added, so each residual add is fused
@@ -18,7 +23,9 @@ from torch import nn
 
 from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
+from specserve.distributed import SINGLE, TPGroup
 from specserve.models.layer_ops import LayerOps, layer_ops_for
+from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
 from specserve.models.rotary import Rotary, head_dim_of, rope_parameters  # noqa: F401  (re-exported)
 
 
@@ -44,12 +51,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """This rank's heads: ``num_heads`` / ``num_kv_heads`` count the local ones."""
+
     def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 ops: LayerOps) -> None:
+                 ops: LayerOps, layout: ShardLayout, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        self.num_heads = layout.local_heads
+        self.num_kv_heads = layout.local_kv_heads
+        self.head_dim = layout.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
@@ -63,6 +72,7 @@ class Attention(nn.Module):
         self.sliding_window = _sliding_window(config, layer_idx)
         self.backend = backend
         self.ops = ops
+        self.tp = tp
 
     def forward(self, hidden: torch.Tensor, rotary_tables,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
@@ -73,7 +83,7 @@ class Attention(nn.Module):
         q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch)
         k_cache, v_cache = kv_cache
         out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 def _sliding_window(config, layer_idx: int) -> int | None:
@@ -85,27 +95,28 @@ def _sliding_window(config, layer_idx: int) -> int | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, config, ops: LayerOps) -> None:
+    def __init__(self, config, ops: LayerOps, layout: ShardLayout, tp: TPGroup) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = layout.local_intermediate  # this rank's rows
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
         if config.hidden_act not in ("silu", "swish"):
             from specserve.errors import ModelLoadError
             raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
-                 ops: LayerOps) -> None:
+                 ops: LayerOps, layout: ShardLayout, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(config, spec, layer_idx, backend, ops)
-        self.mlp = MLP(config, ops)
+        self.self_attn = Attention(config, spec, layer_idx, backend, ops, layout, tp)
+        self.mlp = MLP(config, ops, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -122,25 +133,30 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, spec: ArchSpec, backend: AttentionBackend) -> None:
+    def __init__(self, config, spec: ArchSpec, backend: AttentionBackend, layout: ShardLayout,
+                 tp: TPGroup) -> None:
         super().__init__()
         self.ops = layer_ops_for(backend)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, backend, self.ops) for i in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if tp.size == 1 \
+            else VocabParallelEmbedding(layout, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, i, backend, self.ops, layout, tp)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
         self.rotary = Rotary(config, config.max_position_embeddings if self.ops.fused else None)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states ``[num_tokens, hidden]``;
-    ``compute_logits`` maps the rows that need them to ``[num_rows, vocab]``."""
+    ``compute_logits`` maps the rows that need them to ``[num_rows, vocab]`` (on every
+    rank of a tensor-parallel group). ``tp``: the group; this rank builds its shard."""
 
-    def __init__(self, config, spec: ArchSpec, backend: AttentionBackend) -> None:
+    def __init__(self, config, spec: ArchSpec, backend: AttentionBackend, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, spec, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.layout = ShardLayout.of(config, tp)
+        self.model = LlamaModel(config, spec, backend, self.layout, tp)
+        self.lm_head = nn.Linear(config.hidden_size, self.layout.vocab_rows, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
     def tie_weights(self) -> None:
@@ -161,18 +177,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
 
     # Checkpoint name -> (our parameter, shard index) for the merged projections.
     STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
-        """Row range of shard ``shard`` inside merged parameter ``param_name``."""
+        """Row range of shard ``shard`` inside merged parameter ``param_name`` (this
+        rank's rows: the checkpoint tensor is cut to them by ``layout.shard``)."""
         if ".qkv_proj." in param_name:
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
         start = sum(sizes[:shard])
         return start, start + sizes[shard]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 
@@ -43,7 +44,19 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
 
     server = Server(uvicorn.Config(app, log_level=log_level,
                                    timeout_graceful_shutdown=shutdown_timeout + 5))
-    server.run(sockets=[sock])
+    if engine.engine.tp.size > 1 and threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises SIGTERM after its graceful shutdown; let that end this
+        # function rather than the process, so the other ranks are released below.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()               # the engine thread is done stepping (the app stopped it)
+        engine.engine.shutdown()    # then release the other tensor-parallel ranks, if any
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

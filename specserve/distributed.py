@@ -1,0 +1,161 @@
+"""Tensor parallelism's process group: one process per rank, started by torchrun.
+
+``init_tensor_parallel`` joins the group torchrun describes (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``): NCCL on CUDA, each rank on
+``cuda:LOCAL_RANK``; gloo on CPU (CI and tests). ``TPGroup`` is what the model and the
+runner hold: the rank, the group size, the rank's device and the few collectives tensor
+parallelism needs, each a no-op for a group of one — so a single-GPU engine runs exactly
+the ops it always ran.
+
+NVLink multicast (NVLS) stays off: on shared hosts it can put the GPUs out of service.
+``MULTICAST_OFF`` is set (``setdefault``) before the group starts and goes into every
+environment specserve builds for its ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.errors import SpecserveError
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def disable_multicast(env: dict | None = None) -> dict:
+    """Turn NVLink multicast off in ``env`` (default: this process's environment) unless
+    the user set the variables; returns ``env``."""
+    env = os.environ if env is None else env
+    for name, value in MULTICAST_OFF.items():
+        env.setdefault(name, value)
+    return env
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group (rank 0 of 1 by default)."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it owns the scheduler, the drafter and the server."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` ``[..., n]`` along the last dim: ``[..., size * n]``.
+
+        Built from an all-reduce of a zero-filled buffer rather than an all-gather:
+        all-reduce is the collective PyTorch tests under CUDA-graph capture, and this runs
+        inside the captured forward pass (the LM head). It moves twice the bytes of an
+        all-gather, which only matters for logits of many rows."""
+        if self.size == 1:
+            return x
+        n = x.shape[-1]
+        out = x.new_zeros(*x.shape[:-1], self.size * n)
+        out[..., self.rank * n:(self.rank + 1) * n] = x
+        torch.distributed.all_reduce(out)
+        return out
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x``; returns it."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0)
+        return x
+
+    def min(self, value: int) -> int:
+        """The smallest ``value`` any rank holds (every rank must call it)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            torch.distributed.barrier()
+
+    @contextmanager
+    def rank_zero_first(self):
+        """Rank 0 runs the block, then the others (a cache rank 0 fills, they read)."""
+        if not self.is_driver:
+            self.barrier()
+        yield
+        if self.is_driver:
+            self.barrier()
+
+
+SINGLE = TPGroup()
+
+
+def check_tensor_parallel_size(size: int, device: str = "auto") -> None:
+    """What can be checked before any process starts: a positive size, and enough GPUs
+    for one rank each. SpecserveError (a ValueError) otherwise."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise SpecserveError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if device.startswith("cuda:"):
+        raise SpecserveError(f"with tensor_parallel_size {size} each rank uses cuda:LOCAL_RANK; "
+                             f"pass device 'cuda' (or 'auto'), not {device!r}")
+    if cuda and size > torch.cuda.device_count():
+        raise SpecserveError(f"tensor_parallel_size {size} needs {size} GPUs, "
+                             f"this host has {torch.cuda.device_count()}")
+
+
+def init_tensor_parallel(size: int, device: str = "auto", timeout_s: float = 1800) -> TPGroup:
+    """Join (or, if this process already joined, describe) the group of ``size`` ranks
+    torchrun started. ``device``: the engine's device setting (auto, cpu or cuda);
+    ``timeout_s``: how long a collective may wait for the other ranks."""
+    check_tensor_parallel_size(size, device)
+    if size == 1:
+        return SINGLE
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise SpecserveError(
+            f"tensor_parallel_size {size} runs one process per rank: start them with "
+            f"torchrun --nproc-per-node {size} (the specserve CLI does this itself)")
+    if int(world) != size:
+        raise SpecserveError(f"torchrun started {world} processes but tensor_parallel_size is {size}")
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        rank_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(rank_device)
+    else:
+        rank_device = torch.device("cpu")
+    disable_multicast()
+    dist = torch.distributed
+    if not dist.is_initialized():
+        # device_id binds the rank to its GPU and creates the NCCL communicator now, not
+        # inside the first CUDA-graph capture.
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": rank_device} if cuda else {}))
+    backend = dist.get_backend()
+    if backend != ("nccl" if cuda else "gloo"):
+        raise SpecserveError(f"the process group uses {backend}, but a {rank_device.type} engine "
+                             f"needs {'nccl' if cuda else 'gloo'}")
+    if dist.get_world_size() != size:
+        raise SpecserveError(f"the process group has {dist.get_world_size()} ranks, "
+                             f"tensor_parallel_size is {size}")
+    return TPGroup(rank=dist.get_rank(), size=size, device=rank_device)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group (after every CUDA graph holding its collectives is freed:
+    NCCL waits for those before it lets a communicator go)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

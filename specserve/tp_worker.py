@@ -1,0 +1,167 @@
+"""The ranks of a tensor-parallel engine other than rank 0, and what rank 0 tells them.
+
+Rank 0 owns the scheduler, the drafter, the sampler and the HTTP server. Every forward
+pass its ModelRunner runs must run on every rank at the same time (each layer ends in
+an all-reduce), so before each one the runner broadcasts the pass's metadata — the
+SchedulerOutput flattened into int64s, never Python objects — and the other ranks
+rebuild it and call the very same ``ModelRunner.execute``: same batch tensors, same
+eager-or-graph choice, same graph bucket, so the collectives line up. CUDA-graph set-up
+is announced the same way, so every rank captures the same graphs in the same order.
+
+Message layout (one broadcast of ``FIRST`` int64s, a second one only for a step too
+large for the first)::
+
+    [kind, num_reqs, num_tokens, num_layers + 1, payload_len, a, b, c | payload ...]
+    payload = per request (start_pos, num_token_ids, num_drafts, sample, num_blocks)
+              + every request's token ids then draft ids + every request's block table
+
+On CUDA the messages are NCCL broadcasts of device tensors (built on the host, copied
+over); on CPU, gloo broadcasts.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from specserve.distributed import TPGroup, init_tensor_parallel
+from specserve.errors import SpecserveError
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("specserve")
+
+STEP, GRAPHS, SHUTDOWN = 1, 2, 3
+HEADER = 8
+FIRST = 1024  # int64s in the first broadcast: a batch-1 decode over 8k tokens fits
+_NO_PARAMS = SamplingParams()  # the runner never reads a request's sampling parameters
+
+
+@dataclass
+class Announcement:
+    """What rank 0's runner is about to do."""
+
+    kind: int
+    output: SchedulerOutput | None = None       # STEP
+    num_layers: int | None = None               # STEP: layer-skip drafting runs a prefix
+    graphs: tuple[int, int, bool] | None = None  # GRAPHS: max_query_len, max_model_len, capture
+
+
+class StepChannel:
+    """Rank 0 -> every other rank, in order. Rank 0 calls ``send_*``, the others
+    ``receive``; the two sides must make the same sequence of calls."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+
+    # ------------------------------------------------------------------ rank 0
+    def send_step(self, output: SchedulerOutput, num_layers: int | None) -> None:
+        meta, tokens, tables = [], [], []
+        for p in output.scheduled:
+            meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), int(p.sample),
+                     len(p.block_table))
+            tokens += p.token_ids
+            tokens += p.draft_token_ids
+            tables += p.block_table
+        num_layers = -1 if num_layers is None else num_layers
+        self._send([STEP, len(output.scheduled), len(tokens), num_layers + 1], meta + tokens + tables)
+
+    def send_graphs(self, max_query_len: int, max_model_len: int, capture: bool) -> None:
+        self._send([GRAPHS, max_query_len, max_model_len, int(capture)], [])
+
+    def send_shutdown(self) -> None:
+        self._send([SHUTDOWN], [])
+
+    def _send(self, head: list[int], payload: list[int]) -> None:
+        head = head + [0] * (HEADER - len(head))
+        head[4] = len(payload)
+        first = torch.zeros(FIRST, dtype=torch.int64)
+        inline = min(len(payload), FIRST - HEADER)
+        first[:HEADER + inline] = torch.tensor(head + payload[:inline], dtype=torch.int64)
+        self.tp.broadcast(first.to(self.tp.device))
+        if len(payload) > inline:
+            rest = torch.tensor(payload[inline:], dtype=torch.int64)
+            self.tp.broadcast(rest.to(self.tp.device))
+
+    # ------------------------------------------------------------------ other ranks
+    def receive(self) -> Announcement:
+        first = self.tp.broadcast(torch.empty(FIRST, dtype=torch.int64, device=self.tp.device)).tolist()
+        kind, num_reqs, num_tokens, num_layers, payload_len = first[:5]
+        if kind == SHUTDOWN:
+            return Announcement(SHUTDOWN)
+        if kind == GRAPHS:
+            return Announcement(GRAPHS, graphs=(first[1], first[2], bool(first[3])))
+        if kind != STEP:
+            raise RuntimeError(f"unknown message kind {kind} from rank 0")
+        payload = first[HEADER:HEADER + payload_len]
+        if payload_len > FIRST - HEADER:
+            rest = torch.empty(payload_len - (FIRST - HEADER), dtype=torch.int64, device=self.tp.device)
+            payload += self.tp.broadcast(rest).tolist()
+        return Announcement(STEP, _unpack(payload, num_reqs, num_tokens),
+                            None if num_layers == 0 else num_layers - 1)
+
+
+def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> SchedulerOutput:
+    tokens_at, tables_at = 5 * num_reqs, 5 * num_reqs + num_tokens
+    scheduled = []
+    for i in range(num_reqs):
+        start_pos, num_ids, num_drafts, sample, num_blocks = payload[5 * i:5 * i + 5]
+        ids = payload[tokens_at:tokens_at + num_ids + num_drafts]
+        tokens_at += num_ids + num_drafts
+        table = payload[tables_at:tables_at + num_blocks]
+        tables_at += num_blocks
+        scheduled.append(ScheduledRequest(str(i), ids[:num_ids], start_pos, table, _NO_PARAMS,
+                                          sample=bool(sample), num_lookahead=num_drafts,
+                                          draft_token_ids=ids[num_ids:]))
+    return SchedulerOutput(scheduled, [])
+
+
+def follow(runner, channel: StepChannel) -> None:
+    """Run every pass and graph set-up rank 0 announces, until it says stop.
+
+    Ctrl-C and SIGTERM reach every rank of a torchrun job; only rank 0 acts on them
+    (it lets requests finish, then sends the stop), so this rank ignores them meanwhile.
+    A failure here ends the process: the ranks could not agree on what runs next."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            message = channel.receive()
+            if message.kind == SHUTDOWN:
+                return
+            if message.kind == GRAPHS:
+                runner.enable_graphs(*message.graphs)
+            else:
+                runner.execute(message.output, message.num_layers)
+    finally:
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
+
+
+def run_worker(config) -> None:
+    """Rank 1.. of a tensor-parallel engine: load this rank's shard of the model, size its
+    KV cache with the others, then follow rank 0 until its engine shuts down.
+    ``config``: the same EngineConfig rank 0's LLMEngine was given."""
+    from specserve.attention import get_backend
+    from specserve.loader import build_model, load_hf_config, resolve_model
+    from specserve.model_runner import ModelRunner
+
+    tp = init_tensor_parallel(config.tensor_parallel_size, config.device)
+    if tp.is_driver:
+        raise SpecserveError("rank 0 runs the engine (LLMEngine), not run_worker")
+    with tp.rank_zero_first():  # rank 0 converts a GGUF into the cache once
+        files = resolve_model(config.model)
+    hf_config = load_hf_config(files)
+    dtype = config.torch_dtype
+    model = build_model(files, hf_config, dtype, tp.device,
+                        get_backend(config.attention_backend, tp.device), tp=tp)
+    runner = ModelRunner(model, config, tp.device, dtype, tp=tp)
+    logger.info("rank %d of %d: following rank 0", tp.rank, tp.size)
+    try:
+        follow(runner, StepChannel(tp))
+    finally:
+        runner.close()
