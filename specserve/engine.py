@@ -236,7 +236,9 @@ class LLMEngine:
         planned = scheduled.scheduled
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         lookahead = [p.num_lookahead for p in planned]
-        self.controller.observe_step(sum(lengths), sum(n > 1 for n in lengths), target_s,
+        prefill = any(len(p.token_ids) > 1 for p in planned)
+        self.controller.observe_step(sum(lengths), sum(n > 1 for n in lengths),
+                                     None if prefill else target_s,
                                      max(lookahead), sum(k > 0 for k in lookahead), draft_s)
 
     def _profile_step_cost(self) -> None:

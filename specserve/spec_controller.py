@@ -78,10 +78,14 @@ class DraftLengthController:
         self._idle_steps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ learning
-    def observe_step(self, num_tokens: int, num_spans: int, target_s: float,
+    def observe_step(self, num_tokens: int, num_spans: int, target_s: float | None,
                      depth: int, num_drafting: int, draft_s: float) -> None:
-        """One step's measured cost: the verify pass and, if any drafting ran, the drafter."""
-        self.target_cost.observe([1.0, num_tokens, num_spans], target_s)
+        """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
+        ``target_s`` None: the verify pass says nothing about what drafts cost (the engine
+        passes None for steps with a prefill chunk, which run eagerly where decode and
+        verify steps replay CUDA graphs; their cost per token would mislead the choice)."""
+        if target_s is not None:
+            self.target_cost.observe([1.0, num_tokens, num_spans], target_s)
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 

@@ -45,6 +45,14 @@ def test_one_stall_does_not_poison_the_fit():
     assert model.predict([1, 40, 8]) == pytest.approx(0.5, rel=0.2)
 
 
+def test_steps_with_prefill_teach_only_the_draft_cost():
+    ctl = controller(**MEMORY_BOUND)
+    theta, samples = ctl.target_cost.theta.copy(), ctl.target_cost.num_samples
+    ctl.observe_step(600, 2, None, 4, 8, 0.004)  # a prefill step: eager on a GPU
+    assert ctl.target_cost.num_samples == samples and (ctl.target_cost.theta == theta).all()
+    assert ctl.draft_cost.num_samples == 5
+
+
 def test_positions_the_drafter_could_not_propose_are_not_rejections():
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "r", 4)
