@@ -1,0 +1,343 @@
+"""Where an engine step's time goes: microseconds per step in each phase of steady-state
+decoding, for batch 1 and batch 32, speculation off / n-gram / draft model.
+
+Phases (exclusive: a phase's time excludes the phases it calls)::
+
+    schedule     Scheduler.schedule and the per-request draft lengths
+    propose      the drafter (its model's forwards included)
+    prepare      SchedulerOutput -> ForwardBatch / CUDA-graph input buffers
+    forward      the target's forward + logits (an eager run, or a graph replay)
+    sample       rejection sampler, including its one device->host copy (the sync)
+    update       Scheduler.update (append tokens, stop checks, KV rollback)
+    postprocess  detokenise, stop strings, speculation counters, RequestOutputs
+    other        the rest of Engine.step (step total minus the phases above)
+
+Without ``--sync-phases`` a CUDA phase counts only the host time to launch its work and the
+GPU time surfaces where the host waits for it (``sample``'s copy): that split is what
+shows whether a step is bound by the host. ``--sync-phases`` synchronises after every
+phase, so each phase then also holds the GPU time of the work it launched.
+
+By default the model is a tiny seeded random Llama (2 layers, hidden 64) with the default
+model's tokenizer and vocabulary, so a step is almost all host work; ``--model default``
+uses SmolLM2-135M-Instruct itself (the default on CUDA).
+
+    python benchmarks/host_overhead.py                       # CPU, tiny model
+    python benchmarks/host_overhead.py --device cuda         # the default model on the GPU
+    python benchmarks/host_overhead.py --device cuda --sync-phases --profile prof/
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PHASES = ("schedule", "propose", "prepare", "forward", "sample", "update", "postprocess", "other")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------------- instrumentation
+class PhaseTimer:
+    """Exclusive wall time per phase: entering a nested phase pauses the enclosing one."""
+
+    def __init__(self, sync: bool = False) -> None:
+        self.sync = sync
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list] = []  # [phase, start of its current slice]
+
+    def _sync(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        now = time.perf_counter()
+        if self._stack:
+            outer = self._stack[-1]
+            self.totals[outer[0]] += now - outer[1]
+        self._stack.append([name, now])
+        try:
+            yield
+        finally:
+            self._sync()
+            now = time.perf_counter()
+            self.totals[name] += now - self._stack.pop()[1]
+            if self._stack:
+                self._stack[-1][1] = now
+
+    def wrap(self, obj, attr: str, name: str) -> bool:
+        """Time ``obj.attr`` (a method) as phase ``name``; False when it has no such method."""
+        fn = getattr(obj, attr, None)
+        if fn is None or not callable(fn):
+            return False
+
+        def timed(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        setattr(obj, attr, timed)
+        return True
+
+    def reset(self) -> None:
+        self.totals.clear()
+
+
+class _TimedCall:
+    """Stands in for an object whose ``__call__`` is a phase (the rejection sampler)."""
+
+    def __init__(self, obj, timer: PhaseTimer, name: str) -> None:
+        self._obj, self._timer, self._name = obj, timer, name
+
+    def __call__(self, *args, **kwargs):
+        with self._timer.phase(self._name):
+            return self._obj(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._obj, attr)
+
+
+def instrument(engine, sync: bool = False) -> PhaseTimer:
+    """Wrap the engine's phase methods (on these instances only) with a PhaseTimer.
+
+    Only the target runner is wrapped: the drafter's own runner stays inside ``propose``.
+    Method names of earlier versions of the engine are wrapped too where they exist, so
+    one script times the code before and after a change.
+    """
+    timer = PhaseTimer(sync)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine, "_draft_lengths", "schedule")
+    if engine.drafter is not None:
+        timer.wrap(engine.drafter, "propose", "propose")
+    runner = engine.runner
+    timer.wrap(runner, "execute", "forward")     # minus what prepare takes, as phases nest
+    timer.wrap(runner, "prepare", "prepare")
+    if runner.graphs is not None:
+        timer.wrap(runner.graphs, "run", "forward")
+        for attr in ("prepare", "_write"):       # the graph input writer (new / old name)
+            timer.wrap(runner.graphs, attr, "prepare")
+    engine.sampler = _TimedCall(engine.sampler, timer, "sample")
+    timer.wrap(engine.scheduler, "update", "update")
+    timer.wrap(engine, "_postprocess", "postprocess")
+    return timer
+
+
+# ---------------------------------------------------------------------- models
+def tiny_checkpoints(root: Path, draft_layers: int = 1) -> tuple[str, str]:
+    """A 2-layer target and a ``draft_layers``-layer draft, seeded random weights, with the
+    default model's tokenizer and vocabulary (so detokenising costs what it really does)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from specserve.loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
+    paths = []
+    for name, layers, seed in (("target", 2, 0), ("draft", draft_layers, 1)):
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=8192, tie_word_embeddings=True,
+                             bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.08)
+        path = root / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def build_engine(args, method: str, target: str | None, draft: str | None, graphs: bool):
+    from specserve import LLMEngine
+    from specserve.config import EngineConfig
+
+    kwargs = dict(model=target, device=args.device, dtype=args.dtype, max_num_seqs=64,
+                  max_num_batched_tokens=2048, max_model_len=4096, seed=0)
+    if method != "none":
+        kwargs.update(speculative_method=method, num_speculative_tokens=args.k)
+        if method == "draft_model":
+            kwargs["draft_model"] = draft
+    if args.device == "cpu":
+        kwargs["kv_cache_memory_gib"] = 0.25
+    engine = LLMEngine(EngineConfig(**kwargs))
+    if graphs and engine.runner.graphs is None:  # CPU: the graph path's padding, run eagerly
+        enable = getattr(engine, "enable_graphs", None)
+        if enable is not None:
+            enable(capture=False)
+        else:  # the engine before it had enable_graphs: the target runner only
+            max_k = args.k if engine.drafter else 0
+            engine.runner.enable_graphs(1 + max_k, engine.max_model_len, capture=False)
+    return engine
+
+
+# ---------------------------------------------------------------------- one measurement
+def prompts_for(engine, batch: int) -> list[str]:
+    from workloads import WORKLOADS, chat_prompts
+
+    code = chat_prompts(engine.tokenizer, WORKLOADS["code-edit"])
+    chat = chat_prompts(engine.tokenizer, WORKLOADS["chat"])
+    mixed = [p for pair in zip(code, chat) for p in pair]
+    return (mixed * (batch // len(mixed) + 1))[:batch]
+
+
+def measure(engine, batch: int, steps: int, warmup: int, sync: bool, profile_dir: str | None = None,
+            label: str = "") -> dict:
+    """Decode ``batch`` requests to a steady state, then time ``steps`` engine steps.
+    Returns µs per step for each phase plus the step total and tokens per step."""
+    from specserve import SamplingParams
+
+    timer = getattr(engine, "_phase_timer", None) or instrument(engine, sync)
+    engine._phase_timer = timer
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=(steps + warmup + 8) * 8)
+    ids = [engine.add_request(p, params) for p in prompts_for(engine, batch)]
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        engine.step()  # prefill
+    for _ in range(warmup):
+        engine.step()
+    _cuda_sync(engine)
+    timer.reset()
+    tokens = sum(len(sched.requests[i].all_token_ids) for i in ids)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _cuda_sync(engine)
+    total = time.perf_counter() - start
+    tokens = sum(len(sched.requests[i].all_token_ids) for i in ids) - tokens
+    per_step = {name: 1e6 * timer.totals.get(name, 0.0) / steps for name in PHASES[:-1]}
+    per_step["other"] = 1e6 * total / steps - sum(per_step.values())
+    per_step["step"] = 1e6 * total / steps
+    per_step["tokens_per_step"] = tokens / steps
+    if profile_dir:
+        _profile(engine, profile_dir, label)
+    for req_id in ids:
+        engine.abort(req_id)
+    engine.step()
+    return per_step
+
+
+def _cuda_sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile(engine, out_dir: str, label: str, steps: int = 12) -> None:
+    """A torch.profiler trace of a few steps (chrome trace) and the top host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=False) as prof:
+        for _ in range(steps):
+            engine.step()
+        _cuda_sync(engine)
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    trace = path / f"{label.replace(' ', '_').replace('=', '')}.json"
+    prof.export_chrome_trace(str(trace))
+    log(f"profile of {steps} steps ({label}) -> {trace}")
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+# ---------------------------------------------------------------------- the report
+def run(args) -> list[dict]:
+    target = draft = None
+    tmp = None
+    if args.model == "tiny":
+        tmp = tempfile.TemporaryDirectory(prefix="host-overhead-")
+        target, draft = tiny_checkpoints(Path(tmp.name))
+    elif args.model != "default":
+        target, draft = args.model, args.draft_model
+    rows = []
+    for method in args.methods:
+        label_method = "off" if method == "none" else f"{method} k={args.k}"
+        engine = build_engine(args, method, target, draft, args.graphs)
+        results = defaultdict(list)
+        for repeat in range(args.repeats):
+            for batch in args.batches:  # batches interleaved within each repeat
+                results[batch].append(measure(engine, batch, args.steps, args.warmup, args.sync_phases))
+        if args.profile:
+            for batch in args.batches:
+                measure(engine, batch, 4, args.warmup, args.sync_phases, args.profile,
+                        f"{label_method} b{batch}")
+        for batch in args.batches:
+            median = {key: statistics.median(r[key] for r in results[batch]) for key in results[batch][0]}
+            row = {"method": label_method, "batch": batch, **{k: round(v, 1) for k, v in median.items()}}
+            rows.append(row)
+            log(json.dumps(row))
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if tmp is not None:
+        tmp.cleanup()
+    return rows
+
+
+def format_table(rows: list[dict], title: str) -> str:
+    columns = ["method", "batch", *PHASES, "step", "tokens_per_step"]
+    header = ["method", "b", *PHASES, "step µs", "tok/step"]
+    lines = [title, " | ".join(header)]
+    for row in rows:
+        lines.append(" | ".join(str(row.get(c, "")) for c in columns))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=None,
+                        help="tiny (CPU default), default (SmolLM2-135M, CUDA default) or a path")
+    parser.add_argument("--draft-model", default=None, help="draft checkpoint for --model PATH")
+    parser.add_argument("--methods", default="none,ngram,draft_model")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=64, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per config (median)")
+    parser.add_argument("--sync-phases", action="store_true",
+                        help="torch.cuda.synchronize() after every phase (CUDA)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CPU: run the CUDA-graph padded input path eagerly (capture=False)")
+    parser.add_argument("--profile", default=None, help="folder for torch.profiler traces")
+    parser.add_argument("--json", default=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    args.methods = args.methods.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.model is None:
+        args.model = "default" if args.device.startswith("cuda") else "tiny"
+    if args.sync_phases and not args.device.startswith("cuda"):
+        args.sync_phases = False
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = run(args)
+    card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    title = (f"\nhost time per engine step (µs, median of {args.repeats}), {args.model} model, {card}, "
+             f"torch {torch.__version__}{', phases synchronised' if args.sync_phases else ''}")
+    log(format_table(rows, title))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"card": card, "args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
