@@ -163,6 +163,8 @@ class Scheduler:
                              scheduled: list[ScheduledRequest], preempted: list[str]) -> bool:
         """Allocate ``req``'s slots, preempting the newest request not yet planned this step
         (possibly ``req`` itself) until they fit."""
+        if self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
+            return True
         planned = {s.req_id for s in scheduled}
         while not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
             victim = next(r for r in reversed(self.running) if r.req_id not in planned)
