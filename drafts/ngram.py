@@ -34,6 +34,9 @@ class NgramDrafter:
     def bind(self, runner) -> None:
         pass
 
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        pass
+
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:
         return DraftProposal([
