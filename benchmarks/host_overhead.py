@@ -28,7 +28,6 @@ uses SmolLM2-135M-Instruct itself (the default on CUDA).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import statistics
@@ -51,42 +50,43 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------------- instrumentation
 class PhaseTimer:
-    """Exclusive wall time per phase: entering a nested phase pauses the enclosing one."""
+    """Exclusive wall time per phase: entering a nested phase pauses the enclosing one.
+    Kept lean (about a microsecond a phase): it runs inside what it measures."""
 
     def __init__(self, sync: bool = False) -> None:
         self.sync = sync
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [phase, start of its current slice]
 
-    def _sync(self) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
+    def enter(self, name: str) -> None:
         now = time.perf_counter()
         if self._stack:
             outer = self._stack[-1]
             self.totals[outer[0]] += now - outer[1]
         self._stack.append([name, now])
-        try:
-            yield
-        finally:
-            self._sync()
-            now = time.perf_counter()
-            self.totals[name] += now - self._stack.pop()[1]
-            if self._stack:
-                self._stack[-1][1] = now
+
+    def exit(self) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        name, start = self._stack.pop()
+        self.totals[name] += now - start
+        if self._stack:
+            self._stack[-1][1] = now
 
     def wrap(self, obj, attr: str, name: str) -> bool:
         """Time ``obj.attr`` (a method) as phase ``name``; False when it has no such method."""
         fn = getattr(obj, attr, None)
         if fn is None or not callable(fn):
             return False
+        enter, exit_ = self.enter, self.exit
 
         def timed(*args, **kwargs):
-            with self.phase(name):
+            enter(name)
+            try:
                 return fn(*args, **kwargs)
+            finally:
+                exit_()
 
         setattr(obj, attr, timed)
         return True
@@ -102,11 +102,77 @@ class _TimedCall:
         self._obj, self._timer, self._name = obj, timer, name
 
     def __call__(self, *args, **kwargs):
-        with self._timer.phase(self._name):
+        self._timer.enter(self._name)
+        try:
             return self._obj(*args, **kwargs)
+        finally:
+            self._timer.exit()
 
     def __getattr__(self, attr):
         return getattr(self._obj, attr)
+
+
+class GpuSpans:
+    """GPU time between CUDA events, read once a run is over (so no extra sync):
+    ``forward`` from the target's inputs being on the device to its logits (the graph
+    replay itself), ``propose`` the drafter's whole span on the GPU."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list] = defaultdict(list)
+        self._open: dict[str, torch.cuda.Event] = {}
+
+    def start(self, name: str) -> None:
+        if name not in self._open:
+            self._open[name] = _event()
+
+    def stop(self, name: str) -> None:
+        start = self._open.pop(name, None)
+        if start is not None:
+            self.spans[name].append((start, _event()))
+
+    def wrap(self, obj, attr: str, before=None, after=None) -> None:
+        fn = getattr(obj, attr, None)
+        if fn is None:
+            return
+
+        def marked(*args, **kwargs):
+            if before:
+                before()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if after:
+                    after()
+
+        setattr(obj, attr, marked)
+
+    def totals_us(self) -> dict[str, float]:
+        return {name: 1000 * sum(s.elapsed_time(e) for s, e in pairs) for name, pairs in self.spans.items()}
+
+    def reset(self) -> None:
+        self.spans.clear()
+        self._open.clear()
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def instrument_gpu(engine) -> GpuSpans:
+    """CUDA events around the target's forward and the drafter (innermost wrappers, so
+    their cost lands in the phases they mark)."""
+    spans = GpuSpans()
+    runner = engine.runner
+    for obj in (runner, runner.graphs):
+        for attr in ("prepare", "_write"):  # inputs written: the forward starts here
+            spans.wrap(obj, attr, after=lambda: spans.start("forward"))
+    spans.wrap(runner, "execute", after=lambda: spans.stop("forward"))
+    if engine.drafter is not None:
+        spans.wrap(engine.drafter, "propose", before=lambda: spans.start("propose"),
+                   after=lambda: spans.stop("propose"))
+    return spans
 
 
 def instrument(engine, sync: bool = False) -> PhaseTimer:
@@ -196,14 +262,21 @@ def prompts_for(engine, batch: int) -> list[str]:
 
 
 def measure(engine, batch: int, steps: int, warmup: int, sync: bool, profile_dir: str | None = None,
-            label: str = "") -> dict:
+            label: str = "", gpu_events: bool = True, k: int | None = None) -> dict:
     """Decode ``batch`` requests to a steady state, then time ``steps`` engine steps.
-    Returns µs per step for each phase plus the step total and tokens per step."""
+    Returns µs per step for each phase plus the step total and tokens per step (and on
+    CUDA the GPU time of the target's forward and the drafter's span). ``k`` overrides
+    the engine's draft length per request (0: no speculation on a drafting engine).
+
+    The engine's methods stay wrapped by the timers afterwards: time nothing else with it."""
     from specserve import SamplingParams
 
-    timer = getattr(engine, "_phase_timer", None) or instrument(engine, sync)
-    engine._phase_timer = timer
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=(steps + warmup + 8) * 8)
+    if not hasattr(engine, "_phase_timer"):  # GPU events innermost, then the phase timer
+        engine._gpu_spans = instrument_gpu(engine) if engine.device.type == "cuda" and gpu_events else None
+        engine._phase_timer = instrument(engine, sync)
+    timer, spans = engine._phase_timer, engine._gpu_spans
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=(steps + warmup + 8) * 8,
+                            num_speculative_tokens=k)
     ids = [engine.add_request(p, params) for p in prompts_for(engine, batch)]
     sched = engine.scheduler
     while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
@@ -212,6 +285,8 @@ def measure(engine, batch: int, steps: int, warmup: int, sync: bool, profile_dir
         engine.step()
     _cuda_sync(engine)
     timer.reset()
+    if spans:
+        spans.reset()
     tokens = sum(len(sched.requests[i].all_token_ids) for i in ids)
     start = time.perf_counter()
     for _ in range(steps):
@@ -223,6 +298,10 @@ def measure(engine, batch: int, steps: int, warmup: int, sync: bool, profile_dir
     per_step["other"] = 1e6 * total / steps - sum(per_step.values())
     per_step["step"] = 1e6 * total / steps
     per_step["tokens_per_step"] = tokens / steps
+    if spans:
+        gpu = spans.totals_us()
+        per_step["gpu_forward"] = gpu.get("forward", 0.0) / steps
+        per_step["gpu_propose"] = gpu.get("propose", 0.0) / steps
     if profile_dir:
         _profile(engine, profile_dir, label)
     for req_id in ids:
@@ -271,11 +350,12 @@ def run(args) -> list[dict]:
         results = defaultdict(list)
         for repeat in range(args.repeats):
             for batch in args.batches:  # batches interleaved within each repeat
-                results[batch].append(measure(engine, batch, args.steps, args.warmup, args.sync_phases))
+                results[batch].append(measure(engine, batch, args.steps, args.warmup, args.sync_phases,
+                                              gpu_events=not args.no_gpu_events))
         if args.profile:
             for batch in args.batches:
                 measure(engine, batch, 4, args.warmup, args.sync_phases, args.profile,
-                        f"{label_method} b{batch}")
+                        f"{label_method} b{batch}", gpu_events=not args.no_gpu_events)
         for batch in args.batches:
             median = {key: statistics.median(r[key] for r in results[batch]) for key in results[batch][0]}
             row = {"method": label_method, "batch": batch, **{k: round(v, 1) for k, v in median.items()}}
@@ -291,8 +371,9 @@ def run(args) -> list[dict]:
 
 
 def format_table(rows: list[dict], title: str) -> str:
-    columns = ["method", "batch", *PHASES, "step", "tokens_per_step"]
-    header = ["method", "b", *PHASES, "step µs", "tok/step"]
+    gpu = [c for c in ("gpu_forward", "gpu_propose") if any(c in row for row in rows)]
+    columns = ["method", "batch", *PHASES, "step", "tokens_per_step", *gpu]
+    header = ["method", "b", *PHASES, "step µs", "tok/step", *gpu]
     lines = [title, " | ".join(header)]
     for row in rows:
         lines.append(" | ".join(str(row.get(c, "")) for c in columns))
@@ -313,6 +394,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per config (median)")
     parser.add_argument("--sync-phases", action="store_true",
                         help="torch.cuda.synchronize() after every phase (CUDA)")
+    parser.add_argument("--no-gpu-events", action="store_true",
+                        help="CUDA: no events around the forward and the drafter (GPU time columns)")
     parser.add_argument("--graphs", action="store_true",
                         help="CPU: run the CUDA-graph padded input path eagerly (capture=False)")
     parser.add_argument("--profile", default=None, help="folder for torch.profiler traces")
