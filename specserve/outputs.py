@@ -31,13 +31,18 @@ class IncrementalDetokenizer:
     """Decodes a growing token list without re-decoding it all each step.
 
     Text is committed only once the newest tokens decode to whole characters (no trailing
-    U+FFFD from a split multi-byte sequence); a few tokens of left context keep
+    U+FFFD from a split multi-byte sequence) — or once more tokens are pending than one
+    character can take, when the bytes are simply invalid and waiting would only make
+    every step decode a longer tail; a few tokens of left context keep
     SentencePiece-style leading spaces right.
     """
+
+    MAX_PENDING = 4  # tokens: a UTF-8 character is at most 4 bytes, so at most 4 tokens
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = _decoder(tokenizer, skip_special_tokens)
         context = prompt_token_ids[-6:]
         self.token_ids = list(context)
         self.prefix_offset = 0
@@ -47,7 +52,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (not full.endswith("\ufffd")
+                                        or len(self.token_ids) - self.read_offset > self.MAX_PENDING):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return full[len(prefix):]
         return ""
@@ -59,8 +65,20 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return full[len(prefix):]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """``tokenizer.decode`` — through the Rust backend directly where that is exactly what
+    it runs (a fast tokenizer, no clean-up, no subclass override): transformers first
+    checks every id in Python, a per-token cost on the hot path."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+        return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 @dataclass
