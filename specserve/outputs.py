@@ -30,14 +30,16 @@ class RequestOutput:
 class IncrementalDetokenizer:
     """Decodes a growing token list without re-decoding it all each step.
 
-    Text is committed only once the newest tokens decode to whole characters (no trailing
-    U+FFFD from a split multi-byte sequence) — or once more tokens are pending than one
-    character can take, when the bytes are simply invalid and waiting would only make
-    every step decode a longer tail; a few tokens of left context keep
-    SentencePiece-style leading spaces right.
+    Text is committed only once the newest tokens decode to more text that ends in a
+    whole character (no trailing U+FFFD from a split multi-byte sequence); a few tokens of
+    left context keep SentencePiece-style leading spaces right. Waiting is bounded, as a
+    held tail is decoded again every step: past ``MAX_PENDING`` tokens a U+FFFD tail is
+    invalid bytes, not a split character, and is committed as it is; past
+    ``MAX_HELD`` tokens that add no text (skipped special tokens) are let go too.
     """
 
-    MAX_PENDING = 4  # tokens: a UTF-8 character is at most 4 bytes, so at most 4 tokens
+    MAX_PENDING = 4   # tokens: a UTF-8 character is at most 4 bytes, so at most 4 tokens
+    MAX_HELD = 64
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
@@ -52,8 +54,9 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) > len(prefix) and (not full.endswith("\ufffd")
-                                        or len(self.token_ids) - self.read_offset > self.MAX_PENDING):
+        pending = len(self.token_ids) - self.read_offset
+        if (len(full) > len(prefix) and (not full.endswith("\ufffd") or pending > self.MAX_PENDING)
+                or pending > self.MAX_HELD):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return full[len(prefix):]
         return ""

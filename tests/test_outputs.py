@@ -51,3 +51,13 @@ def test_the_fast_decoder_is_the_tokenizers_decode(tiny_tokenizer):
         for _ in range(300):
             ids = [rng.randrange(len(tiny_tokenizer)) for _ in range(rng.randint(0, 10))]
             assert fast(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_run_of_skipped_special_tokens_does_not_grow_the_decoded_tail(tiny_tokenizer):
+    eos = tiny_tokenizer.eos_token_id
+    detok = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("x = 1"), skip_special_tokens=True)
+    assert detok.append(tiny_tokenizer.encode(" y")) == " y"
+    for _ in range(200):
+        assert detok.append([eos]) == ""
+    assert len(detok.token_ids) - detok.prefix_offset <= 2 * (IncrementalDetokenizer.MAX_HELD + 1)
+    assert detok.append(tiny_tokenizer.encode(" z")) == " z"
