@@ -73,13 +73,16 @@ def _decoder(tokenizer, skip_special_tokens: bool):
     """``tokenizer.decode`` — through the Rust backend directly where that is exactly what
     it runs (a fast tokenizer, no clean-up, no subclass override): transformers first
     checks every id in Python, a per-token cost on the hot path."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # another transformers layout: take no chances
+        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
-            and type(tokenizer).decode is PreTrainedTokenizerBase.decode
-            and type(tokenizer)._decode is PreTrainedTokenizerFast._decode):
+    if (backend is not None and PreTrainedTokenizerFast is not None
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+            and getattr(type(tokenizer), "decode", None) is getattr(PreTrainedTokenizerBase, "decode", 0)
+            and getattr(type(tokenizer), "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", 0)):
         return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
     return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
