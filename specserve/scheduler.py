@@ -132,7 +132,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = min(drafts.get(req.req_id, 0), budget - num_new, self._max_drafts(req)) if num_new == 1 else 0
+            k = drafts.get(req.req_id, 0) if num_new == 1 else 0
+            if k:
+                k = min(k, budget - num_new, self._max_drafts(req))
             if not self._allocate_or_preempt(req, num_new + k, scheduled, preempted):
                 continue
             scheduled.append(self._plan(req, num_new, k))
