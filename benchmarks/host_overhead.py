@@ -22,6 +22,7 @@ model's tokenizer and vocabulary, so a step is almost all host work; ``--model d
 uses SmolLM2-135M-Instruct itself (the default on CUDA).
 
     python benchmarks/host_overhead.py                       # CPU, tiny model
+    python benchmarks/host_overhead.py --stub-forward --graphs   # CPU, host work only
     python benchmarks/host_overhead.py --device cuda         # the default model on the GPU
     python benchmarks/host_overhead.py --device cuda --sync-phases --profile prof/
 """
@@ -251,6 +252,28 @@ def build_engine(args, method: str, target: str | None, draft: str | None, graph
     return engine
 
 
+def stub_forward(engine) -> None:
+    """Replace the target's and the draft model's forward and LM head by a cheap function
+    of (token, position) over a 1024-token slice of the vocabulary, so that on the CPU
+    every phase but ``forward`` is the engine's real host work, undisturbed by the model.
+    Target and draft compute the same function: a draft model's proposals are all accepted.
+    CPU only (on CUDA the graphs hold the real model)."""
+    tokenizer = engine.tokenizer
+    printable = [i for i in range(100, 1024) if (text := tokenizer.decode([i])).isascii() and text.isprintable()]
+    table = torch.tensor(printable)
+
+    def hidden(input_ids, positions, kv_caches, batch, num_layers=None):
+        return ((input_ids * 31 + positions) % 1009).float()[:, None]
+
+    def logits(hidden_states):
+        tokens = table[(hidden_states[:, 0].long() * 7 + 13) % len(printable)]
+        return torch.nn.functional.one_hot(tokens, 1024).float()
+
+    for model in (engine.runner.model, getattr(engine.drafter, "model", None)):
+        if model is not None:
+            model.forward, model.compute_logits = hidden, logits
+
+
 # ---------------------------------------------------------------------- one measurement
 def prompts_for(engine, batch: int) -> list[str]:
     from workloads import WORKLOADS, chat_prompts
@@ -347,6 +370,8 @@ def run(args) -> list[dict]:
     for method in args.methods:
         label_method = "off" if method == "none" else f"{method} k={args.k}"
         engine = build_engine(args, method, target, draft, args.graphs)
+        if args.stub_forward:
+            stub_forward(engine)
         results = defaultdict(list)
         for repeat in range(args.repeats):
             for batch in args.batches:  # batches interleaved within each repeat
@@ -398,6 +423,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: no events around the forward and the drafter (GPU time columns)")
     parser.add_argument("--graphs", action="store_true",
                         help="CPU: run the CUDA-graph padded input path eagerly (capture=False)")
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="CPU: a near-free stand-in for the models, so the other phases are pure host work")
     parser.add_argument("--profile", default=None, help="folder for torch.profiler traces")
     parser.add_argument("--json", default=None)
 
@@ -412,11 +439,15 @@ def main() -> None:
         args.model = "default" if args.device.startswith("cuda") else "tiny"
     if args.sync_phases and not args.device.startswith("cuda"):
         args.sync_phases = False
+    if args.stub_forward and args.device.startswith("cuda"):
+        parser.error("--stub-forward is for the CPU (CUDA graphs hold the real model)")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     rows = run(args)
     card = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    title = (f"\nhost time per engine step (µs, median of {args.repeats}), {args.model} model, {card}, "
-             f"torch {torch.__version__}{', phases synchronised' if args.sync_phases else ''}")
+    model = f"{args.model} model{' (forward stubbed)' if args.stub_forward else ''}"
+    title = (f"\nhost time per engine step (µs, median of {args.repeats}), {model}, {card}, "
+             f"torch {torch.__version__}{', phases synchronised' if args.sync_phases else ''}"
+             f"{', graph input path (eager)' if args.graphs else ''}")
     log(format_table(rows, title))
     if args.json:
         Path(args.json).write_text(json.dumps({"card": card, "args": vars(args), "rows": rows}, indent=1))
