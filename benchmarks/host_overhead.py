@@ -17,9 +17,14 @@ GPU time surfaces where the host waits for it (``sample``'s copy): that split is
 shows whether a step is bound by the host. ``--sync-phases`` synchronises after every
 phase, so each phase then also holds the GPU time of the work it launched.
 
-By default the model is a tiny seeded random Llama (2 layers, hidden 64) with the default
-model's tokenizer and vocabulary, so a step is almost all host work; ``--model default``
-uses SmolLM2-135M-Instruct itself (the default on CUDA).
+On CUDA each row also gets the GPU time of the target's forward (from its inputs being on
+the device to its logits: the graph replay) and of the drafter, from CUDA events read
+after the run: a step much longer than its GPU time is bound by the host.
+
+By default the model is SmolLM2-135M-Instruct on CUDA, and on the CPU a tiny seeded random
+Llama (2 layers, hidden 64) with the default model's tokenizer and vocabulary — whose LM
+head and argmax over 49k tokens still cost about a millisecond; ``--stub-forward`` stands
+in a near-free function for the models, leaving only the engine's host work to time.
 
     python benchmarks/host_overhead.py                       # CPU, tiny model
     python benchmarks/host_overhead.py --stub-forward --graphs   # CPU, host work only
