@@ -137,6 +137,11 @@ def default_model_section(args, rows: list, record: dict) -> None:
             log(f"loading the engine with {method}")
             try:
                 engines[method] = LLM(**common, speculative_method=method, num_speculative_tokens=args.k)
+                # Its proposals are verified from the device: greedy output must track speculation off.
+                drafted = engine_run(engines[method], code[:4], args.max_tokens)
+                agree[f"{method} spec"] = _agreement(base["token_ids"], drafted["token_ids"])
+                log(f"greedy agreement of {method} k={args.k} with speculation off: "
+                    f"{agree[f'{method} spec']:.3f} (acceptance length {drafted['acceptance_length']})")
             except Exception as exc:  # noqa: BLE001 - one drafter failing must not stop the run
                 log(f"  skipped {method}: {type(exc).__name__}: {exc}")
     card = _card()
