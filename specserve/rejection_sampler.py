@@ -20,6 +20,7 @@ shares the batch and whatever k each step gets.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
