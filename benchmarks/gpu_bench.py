@@ -5,6 +5,11 @@
    transformers; then batch 1 and 32 concurrent requests, plain decoding and each drafter:
    tokens/s, ms per engine step, acceptance length — beside HF ``generate`` greedy, HF
    prompt lookup and HF ``generate_batch``, same card, same run.
+   Then (section ``host``) where a batch-1 decode step's time goes on the same engines:
+   µs per step in each engine phase (schedule, propose, prepare, forward, sample + sync,
+   update, postprocess) and the GPU time of the forward and the drafter, from
+   ``host_overhead.py``; printed as its own table after the main one, and under
+   ``host_overhead`` in the JSON.
 2. Llama-3.1-8B shape with random bf16 weights, built on the GPU: the forward step (CUDA
    graph replay) at batch 1 against the bandwidth floor (weight bytes / measured copy
    bandwidth), the verify pass for 1 + 4 tokens against a 1-token step, batch 64 decode.
@@ -132,6 +137,11 @@ def default_model_section(args, rows: list, record: dict) -> None:
             log(f"loading the engine with {method}")
             try:
                 engines[method] = LLM(**common, speculative_method=method, num_speculative_tokens=args.k)
+                # Its proposals are verified from the device: greedy output must track speculation off.
+                drafted = engine_run(engines[method], code[:4], args.max_tokens)
+                agree[f"{method} spec"] = _agreement(base["token_ids"], drafted["token_ids"])
+                log(f"greedy agreement of {method} k={args.k} with speculation off: "
+                    f"{agree[f'{method} spec']:.3f} (acceptance length {drafted['acceptance_length']})")
             except Exception as exc:  # noqa: BLE001 - one drafter failing must not stop the run
                 log(f"  skipped {method}: {type(exc).__name__}: {exc}")
     card = _card()
@@ -169,6 +179,30 @@ def default_model_section(args, rows: list, record: dict) -> None:
                    "card": card}
             rows.append(row)
             log(json.dumps(row))
+    if "host" in args.sections.split(","):  # last: it leaves the engines' methods wrapped
+        host_section(args, llm, engines, record)
+
+
+def host_section(args, llm, engines: dict, record: dict) -> None:
+    """Per-phase host time of batch-1 decode steps on the engines timed above (median of
+    ``--host-repeats`` runs of ``--host-steps`` steps), and the GPU time of the forward."""
+    from host_overhead import format_table, measure
+
+    log("host time per engine step, batch 1")
+    # Layer-skip drafts through the target's own runner, whose phases would absorb its work.
+    targets = [("off", llm, 0)] + [(f"{method} k={args.k}", eng, args.k) for method, eng in engines.items()
+                                   if not getattr(eng.engine.drafter, "shares_target_cache", False)]
+    results = []
+    for label, eng, k in targets:
+        runs = [measure(eng.engine, 1, args.host_steps, 8, sync=False, k=k) for _ in range(args.host_repeats)]
+        row = {"method": label, "batch": 1,
+               **{key: round(statistics.median(r[key] for r in runs), 1) for key in runs[0]}}
+        results.append(row)
+        log(json.dumps(row))
+    record["host_overhead"] = results
+    record["host_overhead_table"] = format_table(
+        results, f"\nhost time per engine step (µs, median of {args.host_repeats}), default model, "
+                 f"batch 1 decode, {_card()}; sample includes the wait for the GPU")
 
 
 def _one_by_one(llm, prompts, max_tokens, k):
@@ -320,7 +354,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-default", action="store_true")
-    parser.add_argument("--sections", default="b1,b32", help="default-model workloads to time: b1,b32")
+    parser.add_argument("--sections", default="b1,b32,host",
+                        help="default-model sections: b1, b32 (workloads), host (per-phase host time, batch 1)")
+    parser.add_argument("--host-steps", type=int, default=64, help="host section: timed steps per run")
+    parser.add_argument("--host-repeats", type=int, default=3, help="host section: runs per engine (median)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cuda", help="cuda (the real run) or cpu (a dry run)")
     args = parser.parse_args()
@@ -333,6 +370,8 @@ def main() -> None:
     log(f"\n{_card()}, torch {torch.__version__}")
     for row in rows:
         log(" | ".join(str(v) for v in row.values()))
+    if "host_overhead_table" in record:
+        log(record.pop("host_overhead_table"))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, **record}, indent=1))
 

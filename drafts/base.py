@@ -18,10 +18,16 @@ class DraftProposal:
     ``draft_probs`` holds q, the distribution each proposal was drawn from, one row per
     proposed token in schedule order (``[Σ len(draft_token_ids[i]), vocab]``); None means
     every proposal is deterministic and q is one-hot on it.
+
+    ``draft_ids`` set means the proposals are still on the device (a model drafter never
+    waits for its own tokens): ``draft_token_ids`` then hold placeholders of the right
+    lengths, the target's verify pass reads the ids from the device, and the rejection
+    sampler brings their values back with the sampled tokens, in the step's one copy.
     """
 
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None
+    draft_ids: torch.Tensor | None = None    # [Σ len(draft_token_ids[i])] int64, on the device
 
 
 class Drafter(Protocol):
@@ -39,6 +45,10 @@ class Drafter(Protocol):
 
     def bind(self, runner) -> None:
         """Called once the target runner (and so the number of KV blocks) exists."""
+
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Run the drafter's own forward passes as CUDA graphs where it can (see
+        ``ModelRunner.enable_graphs``); a drafter without a model does nothing."""
 
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal: ...

@@ -3,18 +3,30 @@
 Both run the same loop over the ragged batch: one forward that catches each drafting
 request up on the tokens its draft cache has not seen yet and yields the first proposal,
 then one single-token forward per further proposal, all drafting requests together.
+
+The proposals never leave the device while drafting: each step's tokens are the next
+step's inputs, scattered into its input buffer on the device (their positions and slots
+depend only on k, so the host plans every step without waiting). The engine hands the
+tokens to the target's verify pass the same way, and the rejection sampler brings them
+back with its one copy: a step with a draft model synchronises once. With CUDA graphs
+the single-token steps and the catch-up (one token, or two after a fully accepted draft)
+are graph replays.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from itertools import accumulate
 
 import torch
 
+from specserve.batch import DeviceTokenIds
 from specserve.drafts.base import DraftProposal
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.transfer import to_device
 
 class ModelDrafter:
     """Proposes tokens by running a model autoregressively over the paged cache.
@@ -52,8 +64,14 @@ class ModelDrafter:
         else:
             self.runner = ModelRunner(self.model, self.config, self.device, self.dtype,
                                       num_blocks=target_runner.num_blocks)
-            if target_runner.graphs is not None:  # its one-token steps replay graphs too
-                self.runner.enable_graphs(1, target_runner.graphs.max_model_len)
+
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Graphs for the draft checkpoint's steps: its single-token draft steps and its
+        catch-up, which feeds at most two tokens per request once the prompt is in (the
+        pending token, after a step that accepted every draft also the last draft). The
+        layer-skip draft runs a prefix of the target's layers and stays eager."""
+        if not self.shares_target_cache:
+            self.runner.enable_graphs(2, max_model_len, capture)
 
     @property
     def max_positions(self) -> int | None:
@@ -91,50 +109,77 @@ class ModelDrafter:
             if k:
                 drafting.append(planned)
                 ends[planned.req_id] = end
-        proposals: dict[str, list[int]] = {p.req_id: [] for p in drafting}
-        q_rows: dict[str, list[torch.Tensor]] = {p.req_id: [] for p in drafting}
-        need_q = any(not p.params.greedy for p in drafting)
-        logits = self._forward(entries) if entries else None
-        active = drafting
-        while active:
-            positions = [ends[p.req_id] + len(proposals[p.req_id]) for p in active]
-            tokens, q = self._choose(logits, active, positions, need_q)
-            for row, (planned, token) in enumerate(zip(active, tokens)):
-                proposals[planned.req_id].append(token)
-                if q is not None:
-                    q_rows[planned.req_id].append(q[row])
-            active = [p for p in active if len(proposals[p.req_id]) < p.num_lookahead]
-            if not active:
-                break
-            step = [ScheduledRequest(p.req_id, [proposals[p.req_id][-1]],
-                                     ends[p.req_id] + len(proposals[p.req_id]) - 1,
-                                     p.block_table, p.params) for p in active]
-            logits = self._forward(step)
+        if not drafting:
+            if entries:
+                self._forward(entries)
+            return DraftProposal([[] for _ in scheduled])
+        # Longest k first, so the requests still drafting at step j are always a prefix
+        # and each step's inputs are a slice of the previous step's outputs. The catch-up
+        # batch puts them first, in that order, so its logits rows are in it too.
+        order = sorted(drafting, key=lambda p: -p.num_lookahead)
+        rank = {p.req_id: i for i, p in enumerate(order)}
+        entries.sort(key=lambda e: rank.get(e.req_id, len(order)))
+        meta = None
+        if any(not p.params.greedy for p in order):
+            meta = SamplingMetadata.build([p.params for p in order], self.device)
+        logits = self._forward(entries)
+        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta)
+        columns, q_columns = [tokens], [q]
+        for j in range(1, order[0].num_lookahead):
+            active = order[:sum(p.num_lookahead > j for p in order)]
+            n = len(active)
+            # Feed the step-(j-1) proposal d_j at position end + j - 1; its id is on the device.
+            step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 1, p.block_table, p.params)
+                    for p in active]
+            logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
+            tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
+                                     meta and _head(meta, n))
+            columns.append(tokens)
+            q_columns.append(q)
             if not self.shares_target_cache:
                 for p in active:
                     self._fed[p.req_id] += 1
-        draft_ids = [proposals.get(p.req_id, []) for p in scheduled]
-        draft_probs = None
-        if need_q:
-            draft_probs = torch.stack([row for p in scheduled for row in q_rows.get(p.req_id, [])])
-        return DraftProposal(draft_ids, draft_probs)
+        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
+        placeholders = [[0] * p.num_lookahead for p in scheduled]
+        return DraftProposal(placeholders, draft_probs, draft_ids)
 
-    def _forward(self, entries: list[ScheduledRequest]) -> torch.Tensor:
-        return self.runner.execute(SchedulerOutput(entries, []), self.num_layers)
+    def _in_schedule_order(self, scheduled, order, columns, q_columns):
+        """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
+        schedule order, from the per-step ``columns`` over (a prefix of) ``order``."""
+        sampled = q_columns[0] is not None
+        if all(p.num_lookahead == len(columns) for p in order):  # ``order`` is schedule order then
+            q = torch.stack(q_columns, dim=1).flatten(0, 1) if sampled else None
+            return torch.stack(columns, dim=1).view(-1), q
+        starts = [0, *accumulate(len(c) for c in columns)]
+        rank = {p.req_id: i for i, p in enumerate(order)}
+        (index,) = to_device([[starts[j] + rank[p.req_id] for p in scheduled for j in range(p.num_lookahead)]],
+                             torch.int64, self.device)
+        q = torch.cat(q_columns).index_select(0, index) if sampled else None
+        return torch.cat(columns).index_select(0, index), q
+
+    def _forward(self, entries: list[ScheduledRequest], device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
+        return self.runner.execute(SchedulerOutput(entries, []), self.num_layers, device_ids)
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
-                need_q: bool):
-        """Greedy requests take the argmax; sampling ones draw from q, which is returned
-        (``[len(active), vocab]``) for the rejection sampler. ``positions``: the index of
-        the token each row drafts, which keys its random number."""
+                meta: SamplingMetadata | None):
+        """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
+        argmax, sampling ones draw from q, which is returned too (``[len(active), vocab]``,
+        else None) for the rejection sampler. ``positions``: the index of the token each
+        row drafts, which keys its random number; ``meta``: the rows' sampling settings
+        (None: all greedy)."""
         greedy = logits.argmax(dim=-1)
-        if not need_q:
-            return greedy.tolist(), None
-        meta = SamplingMetadata.build([p.params for p in active], logits.device)
+        if meta is None:
+            return greedy, None
         q = target_probs(logits, meta)
         uniforms = [0.0 if p.params.greedy else
                     self.uniforms.at(p.req_id, p.params, range(pos, pos + 1), Uniforms.DRAFT)[0]
                     for p, pos in zip(active, positions)]
-        sampled = sample_from_probs(q, torch.tensor(uniforms, device=logits.device))
-        tokens = torch.where(meta.temperature > 0, sampled, greedy)
-        return tokens.tolist(), q
+        (uniforms_t,) = to_device([uniforms], torch.float32, self.device)
+        sampled = sample_from_probs(q, uniforms_t)
+        return torch.where(meta.temperature > 0, sampled, greedy), q
+
+
+def _head(meta: SamplingMetadata, n: int) -> SamplingMetadata:
+    """The first ``n`` rows' settings."""
+    return dataclasses.replace(meta, temperature=meta.temperature[:n], top_k=meta.top_k[:n],
+                               top_p=meta.top_p[:n], min_p=meta.min_p[:n])

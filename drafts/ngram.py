@@ -1,6 +1,7 @@
 """Prompt-lookup (n-gram) drafting: no model, proposals copied from the request's context."""
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 
 from specserve.drafts.base import DraftProposal
@@ -22,11 +23,48 @@ def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """``lookup`` for one growing token list without rescanning it every step: the end
+    position of every ``min_n``-gram, kept up to date as tokens are appended. Any longer
+    match ends in a ``min_n``-gram match, so only those positions are tried, newest first
+    (one entry per token: memory stays linear in the context)."""
+
+    def __init__(self, min_n: int) -> None:
+        self.min_n = min_n
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ends: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self._indexed = 0  # end positions below this one are in _ends
+        self._length = 0
+
+    def lookup(self, tokens: list[int], k: int, max_n: int) -> list[int]:
+        """``lookup(tokens, k, max_n, min_n)``, for ``tokens`` that only grew since the
+        last call (fewer tokens start the index over)."""
+        length, min_n = len(tokens), self.min_n
+        if length < self._length:
+            self._reset()
+        self._length = length
+        for end in range(max(self._indexed, min_n - 1), length - 1):  # earlier ends only
+            self._ends[tuple(tokens[end - min_n + 1:end + 1])].append(end)
+        self._indexed = max(self._indexed, length - 1)
+        if length <= min_n:
+            return []
+        candidates = self._ends.get(tuple(tokens[length - min_n:]), ())
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            suffix = tokens[length - n:]
+            for end in reversed(candidates):
+                if end >= n - 1 and tokens[end - n + 1:end + 1] == suffix:
+                    return tokens[end + 1:end + 1 + k]
+        return []
+
+
 class NgramDrafter:
     name = "ngram"
 
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n
+        self._indexes: dict[str, NgramIndex] = {}
 
     def kv_bytes_per_block(self) -> int:
         return 0
@@ -34,14 +72,22 @@ class NgramDrafter:
     def bind(self, runner) -> None:
         pass
 
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        pass
+
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:
-        return DraftProposal([
-            lookup(requests[p.req_id].all_token_ids, p.num_lookahead, self.max_n, self.min_n)
-            if p.num_lookahead else [] for p in scheduled])
+        return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)
+                              if p.num_lookahead else [] for p in scheduled])
+
+    def _lookup(self, req_id: str, tokens: list[int], k: int) -> list[int]:
+        index = self._indexes.get(req_id)
+        if index is None:
+            index = self._indexes[req_id] = NgramIndex(self.min_n)
+        return index.lookup(tokens, k, self.max_n)
 
     def free(self, req_id: str) -> None:
-        pass
+        self._indexes.pop(req_id, None)
 
     def describe(self) -> str:
         return f"ngram (prompt lookup, n = {self.max_n}..{self.min_n})"

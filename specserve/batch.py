@@ -1,8 +1,11 @@
-"""ForwardBatch: the tensors of one ragged step, built by the runner, read by the model."""
+"""ForwardBatch: the tensors of one ragged step, built by the runner, read by the model;
+and the numpy helpers the runner and the graph runner build its host arrays with."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -30,3 +33,48 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+@dataclass
+class DeviceTokenIds:
+    """Token ids that are still on the device when a step is prepared (a model drafter's
+    proposals): the last ``counts[i]`` tokens fed for the step's i-th request are taken
+    from ``ids``, in schedule order, instead of the placeholders in its token lists.
+    Their positions and slots depend only on the counts, so the host can plan the step
+    without waiting for their values."""
+
+    ids: torch.Tensor             # [sum(counts)] int64, on the device
+    counts: list[int]             # [num_reqs]
+
+
+# ---------------------------------------------------------------------- host arrays
+# A step's per-token inputs are built in one pass over the requests, whole runs of
+# tokens at a time (list extends of ranges, at C speed), never one Python op per token;
+# each dtype then reaches the device in one asynchronous copy (``transfer.py``).
+
+def append_slots(slots: list[int], block_table: list[int], start: int, num_tokens: int,
+                 block_size: int) -> None:
+    """Append the cache slots of positions ``start .. start + num_tokens - 1``, a block's
+    run of consecutive slots at a time."""
+    pos, end = start, start + num_tokens
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        run = min(block_size - offset, end - pos)
+        first = block_table[block] * block_size + offset
+        slots.extend(range(first, first + run))
+        pos += run
+
+
+def block_table_array(planned, num_rows: int, width: int) -> np.ndarray:
+    """Block tables ``[num_rows, width]`` int32, padded with block 0 (and rows of zeros
+    past the requests)."""
+    tables = np.zeros((num_rows, width), np.int32)
+    if len(planned) <= 8:
+        for row, p in zip(tables, planned):
+            row[:len(p.block_table)] = p.block_table
+    else:
+        lens = np.fromiter((len(p.block_table) for p in planned), np.int64, len(planned))
+        tables[:len(planned)][np.arange(width) < lens[:, None]] = np.fromiter(
+            chain.from_iterable(p.block_table for p in planned), np.int32, int(lens.sum()))
+    return tables
+

@@ -1,23 +1,26 @@
 """CUDA graphs for decode and verify steps.
 
-A step in which every request feeds one known token plus its drafts (no prefill chunk) is
-run as a replay of a graph captured for its shape: ``num_reqs`` rounded up to a batch
-bucket, and every request padded to the same query length ``q = 1 + max k_i`` of the
-step. Padding is harmless by construction:
+A step in which every request feeds at most ``max_query_len`` tokens (decode, verify of
+one known token plus its drafts, a draft model's catch-up of one or two tokens) is run as
+a replay of a graph captured for its shape: ``num_reqs`` rounded up to a batch bucket,
+and every request padded to the step's longest query ``q``. Padding is harmless by
+construction:
 
 * extra draft rows of a request come *after* its real rows, so causal attention keeps
   them out of the real rows; their slot is -1, so their K/V is never stored;
 * padding requests own ``q`` rows each, slot -1, position 0.., and attend only to the
   first ``q`` keys of block 0 — whatever is there, their outputs are thrown away.
 
-Only the real rows' logits are handed back, in the same order as the eager path's, so
-the sampler never sees the padding. Prefill chunks (and the layer-skip draft, which runs
-a prefix of the layers) stay eager.
+Only the real rows' logits are handed back (each sampling request's last 1 + k rows), in
+the same order as the eager path's, so the sampler never sees the padding. Longer prefill
+chunks (and the layer-skip draft, which runs a prefix of the layers) stay eager.
 
 The attention kernels plan their launch (tile sizes, KV splits) from host-side lengths;
 graphs are captured with the worst case (``max_model_len`` keys for every request), so
 one graph serves every context length. All inputs live in static buffers that each step
-fills with one host->device copy per dtype.
+fills with one asynchronous host->device copy per dtype, built in one pass over the
+requests; token ids still on the device (a model drafter's proposals) are scattered in
+there, so the host never waits for them.
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ import time
 
 import torch
 
-from specserve.batch import ForwardBatch
+from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array
 from specserve.scheduler import SchedulerOutput
+from specserve.transfer import copy_into
 
 logger = logging.getLogger("specserve")
 
@@ -57,24 +61,21 @@ class GraphRunner:
         self.capture = capture
         max_tokens = self.buckets[-1] * max_query_len
         self.max_blocks_per_seq = max_blocks_per_seq
-        # Static inputs. int64: tokens, positions, slots; int32: cu_query_lens, seq_lens, tables.
-        self._long = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
+        # Static inputs, laid out per graph shape so that each step's are one contiguous
+        # copy. int64: tokens, positions, slots (then, outside the graph, the logits rows
+        # to keep and the rows of device token ids); int32: cu_query_lens, seq_lens, tables.
+        self._long = torch.zeros(5 * max_tokens, dtype=torch.int64, device=device)
         self._int = torch.zeros(2 * self.buckets[-1] + 1 + self.buckets[-1] * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
-        self._max_tokens = max_tokens
-        pin = device.type == "cuda"
-        self._long_host = torch.zeros_like(self._long, device="cpu", pin_memory=pin)
-        self._int_host = torch.zeros_like(self._int, device="cpu", pin_memory=pin)
         self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor, ForwardBatch]] = {}
         self._pool = None
 
     # ------------------------------------------------------------------ eligibility
     def fits(self, output: SchedulerOutput) -> bool:
-        """Decode/verify only, within the captured shapes."""
+        """Every request within the captured query length; longer prefill chunks do not."""
         planned = output.scheduled
         return (len(planned) <= self.buckets[-1]
-                and all(p.sample and len(p.token_ids) == 1 for p in planned)
-                and 1 + max(len(p.draft_token_ids) for p in planned) <= self.max_query_len)
+                and max(len(p.token_ids) + len(p.draft_token_ids) for p in planned) <= self.max_query_len)
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, query_lens: list[int]) -> None:
@@ -114,11 +115,9 @@ class GraphRunner:
         return graph, logits, batch
 
     def _static_batch(self, bucket: int, q: int) -> ForwardBatch:
-        tokens, n = bucket * q, self._max_tokens
-        ints = self._int
+        n, ints = bucket * q, self._int
         return ForwardBatch(
-            input_ids=self._long[:tokens], positions=self._long[n:n + tokens],
-            slot_mapping=self._long[2 * n:2 * n + tokens],
+            input_ids=self._long[:n], positions=self._long[n:2 * n], slot_mapping=self._long[2 * n:3 * n],
             cu_query_lens=ints[:bucket + 1], seq_lens=ints[bucket + 1:2 * bucket + 1],
             block_tables=ints[2 * bucket + 1:2 * bucket + 1 + bucket * self.max_blocks_per_seq]
             .view(bucket, self.max_blocks_per_seq),
@@ -129,57 +128,67 @@ class GraphRunner:
 
     def _fill_padding(self, bucket: int, q: int) -> None:
         """Inputs of an all-padding step (for warm-up and capture)."""
-        self._write(bucket, q, [[0] * q] * bucket, [list(range(q))] * bucket,
-                    [[-1] * q] * bucket, [q] * bucket, [[]] * bucket)
+        self.prepare([], bucket, q, 1)
 
     # ------------------------------------------------------------------ replay
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput, block_size: int) -> torch.Tensor:
+    def run(self, output: SchedulerOutput, block_size: int,
+            device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
         """Logits ``[Σ(1 + k_i), vocab]`` of the real rows, in schedule order."""
         planned = output.scheduled
-        q = 1 + max(len(p.draft_token_ids) for p in planned)
+        q = max(len(p.token_ids) + len(p.draft_token_ids) for p in planned)
         bucket = next(b for b in self.buckets if b >= len(planned))
         graph, logits, batch = self._get(bucket, q)  # before writing: building overwrites inputs
-        tokens, positions, slots, seq_lens, tables, rows = [], [], [], [], [], []
-        for i, p in enumerate(planned):
-            real = [*p.token_ids, *p.draft_token_ids]
-            span = range(p.start_pos, p.start_pos + len(real))
-            table = p.block_table
-            tokens.append(real + [0] * (q - len(real)))
-            positions.append(list(range(p.start_pos, p.start_pos + q)))
-            slots.append([table[s // block_size] * block_size + s % block_size for s in span]
-                         + [-1] * (q - len(real)))
-            seq_lens.append(p.start_pos + q)
-            tables.append(table)
-            rows.extend(range(i * q, i * q + len(real)))
-        pad = bucket - len(planned)
-        self._write(bucket, q, tokens + [[0] * q] * pad, positions + [list(range(q))] * pad,
-                    slots + [[-1] * q] * pad, seq_lens + [q] * pad, tables + [[]] * pad)
+        rows, seq_lens = self.prepare(planned, bucket, q, block_size, device_ids)
         if self.capture:
             graph.replay()
         else:  # eager: host-planned backends (torch) need the real lengths
-            batch.seq_lens_host = seq_lens + [q] * pad
+            batch.seq_lens_host = seq_lens
             batch.attn_plans.clear()
             logits = graph()
-        if len(rows) == bucket * q:
-            return logits
-        return logits[torch.tensor(rows, device=self.device)]
+        return logits if rows is None else logits.index_select(0, rows)
 
-    def _write(self, bucket: int, q: int, tokens, positions, slots, seq_lens, tables) -> None:
-        """Pack the step's inputs on the host and copy them over, one copy per dtype."""
-        n, count = self._max_tokens, bucket * q
-        long_host, int_host = self._long_host, self._int_host
-        for offset, rows in ((0, tokens), (n, positions), (2 * n, slots)):
-            long_host[offset:offset + count] = torch.tensor([x for row in rows for x in row])
-        width = self.max_blocks_per_seq
-        cu = [0]
-        for _ in range(bucket):
-            cu.append(cu[-1] + q)
-        int_host[:bucket + 1] = torch.tensor(cu)
-        int_host[bucket + 1:2 * bucket + 1] = torch.tensor(seq_lens)
-        table = torch.zeros(bucket, width, dtype=torch.int32)
-        for i, row in enumerate(tables):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        int_host[2 * bucket + 1:2 * bucket + 1 + bucket * width] = table.flatten()
-        self._long.copy_(long_host, non_blocking=True)
-        self._int.copy_(int_host, non_blocking=True)
+    def prepare(self, planned, bucket: int, q: int, block_size: int,
+                device_ids: DeviceTokenIds | None = None) -> tuple[torch.Tensor | None, list[int]]:
+        """Write the step's inputs into the static buffers: request i owns rows
+        ``i*q .. i*q + q - 1``, its real tokens first; padding rows and padding requests
+        get slot -1. One pass over the requests, one asynchronous copy per dtype.
+        Returns the logits rows to keep (None: all of them) and the padded seq_lens."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        device_rows: list[int] = []
+        counts = device_ids.counts if device_ids is not None else [0] * len(planned)
+        for i, (p, count) in enumerate(zip(planned, counts)):
+            num_drafts = len(p.draft_token_ids)
+            n = len(p.token_ids) + num_drafts
+            tokens += p.token_ids
+            tokens += p.draft_token_ids
+            tokens += [0] * (q - n)
+            positions += range(p.start_pos, p.start_pos + q)
+            append_slots(slots, p.block_table, p.start_pos, n, block_size)
+            slots += [-1] * (q - n)
+            seq_lens.append(p.start_pos + q)
+            end = i * q + n
+            if p.sample:
+                rows += range(end - 1 - num_drafts, end)
+            device_rows += range(end - count, end)
+        num_pad = bucket - len(planned)
+        tokens += [0] * (q * num_pad)
+        positions += list(range(q)) * num_pad
+        slots += [-1] * (q * num_pad)
+        seq_lens += [q] * num_pad
+        count = bucket * q
+        keep_all = len(rows) == count
+        copy_into(self._long, [tokens, positions, slots] + ([] if keep_all else [rows]) + [device_rows])
+        tables = block_table_array(planned, bucket, self.max_blocks_per_seq)
+        copy_into(self._int, [list(range(0, count + 1, q)), seq_lens, tables])
+        offset = 3 * count
+        rows_t = None
+        if not keep_all:
+            rows_t, offset = self._long[offset:offset + len(rows)], offset + len(rows)
+        if device_ids is not None:
+            self._long[:count].index_copy_(0, self._long[offset:offset + len(device_rows)], device_ids.ids)
+        return rows_t, seq_lens

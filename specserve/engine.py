@@ -11,9 +11,11 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
+from specserve.batch import DeviceTokenIds
 from specserve.config import EngineConfig
 from specserve.drafts import build_drafter
 from specserve.distributed import init_tensor_parallel
+from specserve.drafts.base import DraftProposal
 from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
@@ -73,11 +75,10 @@ class LLMEngine:
         self._release_ranks = weakref.finalize(self, self.runner.close) if self.tp.size > 1 else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self._fit_max_model_len_to_cache()
-        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
-            max_k = config.num_speculative_tokens if self.drafter else 0
-            self.runner.enable_graphs(1 + max_k, self.max_model_len)
         if self.drafter:
             self.drafter.bind(self.runner)
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            self.enable_graphs()
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
         self.sampler = RejectionSampler(self.device, config.seed)
@@ -91,6 +92,14 @@ class LLMEngine:
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self._ids = itertools.count()
         self._log_startup(backend.name)
+
+    def enable_graphs(self, capture: bool = True) -> None:
+        """CUDA graphs for the target's decode/verify steps and the drafter's steps
+        (``capture=False``: the same padded path run eagerly, which the CPU tests use)."""
+        max_k = self.config.num_speculative_tokens if self.drafter else 0
+        self.runner.enable_graphs(1 + max_k, self.max_model_len, capture)
+        if self.drafter:
+            self.drafter.enable_graphs(self.max_model_len, capture)
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
@@ -219,13 +228,18 @@ class LLMEngine:
     def _verify(self, scheduled: SchedulerOutput) -> StepResult:
         """Propose drafts, run the one ragged target pass, rejection-sample."""
         start = time.perf_counter()
-        draft_probs = self._propose(scheduled)
+        proposal = self._propose(scheduled)
         drafted = time.perf_counter()
-        logits = self.runner.execute(scheduled)
+        draft_ids = proposal.draft_ids if proposal else None  # proposals still on the device
+        device_ids = draft_ids if draft_ids is None else DeviceTokenIds(
+            draft_ids, [len(p.draft_token_ids) for p in scheduled.scheduled])
+        logits = self.runner.execute(scheduled, device_ids=device_ids)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
                                 first_position=p.start_pos + len(p.token_ids))
                   for p in scheduled.scheduled if p.sample]
-        result = StepResult(self.sampler(logits, verify, draft_probs))  # syncs with the device
+        draft_probs = proposal.draft_probs if proposal else None
+        # The step's one sync; device drafts come back in it, filling draft_token_ids.
+        result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
             self.draft_length_counts.update(p.num_lookahead for p in scheduled.scheduled if p.sample)
         if self.controller:
@@ -303,14 +317,15 @@ class LLMEngine:
         other_spans += min(len(self.scheduler.waiting), self.config.max_num_seqs - len(caps))
         return {**caps, **self.controller.choose(decoding, other_tokens, other_spans)}
 
-    def _propose(self, scheduled: SchedulerOutput):
-        """Fill each planned request's draft tokens; returns q (None: one-hot proposals)."""
+    def _propose(self, scheduled: SchedulerOutput) -> DraftProposal | None:
+        """Fill each planned request's draft tokens (placeholders when the proposals are
+        still on the device); None without a drafter."""
         if self.drafter is None:
             return None
         proposal = self.drafter.propose(scheduled.scheduled, self.scheduler.requests)
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
-        return proposal.draft_probs
+        return proposal
 
     def _finish_output(self, req: Request, error: str | None = None) -> RequestOutput:
         self.sampler.free(req.req_id)

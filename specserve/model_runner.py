@@ -3,13 +3,15 @@ and returns the logits the sampler needs. No scheduling policy lives here."""
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 
 import torch
 
-from specserve.batch import ForwardBatch
+from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array
 from specserve.config import EngineConfig
 from specserve.distributed import SINGLE, TPGroup
 from specserve.scheduler import SchedulerOutput
+from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
 
@@ -137,17 +139,19 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, num_layers: int | None = None) -> torch.Tensor:
+    def execute(self, output: SchedulerOutput, num_layers: int | None = None,
+                device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
         """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
         each sampling request's last 1 + k positions, in schedule order. ``num_layers``
-        runs only the first layers (layer-skip drafting)."""
+        runs only the first layers (layer-skip drafting). ``device_ids``: tokens whose
+        values are still on the device (their lists hold placeholders)."""
         if self.closed:
             raise RuntimeError("this model runner was closed")
         if self.channel is None:
-            return self._forward(output, num_layers)
-        self.channel.send_step(output, num_layers)
+            return self._forward(output, num_layers, device_ids)
+        self.channel.send_step(output, num_layers, device_ids)
         try:
-            return self._forward(output, num_layers)
+            return self._forward(output, num_layers, device_ids)
         except Exception as exc:
             from specserve.errors import RanksOutOfStepError
 
@@ -158,10 +162,14 @@ class ModelRunner:
             raise RanksOutOfStepError(f"a tensor-parallel forward pass failed on rank 0 "
                                       f"({type(exc).__name__}: {exc})") from exc
 
-    def _forward(self, output: SchedulerOutput, num_layers: int | None) -> torch.Tensor:
+    def _forward(self, output: SchedulerOutput, num_layers: int | None,
+                 device_ids: DeviceTokenIds | None) -> torch.Tensor:
         if self.graphs is not None and num_layers is None and self.graphs.fits(output):
-            return self.graphs.run(output, self.block_size)
-        batch = self.prepare(output)
+            return self.graphs.run(output, self.block_size, device_ids)
+        return self.forward(self.prepare(output, device_ids), num_layers)
+
+    def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
+        """The model over a prepared batch: logits ``[num_logits, vocab]`` float32."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
@@ -174,39 +182,41 @@ class ModelRunner:
         self.graphs = None
         self.closed = True
 
-    def prepare(self, output: SchedulerOutput) -> ForwardBatch:
+    def prepare(self, output: SchedulerOutput, device_ids: DeviceTokenIds | None = None) -> ForwardBatch:
+        """The step's tensors: built on the host in one pass over the requests (runs of
+        tokens at a time) and sent in one asynchronous copy per dtype, no sync."""
+        planned, bs = output.scheduled, self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        bs = self.block_size
-        for planned in output.scheduled:
-            tokens = planned.token_ids + planned.draft_token_ids
-            span = range(planned.start_pos, planned.start_pos + len(tokens))
-            table = planned.block_table
-            if planned.sample:
-                end = len(input_ids) + len(tokens)
-                logits_indices.extend(range(end - 1 - len(planned.draft_token_ids), end))
-            input_ids.extend(tokens)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            query_lens.append(len(tokens))
-            seq_lens.append(span.stop)
-        max_blocks = max(len(p.block_table) for p in output.scheduled)
-        block_tables = [p.block_table + [0] * (max_blocks - len(p.block_table))
-                        for p in output.scheduled]
-        cu_query_lens = [0]
-        for q_len in query_lens:
-            cu_query_lens.append(cu_query_lens[-1] + q_len)
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        num_tokens = 0
+        for p in planned:
+            num_drafts = len(p.draft_token_ids)
+            n = len(p.token_ids) + num_drafts
+            input_ids += p.token_ids
+            input_ids += p.draft_token_ids
+            positions += range(p.start_pos, p.start_pos + n)
+            append_slots(slots, p.block_table, p.start_pos, n, bs)
+            num_tokens += n
+            if p.sample:
+                logits_indices += range(num_tokens - 1 - num_drafts, num_tokens)
+            query_lens.append(n)
+            seq_lens.append(p.start_pos + n)
+        cu_query_lens = [0, *accumulate(query_lens)]
+        device_rows: list[int] = []
+        if device_ids is not None:  # each request's last counts[i] rows
+            for end, count in zip(cu_query_lens[1:], device_ids.counts):
+                device_rows += range(end - count, end)
+        input_ids_t, positions_t, slots_t, logits_t, device_rows_t = to_device(
+            [input_ids, positions, slots, logits_indices, device_rows], torch.int64, self.device)
+        tables = block_table_array(planned, len(planned), max(len(p.block_table) for p in planned))
+        tables_t, cu_t, seq_lens_t = to_device([tables, cu_query_lens, seq_lens], torch.int32, self.device)
+        if device_ids is not None:
+            input_ids_t.index_copy_(0, device_rows_t, device_ids.ids)
         return ForwardBatch(
-            input_ids=tensor(input_ids, torch.int64), positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64), block_tables=tensor(block_tables, torch.int32),
-            cu_query_lens=tensor(cu_query_lens, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-            logits_indices=tensor(logits_indices, torch.int64),
+            input_ids=input_ids_t, positions=positions_t, slot_mapping=slots_t, block_tables=tables_t,
+            cu_query_lens=cu_t, seq_lens=seq_lens_t, logits_indices=logits_t,
             query_lens_host=query_lens, seq_lens_host=seq_lens)

@@ -30,14 +30,21 @@ class RequestOutput:
 class IncrementalDetokenizer:
     """Decodes a growing token list without re-decoding it all each step.
 
-    Text is committed only once the newest tokens decode to whole characters (no trailing
-    U+FFFD from a split multi-byte sequence); a few tokens of left context keep
-    SentencePiece-style leading spaces right.
+    Text is committed only once the newest tokens decode to more text that ends in a
+    whole character (no trailing U+FFFD from a split multi-byte sequence); a few tokens of
+    left context keep SentencePiece-style leading spaces right. Waiting is bounded, as a
+    held tail is decoded again every step: past ``MAX_PENDING`` tokens a U+FFFD tail is
+    invalid bytes, not a split character, and is committed as it is; past
+    ``MAX_HELD`` tokens that add no text (skipped special tokens) are let go too.
     """
+
+    MAX_PENDING = 4   # tokens: a UTF-8 character is at most 4 bytes, so at most 4 tokens
+    MAX_HELD = 64
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = _decoder(tokenizer, skip_special_tokens)
         context = prompt_token_ids[-6:]
         self.token_ids = list(context)
         self.prefix_offset = 0
@@ -47,7 +54,9 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        pending = len(self.token_ids) - self.read_offset
+        if (len(full) > len(prefix) and (not full.endswith("\ufffd") or pending > self.MAX_PENDING)
+                or pending > self.MAX_HELD):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             return full[len(prefix):]
         return ""
@@ -59,8 +68,23 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return full[len(prefix):]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """``tokenizer.decode`` — through the Rust backend directly where that is exactly what
+    it runs (a fast tokenizer, no clean-up, no subclass override): transformers first
+    checks every id in Python, a per-token cost on the hot path."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # another transformers layout: take no chances
+        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and PreTrainedTokenizerFast is not None
+            and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+            and getattr(type(tokenizer), "decode", None) is getattr(PreTrainedTokenizerBase, "decode", 0)
+            and getattr(type(tokenizer), "_decode", None) is getattr(PreTrainedTokenizerFast, "_decode", 0)):
+        return lambda token_ids: backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch
 
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.sampling_params import SamplingParams
+from specserve.transfer import to_device
 
 
 @dataclass
@@ -46,36 +47,53 @@ class RejectionSampler:
         self.uniforms.free(req_id)
 
     def __call__(self, logits: torch.Tensor, requests: list[VerifyRequest],
-                 draft_probs: torch.Tensor | None = None) -> list[list[int]]:
+                 draft_probs: torch.Tensor | None = None,
+                 draft_ids: torch.Tensor | None = None) -> list[list[int]]:
         """logits ``[Σ(1 + k_i), vocab]``: request i's k_i + 1 verify rows, in order.
         draft_probs ``[Σ k_i, vocab]`` or None (q one-hot on each proposal).
+        draft_ids ``[Σ k_i]`` int64 on the device, or None: the drafts are the requests'
+        ``draft_token_ids``. When given (a drafter that leaves its proposals on the
+        device), those lists are placeholders of the right length, overwritten here with
+        the drafts' values, which come back in the same copy as the sampled tokens.
         Returns, per request, its accepted tokens followed by one recovered/bonus token.
         One device->host copy.
         """
         if not requests:
             return []
         rows_per_req = [len(r.draft_token_ids) + 1 for r in requests]
+        num_rows = sum(rows_per_req)
         greedy = logits.argmax(dim=-1)                        # [R]
-        draft_ids = torch.tensor([t for r in requests for t in r.draft_token_ids] or [0],
-                                 dtype=torch.int64, device=logits.device)
+        all_greedy = all(r.params.greedy for r in requests)
+        if all_greedy and num_rows == len(requests):  # plain greedy decoding: nothing to verify
+            return [[token] for token in greedy.tolist()]
         # Row index of every draft token's verifying row (all of a request's rows but its last).
-        verify_rows, start = [], 0
+        verify_rows: list[int] = []
+        start = 0
         for n in rows_per_req:
-            verify_rows.extend(range(start, start + n - 1))
+            verify_rows += range(start, start + n - 1)
             start += n
-        verify_idx = torch.tensor(verify_rows or [0], dtype=torch.int64, device=logits.device)
-        num_drafts, num_rows = len(verify_rows), start
+        total_drafts = len(verify_rows)
+        on_host = draft_ids is None
+        arrays = [verify_rows]
+        if on_host:
+            arrays.append([t for r in requests for t in r.draft_token_ids])
+        verify_idx, *host_drafts = to_device(arrays, torch.int64, logits.device)
+        draft_ids = host_drafts[0] if on_host else draft_ids
 
-        if all(r.params.greedy for r in requests):  # no sampling metadata needed
+        if all_greedy:  # no sampling metadata needed
             accepted = draft_ids == greedy[verify_idx]
             emitted = greedy
         else:
             row_params = [r.params for r, n in zip(requests, rows_per_req) for _ in range(n)]
             meta = SamplingMetadata.build(row_params, logits.device)
             accepted, emitted = self._sample(logits, meta, requests, rows_per_req, draft_ids,
-                                             verify_idx, num_drafts, draft_probs, greedy)
-        packed = torch.cat([emitted, accepted[:num_drafts].to(emitted.dtype)]).tolist()
-        emitted_host, accepted_host = packed[:num_rows], packed[num_rows:]
+                                             verify_idx, total_drafts, draft_probs, greedy)
+        parts = [emitted, accepted[:total_drafts].to(emitted.dtype)] + ([] if on_host else [draft_ids])
+        packed = torch.cat(parts).tolist()
+        emitted_host = packed[:num_rows]
+        accepted_host = packed[num_rows:num_rows + total_drafts]
+        if not on_host:
+            _fill_drafts(requests, packed[num_rows + total_drafts:])
         return _assemble(requests, rows_per_req, emitted_host, accepted_host)
 
     def _sample(self, logits, meta, requests, rows_per_req, draft_ids, verify_idx, num_drafts,
@@ -92,8 +110,8 @@ class RejectionSampler:
             positions = range(req.first_position, req.first_position + n)
             accept_u += self.uniforms.at(req.req_id, req.params, positions[:-1], Uniforms.ACCEPT)
             draw_u += self.uniforms.at(req.req_id, req.params, positions, Uniforms.DRAW)
-        accept_u = torch.tensor(accept_u or [0.0], device=logits.device)
-        draw_u = torch.tensor(draw_u, device=logits.device)
+        accept_u, draw_u = to_device([accept_u or [0.0], draw_u],
+                                     torch.float32, logits.device)
         is_greedy_row = meta.temperature == 0
         # Residual distributions at the verify rows; p itself at the bonus rows.
         dist = p.clone()
@@ -116,6 +134,14 @@ class RejectionSampler:
             accepted = torch.zeros(1, dtype=torch.bool, device=p.device)
         sampled = sample_from_probs(dist, draw_u)
         return accepted, torch.where(is_greedy_row, greedy, sampled)
+
+
+def _fill_drafts(requests, draft_ids: list[int]) -> None:
+    start = 0
+    for req in requests:
+        n = len(req.draft_token_ids)
+        req.draft_token_ids[:] = draft_ids[start:start + n]
+        start += n
 
 
 def _assemble(requests, rows_per_req, emitted, accepted) -> list[list[int]]:

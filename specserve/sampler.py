@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.transfer import to_device
 
 
 @dataclass
@@ -27,19 +28,14 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> "SamplingMetadata":
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        """From per-row params; the tensors reach the device in two asynchronous copies."""
         top_k = [max(p.top_k, 0) for p in params]
-        return cls(
-            temperature=tensor([p.temperature for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p.top_p < 1 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params))
+        temperature, top_p, min_p = to_device([[p.temperature for p in params], [p.top_p for p in params],
+                                               [p.min_p for p in params]], torch.float32, device)
+        (top_k_t,) = to_device([top_k], torch.int64, device)
+        return cls(temperature=temperature, top_k=top_k_t, top_p=top_p, min_p=min_p,
+                   all_greedy=all(p.greedy for p in params), any_top_k=any(k > 0 for k in top_k),
+                   any_top_p=any(p.top_p < 1 for p in params), any_min_p=any(p.min_p > 0 for p in params))
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -131,7 +131,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget this step
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            k = min(drafts.get(req.req_id, 0), budget - num_new, self._max_drafts(req)) if num_new == 1 else 0
+            k = drafts.get(req.req_id, 0) if num_new == 1 else 0
+            if k:
+                k = min(k, budget - num_new, self._max_drafts(req))
             if not self._allocate_or_preempt(req, num_new + k, scheduled, preempted):
                 continue
             scheduled.append(self._plan(req, num_new, k))
@@ -162,6 +164,8 @@ class Scheduler:
                              scheduled: list[ScheduledRequest], preempted: list[str]) -> bool:
         """Allocate ``req``'s slots, preempting the newest request not yet planned this step
         (possibly ``req`` itself) until they fit."""
+        if self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
+            return True
         planned = {s.req_id for s in scheduled}
         while not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
             victim = next(r for r in reversed(self.running) if r.req_id not in planned)

@@ -11,12 +11,15 @@ is announced the same way, so every rank captures the same graphs in the same or
 Message layout (one broadcast of ``FIRST`` int64s, a second one only for a step too
 large for the first)::
 
-    [kind, num_reqs, num_tokens, num_layers + 1, payload_len, a, b, c | payload ...]
-    payload = per request (start_pos, num_token_ids, num_drafts, sample, num_blocks)
-              + every request's token ids then draft ids + every request's block table
+    [kind, num_reqs, num_tokens, num_layers + 1, payload_len, num_device_ids, b, c | payload ...]
+    payload = per request (start_pos, num_token_ids, num_drafts, sample, num_blocks,
+              num_device_ids) + every request's token ids then draft ids + every request's
+              block table
 
-On CUDA the messages are NCCL broadcasts of device tensors (built on the host, copied
-over); on CPU, gloo broadcasts.
+A pass whose last tokens are still on rank 0's device (a model drafter's proposals,
+``DeviceTokenIds``) broadcasts those ids device to device after the message, so no rank
+waits for the host to see them. On CUDA the messages are NCCL broadcasts of device
+tensors (built on the host, copied over); on CPU, gloo broadcasts.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.batch import DeviceTokenIds
 from specserve.distributed import TPGroup, init_tensor_parallel
 from specserve.errors import SpecserveError
 from specserve.sampling_params import SamplingParams
@@ -47,6 +51,7 @@ class Announcement:
     kind: int
     output: SchedulerOutput | None = None       # STEP
     num_layers: int | None = None               # STEP: layer-skip drafting runs a prefix
+    device_ids: DeviceTokenIds | None = None    # STEP: tokens whose values came by broadcast
     graphs: tuple[int, int, bool] | None = None  # GRAPHS: max_query_len, max_model_len, capture
 
 
@@ -58,16 +63,22 @@ class StepChannel:
         self.tp = tp
 
     # ------------------------------------------------------------------ rank 0
-    def send_step(self, output: SchedulerOutput, num_layers: int | None) -> None:
+    def send_step(self, output: SchedulerOutput, num_layers: int | None,
+                  device_ids: DeviceTokenIds | None = None) -> None:
         meta, tokens, tables = [], [], []
-        for p in output.scheduled:
+        counts = device_ids.counts if device_ids is not None else [0] * len(output.scheduled)
+        for p, count in zip(output.scheduled, counts):
             meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), int(p.sample),
-                     len(p.block_table))
+                     len(p.block_table), count)
             tokens += p.token_ids
             tokens += p.draft_token_ids
             tables += p.block_table
         num_layers = -1 if num_layers is None else num_layers
-        self._send([STEP, len(output.scheduled), len(tokens), num_layers + 1], meta + tokens + tables)
+        num_device_ids = sum(counts)
+        self._send([STEP, len(output.scheduled), len(tokens), num_layers + 1, 0, num_device_ids],
+                   meta + tokens + tables)
+        if num_device_ids:
+            self.tp.broadcast(device_ids.ids.to(self.tp.device, torch.int64))
 
     def send_graphs(self, max_query_len: int, max_model_len: int, capture: bool) -> None:
         self._send([GRAPHS, max_query_len, max_model_len, int(capture)], [])
@@ -89,7 +100,7 @@ class StepChannel:
     # ------------------------------------------------------------------ other ranks
     def receive(self) -> Announcement:
         first = self.tp.broadcast(torch.empty(FIRST, dtype=torch.int64, device=self.tp.device)).tolist()
-        kind, num_reqs, num_tokens, num_layers, payload_len = first[:5]
+        kind, num_reqs, num_tokens, num_layers, payload_len, num_device_ids = first[:6]
         if kind == SHUTDOWN:
             return Announcement(SHUTDOWN)
         if kind == GRAPHS:
@@ -100,15 +111,21 @@ class StepChannel:
         if payload_len > FIRST - HEADER:
             rest = torch.empty(payload_len - (FIRST - HEADER), dtype=torch.int64, device=self.tp.device)
             payload += self.tp.broadcast(rest).tolist()
-        return Announcement(STEP, _unpack(payload, num_reqs, num_tokens),
-                            None if num_layers == 0 else num_layers - 1)
+        output, counts = _unpack(payload, num_reqs, num_tokens)
+        device_ids = None
+        if num_device_ids:
+            ids = torch.empty(num_device_ids, dtype=torch.int64, device=self.tp.device)
+            device_ids = DeviceTokenIds(self.tp.broadcast(ids), counts)
+        return Announcement(STEP, output, None if num_layers == 0 else num_layers - 1, device_ids=device_ids)
 
 
-def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> SchedulerOutput:
-    tokens_at, tables_at = 5 * num_reqs, 5 * num_reqs + num_tokens
-    scheduled = []
+def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> tuple[SchedulerOutput, list[int]]:
+    """The SchedulerOutput, and how many of each request's last tokens come by device."""
+    tokens_at, tables_at = 6 * num_reqs, 6 * num_reqs + num_tokens
+    scheduled, counts = [], []
     for i in range(num_reqs):
-        start_pos, num_ids, num_drafts, sample, num_blocks = payload[5 * i:5 * i + 5]
+        start_pos, num_ids, num_drafts, sample, num_blocks, count = payload[6 * i:6 * i + 6]
+        counts.append(count)
         ids = payload[tokens_at:tokens_at + num_ids + num_drafts]
         tokens_at += num_ids + num_drafts
         table = payload[tables_at:tables_at + num_blocks]
@@ -116,7 +133,7 @@ def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> SchedulerOutp
         scheduled.append(ScheduledRequest(str(i), ids[:num_ids], start_pos, table, _NO_PARAMS,
                                           sample=bool(sample), num_lookahead=num_drafts,
                                           draft_token_ids=ids[num_ids:]))
-    return SchedulerOutput(scheduled, [])
+    return SchedulerOutput(scheduled, []), counts
 
 
 def follow(runner, channel: StepChannel) -> None:
@@ -136,7 +153,7 @@ def follow(runner, channel: StepChannel) -> None:
             if message.kind == GRAPHS:
                 runner.enable_graphs(*message.graphs)
             else:
-                runner.execute(message.output, message.num_layers)
+                runner.execute(message.output, message.num_layers, message.device_ids)
     finally:
         for sig, handler in (previous or {}).items():
             signal.signal(sig, handler)

@@ -180,11 +180,11 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(t
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(scheduled, *args):
+    def flaky(scheduled, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real(scheduled, *args)
+        return real(scheduled, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))

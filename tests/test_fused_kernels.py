@@ -425,3 +425,24 @@ def test_padded_graph_path_with_fused_kernels(tiny_model_dir):
         prompts, params, use_tqdm=False)
     assert calls and llm.engine.spec_stats.num_drafts > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_draft_model_on_the_padded_graph_path_with_fused_kernels(tiny_model_dir):
+    """The GPU path of a draft model (fused kernels; catch-up and draft steps through the
+    padded graph inputs, proposals scattered in on the device) gives the torch
+    backend's greedy tokens."""
+    target = str(tiny_model_dir("llama"))
+    kwargs = dict(block_size=4, num_kv_blocks=64, max_num_seqs=4, speculative_method="draft_model",
+                  draft_model=target, num_speculative_tokens=3)
+    prompts = ["a b a b a b a b", "x = 1\ny = 2\nx = 1\n", "hello"]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, num_speculative_tokens=k)
+              for k in (3, 1, 3)]
+    llm = LLM32(target, attention_backend="triton", enforce_eager=True, **kwargs)
+    llm.engine.enable_graphs(capture=False)
+    calls = []
+    run = llm.engine.drafter.runner.graphs.run
+    llm.engine.drafter.runner.graphs.run = lambda *a: calls.append(len(a[0].scheduled)) or run(*a)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = LLM32(target, attention_backend="torch", **kwargs).generate(prompts, params, use_tqdm=False)
+    assert calls and llm.engine.spec_stats.acceptance_rate == 1.0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

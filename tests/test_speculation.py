@@ -179,6 +179,23 @@ def test_ngram_lookup(tokens, k, expected):
     assert lookup(tokens, k, max_n=3, min_n=2) == expected
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_index_finds_what_the_scan_finds(seed):
+    """The drafter's incremental index against the plain scan, on token lists that grow
+    by runs of random length (and once shrink), over small alphabets full of repeats."""
+    from specserve.drafts.ngram import NgramIndex
+
+    rng = random.Random(seed)
+    for max_n, min_n in ((4, 2), (3, 1), (2, 2), (5, 3)):
+        index, tokens = NgramIndex(min_n), []
+        for step in range(120):
+            if step == 60:
+                del tokens[-7:]
+            tokens += [rng.randrange(4 if seed % 2 else 9) for _ in range(rng.randint(1, 5))]
+            k = rng.randint(1, 6)
+            assert index.lookup(tokens, k, max_n) == lookup(tokens, k, max_n, min_n), (step, tokens)
+
+
 def test_ngram_prefers_longer_matches():
     tokens = [4, 2, 9, 1, 2, 8, 5, 1, 2]   # only [1, 2] recurs: it was followed by 8
     assert lookup(tokens, 1, max_n=2, min_n=1) == [8]

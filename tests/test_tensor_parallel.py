@@ -136,6 +136,7 @@ class _Loopback(TPGroup):
 
 @pytest.mark.parametrize("num_reqs,context", [(3, 40), (40, 300)])  # the second needs 2 broadcasts
 def test_step_messages_rebuild_the_schedule(num_reqs, context):
+    from specserve.batch import DeviceTokenIds
     from specserve.tp_worker import GRAPHS, SHUTDOWN, STEP, StepChannel
 
     queue: list = []
@@ -146,16 +147,25 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
                                              sample=i % 4 != 1, num_lookahead=i % 2,
                                              draft_token_ids=[9] * (i % 2))
                             for i in range(num_reqs)], [])
+    # A model drafter's proposals still on rank 0's device follow the message, device to device.
+    on_device = DeviceTokenIds(torch.arange(100, 100 + sum(i % 2 for i in range(num_reqs))),
+                               [i % 2 for i in range(num_reqs)])
     send.send_step(step, None)
     send.send_step(step, 3)
+    send.send_step(step, None, on_device)
     send.send_graphs(5, 4096, True)
     send.send_shutdown()
-    for num_layers in (None, 3):
+    for num_layers, device_ids in ((None, None), (3, None), (None, on_device)):
         got = receive.receive()
         assert got.kind == STEP and got.num_layers == num_layers
         fields = ("token_ids", "start_pos", "block_table", "sample", "draft_token_ids")
         assert [[getattr(p, f) for f in fields] for p in got.output.scheduled] == \
             [[getattr(p, f) for f in fields] for p in step.scheduled]
+        if device_ids is None:
+            assert got.device_ids is None
+        else:
+            assert got.device_ids.counts == device_ids.counts
+            assert torch.equal(got.device_ids.ids, device_ids.ids)
     assert receive.receive().graphs == (5, 4096, True)
     assert receive.receive().kind == SHUTDOWN and not queue
     assert GRAPHS != STEP
@@ -182,7 +192,7 @@ def test_a_failed_pass_on_rank_0_ends_the_engine_and_sends_nothing_more(tiny_mod
     assert sent == ["step"] and runner.channel is None
     with pytest.raises(RuntimeError, match="closed"):
         runner.execute(step)
-    llm.engine.runner.execute = lambda *a: (_ for _ in ()).throw(RanksOutOfStepError("lost step"))
+    llm.engine.runner.execute = lambda *a, **k: (_ for _ in ()).throw(RanksOutOfStepError("lost step"))
     llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(RanksOutOfStepError):
         llm.engine.step()

@@ -1,0 +1,158 @@
+"""The draft-model drafter's device-resident loop: proposals stay on the device until the
+rejection sampler's one copy, its catch-up and draft steps run through the CUDA-graph
+padded path (eagerly here, ``capture=False``), and greedy output stays exactly that of
+speculation off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.cuda_graphs import batch_buckets
+from tiny_models import LLM32, make_tokenizer
+
+PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
+           "import os\nimport sys\nimport os\n"]
+ENGINE = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+# Per-request k: different lengths exercise the reordering of proposals, 0 a request
+# whose draft cache only keeps up.
+KS = (4, 2, 4, 0, 3)
+
+
+@pytest.fixture(scope="module")
+def near_draft(tmp_path_factory, tiny_model_dir):
+    """The tiny target with slightly perturbed weights: it agrees often, not always."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.004)
+    path = tmp_path_factory.mktemp("draft-near")
+    model.save_pretrained(path)
+    make_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
+def draft_engine(tiny_model_dir, draft: str, graphs: bool, **kwargs):
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=draft,
+                num_speculative_tokens=4, **ENGINE, **kwargs)
+    if graphs:
+        llm.engine.enable_graphs(capture=False)
+    return llm
+
+
+def greedy(k: int | None = None, max_tokens: int = 30) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize("which", ["near", "target"])
+def test_padded_graph_path_of_the_draft_model_equals_speculation_off(tiny_model_dir, near_draft, which):
+    draft = near_draft if which == "near" else str(tiny_model_dir("llama"))
+    plain = LLM32(str(tiny_model_dir("llama")), **ENGINE)
+    llm = draft_engine(tiny_model_dir, draft, graphs=True)
+    graphs = llm.engine.drafter.runner.graphs
+    calls = []
+    run = graphs.run
+    graphs.run = lambda *a: calls.append((len(a[0].scheduled), max(len(p.token_ids) for p in a[0].scheduled))) \
+        or run(*a)
+    params = [greedy(k) for k in KS]
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0
+    if which == "target":
+        assert stats.acceptance_rate == 1.0
+    assert {q for _, q in calls} == {1, 2}  # draft steps, and catch-ups after full acceptance
+    assert any(n not in batch_buckets(8) for n, _ in calls)  # padded up to a bucket
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_padded_graph_path_of_the_draft_model_samples_as_eager(tiny_model_dir, near_draft):
+    """Seeded sampling with drafts drawn from q: the graph path and the eager path agree
+    token for token (same uniforms, same q rows in the same order)."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=25, ignore_eos=True,
+                             num_speculative_tokens=k) for i, k in enumerate(KS)]
+    eager = draft_engine(tiny_model_dir, near_draft, graphs=False).generate(PROMPTS, params, use_tqdm=False)
+    llm = draft_engine(tiny_model_dir, near_draft, graphs=True)
+    padded = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+SYNCS = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, monkeypatch, method, graphs):
+    """Outside the model's forward (where the CPU attention backend plans on the host),
+    a step reads device values exactly once: the rejection sampler's packed copy, which
+    also brings a draft model's proposals back."""
+    kwargs = dict(speculative_method=method, num_speculative_tokens=4)
+    if method == "draft_model":
+        kwargs["draft_model"] = near_draft
+    llm = LLM32(str(tiny_model_dir("llama")), **ENGINE, **kwargs)
+    engine = llm.engine
+    if graphs:
+        engine.enable_graphs(capture=False)
+    reads, in_model = [], [False]
+    for model in {id(engine.runner.model): engine.runner.model,
+                  id(getattr(engine.drafter, "model", None)): getattr(engine.drafter, "model", None)}.values():
+        if model is not None:
+            forward = model.forward
+
+            def quiet(*args, _forward=forward, **kw):
+                in_model[0] = True
+                try:
+                    return _forward(*args, **kw)
+                finally:
+                    in_model[0] = False
+
+            monkeypatch.setattr(model, "forward", quiet)
+    for name in SYNCS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):
+            if not in_model[0]:
+                reads.append(_name)
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for prompt, k in zip(PROMPTS, KS):
+        engine.add_request(prompt, greedy(k, max_tokens=12))
+    per_step = []
+    while engine.has_unfinished_requests():
+        reads.clear()
+        outputs = engine.step()
+        per_step.append((len(reads), bool(outputs)))
+    monkeypatch.undo()
+    assert all(n == 1 for n, sampled in per_step if sampled), per_step
+    assert all(n <= 1 for n, _ in per_step), per_step
+    if method != "none":
+        assert engine.spec_stats.num_drafts > 0
+
+
+def test_proposals_come_back_with_the_sampled_tokens(tiny_model_dir):
+    """The draft's proposals stay on the device through the step; afterwards each planned
+    request's draft_token_ids hold their values (here the draft is the target, so every
+    proposal is what the request then got)."""
+    target = str(tiny_model_dir("llama"))
+    llm = draft_engine(tiny_model_dir, target, graphs=True)
+    engine = llm.engine
+    seen = []
+    update = engine.scheduler.update
+
+    def record(output, result):
+        seen.extend((list(p.draft_token_ids), tokens) for p, tokens in
+                    zip([p for p in output.scheduled if p.sample], result.new_token_ids))
+        return update(output, result)
+
+    engine.scheduler.update = record
+    llm.generate(PROMPTS[:3], greedy(4), use_tqdm=False)
+    verified = [(drafts, tokens) for drafts, tokens in seen if drafts]
+    assert verified
+    assert all(tokens[:len(drafts)] == drafts and len(tokens) == len(drafts) + 1
+               for drafts, tokens in verified)
