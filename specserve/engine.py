@@ -251,36 +251,41 @@ class LLMEngine:
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         lookahead = [p.num_lookahead for p in planned]
         prefill = any(len(p.token_ids) > 1 for p in planned)
+        padded = len(planned) * max(lengths) if self.runner.graphs is not None else 0
         self.controller.observe_step(sum(lengths), sum(n > 1 for n in lengths),
                                      None if prefill else target_s,
-                                     max(lookahead), sum(k > 0 for k in lookahead), draft_s)
+                                     max(lookahead), sum(k > 0 for k in lookahead), draft_s, padded)
 
     def _profile_step_cost(self) -> None:
         """Seed the controller's cost model: time a few verify passes of dummy requests
-        (batch sizes x draft lengths) over scratch KV blocks, freed afterwards."""
+        (batch sizes x how many of them draft k tokens: none, one, all) over scratch KV
+        blocks, freed afterwards. One drafter in a batch separates what padding costs on
+        a CUDA graph (every request padded to 1 + k) from what real tokens cost."""
         c = self.config
         k = c.num_speculative_tokens
         context = 4 * c.block_size
         greedy = SamplingParams(temperature=0)
         for batch in sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)}):
-            for drafts in (0, k):
-                if batch * (1 + drafts) > c.max_num_batched_tokens:
+            for num_drafting in sorted({0, 1, batch}):
+                drafts = [k if i < num_drafting else 0 for i in range(batch)]
+                if batch + sum(drafts) > c.max_num_batched_tokens:
                     continue
                 ids = [f"__profile_{i}" for i in range(batch)]
-                if not all(self.kv.allocate_slots(i, context + 1 + drafts) for i in ids):
+                if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
                     for i in ids:
                         if self.kv.holds(i):
                             self.kv.free(i)
                     continue
                 step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
-                                                         greedy, num_lookahead=drafts,
-                                                         draft_token_ids=[0] * drafts)
-                                        for i in ids], [])
+                                                         greedy, num_lookahead=d, draft_token_ids=[0] * d)
+                                        for i, d in zip(ids, drafts)], [])
                 for _ in range(2):  # the first run warms up
                     start = time.perf_counter()
                     self.runner.execute(step).argmax(-1).tolist()
                     elapsed = time.perf_counter() - start
-                self.controller.observe_step(batch * (1 + drafts), batch if drafts else 0, elapsed, 0, 0, 0.0)
+                padded = batch * (1 + max(drafts)) if self.runner.graphs is not None else 0
+                self.controller.observe_step(batch + sum(drafts), num_drafting if k else 0, elapsed,
+                                             0, 0, 0.0, padded)
                 for i in ids:
                     self.kv.free(i)
 
@@ -315,7 +320,8 @@ class LLMEngine:
         waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
         other_tokens = min(other_tokens + waiting, max(budget - len(caps), 0))
         other_spans += min(len(self.scheduler.waiting), self.config.max_num_seqs - len(caps))
-        return {**caps, **self.controller.choose(decoding, other_tokens, other_spans)}
+        graph_step = self.runner.graphs is not None and other_tokens == 0
+        return {**caps, **self.controller.choose(decoding, other_tokens, other_spans, graph_step)}
 
     def _propose(self, scheduled: SchedulerOutput) -> DraftProposal | None:
         """Fill each planned request's draft tokens (placeholders when the proposals are

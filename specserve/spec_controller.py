@@ -10,10 +10,11 @@ Two online estimates feed the choice:
   positions are observed: where a drafter (n-gram lookup) finds nothing to propose, the
   position is neither verified nor paid for, so it says nothing about what drafting costs
   or gains.
-* **Step cost.** ``target = a + b * tokens + c * spans`` — a fixed cost, a cost per token
-  in the verify pass and a cost per request whose query span is longer than one token
-  (whatever a verify span costs beyond its tokens: its own attention tiles, its padding)
-  — plus ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential
+* **Step cost.** ``target = a + b * tokens + c * spans + p * padded`` — a fixed cost, a
+  cost per token in the verify pass, a cost per request whose query span is longer than
+  one token (its own attention tiles), and a cost per token of the padded shape a CUDA
+  graph replays, where every request is padded to the step's longest query (so on a GPU
+  a draft depth D costs every request of the batch D tokens; 0 on an eager pass) — plus ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential
   passes. Both are least-squares fits with exponential forgetting over measured steps,
   seeded by a short profile at start-up. A step slower than twice the prediction (another
   process stalled the machine) counts as twice the prediction, so one stall cannot poison
@@ -23,7 +24,7 @@ The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of co
 solved exactly with Dinkelbach's method: with the current ratio lambda, each request's
 net value of k drafts is ``sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0]``; the best plan
 for every draft depth D at once is each request's best k <= D (a running maximum over k)
-less ``lambda * d * D``; the best depth's plan gives the next lambda, which converges in a
+less ``lambda * (d + p * num_reqs) * D``; the best depth's plan gives the next lambda, which converges in a
 few rounds (a handful of numpy operations each, so it is cheap next to a step). So k falls to 0 when tokens
 are expensive (a compute-bound batch) or a request's drafts keep failing, and rises to
 k_max when acceptance is high and extra tokens are nearly free. A request that has fallen
@@ -71,7 +72,7 @@ class DraftLengthController:
     def __init__(self, max_k: int, probe_interval: int = PROBE_INTERVAL) -> None:
         self.max_k = max_k
         self.probe_interval = probe_interval
-        self.target_cost = CostModel(3)   # [1, tokens, spans] -> seconds
+        self.target_cost = CostModel(4)   # [1, tokens, spans, padded tokens] -> seconds
         self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
         self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
         self._alpha: dict[str, np.ndarray] = {}
@@ -79,13 +80,15 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ learning
     def observe_step(self, num_tokens: int, num_spans: int, target_s: float | None,
-                     depth: int, num_drafting: int, draft_s: float) -> None:
+                     depth: int, num_drafting: int, draft_s: float, num_padded: int = 0) -> None:
         """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
         ``target_s`` None: the verify pass says nothing about what drafts cost (the engine
         passes None for steps with a prefill chunk, which run eagerly where decode and
-        verify steps replay CUDA graphs; their cost per token would mislead the choice)."""
+        verify steps replay CUDA graphs; their cost per token would mislead the choice).
+        ``num_padded``: the tokens the pass really ran when it replayed a CUDA graph, every
+        request padded to the longest query (0 for an eager pass)."""
         if target_s is not None:
-            self.target_cost.observe([1.0, num_tokens, num_spans], target_s)
+            self.target_cost.observe([1.0, num_tokens, num_spans, num_padded], target_s)
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
@@ -107,9 +110,11 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
-               num_other_spans: int = 0) -> dict[str, int]:
+               num_other_spans: int = 0, padded: bool = False) -> dict[str, int]:
         """k_i for each decoding request (``caps``: req_id -> most drafts it may take).
-        ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway."""
+        ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway.
+        ``padded``: the step will replay a CUDA graph, where every request is padded to
+        the longest query, so a draft depth D costs every request D tokens."""
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
         req_ids = list(caps)
@@ -117,11 +122,13 @@ class DraftLengthController:
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), max_k)
         gains = np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
         over_cap = np.arange(max_k + 1)[None, :] > cap[:, None]        # [num_reqs, max_k + 1]
-        _a, b, c = self.target_cost.theta
+        _a, b, c, pad = self.target_cost.theta
+        pad = pad if padded else 0.0
         d, e = self.draft_cost.theta
         per_token = b + e  # each drafted token is verified and (roughly) drafted once
-        fixed = self.target_cost.predict([1.0, num_reqs + num_other_tokens, num_other_spans])
-        depth_cost = d * np.arange(max_k + 1)
+        fixed = self.target_cost.predict([1.0, num_reqs + num_other_tokens, num_other_spans,
+                                          num_reqs if padded else 0])
+        depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
         k = np.zeros(num_reqs, dtype=int)
         ratio = num_reqs / max(fixed, 1e-9)                            # the plan without drafts
         for _ in range(10):

@@ -11,10 +11,13 @@ MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or
 COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than the fixed part
 
 
-def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0)) -> DraftLengthController:
+def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0) -> DraftLengthController:
+    """``pad``: cost per token of the padded shape a graph replays (every request padded to
+    the longest query)."""
     ctl = DraftLengthController(max_k, probe_interval=1000)
-    for tokens, spans in ((1, 0), (5, 1), (8, 0), (40, 8), (32, 0), (160, 32), (100, 3)):
-        ctl.observe_step(tokens, spans, a + b * tokens + c * spans, 0, 0, 0.0)
+    for tokens, spans, padded in ((1, 0, 1), (5, 1, 5), (8, 0, 8), (40, 8, 40), (12, 1, 40), (32, 0, 32),
+                                  (160, 32, 160), (36, 1, 160), (100, 3, 128)):
+        ctl.observe_step(tokens, spans, a + b * tokens + c * spans + pad * padded, 0, 0, 0.0, padded)
     for depth, reqs in ((1, 1), (4, 1), (4, 8), (2, 32)):
         ctl.observe_step(1, 0, a + b, depth, reqs, depth * (draft[0] + draft[1] * reqs))
     return ctl
@@ -68,23 +71,38 @@ def test_choice_is_the_best_plan_of_all():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    for trial in range(40):
-        a, b, c = rng.uniform(0.001, 0.03), rng.uniform(0, 0.004), rng.uniform(0, 0.004)
-        ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)))
+    for trial in range(60):
+        a, b, c, pad = (rng.uniform(0.001, 0.03), rng.uniform(0, 0.004), rng.uniform(0, 0.004),
+                        rng.uniform(0, 0.002))
+        ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)), pad=pad)
         caps = {f"r{i}": int(rng.integers(0, 4)) for i in range(3)}
         for r in caps:
             ctl._alpha[r] = rng.uniform(0, 1, size=3)
-        (_, b, c), (d, e) = ctl.target_cost.theta, ctl.draft_cost.theta
-        fixed = ctl.target_cost.predict([1.0, 3, 0])
+        graph = trial % 2 == 1
+        (_, b, c, pad), (d, e) = ctl.target_cost.theta, ctl.draft_cost.theta
 
         def ratio(plan):
             gain = sum(np.prod(ctl._alpha[r][:j + 1]) for r, k in zip(caps, plan) for j in range(k))
-            cost = fixed + d * max(plan) + (b + e) * sum(plan) + c * sum(k > 0 for k in plan)
+            padded = 3 * (1 + max(plan)) if graph else 0
+            cost = (ctl.target_cost.predict([1.0, 3 + sum(plan), sum(k > 0 for k in plan), padded])
+                    + d * max(plan) + e * sum(plan))
             return (3 + gain) / cost
 
         plans = itertools.product(*(range(cap + 1) for cap in caps.values()))
         best = max(ratio(plan) for plan in plans)
-        assert ratio(list(ctl.choose(caps).values())) == pytest.approx(best, rel=1e-9), trial
+        assert ratio(list(ctl.choose(caps, padded=graph).values())) == pytest.approx(best, rel=1e-9), trial
+
+
+def test_padding_makes_one_drafter_in_a_big_graph_batch_too_dear():
+    """On a CUDA graph every request is padded to the longest query: one request with
+    excellent drafts in a batch of 32 bad ones pays for 32 x k padded tokens."""
+    ctl = controller(**MEMORY_BOUND, pad=0.0004)
+    caps = {f"r{i}": 4 for i in range(32)}
+    for r in caps:
+        train_acceptance(ctl, r, 0)
+    train_acceptance(ctl, "r0", 4)
+    assert ctl.choose(caps)["r0"] == 4                    # eager: only its own tokens count
+    assert set(ctl.choose(caps, padded=True).values()) == {0}
 
 
 def test_memory_bound_and_always_accepted_drafts_take_the_maximum():
