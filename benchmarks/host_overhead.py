@@ -360,6 +360,8 @@ def _profile(engine, out_dir: str, label: str, steps: int = 12) -> None:
     prof.export_chrome_trace(str(trace))
     log(f"profile of {steps} steps ({label}) -> {trace}")
     log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if engine.device.type == "cuda":  # the kernels, with their counts per step: what bounds a replay
+        log(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
 
 
 # ---------------------------------------------------------------------- the report
