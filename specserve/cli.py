@@ -312,7 +312,7 @@ def _quiet_libraries() -> None:
 
 
 def _generate(args) -> int:
-    from specserve import EngineConfig, LLMEngine, SamplingParams
+    from specserve import LLMEngine, SamplingParams
 
     prompt = args.prompt
     if prompt is None:
@@ -367,7 +367,6 @@ def _generate_with(engine, args, prompt, params) -> int:
 
 
 def _serve(args) -> int:
-    from specserve import EngineConfig
     from specserve.server import serve
 
     for name in ("port", "max_queued_requests", "max_request_bytes", "shutdown_timeout"):

@@ -53,7 +53,7 @@ def add_bench_parser(sub, engine_flags) -> None:
                         help="without --base-url: run the server as a child process (default; "
                              "the client never slows the engine) or as a thread of this process "
                              "(faster to start)")
-    load = _load_flags(serve)
+    _load_flags(serve)
     _workload_flags(serve)
     out = serve.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
@@ -174,7 +174,6 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
         format_run,
         parse_speculation,
         run_serve,
-        summary_table,
     )
     from specserve.bench.stats import parse_goodput
 
@@ -201,6 +200,13 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
     for run in runs:
         run["workload"] = args.workload
         print(format_run(run, percentiles))
+    return _report(args, runs)
+
+
+def _report(args, runs: list[dict]) -> int:
+    """The runs' summary table, plots and JSON; exit code 1 unless every run completed."""
+    from specserve.bench.serve_bench import summary_table
+
     if len(runs) > 1:
         print()
         print(summary_table(runs))
@@ -234,7 +240,7 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
     from specserve import EngineConfig
     from specserve.bench.arrivals import arrival_times
     from specserve.bench.offline import format_offline, prompt_ids, run_offline, warm_up
-    from specserve.bench.serve_bench import config_label, parse_speculation, summary_table
+    from specserve.bench.serve_bench import config_label, parse_speculation
     from specserve.engine import LLMEngine
 
     rates = _rates(args)
@@ -267,16 +273,7 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
                        if engine.drafter else 0, speculative_adaptive=engine.controller is not None)
             print(format_offline(run))
             runs.append(run)
-    if len(runs) > 1:
-        print()
-        print(summary_table(runs))
-    if args.plot_dir:
-        from specserve.bench.plots import plot_serving
-
-        for path in plot_serving(runs, args.plot_dir):
-            print(f"wrote {path}", file=sys.stderr)
-    _write_json(args.result_json, runs)
-    return 0 if all(r["completed"] for r in runs) else 1
+    return _report(args, runs)
 
 
 def _spec_sweep(args, engine_kwargs: dict, _percentiles) -> int:
