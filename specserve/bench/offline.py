@@ -115,7 +115,9 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
             num_requests: int | None = None) -> None:
     """Run requests untimed so lazy initialisation (and, on a GPU, kernel compilation for
     each shape) is not timed: by default one short request; with ``num_requests``, that
-    many of the workload's requests (cycled) at their own lengths, all at once."""
+    many of the workload's requests (cycled) at their own lengths — the first half at
+    once, the rest one per step, so prefill chunks also share steps with decode and verify
+    spans, the mixed shapes a request rate produces (each compiles its own kernels)."""
     from specserve import SamplingParams
 
     if num_requests is None:
@@ -126,6 +128,8 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
         for i in range(num_requests):
             j = i % len(requests)
             engine.add_request(token_ids[j], SamplingParams(temperature=0, max_tokens=requests[j].max_tokens))
+            if i >= num_requests // 2:
+                engine.step()
     while engine.has_unfinished_requests():
         engine.step()
 
