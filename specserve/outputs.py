@@ -33,8 +33,9 @@ class IncrementalDetokenizer:
     Text is committed only once the newest tokens decode to more text that ends in a
     whole character (no trailing U+FFFD from a split multi-byte sequence); a few tokens of
     left context keep SentencePiece-style leading spaces right. Waiting is bounded, as a
-    held tail is decoded again every step: past ``MAX_PENDING`` tokens a U+FFFD tail is
-    invalid bytes, not a split character, and is committed as it is; past
+    held tail is decoded again every step: past ``MAX_PENDING`` pending tokens only the
+    last few can still be a split character, so what precedes them is committed (a
+    U+FFFD there is invalid bytes, emitted as it is); past
     ``MAX_HELD`` tokens that add no text (skipped special tokens) are let go too.
     """
 
@@ -55,11 +56,25 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
         pending = len(self.token_ids) - self.read_offset
-        if (len(full) > len(prefix) and (not full.endswith("\ufffd") or pending > self.MAX_PENDING)
-                or pending > self.MAX_HELD):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return full[len(prefix):]
-        return ""
+        if not full.endswith("\ufffd"):
+            if len(full) > len(prefix) or pending > self.MAX_HELD:
+                return self._commit(len(self.token_ids), full, prefix)
+            return ""
+        if pending <= self.MAX_PENDING:
+            return ""  # perhaps a character whose last bytes are still to come
+        # A step may append whole characters and then the first bytes of one more, which
+        # then sit in the last MAX_PENDING - 1 tokens: commit up to the last cut that ends
+        # in a whole character; if none does, those tokens' U+FFFD are invalid bytes.
+        for end in range(len(self.token_ids) - 1, len(self.token_ids) - self.MAX_PENDING, -1):
+            text = self._decode(self.token_ids[self.prefix_offset:end])
+            if len(text) > len(prefix) and not text.endswith("\ufffd"):
+                break
+        return self._commit(end, text, prefix)
+
+    def _commit(self, end: int, text: str, prefix: str) -> str:
+        """Emit the text of the tokens up to ``end`` (``text``, decoded with ``prefix``)."""
+        self.prefix_offset, self.read_offset = self.read_offset, end
+        return text[len(prefix):]
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. an incomplete character at the very end)."""

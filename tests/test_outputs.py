@@ -15,7 +15,7 @@ def stream(tokenizer, prompt: list[int], tokens: list[int], chunk: int = 1) -> l
     return deltas + [detok.flush()]
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("chunk", [1, 3, 5, 6, 8])
 def test_deltas_add_up_to_the_whole_decode(tiny_tokenizer, chunk):
     text = "def f(x):\n    return x  # naïve café 😀 done\n"
     tokens = tiny_tokenizer.encode(text)
@@ -29,6 +29,18 @@ def test_a_split_character_is_held_until_it_is_whole(tiny_tokenizer):
     assert len(emoji) == 4  # one token per byte in this tokenizer
     deltas = stream(tiny_tokenizer, [], tiny_tokenizer.encode("a") + emoji)
     assert deltas[:-1] == ["a", "", "", "", "😀"]
+
+
+def test_a_split_character_after_whole_ones_in_one_step_is_held(tiny_tokenizer):
+    """A speculative step appends several tokens at once: whole characters followed by
+    the first bytes of one more. The whole ones are emitted, the split one is held, even
+    when more tokens are pending than a character can have."""
+    emoji = tiny_tokenizer.encode("😀")
+    tokens = tiny_tokenizer.encode("abcd") + emoji[:3]
+    detok = IncrementalDetokenizer(tiny_tokenizer, [], skip_special_tokens=True)
+    assert len(tokens) > IncrementalDetokenizer.MAX_PENDING
+    assert detok.append(tokens) == "abcd"
+    assert detok.append(emoji[3:] + tiny_tokenizer.encode(" ok")) == "😀 ok"
 
 
 def test_invalid_bytes_are_committed_once_no_character_can_be_that_long(tiny_tokenizer):
