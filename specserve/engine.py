@@ -220,8 +220,8 @@ class LLMEngine:
         kept = len(update.new_token_ids) if kept is None else kept
         accepted = min(update.num_accepted, kept)
         if self.controller:
-            self.controller.observe_acceptance(update.req.req_id, update.num_draft_tokens,
-                                               update.num_accepted)
+            self.controller.observe_acceptance(update.req.req_id, update.num_planned,
+                                               update.num_draft_tokens, update.num_accepted)
         update.req.spec_stats.record(update.num_draft_tokens, accepted)
         self.spec_stats.record(update.num_draft_tokens, accepted)
 

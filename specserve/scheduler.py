@@ -63,6 +63,7 @@ class RequestUpdate(NamedTuple):
     new_token_ids: list[int]    # appended to the request, cut at a stop token
     num_draft_tokens: int       # proposals verified this step
     num_accepted: int           # of which the target accepted (before any stop cut)
+    num_planned: int = 0        # draft slots planned (k_i); a drafter may propose fewer
 
 
 class Scheduler:
@@ -214,7 +215,8 @@ class Scheduler:
             if sampled is None:
                 continue
             appended = self._append(req, sampled)
-            updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted))
+            updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
+                                         planned.num_lookahead))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:

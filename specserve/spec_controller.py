@@ -7,9 +7,10 @@ Two online estimates feed the choice:
   position j is accepted given that all before it were (exponentially smoothed; a new
   request starts from the engine-wide estimate). A request drafting k tokens then emits
   ``E(k) = 1 + sum_{j<k} prod_{m<=j} alpha[m]`` tokens in expectation. Only proposed
-  positions are observed: where a drafter (n-gram lookup) finds nothing to propose, the
-  position is neither verified nor paid for, so it says nothing about what drafting costs
-  or gains.
+  positions teach ``alpha``; how often the drafter proposes at all (n-gram lookup often
+  finds nothing) is a second smoothed rate per request, which scales both what its
+  drafts gain and what their tokens cost — but not the padding a CUDA graph step pays
+  whenever any request in it drafts.
 * **Step cost.** ``target = a + b * tokens + c * spans + p * padded`` — a fixed cost, a
   cost per token in the verify pass, a cost per request whose query span is longer than
   one token (its own attention tiles), and a cost per token of the padded shape a CUDA
@@ -76,6 +77,8 @@ class DraftLengthController:
         self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
         self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
         self._alpha: dict[str, np.ndarray] = {}
+        self.prior_rate = 1.0                       # engine-wide share of planned drafts proposed
+        self._rate: dict[str, float] = {}
         self._idle_steps: dict[str, int] = {}
 
     # ------------------------------------------------------------------ learning
@@ -92,9 +95,16 @@ class DraftLengthController:
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
-    def observe_acceptance(self, req_id: str, num_proposed: int, num_accepted: int) -> None:
-        """The drafter proposed ``num_proposed`` tokens for a request and the target
-        accepted the first ``num_accepted``."""
+    def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
+                           num_accepted: int) -> None:
+        """A request was planned ``num_planned`` drafts, the drafter proposed
+        ``num_proposed`` of them and the target accepted the first ``num_accepted``."""
+        if num_planned == 0:
+            return
+        share = min(num_proposed / num_planned, 1.0)
+        rate = self._rate.get(req_id, self.prior_rate)
+        self._rate[req_id] = rate + ACCEPT_SMOOTHING * (share - rate)
+        self.prior_rate += PRIOR_SMOOTHING * (share - self.prior_rate)
         if num_proposed == 0:
             return
         alpha = self._alpha.setdefault(req_id, self.prior.copy())
@@ -106,6 +116,7 @@ class DraftLengthController:
 
     def free(self, req_id: str) -> None:
         self._alpha.pop(req_id, None)
+        self._rate.pop(req_id, None)
         self._idle_steps.pop(req_id, None)
 
     # ------------------------------------------------------------------ the choice
@@ -120,7 +131,10 @@ class DraftLengthController:
         req_ids = list(caps)
         num_reqs, max_k = len(req_ids), self.max_k
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), max_k)
-        gains = np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
+        rate = np.array([self._rate.get(r, self.prior_rate) for r in req_ids])[:, None]
+        # Expected accepted drafts per position, and the share of planned drafts that are
+        # proposed, so verified and paid for per token.
+        gains = rate * np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
         over_cap = np.arange(max_k + 1)[None, :] > cap[:, None]        # [num_reqs, max_k + 1]
         _a, b, c, pad = self.target_cost.theta
         pad = pad if padded else 0.0
@@ -133,13 +147,13 @@ class DraftLengthController:
         ratio = num_reqs / max(fixed, 1e-9)                            # the plan without drafts
         for _ in range(10):
             net = np.zeros((num_reqs, max_k + 1))                      # value of k = 0..max_k drafts
-            net[:, 1:] = np.cumsum(gains - ratio * per_token, axis=1) - ratio * c
+            net[:, 1:] = np.cumsum(gains - ratio * per_token * rate, axis=1) - ratio * c * rate
             net[over_cap] = -np.inf
             best_upto = np.maximum.accumulate(net, axis=1)             # best k <= D, per request
             depth = int(np.argmax(best_upto.sum(axis=0) - ratio * depth_cost))
             new_k = np.argmax(net[:, :depth + 1], axis=1)              # ties: the smaller k
-            cost = (fixed + depth_cost[new_k.max()] + per_token * new_k.sum()
-                    + c * np.count_nonzero(new_k))
+            cost = (fixed + depth_cost[new_k.max()] + per_token * float(rate[:, 0] @ new_k)
+                    + c * float(rate[:, 0] @ (new_k > 0)))
             new_ratio = (num_reqs + _expected(gains, new_k)) / max(cost, 1e-9)
             if np.array_equal(new_k, k) or new_ratio <= ratio:
                 break

@@ -25,7 +25,7 @@ def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0) -> D
 
 def train_acceptance(ctl, req_id, rate_accepted: int, k: int = 4, times: int = 30):
     for _ in range(times):
-        ctl.observe_acceptance(req_id, k, rate_accepted)
+        ctl.observe_acceptance(req_id, k, k, rate_accepted)
 
 
 def test_cost_model_recovers_linear_costs():
@@ -60,7 +60,7 @@ def test_positions_the_drafter_could_not_propose_are_not_rejections():
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "r", 4)
     for _ in range(30):  # n-gram lookup found nothing: nothing verified, nothing paid
-        ctl.observe_acceptance("r", 0, 0)
+        ctl.observe_acceptance("r", 4, 0, 0)
     assert ctl.choose({"r": 4}) == {"r": 4}
 
 
@@ -78,19 +78,40 @@ def test_choice_is_the_best_plan_of_all():
         caps = {f"r{i}": int(rng.integers(0, 4)) for i in range(3)}
         for r in caps:
             ctl._alpha[r] = rng.uniform(0, 1, size=3)
+            ctl._rate[r] = rng.uniform(0.05, 1)  # share of planned drafts the drafter proposes
         graph = trial % 2 == 1
         (_, b, c, pad), (d, e) = ctl.target_cost.theta, ctl.draft_cost.theta
+        rate = [ctl._rate[r] for r in caps]
 
         def ratio(plan):
-            gain = sum(np.prod(ctl._alpha[r][:j + 1]) for r, k in zip(caps, plan) for j in range(k))
+            gain = sum(q * np.prod(ctl._alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
+            tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
-            cost = (ctl.target_cost.predict([1.0, 3 + sum(plan), sum(k > 0 for k in plan), padded])
-                    + d * max(plan) + e * sum(plan))
+            cost = (ctl.target_cost.predict([1.0, 3 + tokens, sum(q for k, q in zip(plan, rate) if k), padded])
+                    + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 
         plans = itertools.product(*(range(cap + 1) for cap in caps.values()))
         best = max(ratio(plan) for plan in plans)
         assert ratio(list(ctl.choose(caps, padded=graph).values())) == pytest.approx(best, rel=1e-9), trial
+
+
+def test_drafts_rarely_proposed_do_not_pay_for_a_padded_graph_step():
+    """n-gram lookup on chat: good drafts when there are any, but seldom any. On a graph
+    step every request pays the padding whenever one drafts, so the rare proposals do
+    not pay; eagerly, their tokens cost only when they exist, so they still do."""
+    ctl = controller(**MEMORY_BOUND, pad=0.00005)
+    caps = {f"r{i}": 4 for i in range(32)}
+    for r in caps:
+        for step in range(60):  # proposes 1 step in 10, and then all 4 are accepted
+            proposed = 4 if step % 10 == 0 else 0
+            ctl.observe_acceptance(r, 4, proposed, proposed)
+    assert set(ctl.choose(caps, padded=True).values()) == {0}
+    assert set(ctl.choose(caps).values()) == {4}
+    often = controller(**MEMORY_BOUND, pad=0.00005)
+    for r in caps:
+        train_acceptance(often, r, 4)
+    assert set(often.choose(caps, padded=True).values()) == {4}
 
 
 def test_padding_makes_one_drafter_in_a_big_graph_batch_too_dear():
@@ -126,8 +147,8 @@ def test_compute_bound_batch_gets_zero_even_with_fair_acceptance():
     caps = {f"r{i}": 4 for i in range(32)}
     for r in caps:
         for _ in range(20):  # the first draft is accepted half the time
-            ctl.observe_acceptance(r, 4, 1)
-            ctl.observe_acceptance(r, 4, 0)
+            ctl.observe_acceptance(r, 4, 4, 1)
+            ctl.observe_acceptance(r, 4, 4, 0)
     assert set(ctl.choose(caps).values()) == {0}
 
 
@@ -138,8 +159,8 @@ def test_draft_cost_lowers_k():
     dear = controller(**MEMORY_BOUND, draft=(0.02, 0.0))
     for ctl in (cheap, dear):
         for _ in range(40):
-            ctl.observe_acceptance("r", 4, 1)
-            ctl.observe_acceptance("r", 4, 0)
+            ctl.observe_acceptance("r", 4, 4, 1)
+            ctl.observe_acceptance("r", 4, 4, 0)
     assert cheap.choose({"r": 4})["r"] >= 1
     assert dear.choose({"r": 4})["r"] == 0
 
@@ -157,7 +178,7 @@ def test_caps_are_respected_and_idle_requests_are_probed():
 def test_acceptance_tracks_the_position_of_the_first_rejection():
     ctl = DraftLengthController(4)
     for _ in range(50):
-        ctl.observe_acceptance("r", 4, 2)
+        ctl.observe_acceptance("r", 4, 4, 2)
     alpha = ctl._alpha["r"]
     assert alpha[0] == pytest.approx(1, abs=1e-3) and alpha[1] == pytest.approx(1, abs=1e-3)
     assert alpha[2] == pytest.approx(0, abs=1e-3)
