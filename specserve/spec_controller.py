@@ -15,21 +15,23 @@ Two online estimates feed the choice:
   cost per token in the verify pass, a cost per request whose query span is longer than
   one token (its own attention tiles), and a cost per token of the padded shape a CUDA
   graph replays, where every request is padded to the step's longest query (so on a GPU
-  a draft depth D costs every request of the batch D tokens; 0 on an eager pass) — plus ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential
-  passes. Both are least-squares fits with exponential forgetting over measured steps,
-  seeded by a short profile at start-up. A step slower than twice the prediction (another
-  process stalled the machine) counts as twice the prediction, so one stall cannot poison
-  the fit, while a cost that really changed is still learned, clip after clip.
+  a draft depth D costs every request of the batch D tokens; 0 on an eager pass) — plus
+  ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
+  Both are least-squares fits with exponential forgetting over measured steps, seeded by
+  a short profile at start-up. A step slower than twice the prediction (another process
+  stalled the machine) counts as twice the prediction, so one stall cannot poison the
+  fit, while a cost that really changed is still learned, clip after clip.
 
 The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
 solved exactly with Dinkelbach's method: with the current ratio lambda, each request's
-net value of k drafts is ``sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0]``; the best plan
-for every draft depth D at once is each request's best k <= D (a running maximum over k)
-less ``lambda * (d + p * num_reqs) * D``; the best depth's plan gives the next lambda, which converges in a
-few rounds (a handful of numpy operations each, so it is cheap next to a step). So k falls to 0 when tokens
-are expensive (a compute-bound batch) or a request's drafts keep failing, and rises to
-k_max when acceptance is high and extra tokens are nearly free. A request that has fallen
-to k = 0 is probed with k = 1 every ``probe_interval`` steps so it can recover.
+net value of k drafts is ``r_i * (sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0])`` (``r_i``
+its proposal rate); the best plan for every draft depth D at once is each request's best
+k <= D (a running maximum over k) less ``lambda * (d + p * num_reqs) * D``; the best
+depth's plan gives the next lambda, which converges in a few rounds (a handful of numpy
+operations each, cheap next to a step). So k falls to 0 when tokens are expensive (a
+compute-bound batch) or a request's drafts keep failing, and rises to k_max when
+acceptance is high and extra tokens are nearly free. A request that has fallen to k = 0
+is probed with k = 1 every ``probe_interval`` steps so it can recover.
 """
 from __future__ import annotations
 
