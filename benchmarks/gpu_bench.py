@@ -125,7 +125,7 @@ def default_model_section(args, rows: list, record: dict) -> None:
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.bfloat16).to(args.device).eval()
     hf_out = hf_generate(hf, tok, code[:4], args.max_tokens)
     spec = engine_run(llm, code[:4], args.max_tokens, k=args.k)
-    agree = {name: _agreement(base["token_ids"], other["token_ids"])
+    agree = {name: agreement(base["token_ids"], other["token_ids"])
              for name, other in (("torch eager", ref), ("HF", hf_out), ("ngram spec", spec))}
     log(f"greedy agreement of specserve (triton + graphs) over {args.max_tokens} tokens x 4 prompts: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in agree.items()))
@@ -140,7 +140,7 @@ def default_model_section(args, rows: list, record: dict) -> None:
                 engines[method] = LLM(**common, speculative_method=method, num_speculative_tokens=args.k)
                 # Its proposals are verified from the device: greedy output must track speculation off.
                 drafted = engine_run(engines[method], code[:4], args.max_tokens)
-                agree[f"{method} spec"] = _agreement(base["token_ids"], drafted["token_ids"])
+                agree[f"{method} spec"] = agreement(base["token_ids"], drafted["token_ids"])
                 log(f"greedy agreement of {method} k={args.k} with speculation off: "
                     f"{agree[f'{method} spec']:.3f} (acceptance length {drafted['acceptance_length']})")
             except Exception as exc:  # noqa: BLE001 - one drafter failing must not stop the run
@@ -222,7 +222,7 @@ def _one_by_one(llm, prompts, max_tokens, k):
             "token_ids": [r["token_ids"][0] for r in results]}
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Mean fraction of each output's tokens before the first difference."""
     fractions = []
     for x, y in zip(a, b):

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "tests"))
 
-from gpu_bench import (_card, _copy_bandwidth, decode_step, kv_read_bytes, llama_8b_config,  # noqa: E402
+from gpu_bench import (_card, _copy_bandwidth, agreement, decode_step, kv_read_bytes, llama_8b_config,  # noqa: E402
                        median_ms, random_llama, weight_bytes)
 
 from specserve.distributed import (MULTICAST_OFF, SINGLE, TPGroup, disable_multicast,  # noqa: E402
@@ -133,15 +133,6 @@ def run_engine(config, tp: TPGroup, max_tokens: int, graphs_eagerly: bool):
                 "free_blocks_ok": engine.num_free_blocks == engine.kv.num_blocks}
     finally:
         engine.shutdown()
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Mean fraction of each output's tokens before the first difference."""
-    fractions = []
-    for x, y in zip(a, b):
-        same = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-        fractions.append(same / max(len(x), 1))
-    return sum(fractions) / len(fractions)
 
 
 def check_section(args, tp: TPGroup, rows: list, paths: dict[str, Path]) -> None:
@@ -266,8 +257,8 @@ def print_table(args, tp: TPGroup, rows: list) -> None:
     timings = [r for r in rows if "decode_step_ms" in r]
     if timings:
         lines.append("")
-        lines.append(f"| shape (bf16) | TP | batch | decode step (ms) | graph replay (ms) | floor (ms) "
-                     f"| step / floor | weights per GPU (GB) | card |")
+        lines.append("| shape (bf16) | TP | batch | decode step (ms) | graph replay (ms) | floor (ms) "
+                     "| step / floor | weights per GPU (GB) | card |")
         lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
         for r in sorted(timings, key=lambda r: (r["batch"], r["tp"])):
             lines.append(f"| {r['section']} | {r['tp']} | {r['batch']} | {r['decode_step_ms']:.3f} | "

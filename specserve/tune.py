@@ -116,6 +116,7 @@ def _run(engines, token_ids, requests, setting: Setting, request_rate, max_concu
                          progress=False, label=setting.label,
                          token_ids=token_ids[name][:len(requests)], arrivals=arrivals)
     result.pop("output_token_ids", None)
+    result.pop("_detail", None)  # per-request lists, for plots only
     return result
 
 

@@ -2,6 +2,7 @@
 config file loads back into ``specserve serve``."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -58,6 +59,8 @@ def test_tune_end_to_end_writes_a_config_serve_loads(tiny_model_dir, tmp_path, c
                      "--result-json", str(tmp_path / "runs.json")])
     printed = capsys.readouterr().out
     assert code == 0 and "| setting |" in printed and "best:" in printed
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert runs and all("_detail" not in run and run["completed"] > 0 for run in runs)
     saved = yaml.safe_load(out.read_text())
     assert saved["max_num_batched_tokens"] in (32, 64)
     assert saved["speculative_method"] in ("none", "ngram")
