@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--init-layers", default="first-last",
                    help="target layers to copy: comma-separated indices, 'first-last', 'first' or 'spread'")
+    p.add_argument("--init-from", default=None,
+                   help="continue from this draft checkpoint (its layers, MLP width and norm) instead "
+                        "of copying target layers; its init_from_target_layers are kept")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="the draft's MLP width (default: 2/3 of the target's, a multiple of 64); a "
                         "narrower MLP keeps the target neurons with the largest weights")
@@ -343,6 +346,19 @@ def build_draft(target, init_layers: list[int], device: torch.device, intermedia
     draft.model.embed_tokens = target.model.embed_tokens
     draft.lm_head = target.lm_head
     return draft
+
+
+def load_own_weights(draft, path: Path) -> None:
+    """The draft's own layers and norm from a checkpoint ``save_draft`` wrote."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    own = own_parameters(draft)
+    if set(state) != set(own):
+        raise SystemExit(f"--init-from {path}: its tensors do not match a {len(draft.model.layers)}-layer draft")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.float())
 
 
 def _narrowed(state: dict, width: int) -> dict:
@@ -632,8 +648,10 @@ def write_model_card(out: Path, record: dict) -> None:
         "",
         "## How it was trained",
         "",
-        f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
-        f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons.",
+        (f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
+         f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons"
+         + (f"; then trained as below, and this run continued from that checkpoint "
+            f"(`--init-from {record['args']['init_from']}`)." if record["args"].get("init_from") else ".")),
         f"- **Data:** {d['train_prompts']} training prompts ({d['train_by_kind']['chat']} chat, "
         f"{d['train_by_kind']['code']} code), built offline by "
         "`specserve.drafts.prompt_sets` (chat questions from topic lists × question templates, "
@@ -722,10 +740,17 @@ def main(argv=None) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
-    init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
+    if args.init_from:  # a warm start: the checkpoint's shape, then its weights
+        start = json.loads((Path(args.init_from) / "config.json").read_text())
+        init_layers = start["specserve_draft"]["init_from_target_layers"]
+        args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
+    else:
+        init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
     width = target.config.intermediate_size * 2 // 3
     args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
     draft = build_draft(target, init_layers, device, args.intermediate_size)
+    if args.init_from:
+        load_own_weights(draft, Path(args.init_from) / "model.safetensors")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reserve = args.eval_reserve_s if args.eval_reserve_s is not None else (60 if device.type == "cuda" else 240)
     train_deadline = deadline - reserve if deadline else None

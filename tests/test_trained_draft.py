@@ -161,6 +161,11 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert "specserve_draft" in json.loads((tmp_path / "a" / "config.json").read_text())
     again = main(argv + ["--out", str(tmp_path / "b"), "--eval-prompts", "0"])
     assert again["data"]["seconds"] < record["data"]["seconds"] and again["evaluation"] is None
+    # A warm start begins where the checkpoint ended (saved in bf16: close, not equal).
+    warm = main(argv + ["--out", str(tmp_path / "c"), "--eval-prompts", "0", "--init-from", str(tmp_path / "a")])
+    assert warm["training"]["history"]["val"][0]["kl"] == pytest.approx(record["training"]["final_val"]["kl"], rel=0.05)
+    assert warm["training"]["history"]["val"][0]["kl"] != record["training"]["history"]["val"][0]["kl"]
+    assert "--init-from" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
 
 
 # ---------------------------------------------------------------------------- the default model
