@@ -238,10 +238,12 @@ def build_engine(args, method: str, target: str | None, draft: str | None, graph
     from specserve import LLMEngine
     from specserve.config import EngineConfig
 
-    kwargs = dict(model=target, device=args.device, dtype=args.dtype, max_num_seqs=64,
-                  max_num_batched_tokens=2048, max_model_len=4096, seed=0)
+    kwargs = dict(model=target, device=args.device, dtype=args.dtype, max_num_seqs=max(64, *args.batches),
+                  max_num_batched_tokens=max(2048, (1 + args.k) * max(args.batches)), max_model_len=4096, seed=0)
+    method, _, mode = method.partition(":")
     if method != "none":
-        kwargs.update(speculative_method=method, num_speculative_tokens=args.k)
+        kwargs.update(speculative_method=method, num_speculative_tokens=args.k,
+                      speculative_adaptive=mode == "adaptive")
         if method == "draft_model":
             kwargs["draft_model"] = draft
     if args.device == "cpu":
@@ -375,7 +377,8 @@ def run(args) -> list[dict]:
         target, draft = args.model, args.draft_model
     rows = []
     for method in args.methods:
-        label_method = "off" if method == "none" else f"{method} k={args.k}"
+        name, _, mode = method.partition(":")
+        label_method = "off" if method == "none" else f"{name} k={args.k}" + (" adaptive" if mode else "")
         engine = build_engine(args, method, target, draft, args.graphs)
         if args.stub_forward:
             stub_forward(engine)
@@ -418,7 +421,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="tiny (CPU default), default (SmolLM2-135M, CUDA default) or a path")
     parser.add_argument("--draft-model", default=None, help="draft checkpoint for --model PATH")
-    parser.add_argument("--methods", default="none,ngram,draft_model")
+    parser.add_argument("--methods", default="none,ngram,draft_model",
+                        help="comma-separated: none, ngram, draft_model, layerskip; METHOD:adaptive "
+                             "lets the engine choose each request's k")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--steps", type=int, default=64, help="timed steps per measurement")

@@ -21,6 +21,7 @@ from specserve.kernels import reference
 
 class AttentionBackend(Protocol):
     name: str
+    padded_span: int  # query spans up to this long are padded to the longest of them (0: none)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, batch: ForwardBatch) -> None: ...
@@ -31,6 +32,7 @@ class AttentionBackend(Protocol):
 
 class TorchAttentionBackend:
     name = "torch"
+    padded_span = reference.SHORT_SPAN  # decode rows and verify spans attend together, padded
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
@@ -53,6 +55,7 @@ class TritonAttentionBackend:
     the batch's host-side lengths, so no layer syncs with the device."""
 
     name = "triton"
+    padded_span = 0
 
     def __init__(self) -> None:
         # Imported here, not at module level: the kernels are compiled (or interpreted,

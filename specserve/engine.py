@@ -1,6 +1,8 @@
 """LLMEngine (add_request / step / abort) and the offline ``LLM`` API on top of it."""
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import time
@@ -31,6 +33,27 @@ from specserve.scheduler import (RequestUpdate, ScheduledRequest, Scheduler, Sch
 from specserve.spec_controller import DraftLengthController
 
 logger = logging.getLogger("specserve")
+
+
+def freeze_heap() -> None:
+    """Move every object the process holds now — the loaded engine with it — out of the
+    cyclic garbage collector's reach (``gc.freeze``), so its collections walk only what
+    steps create. After loading a model a process holds ~400k objects, and a full
+    collection of them ran every ~100 steps at 256 requests, for ~175 ms: a third of the
+    host time of a step, and a stall. Unfrozen first, so the garbage of an engine dropped
+    since the last freeze is collected now instead of never; and unfrozen at exit, so
+    the interpreter's last collection still finalises everything (extension modules
+    report what it does not as leaks)."""
+    global _unfreeze_at_exit
+    if _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = False
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+_unfreeze_at_exit = True
 
 
 class LLMEngine:
@@ -86,12 +109,15 @@ class LLMEngine:
         if self.drafter and config.speculative_adaptive:
             self.controller = DraftLengthController(config.num_speculative_tokens)
             self._profile_step_cost()
+            self.controller.target_cost.anchor()
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self._ids = itertools.count()
         self._log_startup(backend.name)
+        freeze_heap()
+
 
     def enable_graphs(self, capture: bool = True) -> None:
         """CUDA graphs for the target's decode/verify steps and the drafter's steps
@@ -242,52 +268,60 @@ class LLMEngine:
         result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
             self.draft_length_counts.update(p.num_lookahead for p in scheduled.scheduled if p.sample)
-        if self.controller:
+        if self.controller and self.controller.wants_step_cost:
             self._observe_cost(scheduled, drafted - start, time.perf_counter() - drafted)
         return result
 
     def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:
         planned = scheduled.scheduled
-        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
+        fed = [len(p.token_ids) for p in planned]
+        lengths = [n + len(p.draft_token_ids) for n, p in zip(fed, planned)]
         lookahead = [p.num_lookahead for p in planned]
-        prefill = any(len(p.token_ids) > 1 for p in planned)
-        padded = len(planned) * max(lengths) if self.runner.graphs is not None else 0
-        self.controller.observe_step(sum(lengths), sum(n > 1 for n in lengths),
-                                     None if prefill else target_s,
-                                     max(lookahead), sum(k > 0 for k in lookahead), draft_s, padded)
+        tokens = sum(lengths)
+        context = sum([p.start_pos for p in planned]) + tokens
+        self.controller.observe_step(tokens, len(lengths) - lengths.count(1),
+                                     None if max(fed) > 1 else target_s,  # a prefill chunk: eager
+                                     max(lookahead), len(lookahead) - lookahead.count(0), draft_s,
+                                     self.runner.padded_tokens(scheduled, lengths), len(planned), context)
 
     def _profile_step_cost(self) -> None:
         """Seed the controller's cost model: time a few verify passes of dummy requests
-        (batch sizes x how many of them draft k tokens: none, one, all) over scratch KV
-        blocks, freed afterwards. One drafter in a batch separates what padding costs on
+        (batch sizes x how many of them draft k tokens: none, one, all; two context
+        lengths) over scratch KV blocks, freed afterwards. One drafter in a batch separates what padding costs on
         a CUDA graph (every request padded to 1 + k) from what real tokens cost."""
         c = self.config
         k = c.num_speculative_tokens
-        context = 4 * c.block_size
         greedy = SamplingParams(temperature=0)
-        for batch in sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)}):
-            for num_drafting in sorted({0, 1, batch}):
-                drafts = [k if i < num_drafting else 0 for i in range(batch)]
-                if batch + sum(drafts) > c.max_num_batched_tokens:
-                    continue
-                ids = [f"__profile_{i}" for i in range(batch)]
-                if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
-                    for i in ids:
-                        if self.kv.holds(i):
-                            self.kv.free(i)
-                    continue
-                step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
-                                                         greedy, num_lookahead=d, draft_token_ids=[0] * d)
-                                        for i, d in zip(ids, drafts)], [])
-                for _ in range(2):  # the first run warms up
-                    start = time.perf_counter()
-                    self.runner.execute(step).argmax(-1).tolist()
-                    elapsed = time.perf_counter() - start
-                padded = batch * (1 + max(drafts)) if self.runner.graphs is not None else 0
-                self.controller.observe_step(batch + sum(drafts), num_drafting if k else 0, elapsed,
-                                             0, 0, 0.0, padded)
+        batches = sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)})
+        # A longer context for the undrafted batches, so the fit can tell what a request
+        # costs from what the tokens of its context cost, and one draft each besides k,
+        # so it can tell a verify span's cost from its tokens'.
+        plans = [(batch, num_drafting, 4 * c.block_size, k)
+                 for batch in batches for num_drafting in sorted({0, 1, batch})]
+        plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
+        plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
+        for batch, num_drafting, context, each in plans:
+            drafts = [each if i < num_drafting else 0 for i in range(batch)]
+            if batch + sum(drafts) > c.max_num_batched_tokens:
+                continue
+            ids = [f"__profile_{i}" for i in range(batch)]
+            if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
                 for i in ids:
-                    self.kv.free(i)
+                    if self.kv.holds(i):
+                        self.kv.free(i)
+                continue
+            step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
+                                                     greedy, num_lookahead=d, draft_token_ids=[0] * d)
+                                    for i, d in zip(ids, drafts)], [])
+            for _ in range(2):  # the first run warms up
+                start = time.perf_counter()
+                self.runner.execute(step).argmax(-1).tolist()
+                elapsed = time.perf_counter() - start
+            padded = self.runner.padded_tokens(step)
+            self.controller.observe_step(batch + sum(drafts), num_drafting if k else 0, elapsed,
+                                         0, 0, 0.0, padded, batch, batch * (context + 1) + sum(drafts))
+            for i in ids:
+                self.kv.free(i)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
@@ -299,29 +333,37 @@ class LLMEngine:
         return failed
 
     def _draft_lengths(self) -> dict[str, int] | None:
-        """k_i for every running request: the engine's k, lowered by the request's own cap;
-        with adaptive speculation the controller chooses below that, except for requests
-        that set their own k (the API's override wins)."""
+        """k_i for the running requests: the engine's k, lowered by the request's own cap;
+        with adaptive speculation the controller chooses below that for every decoding
+        request that did not set its own k (the API's override wins). Only decoding
+        requests draft: the scheduler gives a request in prefill none."""
         if self.drafter is None:
             return None
         k = self.config.num_speculative_tokens
-        caps = {r.req_id: k if r.params.num_speculative_tokens is None
-                else min(k, r.params.num_speculative_tokens) for r in self.scheduler.running}
         if self.controller is None:
-            return caps
-        decoding, other_tokens, other_spans = {}, 0, 0
-        for r in self.scheduler.running:
-            remaining = r.num_tokens - r.num_computed_tokens
-            if remaining == 1 and r.params.num_speculative_tokens is None:
-                decoding[r.req_id] = caps[r.req_id]
-            elif remaining > 1:
+            return {r.req_id: k if (own := r.params.num_speculative_tokens) is None else min(k, own)
+                    for r in self.scheduler.running}
+        lengths, free = {}, {}
+        other_tokens = other_spans = context = 0
+        for r in self.scheduler.running:  # one pass: this runs every step, for every request
+            total = len(r.all_token_ids)
+            context += total
+            remaining = total - r.num_computed_tokens
+            if remaining > 1:
                 other_tokens, other_spans = other_tokens + remaining, other_spans + 1
+            elif (own := r.params.num_speculative_tokens) is not None:
+                lengths[r.req_id] = min(k, own)
+            else:
+                free[r.req_id] = k
         budget = self.config.max_num_batched_tokens
-        waiting = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-        other_tokens = min(other_tokens + waiting, max(budget - len(caps), 0))
-        other_spans += min(len(self.scheduler.waiting), self.config.max_num_seqs - len(caps))
-        graph_step = self.runner.graphs is not None and other_tokens == 0
-        return {**caps, **self.controller.choose(decoding, other_tokens, other_spans, graph_step)}
+        num_running = len(self.scheduler.running)
+        waiting = self.scheduler.waiting
+        other_tokens = min(other_tokens + sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+                           max(budget - num_running, 0))
+        other_spans += min(len(waiting), self.config.max_num_seqs - num_running)
+        padded = self.runner.pads_short_spans(with_prefill=other_tokens > 0)
+        lengths.update(self.controller.choose(free, other_tokens, other_spans, padded, context))
+        return lengths
 
     def _propose(self, scheduled: SchedulerOutput) -> DraftProposal | None:
         """Fill each planned request's draft tokens (placeholders when the proposals are

@@ -168,6 +168,25 @@ class ModelRunner:
             return self.graphs.run(output, self.block_size, device_ids)
         return self.forward(self.prepare(output, device_ids), num_layers)
 
+    def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
+        """The query rows a pass over ``output`` computes where it pads: a CUDA-graph
+        replay pads every request to the longest query, and an attention backend that
+        batches short spans (the torch one) pads those to the longest of them (in its
+        attention only). 0 where nothing is padded. ``lengths``: each request's query
+        length, if the caller has them."""
+        if lengths is None:
+            lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in output.scheduled]
+        graphs = self.graphs
+        if graphs is not None and len(lengths) <= graphs.buckets[-1] and max(lengths) <= graphs.max_query_len:
+            return len(lengths) * max(lengths)  # what graphs.fits(output) checks
+        short = [n for n in lengths if n <= self.model.attention_backend.padded_span]
+        return len(short) * max(short) if short else 0
+
+    def pads_short_spans(self, with_prefill: bool) -> bool:
+        """Whether a step's decode and verify spans are padded to the longest of them (see
+        ``padded_tokens``); a step with a prefill chunk runs eagerly, not as a graph."""
+        return (self.graphs is not None and not with_prefill) or self.model.attention_backend.padded_span > 0
+
     def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
         """The model over a prepared batch: logits ``[num_logits, vocab]`` float32."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)

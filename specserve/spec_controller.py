@@ -11,16 +11,22 @@ Two online estimates feed the choice:
   finds nothing) is a second smoothed rate per request, which scales both what its
   drafts gain and what their tokens cost — but not the padding a CUDA graph step pays
   whenever any request in it drafts.
-* **Step cost.** ``target = a + b * tokens + c * spans + p * padded`` — a fixed cost, a
-  cost per token in the verify pass, a cost per request whose query span is longer than
-  one token (its own attention tiles), and a cost per token of the padded shape a CUDA
-  graph replays, where every request is padded to the step's longest query (so on a GPU
-  a draft depth D costs every request of the batch D tokens; 0 on an eager pass) — plus
+* **Step cost.** ``target = a + b * tokens + q * requests + x * context + c * spans + p *
+  padded`` — a fixed cost, a cost per token in the verify pass, a cost per request and
+  per token of context its attention reads (on a CPU, gathering a long context's keys
+  costs more than a few more query tokens: without these terms a batch of long requests
+  made every token look dear), a cost per request whose query span is longer than one
+  token (its own attention tiles), and a cost per padded token where the pass pads every
+  request to the step's longest query — a CUDA graph replay does, and the CPU's
+  attention batches decode and verify spans that way — so a draft depth D costs every
+  request of the batch D tokens there — plus
   ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
   Both are least-squares fits with exponential forgetting over measured steps, seeded by
-  a short profile at start-up. A step slower than twice the prediction (another process
-  stalled the machine) counts as twice the prediction, so one stall cannot poison the
-  fit, while a cost that really changed is still learned, clip after clip.
+  a short profile at start-up that is never forgotten (it varies what a steady state
+  does not, such as how many requests draft). A step slower than twice the prediction
+  (another process stalled the machine) counts as twice the prediction, so one stall
+  cannot poison the fit, while a cost that really changed is still learned, clip after
+  clip.
 
 The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
 solved exactly with Dinkelbach's method: with the current ratio lambda, each request's
@@ -30,8 +36,21 @@ k <= D (a running maximum over k) less ``lambda * (d + p * num_reqs) * D``; the 
 depth's plan gives the next lambda, which converges in a few rounds (a handful of numpy
 operations each, cheap next to a step). So k falls to 0 when tokens are expensive (a
 compute-bound batch) or a request's drafts keep failing, and rises to k_max when
-acceptance is high and extra tokens are nearly free. A request that has fallen to k = 0
-is probed with k = 1 every ``probe_interval`` steps so it can recover.
+acceptance is high and extra tokens are nearly free.
+
+Two guards keep a wrong estimate from costing throughput. The iteration starts from the
+plan without drafts with its ratio raised by ``min_gain`` (10 %): a plan with drafts is
+taken only if it promises that much more goodput — Dinkelbach's step finds such a plan
+whenever one exists — so an estimate off by a few percent cannot trade tokens for a
+slower step. And what is not observed is not trusted for ever: while a request sits at
+k = 0 its estimates drift back towards the engine-wide ones (``DRIFT`` of the way each
+step), so one whose drafts failed for a stretch (code editing: a copied span ends, new
+text begins) drafts again once its stale estimate, pulled back, would pay — soon where
+drafting is nearly free (a lone request), never in a compute-bound batch, where no
+acceptance makes a draft worth its tokens. The engine-wide estimates, in turn, drift
+slowly back to their optimistic start while no request drafts at all, so a workload that
+turns from chat to code is tried again (a request or two drafting for a step or so every
+few hundred steps, where nothing pays).
 """
 from __future__ import annotations
 
@@ -40,15 +59,26 @@ import numpy as np
 ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
 PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
-PROBE_INTERVAL = 16
+DRIFT = 0.05               # per idle step, how far a request's estimates move back to the engine's
+PRIOR_DRIFT = 0.002        # per step without observations, how far the engine's move back to the start
+IDLE_REPLAN = 4            # while the plan is to draft nothing, a full choice every this many steps
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
+MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
 
 
 class CostModel:
-    """Least squares ``y ~ x . theta`` with exponential forgetting (recursive, tiny)."""
+    """Least squares ``y ~ x . theta`` with exponential forgetting (recursive, tiny).
+
+    ``anchor()`` keeps the samples seen so far (the start-up profile) for good: online
+    steps are forgotten, and in a steady state they vary little (a batch that never
+    drafts has as many tokens as requests, so the two costs cannot be told apart from
+    it); the anchor still tells them apart, while online steps move every cost they do
+    show."""
 
     def __init__(self, num_features: int, forgetting: float = 0.98, ridge: float = 1e-6) -> None:
-        self.xtx = np.eye(num_features) * ridge
+        self.anchor_xtx = np.eye(num_features) * ridge
+        self.anchor_xty = np.zeros(num_features)
+        self.xtx = np.zeros((num_features, num_features))
         self.xty = np.zeros(num_features)
         self.forgetting = forgetting
         self.theta = np.zeros(num_features)
@@ -62,120 +92,232 @@ class CostModel:
         self.xtx = self.forgetting * self.xtx + np.outer(x, x)
         self.xty = self.forgetting * self.xty + x * y
         self.num_samples += 1
+        # A ridge a billionth of the scale: the least-norm fit where the samples cannot tell
+        # costs apart, ten times cheaper than an SVD.
+        xtx = self.anchor_xtx + self.xtx
+        ridge = 1e-9 * np.trace(xtx) / len(x) + 1e-12
+        theta = np.linalg.solve(xtx + ridge * np.eye(len(x)), self.anchor_xty + self.xty)
         # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
-        self.theta = np.clip(np.linalg.lstsq(self.xtx, self.xty, rcond=None)[0], 0.0, None)
+        self.theta = np.clip(theta, 0.0, None)
+
+    def anchor(self) -> None:
+        """Keep every sample observed so far unforgotten."""
+        self.anchor_xtx = self.anchor_xtx + self.xtx
+        self.anchor_xty = self.anchor_xty + self.xty
+        self.xtx = np.zeros_like(self.xtx)
+        self.xty = np.zeros_like(self.xty)
 
     def predict(self, x: list[float]) -> float:
         return float(np.dot(self.theta, x))
 
 
 class DraftLengthController:
-    """Chooses k_i per request per step; learns from what each step cost and accepted."""
+    """Chooses k_i per request per step; learns from what each step cost and accepted.
 
-    def __init__(self, max_k: int, probe_interval: int = PROBE_INTERVAL) -> None:
+    Per-request state lives in rows of a few arrays (acceptance per position, proposal
+    rate, steps idle at k = 0), and a step's acceptance observations are applied
+    together, in one vectorised update, when they are next needed: at 64 requests a
+    step's bookkeeping is a handful of numpy operations, not a few hundred."""
+
+    def __init__(self, max_k: int, min_gain: float = MIN_GAIN) -> None:
         self.max_k = max_k
-        self.probe_interval = probe_interval
-        self.target_cost = CostModel(4)   # [1, tokens, spans, padded tokens] -> seconds
+        self.min_gain = min_gain
+        # [1, tokens, requests, context kilotokens, spans, padded tokens] -> seconds
+        self.target_cost = CostModel(6)
         self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
         self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
-        self._alpha: dict[str, np.ndarray] = {}
         self.prior_rate = 1.0                       # engine-wide share of planned drafts proposed
-        self._rate: dict[str, float] = {}
-        self._idle_steps: dict[str, int] = {}
+        self._rows: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._alpha = np.zeros((0, max_k))          # per row: P(position j accepted | all before were)
+        self._rate = np.zeros(0)                    # per row: share of planned drafts proposed
+        self._idle = np.zeros(0, dtype=bool)        # per row: chosen k = 0 (could draft) last step
+        self._pending: list[tuple[int, int, int, int]] = []  # (row, planned, proposed, accepted)
+        self._pending_rows: set[int] = set()
+        self._observed = False  # any acceptance observed since the last choice
+        self._steps_since_plan = 0   # choices since the last full plan (the rest repeated k = 0)
+        self._idle_plan = None       # the step kind for which the last full plan drafted nothing
 
     # ------------------------------------------------------------------ learning
+    @property
+    def wants_step_cost(self) -> bool:
+        """Whether the step just planned should be timed: every step the controller
+        planned afresh (while k = 0 stands unplanned, a step teaches little the last did not)."""
+        return self._steps_since_plan == 0
+
     def observe_step(self, num_tokens: int, num_spans: int, target_s: float | None,
-                     depth: int, num_drafting: int, draft_s: float, num_padded: int = 0) -> None:
+                     depth: int, num_drafting: int, draft_s: float, num_padded: int = 0,
+                     num_reqs: int = 1, context: int = 0) -> None:
         """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
         ``target_s`` None: the verify pass says nothing about what drafts cost (the engine
         passes None for steps with a prefill chunk, which run eagerly where decode and
         verify steps replay CUDA graphs; their cost per token would mislead the choice).
-        ``num_padded``: the tokens the pass really ran when it replayed a CUDA graph, every
-        request padded to the longest query (0 for an eager pass)."""
+        ``num_padded``: the tokens the pass really ran where it padded every request to the
+        longest query (a CUDA graph replay, the CPU attention's short spans; else 0). ``num_reqs`` / ``context``:
+        the requests in the pass and their tokens in the KV cache after it, all together."""
         if target_s is not None:
-            self.target_cost.observe([1.0, num_tokens, num_spans, num_padded], target_s)
+            self.target_cost.observe(_features(num_tokens, num_reqs, context, num_spans, num_padded),
+                                     target_s)
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
     def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
                            num_accepted: int) -> None:
         """A request was planned ``num_planned`` drafts, the drafter proposed
-        ``num_proposed`` of them and the target accepted the first ``num_accepted``."""
+        ``num_proposed`` of them and the target accepted the first ``num_accepted``.
+        Queued; applied with the rest of the step's observations."""
         if num_planned == 0:
             return
-        share = min(num_proposed / num_planned, 1.0)
-        rate = self._rate.get(req_id, self.prior_rate)
-        self._rate[req_id] = rate + ACCEPT_SMOOTHING * (share - rate)
-        self.prior_rate += PRIOR_SMOOTHING * (share - self.prior_rate)
-        if num_proposed == 0:
+        row = self._row(req_id)
+        if row in self._pending_rows:  # a second observation before the first was applied
+            self._apply_pending()
+        self._pending.append((row, num_planned, min(num_proposed, num_planned), num_accepted))
+        self._pending_rows.add(row)
+
+    def _apply_pending(self) -> None:
+        """Exponential smoothing of the queued observations, one array operation each:
+        per request its proposal rate and, where anything was proposed, its acceptance at
+        the positions verified (the accepted ones, then the first rejection); the
+        engine-wide priors move by the batch's mean, weighted as that many observations."""
+        if not self._pending:
             return
-        alpha = self._alpha.setdefault(req_id, self.prior.copy())
-        seen = min(num_accepted + 1, num_proposed)  # accepted ones, then the first rejection
-        outcome = np.zeros(seen)
-        outcome[:num_accepted] = 1.0
-        alpha[:seen] += ACCEPT_SMOOTHING * (outcome - alpha[:seen])
-        self.prior[:seen] += PRIOR_SMOOTHING * (outcome - self.prior[:seen])
+        rows, planned, proposed, accepted = np.array(self._pending, dtype=int).T
+        self._observed = True
+        self._pending.clear()
+        self._pending_rows.clear()
+        share = proposed / planned
+        self._rate[rows] += ACCEPT_SMOOTHING * (share - self._rate[rows])
+        self.prior_rate += _batch_weight(len(rows)) * (share.mean() - self.prior_rate)
+        some = proposed > 0
+        if not some.any():
+            return
+        rows, proposed, accepted = rows[some], proposed[some], accepted[some]
+        positions = np.arange(self.max_k)[None, :]
+        seen = positions < np.minimum(accepted + 1, proposed)[:, None]
+        outcome = (positions < accepted[:, None]).astype(float)
+        alpha = self._alpha[rows]
+        self._alpha[rows] = alpha + ACCEPT_SMOOTHING * seen * (outcome - alpha)
+        counts = seen.sum(axis=0)
+        observed = counts > 0
+        mean = (outcome * seen).sum(axis=0)[observed] / counts[observed]
+        self.prior[observed] += _batch_weight(counts[observed]) * (mean - self.prior[observed])
+
+    def _row(self, req_id: str) -> int:
+        """The request's row, made on first sight from the engine-wide estimates."""
+        row = self._rows.get(req_id)
+        if row is not None:
+            return row
+        if not self._free_rows:
+            old = len(self._rate)
+            grow = max(16, old)
+            self._alpha = np.concatenate((self._alpha, np.zeros((grow, self.max_k))))
+            self._rate = np.concatenate((self._rate, np.zeros(grow)))
+            self._idle = np.concatenate((self._idle, np.zeros(grow, dtype=bool)))
+            self._free_rows = list(range(old + grow - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        self._apply_pending()  # the priors this row starts from include the step so far
+        self._alpha[row] = self.prior
+        self._rate[row] = self.prior_rate
+        self._idle[row] = False
+        self._rows[req_id] = row
+        return row
+
+    def acceptance(self, req_id: str) -> np.ndarray:
+        """The request's acceptance per position (the engine-wide one if it is new)."""
+        self._apply_pending()
+        row = self._rows.get(req_id)
+        return self.prior.copy() if row is None else self._alpha[row].copy()
+
+    def set_estimates(self, req_id: str, alpha, rate: float) -> None:
+        """Set a request's acceptance per position and proposal rate (tests, warm starts)."""
+        self._apply_pending()
+        row = self._row(req_id)
+        self._alpha[row], self._rate[row] = alpha, rate
 
     def free(self, req_id: str) -> None:
-        self._alpha.pop(req_id, None)
-        self._rate.pop(req_id, None)
-        self._idle_steps.pop(req_id, None)
+        row = self._rows.pop(req_id, None)
+        if row is not None:
+            self._apply_pending()  # its queued observation still teaches the priors
+            self._free_rows.append(row)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
-               num_other_spans: int = 0, padded: bool = False) -> dict[str, int]:
+               num_other_spans: int = 0, padded: bool = False, context: int = 0) -> dict[str, int]:
         """k_i for each decoding request (``caps``: req_id -> most drafts it may take).
         ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway.
-        ``padded``: the step will replay a CUDA graph, where every request is padded to
-        the longest query, so a draft depth D costs every request D tokens."""
+        ``context``: the tokens in the KV cache of every request in the step, all together.
+        ``padded``: the step will pad every request to the longest query (a CUDA graph
+        replay; the CPU attention), so a draft depth D costs every request D tokens."""
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
+        self._steps_since_plan += 1
+        regime = (padded, num_other_tokens > 0, len(caps).bit_length())
+        if self._steps_since_plan < IDLE_REPLAN and self._idle_plan == regime:
+            # The last plan drafted nothing, for a step like this one (same padding, prefill
+            # or not, batch within a factor of two): it stands for a few steps (the drifts
+            # below catch up at the next plan), so where drafting does not pay — large,
+            # host-bound batches — the choice costs least.
+            return dict.fromkeys(caps, 0)
+        steps, self._steps_since_plan = self._steps_since_plan, 0
+        self._apply_pending()
+        if not self._observed:  # nobody drafted: the engine-wide estimates are not trusted for ever
+            drift = 1.0 - (1.0 - PRIOR_DRIFT) ** steps
+            self.prior += drift * (INITIAL_ACCEPTANCE - self.prior)
+            self.prior_rate += drift * (1.0 - self.prior_rate)
+        self._observed = False
         req_ids = list(caps)
+        get = self._rows.get
+        rows = [get(r) for r in req_ids]
+        if None in rows:  # new requests: rows from the engine-wide estimates
+            rows = [self._row(r) if row is None else row for r, row in zip(req_ids, rows)]
+        rows = np.array(rows)
         num_reqs, max_k = len(req_ids), self.max_k
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), max_k)
-        rate = np.array([self._rate.get(r, self.prior_rate) for r in req_ids])[:, None]
-        # Expected accepted drafts per position, and the share of planned drafts that are
-        # proposed, so verified and paid for per token.
-        gains = rate * np.cumprod(np.stack([self._alpha.get(r, self.prior) for r in req_ids]), axis=1)
-        over_cap = np.arange(max_k + 1)[None, :] > cap[:, None]        # [num_reqs, max_k + 1]
-        _a, b, c, pad = self.target_cost.theta
+        idle = rows[self._idle[rows]]  # not observed since the last choice: trust it a little less
+        drift = 1.0 - (1.0 - DRIFT) ** steps
+        self._alpha[idle] += drift * (self.prior - self._alpha[idle])
+        self._rate[idle] += drift * (self.prior_rate - self._rate[idle])
+        rate = self._rate[rows][:, None]
+        _a, b, _q, _x, c, pad = self.target_cost.theta
         pad = pad if padded else 0.0
         d, e = self.draft_cost.theta
         per_token = b + e  # each drafted token is verified and (roughly) drafted once
-        fixed = self.target_cost.predict([1.0, num_reqs + num_other_tokens, num_other_spans,
-                                          num_reqs if padded else 0])
+        fixed = self.target_cost.predict(_features(num_reqs + num_other_tokens, num_reqs + num_other_spans,
+                                                   context, num_other_spans, num_reqs if padded else 0))
         depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
+        # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
+        # times the share of planned drafts the drafter proposes) and the cost of its
+        # verified tokens and span (a planned draft not proposed is not paid for).
+        gain = np.zeros((num_reqs, max_k + 1))
+        gain[:, 1:] = np.cumsum(rate * np.cumprod(self._alpha[rows], axis=1), axis=1)
+        cost_k = np.zeros((num_reqs, max_k + 1))
+        cost_k[:, 1:] = rate * (per_token * np.arange(1, max_k + 1) + c)
+        cost_k[np.arange(max_k + 1)[None, :] > cap[:, None]] = np.inf  # over the request's cap
+        every = np.arange(num_reqs)
         k = np.zeros(num_reqs, dtype=int)
-        ratio = num_reqs / max(fixed, 1e-9)                            # the plan without drafts
+        # Start from the plan without drafts, raised by the margin a plan must beat.
+        ratio = (1.0 + self.min_gain) * num_reqs / max(fixed, 1e-9)
         for _ in range(10):
-            net = np.zeros((num_reqs, max_k + 1))                      # value of k = 0..max_k drafts
-            net[:, 1:] = np.cumsum(gains - ratio * per_token * rate, axis=1) - ratio * c * rate
-            net[over_cap] = -np.inf
+            net = gain - ratio * cost_k                                # value of k = 0..max_k drafts
             best_upto = np.maximum.accumulate(net, axis=1)             # best k <= D, per request
             depth = int(np.argmax(best_upto.sum(axis=0) - ratio * depth_cost))
             new_k = np.argmax(net[:, :depth + 1], axis=1)              # ties: the smaller k
-            cost = (fixed + depth_cost[new_k.max()] + per_token * float(rate[:, 0] @ new_k)
-                    + c * float(rate[:, 0] @ (new_k > 0)))
-            new_ratio = (num_reqs + _expected(gains, new_k)) / max(cost, 1e-9)
+            cost = fixed + depth_cost[new_k.max()] + cost_k[every, new_k].sum()
+            new_ratio = (num_reqs + gain[every, new_k].sum()) / max(cost, 1e-9)
             if np.array_equal(new_k, k) or new_ratio <= ratio:
                 break
             k, ratio = new_k, new_ratio
-        return self._with_probes(dict(zip(req_ids, k.tolist())), caps)
-
-    def _with_probes(self, chosen: dict[str, int], caps: dict[str, int]) -> dict[str, int]:
-        """Give a request idle at k = 0 for ``probe_interval`` steps one draft to test."""
-        for req_id, k in chosen.items():
-            if k or not caps[req_id]:
-                self._idle_steps.pop(req_id, None)
-                continue
-            idle = self._idle_steps.get(req_id, 0) + 1
-            if idle >= self.probe_interval:
-                chosen[req_id], idle = 1, 0
-            self._idle_steps[req_id] = idle
-        return chosen
+        self._idle[rows] = (k == 0) & (cap > 0)
+        self._idle_plan = None if k.any() else regime
+        return dict(zip(req_ids, k.tolist()))
 
 
-def _expected(gains: np.ndarray, k: np.ndarray) -> float:
-    """Expected accepted drafts: sum over requests of gains[i, :k_i]."""
-    mask = np.arange(gains.shape[1])[None, :] < k[:, None]
-    return float((gains * mask).sum())
+def _features(tokens: int, reqs: int, context: int, spans: int, padded: int) -> list[float]:
+    """The target cost model's inputs (context in thousands of tokens, to keep the fit's
+    columns alike in scale)."""
+    return [1.0, tokens, reqs, context / 1000.0, spans, padded]
+
+
+def _batch_weight(count):
+    """The weight of ``count`` observations in the engine-wide exponential average."""
+    return 1.0 - (1.0 - PRIOR_SMOOTHING) ** count

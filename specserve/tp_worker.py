@@ -178,6 +178,9 @@ def run_worker(config) -> None:
                         get_backend(config.attention_backend, tp.device), tp=tp)
     runner = ModelRunner(model, config, tp.device, dtype, tp=tp)
     logger.info("rank %d of %d: following rank 0", tp.rank, tp.size)
+    from specserve.engine import freeze_heap
+
+    freeze_heap()  # as rank 0's engine does: steps allocate, collections walk only what they make
     try:
         follow(runner, StepChannel(tp))
     finally:

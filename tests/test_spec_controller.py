@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec_controller import CostModel, DraftLengthController
+from specserve.spec_controller import CostModel, DraftLengthController, _features
 from tiny_models import LLM32
 
 MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
@@ -14,10 +14,13 @@ COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than th
 def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0) -> DraftLengthController:
     """``pad``: cost per token of the padded shape a graph replays (every request padded to
     the longest query)."""
-    ctl = DraftLengthController(max_k, probe_interval=1000)
-    for tokens, spans, padded in ((1, 0, 1), (5, 1, 5), (8, 0, 8), (40, 8, 40), (12, 1, 40), (32, 0, 32),
-                                  (160, 32, 160), (36, 1, 160), (100, 3, 128)):
-        ctl.observe_step(tokens, spans, a + b * tokens + c * spans + pad * padded, 0, 0, 0.0, padded)
+    ctl = DraftLengthController(max_k)
+    for tokens, spans, padded, reqs in ((1, 0, 1, 1), (5, 1, 5, 1), (8, 0, 8, 8), (40, 8, 40, 8), (12, 1, 40, 8),
+                                        (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),
+                                        (100, 3, 128, 32)):
+        for context in (64, 512):  # per request: costs nothing here
+            ctl.observe_step(tokens, spans, a + b * tokens + c * spans + pad * padded, 0, 0, 0.0, padded,
+                             reqs, reqs * context)
     for depth, reqs in ((1, 1), (4, 1), (4, 8), (2, 32)):
         ctl.observe_step(1, 0, a + b, depth, reqs, depth * (draft[0] + draft[1] * reqs))
     return ctl
@@ -59,8 +62,10 @@ def test_steps_with_prefill_teach_only_the_draft_cost():
 def test_positions_the_drafter_could_not_propose_are_not_rejections():
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "r", 4)
-    for _ in range(30):  # n-gram lookup found nothing: nothing verified, nothing paid
+    for _ in range(30):  # every other step n-gram lookup found nothing: nothing verified, nothing paid
         ctl.observe_acceptance("r", 4, 0, 0)
+        ctl.observe_acceptance("r", 4, 4, 4)
+    assert ctl.acceptance("r") == pytest.approx([1, 1, 1, 1], abs=1e-3)
     assert ctl.choose({"r": 4}) == {"r": 4}
 
 
@@ -76,39 +81,52 @@ def test_choice_is_the_best_plan_of_all():
                         rng.uniform(0, 0.002))
         ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)), pad=pad)
         caps = {f"r{i}": int(rng.integers(0, 4)) for i in range(3)}
-        for r in caps:
-            ctl._alpha[r] = rng.uniform(0, 1, size=3)
-            ctl._rate[r] = rng.uniform(0.05, 1)  # share of planned drafts the drafter proposes
+        alpha = {r: rng.uniform(0, 1, size=3) for r in caps}
+        rate = [rng.uniform(0.05, 1) for r in caps]  # share of planned drafts the drafter proposes
+        for r, q in zip(caps, rate):
+            ctl.set_estimates(r, alpha[r], q)
         graph = trial % 2 == 1
-        (_, b, c, pad), (d, e) = ctl.target_cost.theta, ctl.draft_cost.theta
-        rate = [ctl._rate[r] for r in caps]
+        (d, e) = ctl.draft_cost.theta
 
         def ratio(plan):
-            gain = sum(q * np.prod(ctl._alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
+            gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
             tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
-            cost = (ctl.target_cost.predict([1.0, 3 + tokens, sum(q for k, q in zip(plan, rate) if k), padded])
+            cost = (ctl.target_cost.predict(_features(3 + tokens, 3, 0, sum(q for k, q in zip(plan, rate) if k), padded))
                     + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 
         plans = itertools.product(*(range(cap + 1) for cap in caps.values()))
         best = max(ratio(plan) for plan in plans)
-        assert ratio(list(ctl.choose(caps, padded=graph).values())) == pytest.approx(best, rel=1e-9), trial
+        chosen = list(ctl.choose(caps, padded=graph).values())
+        if best > (1 + ctl.min_gain) * ratio([0, 0, 0]):
+            assert ratio(chosen) == pytest.approx(best, rel=1e-9), trial
+        else:  # no plan promises the margin over not drafting: none is taken
+            assert chosen == [0, 0, 0], trial
+
+
+def test_drafts_must_promise_the_margin():
+    """A plan that gains less than ``min_gain`` over not drafting is not taken: an
+    estimate a few percent off could otherwise make speculation lose."""
+    for min_gain, drafts in ((0.0, True), (0.03, False)):
+        ctl = DraftLengthController(4, min_gain=min_gain)
+        for tokens in (1, 2, 5, 8, 20):  # nearly all of a step's cost is per token
+            ctl.observe_step(tokens, 0, 0.00002 + 0.001 * tokens, 0, 0, 0.0)
+        train_acceptance(ctl, "r", 4)  # every draft accepted: k = 4 gains 1.6 %
+        assert (ctl.choose({"r": 4})["r"] > 0) == drafts
 
 
 def test_drafts_rarely_proposed_do_not_pay_for_a_padded_graph_step():
     """n-gram lookup on chat: good drafts when there are any, but seldom any. On a graph
     step every request pays the padding whenever one drafts, so the rare proposals do
     not pay; eagerly, their tokens cost only when they exist, so they still do."""
-    ctl = controller(**MEMORY_BOUND, pad=0.00005)
+    ctl = controller(**MEMORY_BOUND, pad=0.0001)
     caps = {f"r{i}": 4 for i in range(32)}
-    for r in caps:
-        for step in range(60):  # proposes 1 step in 10, and then all 4 are accepted
-            proposed = 4 if step % 10 == 0 else 0
-            ctl.observe_acceptance(r, 4, proposed, proposed)
+    for r in caps:  # proposes 1 step in 10, and then all 4 are accepted
+        ctl.set_estimates(r, [1.0, 1.0, 1.0, 1.0], 0.1)
     assert set(ctl.choose(caps, padded=True).values()) == {0}
     assert set(ctl.choose(caps).values()) == {4}
-    often = controller(**MEMORY_BOUND, pad=0.00005)
+    often = controller(**MEMORY_BOUND, pad=0.0001)
     for r in caps:
         train_acceptance(often, r, 4)
     assert set(often.choose(caps, padded=True).values()) == {4}
@@ -165,26 +183,114 @@ def test_draft_cost_lowers_k():
     assert dear.choose({"r": 4})["r"] == 0
 
 
-def test_caps_are_respected_and_idle_requests_are_probed():
+def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_cheap():
+    """A request whose drafts failed sits at k = 0, unobserved; its estimate drifts back to
+    the engine-wide one, and where drafts cost little it soon drafts again (a copied span
+    in a code edit may have ended for a while, not for good)."""
     ctl = controller(**MEMORY_BOUND)
-    ctl.probe_interval = 3
     train_acceptance(ctl, "good", 4)
     train_acceptance(ctl, "bad", 0)
     assert ctl.choose({"good": 2, "bad": 4, "off": 0}) == {"good": 2, "bad": 0, "off": 0}
-    picks = [ctl.choose({"bad": 4})["bad"] for _ in range(6)]
-    assert picks == [0, 1, 0, 0, 1, 0]  # one probe every 3 steps (the first choose counted)
+    picks = [ctl.choose({"good": 4, "bad": 4})["bad"] for _ in range(40)]
+    first = next(i for i, k in enumerate(picks) if k)
+    assert 0 < first < 20 and picks[first:] == [picks[first]] * (40 - first)  # no news: it stays on
+    ctl.observe_acceptance("bad", picks[-1], picks[-1], 0)  # and its drafts failed again
+    assert ctl.choose({"bad": 4})["bad"] == 0
 
 
 def test_acceptance_tracks_the_position_of_the_first_rejection():
     ctl = DraftLengthController(4)
     for _ in range(50):
         ctl.observe_acceptance("r", 4, 4, 2)
-    alpha = ctl._alpha["r"]
+    alpha = ctl.acceptance("r")
     assert alpha[0] == pytest.approx(1, abs=1e-3) and alpha[1] == pytest.approx(1, abs=1e-3)
     assert alpha[2] == pytest.approx(0, abs=1e-3)
     assert alpha[3] == pytest.approx(0.6)  # never observed: still the initial value
     ctl.free("r")
-    assert "r" not in ctl._alpha
+    assert list(ctl.acceptance("r")) == list(ctl.prior)  # forgotten: back to the engine-wide one
+
+
+def test_a_steps_observations_applied_together_equal_one_by_one():
+    """The vectorised update of a step's observations gives each request what smoothing
+    its observations one at a time gives (per request, in order)."""
+    import numpy as np
+
+    from specserve.spec_controller import ACCEPT_SMOOTHING, INITIAL_ACCEPTANCE
+
+    rng = np.random.default_rng(1)
+    ctl = DraftLengthController(4)
+    want_alpha, want_rate = {}, {}
+    for i in range(12):
+        ctl.set_estimates(f"r{i}", np.full(4, INITIAL_ACCEPTANCE), 1.0)
+    for step in range(40):
+        for i in rng.permutation(12)[:8]:
+            r = f"r{i}"
+            planned = int(rng.integers(1, 5))
+            proposed = int(rng.integers(0, planned + 1))
+            accepted = int(rng.integers(0, proposed + 1))
+            ctl.observe_acceptance(r, planned, proposed, accepted)
+            if step % 3 == 0:  # now and then the same request twice before a choice
+                ctl.observe_acceptance(r, planned, proposed, accepted)
+            for _ in range(2 if step % 3 == 0 else 1):
+                rate = want_rate.setdefault(r, 1.0)
+                want_rate[r] = rate + ACCEPT_SMOOTHING * (proposed / planned - rate)
+                alpha = want_alpha.setdefault(r, np.full(4, INITIAL_ACCEPTANCE))
+                seen = min(accepted + 1, proposed)
+                outcome = (np.arange(seen) < accepted).astype(float)
+                alpha[:seen] += ACCEPT_SMOOTHING * (outcome - alpha[:seen])
+        if step % 2:
+            ctl.choose({f"r{i}": 4 for i in range(12)})
+    for r in want_alpha:
+        assert ctl.acceptance(r) == pytest.approx(want_alpha[r], abs=1e-12), r
+        assert ctl._rate[ctl._rows[r]] == pytest.approx(want_rate[r], abs=1e-12), r
+
+
+def test_idle_requests_stay_idle_where_no_draft_could_pay():
+    """In a compute-bound batch even drafts sure to be accepted cost more than they gain:
+    requests at k = 0 stay there however far their estimates drift back."""
+    ctl = controller(**COMPUTE_BOUND)
+    caps = {f"r{i}": 4 for i in range(32)}
+    for r in caps:
+        train_acceptance(ctl, r, 0)
+    ctl.prior[:] = 1.0  # even if the engine-wide estimate says every draft is accepted
+    assert all(set(ctl.choose(caps).values()) == {0} for _ in range(200))
+
+
+def test_long_contexts_make_requests_dear_not_tokens():
+    """On a CPU a decode step over long contexts is slow because attention gathers every
+    context's keys, not because of its query tokens; drafting adds tokens, not context, so
+    good drafts still pay (a fit on tokens alone made each token look 2-3x dearer)."""
+    ctl = DraftLengthController(4)
+    cost = lambda tokens, reqs, context: 0.027 + 0.0008 * tokens + 0.003 * context / 1000  # noqa: E731
+    for reqs in (1, 8, 16, 24):
+        for per_req in (64, 300, 600):
+            for k in (0, 4):
+                tokens, context = reqs * (1 + k), reqs * (per_req + 1 + k)
+                ctl.observe_step(tokens, reqs if k else 0, cost(tokens, reqs, context), 0, 0, 0.0, 0,
+                                 reqs, context)
+    caps = {f"r{i}": 4 for i in range(24)}
+    for r in caps:  # all four drafts accepted three times in four, else none
+        for step in range(40):
+            ctl.observe_acceptance(r, 4, 4, 0 if step % 4 == 0 else 4)
+    assert set(ctl.choose(caps, context=24 * 500).values()) == {4}
+
+
+def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
+    """A batch that never drafts has as many tokens as requests: online steps alone cannot
+    tell a token's cost from a request's. The anchored profile still can."""
+    ctl = DraftLengthController(4)
+    cost = lambda tokens, reqs: 0.02 + 0.0005 * tokens + 0.002 * reqs  # noqa: E731
+    for reqs in (1, 8, 32):  # the engine's profile: none, one or all draft, 4 or 1 each
+        for drafting, each in ((0, 4), (1, 4), (reqs, 4), (reqs, 1)):
+            tokens = reqs + each * drafting
+            ctl.observe_step(tokens, drafting, cost(tokens, reqs), 0, 0, 0.0, 0, reqs,
+                             reqs * (65 if drafting or reqs == 1 else 257) + each * drafting)
+    ctl.target_cost.anchor()
+    for step in range(500):
+        reqs = 20 + step % 5
+        ctl.observe_step(reqs, 0, cost(reqs, reqs), 0, 0, 0.0, 0, reqs, reqs * 65)
+    _a, b, q, *_ = ctl.target_cost.theta
+    assert b == pytest.approx(0.0005, rel=0.05) and q == pytest.approx(0.002, rel=0.05)
 
 
 def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_model_dir):
@@ -204,3 +310,36 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                   num_speculative_tokens=0), use_tqdm=False)[0]
     assert out.spec_stats.num_drafts == 0
+
+
+def test_the_engine_wide_estimate_recovers_when_nobody_drafts():
+    """After a workload whose drafts fail, new requests start from a low engine-wide
+    estimate and would never draft, so nothing would ever teach it otherwise; with no
+    observations it drifts back to its start, and new requests try again."""
+    ctl = controller(**MEMORY_BOUND)
+    for i in range(40):
+        train_acceptance(ctl, f"old{i}", 0, times=3)
+        ctl.free(f"old{i}")
+    assert ctl.choose({"new0": 4}) == {"new0": 0}
+    picks = [ctl.choose({f"new{i}": 4})[f"new{i}"] for i in range(1, 2000)]
+    assert 0 < picks.index(next(k for k in picks if k)) < 1500
+
+
+def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
+    """Where drafting does not pay (a compute-bound batch) the full choice runs every
+    IDLE_REPLAN steps; in between k = 0 is repeated at the cost of a dict. A step of
+    another kind (padding, prefill, batch size) gets a full choice at once."""
+    from specserve.spec_controller import IDLE_REPLAN
+
+    ctl = controller(**COMPUTE_BOUND)
+    caps = {f"r{i}": 4 for i in range(32)}
+    assert set(ctl.choose(caps).values()) == {0}
+    for step in range(1, IDLE_REPLAN):
+        new = {**caps, f"new{step}": 4}
+        assert set(ctl.choose(new).values()) == {0} and f"new{step}" not in ctl._rows
+    assert set(ctl.choose({**caps, "later": 4}).values()) == {0} and "later" in ctl._rows  # a full plan
+    assert set(ctl.choose(caps).values()) == {0}
+    ctl.choose(caps, padded=True)
+    assert all(f"r{i}" in ctl._rows for i in range(32))
+    lone = ctl.choose({"alone": 4})  # batch of one: planned afresh
+    assert "alone" in ctl._rows and lone == {"alone": 0}

@@ -156,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.layout = ShardLayout.of(config, tp)
         self.model = LlamaModel(config, spec, backend, self.layout, tp)
+        self.attention_backend = backend
         self.lm_head = nn.Linear(config.hidden_size, self.layout.vocab_rows, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
