@@ -79,7 +79,7 @@ def main() -> None:
     engines = {}
     for method in methods:
         extra = {"draft_model": args.draft_model} if method == "draft_model" and args.draft_model else {}
-        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_method=method,
+        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_method=method, speculative_adaptive=False,
                               num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096, **extra)
     first = engines[methods[0]].engine
     tok, device = first.tokenizer, first.device

@@ -111,7 +111,8 @@ def default_model_section(args, rows: list, record: dict) -> None:
 
     common = dict(device=args.device, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
     log("loading the default model (graphs, triton) and its eager torch twin")
-    llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k)
+    llm = LLM(**common, speculative_method="ngram", num_speculative_tokens=args.k,
+              speculative_adaptive=False)
     tok = llm.tokenizer
     code = chat_prompts(tok, WORKLOADS["code-edit"])
     chat = chat_prompts(tok, WORKLOADS["chat"])
@@ -137,7 +138,8 @@ def default_model_section(args, rows: list, record: dict) -> None:
         if method != "ngram":
             log(f"loading the engine with {method}")
             try:
-                engines[method] = LLM(**common, speculative_method=method, num_speculative_tokens=args.k)
+                engines[method] = LLM(**common, speculative_method=method, num_speculative_tokens=args.k,
+                                      speculative_adaptive=False)
                 # Its proposals are verified from the device: greedy output must track speculation off.
                 drafted = engine_run(engines[method], code[:4], args.max_tokens)
                 agree[f"{method} spec"] = agreement(base["token_ids"], drafted["token_ids"])

@@ -88,7 +88,8 @@ def main() -> None:
 
     engines = {"off": LLM(dtype=args.dtype)}
     for name in args.drafters.split(","):
-        engines[name] = LLM(dtype=args.dtype, speculative_method=name, num_speculative_tokens=max(ks))
+        engines[name] = LLM(dtype=args.dtype, speculative_method=name, num_speculative_tokens=max(ks),
+                            speculative_adaptive=False)  # k per request: the sweep
     llm = engines["off"]
     tok = llm.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()

@@ -63,9 +63,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         "target's first layers), draft_model (a separate checkpoint); default: none")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="k, the most draft tokens per request per step (default: 4)")
-    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="choose each request's k (up to --num-speculative-tokens) every step from "
-                        "its measured acceptance and the measured step cost (default: off)")
+                        "its measured acceptance and the measured step cost (default: on; "
+                        "--no-speculative-adaptive drafts k for every request every step)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
     s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")

@@ -47,7 +47,7 @@ class EngineConfig:
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
-    speculative_adaptive: bool = False   # choose each request's k <= num_speculative_tokens per step
+    speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match

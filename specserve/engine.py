@@ -335,8 +335,10 @@ class LLMEngine:
     def _draft_lengths(self) -> dict[str, int] | None:
         """k_i for the running requests: the engine's k, lowered by the request's own cap;
         with adaptive speculation the controller chooses below that for every decoding
-        request that did not set its own k (the API's override wins). Only decoding
-        requests draft: the scheduler gives a request in prefill none."""
+        request that did not set its own k (the API's override wins) or a seed: a seeded
+        request's sampled tokens depend on where drafts were verified, and the controller's
+        choice on measured step times, so it keeps the fixed k to stay reproducible. Only
+        decoding requests draft: the scheduler gives a request in prefill none."""
         if self.drafter is None:
             return None
         k = self.config.num_speculative_tokens
@@ -353,6 +355,8 @@ class LLMEngine:
                 other_tokens, other_spans = other_tokens + remaining, other_spans + 1
             elif (own := r.params.num_speculative_tokens) is not None:
                 lengths[r.req_id] = min(k, own)
+            elif r.params.seed is not None and r.params.temperature > 0:
+                lengths[r.req_id] = k
             else:
                 free[r.req_id] = k
         budget = self.config.max_num_batched_tokens

@@ -68,9 +68,11 @@ def drafter_settings(tiny_model_dir, draft_dirs):
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_with_speculation_equals_without(drafter, k, tiny_model_dir, draft_dirs, baseline):
     """Batched, mixed prompt lengths, a 16-token budget: prefill chunks and verification
-    share steps. Output must be token-identical to plain greedy decoding."""
+    share steps. Output must be token-identical to plain greedy decoding. A fixed k, so
+    every decoding step drafts (the adaptive choice: the test below)."""
     settings = drafter_settings(tiny_model_dir, draft_dirs)[drafter]
-    llm = LLM32(str(tiny_model_dir("llama")), num_speculative_tokens=k, **SMALL, **settings)
+    llm = LLM32(str(tiny_model_dir("llama")), num_speculative_tokens=k, speculative_adaptive=False,
+                **SMALL, **settings)
     outs = llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == baseline
     stats = llm.engine.spec_stats
@@ -81,6 +83,37 @@ def test_greedy_with_speculation_equals_without(drafter, k, tiny_model_dir, draf
         assert stats.num_accepted_tokens > 0
     assert sum(o.spec_stats.num_drafts for o in outs) == stats.num_drafts
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft=target", "draft-llama"])
+def test_greedy_with_adaptive_draft_lengths_equals_without(drafter, tiny_model_dir, draft_dirs, baseline):
+    """The default: the engine chooses each request's k every step (0 included); greedy
+    output is still plain greedy decoding's, and every block comes back."""
+    settings = drafter_settings(tiny_model_dir, draft_dirs)[drafter]
+    llm = LLM32(str(tiny_model_dir("llama")), num_speculative_tokens=4, **SMALL, **settings)
+    assert llm.engine.controller is not None
+    outs = llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == baseline
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_seeded_requests_keep_the_fixed_k_and_their_tokens_under_adaptive_speculation(tiny_model_dir):
+    """Where drafts are verified changes which tokens a seeded sampling request draws, and
+    the adaptive choice follows measured step times: a seeded request keeps the engine's k
+    (as in the test below, whatever shares its batch), an unseeded one is chosen for."""
+    target = str(tiny_model_dir("llama"))
+    seeded = SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, seed=5)
+    runs = []
+    for _ in range(2):
+        llm = LLM32(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3, **SMALL)
+        runs.append(llm.generate([[7, 8, 9, 7, 8, 9]], seeded, use_tqdm=False)[0])
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].spec_stats.num_drafts > 0
+    lengths = llm.engine._draft_lengths  # noqa: SLF001 - the choice itself
+    llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4, seed=1), req_id="s")
+    llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4), req_id="u")
+    llm.engine.step()  # prefill both
+    chosen = lengths()
+    assert chosen["s"] == 3 and chosen["u"] <= 3
 
 
 def test_identical_draft_is_always_accepted_when_sampling(tiny_model_dir):
