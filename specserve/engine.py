@@ -118,7 +118,6 @@ class LLMEngine:
         self._log_startup(backend.name)
         freeze_heap()
 
-
     def enable_graphs(self, capture: bool = True) -> None:
         """CUDA graphs for the target's decode/verify steps and the drafter's steps
         (``capture=False``: the same padded path run eagerly, which the CPU tests use)."""
@@ -287,8 +286,9 @@ class LLMEngine:
     def _profile_step_cost(self) -> None:
         """Seed the controller's cost model: time a few verify passes of dummy requests
         (batch sizes x how many of them draft k tokens: none, one, all; two context
-        lengths) over scratch KV blocks, freed afterwards. One drafter in a batch separates what padding costs on
-        a CUDA graph (every request padded to 1 + k) from what real tokens cost."""
+        lengths) over scratch KV blocks, freed afterwards. One drafter in a batch
+        separates what padding costs (every request padded to 1 + k on a CUDA graph) from
+        what real tokens cost."""
         c = self.config
         k = c.num_speculative_tokens
         greedy = SamplingParams(temperature=0)

@@ -15,7 +15,9 @@ the target distribution p exactly. p and q come from the same ``target_probs`` (
 temperature, top-k, top-p, min-p); a deterministic drafter (n-gram, greedy-by-construction)
 has q one-hot on its proposal. Random numbers are keyed by the request's seed and the
 output position they decide (``Uniforms``), so seeded requests are bit-identical whatever
-shares the batch and whatever k each step gets.
+shares the batch. Not whatever k they get: which drafts were verified where changes which
+tokens the same numbers draw (the distribution stays p), so the engine keeps a seeded
+sampling request's k fixed under adaptive speculation.
 """
 from __future__ import annotations
 

@@ -51,6 +51,12 @@ acceptance makes a draft worth its tokens. The engine-wide estimates, in turn, d
 slowly back to their optimistic start while no request drafts at all, so a workload that
 turns from chat to code is tried again (a request or two drafting for a step or so every
 few hundred steps, where nothing pays).
+
+The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
+lives in rows of a few arrays, a step's acceptance observations are applied in one
+vectorised update, and a plan to draft nothing stands for ``IDLE_REPLAN`` - 1 more steps
+of the same kind (same padding, prefill or not, batch size within a factor of two), only
+planned steps being timed for the cost model.
 """
 from __future__ import annotations
 
@@ -59,9 +65,9 @@ import numpy as np
 ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
 PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
-DRIFT = 0.05               # per idle step, how far a request's estimates move back to the engine's
-PRIOR_DRIFT = 0.002        # per step without observations, how far the engine's move back to the start
-IDLE_REPLAN = 4            # while the plan is to draft nothing, a full choice every this many steps
+DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
+PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
+IDLE_REPLAN = 4             # while the plan is to draft nothing, a full choice every this many steps
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
 
@@ -153,8 +159,9 @@ class DraftLengthController:
         passes None for steps with a prefill chunk, which run eagerly where decode and
         verify steps replay CUDA graphs; their cost per token would mislead the choice).
         ``num_padded``: the tokens the pass really ran where it padded every request to the
-        longest query (a CUDA graph replay, the CPU attention's short spans; else 0). ``num_reqs`` / ``context``:
-        the requests in the pass and their tokens in the KV cache after it, all together."""
+        longest query (a CUDA graph replay, the CPU attention's short spans; else 0).
+        ``num_reqs`` / ``context``: the requests in the pass and their tokens in the KV
+        cache after it, all together."""
         if target_s is not None:
             self.target_cost.observe(_features(num_tokens, num_reqs, context, num_spans, num_padded),
                                      target_s)

@@ -92,7 +92,8 @@ def test_choice_is_the_best_plan_of_all():
             gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
             tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
-            cost = (ctl.target_cost.predict(_features(3 + tokens, 3, 0, sum(q for k, q in zip(plan, rate) if k), padded))
+            spans = sum(q for k, q in zip(plan, rate) if k)
+            cost = (ctl.target_cost.predict(_features(3 + tokens, 3, 0, spans, padded))
                     + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 

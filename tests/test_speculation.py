@@ -105,7 +105,8 @@ def test_seeded_requests_keep_the_fixed_k_and_their_tokens_under_adaptive_specul
     seeded = SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, seed=5)
     runs = []
     for _ in range(2):
-        llm = LLM32(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3, **SMALL)
+        llm = LLM32(target, speculative_method="draft_model", draft_model=target, num_speculative_tokens=3,
+                    **SMALL)
         runs.append(llm.generate([[7, 8, 9, 7, 8, 9]], seeded, use_tqdm=False)[0])
     assert runs[0].token_ids == runs[1].token_ids and runs[0].spec_stats.num_drafts > 0
     lengths = llm.engine._draft_lengths  # noqa: SLF001 - the choice itself
