@@ -119,6 +119,9 @@ def test_offline_benchmark_and_speculation_sweep(capsys, tiny_model_dir, repetit
     runs = json.loads((tmp_path / "sweep_offline.json").read_text())["runs"]
     assert [(r["speculation"], r["request_rate"]) for r in runs] == [
         ("spec off", 50.0), ("ngram k=3 adaptive", 50.0), ("spec off", "inf"), ("ngram k=3 adaptive", "inf")]
+    ran = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Run:")]
+    assert ran == ["spec off @ 50 req/s", "ngram k=3 adaptive @ 50 req/s",  # each rate starts with the next
+                   "ngram k=3 adaptive @ inf req/s", "spec off @ inf req/s"]
     assert all(r["completed"] == 4 for r in runs)
     assert "spec_decode_draft_lengths" not in runs[0]
     for run in runs[1::2]:  # the controller's choices, counted per run
