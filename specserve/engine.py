@@ -109,11 +109,14 @@ class LLMEngine:
         if self.drafter and config.speculative_adaptive:
             self.controller = DraftLengthController(config.num_speculative_tokens)
             self._profile_step_cost()
-            self.controller.target_cost.anchor()
+            # The profile times passes alone, live steps the host work around them too: it
+            # stays to tell costs apart that a steady state cannot, but weighs little.
+            self.controller.target_cost.anchor(weight=0.1)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
+        self._draft_s = 0.0  # the last step's drafting time (the controller's cost model)
         self._ids = itertools.count()
         self._log_startup(backend.name)
         freeze_heap()
@@ -214,6 +217,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> propose -> verify -> update. Returns an output for every request
         that produced tokens or finished in this step."""
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule(self._draft_lengths())
         if scheduled.is_empty:
@@ -225,7 +229,12 @@ class LLMEngine:
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
-        return outputs + [self._postprocess(u) for u in self.scheduler.update(scheduled, result)]
+        outputs += [self._postprocess(u) for u in self.scheduler.update(scheduled, result)]
+        if self.controller and self.controller.wants_step_cost:
+            # The whole step: the host work around the pass (verify lists, rollback,
+            # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
+            self._observe_cost(scheduled, self._draft_s, time.perf_counter() - start - self._draft_s)
+        return outputs
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
         """Detokenise, apply stop strings, count speculation, make the caller's output."""
@@ -267,8 +276,7 @@ class LLMEngine:
         result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
             self.draft_length_counts.update(p.num_lookahead for p in scheduled.scheduled if p.sample)
-        if self.controller and self.controller.wants_step_cost:
-            self._observe_cost(scheduled, drafted - start, time.perf_counter() - drafted)
+        self._draft_s = drafted - start
         return result
 
     def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:

@@ -21,9 +21,12 @@ Two online estimates feed the choice:
   attention batches decode and verify spans that way — so a draft depth D costs every
   request of the batch D tokens there — plus
   ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
-  Both are least-squares fits with exponential forgetting over measured steps, seeded by
-  a short profile at start-up that is never forgotten (it varies what a steady state
-  does not, such as how many requests draft). A step slower than twice the prediction
+  The target cost is the whole engine step's wall time less the drafter's: the host
+  work around the pass (verify lists, rollback, detokenising the extra tokens) is part
+  of what drafts cost, and on a GPU most of it. Both are least-squares fits with
+  exponential forgetting over measured steps, seeded by a short profile at start-up that
+  is never forgotten, at a tenth of a live step's weight (it times passes alone, but it
+  varies what a steady state does not, such as how many requests draft). A step slower than twice the prediction
   (another process stalled the machine) counts as twice the prediction, so one stall
   cannot poison the fit, while a cost that really changed is still learned, clip after
   clip.
@@ -106,10 +109,10 @@ class CostModel:
         # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
         self.theta = np.clip(theta, 0.0, None)
 
-    def anchor(self) -> None:
-        """Keep every sample observed so far unforgotten."""
-        self.anchor_xtx = self.anchor_xtx + self.xtx
-        self.anchor_xty = self.anchor_xty + self.xty
+    def anchor(self, weight: float = 1.0) -> None:
+        """Keep every sample observed so far unforgotten, at ``weight`` each."""
+        self.anchor_xtx = self.anchor_xtx + weight * self.xtx
+        self.anchor_xty = self.anchor_xty + weight * self.xty
         self.xtx = np.zeros_like(self.xtx)
         self.xty = np.zeros_like(self.xty)
 
