@@ -282,14 +282,16 @@ class LLMEngine:
     def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:
         planned = scheduled.scheduled
         fed = [len(p.token_ids) for p in planned]
-        lengths = [n + len(p.draft_token_ids) for n, p in zip(fed, planned)]
+        drafted = [len(p.draft_token_ids) for p in planned]
+        lengths = [n + d for n, d in zip(fed, drafted)]
         lookahead = [p.num_lookahead for p in planned]
         tokens = sum(lengths)
+        prefill = tokens - sum(drafted) - fed.count(1)  # the chunks' tokens (fed > 1)
         context = sum([p.start_pos for p in planned]) + tokens
-        self.controller.observe_step(tokens, len(lengths) - lengths.count(1),
-                                     None if max(fed) > 1 else target_s,  # a prefill chunk: eager
+        self.controller.observe_step(tokens - prefill, len(drafted) - drafted.count(0), target_s,
                                      max(lookahead), len(lookahead) - lookahead.count(0), draft_s,
-                                     self.runner.padded_tokens(scheduled, lengths), len(planned), context)
+                                     self.runner.padded_tokens(scheduled, lengths), len(planned), context,
+                                     prefill)
 
     def _profile_step_cost(self) -> None:
         """Seed the controller's cost model: time a few verify passes of dummy requests

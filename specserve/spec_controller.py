@@ -12,14 +12,16 @@ Two online estimates feed the choice:
   drafts gain and what their tokens cost — but not the padding a CUDA graph step pays
   whenever any request in it drafts.
 * **Step cost.** ``target = a + b * tokens + q * requests + x * context + c * spans + p *
-  padded`` — a fixed cost, a cost per token in the verify pass, a cost per request and
-  per token of context its attention reads (on a CPU, gathering a long context's keys
+  padded + f * prefill + m * [prefill]`` — a fixed cost, a cost per token in the verify
+  pass, a cost per request and per token of context its attention reads (on a CPU, gathering a long context's keys
   costs more than a few more query tokens: without these terms a batch of long requests
   made every token look dear), a cost per request whose query span is longer than one
   token (its own attention tiles), and a cost per padded token where the pass pads every
   request to the step's longest query — a CUDA graph replay does, and the CPU's
   attention batches decode and verify spans that way — so a draft depth D costs every
-  request of the batch D tokens there — plus
+  request of the batch D tokens there — and the prefill chunks' tokens and a step with
+  any its own fixed cost (on a GPU such a step runs eagerly, and at high load most steps
+  admit a new request), plus
   ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
   The target cost is the whole engine step's wall time less the drafter's: the host
   work around the pass (verify lists, rollback, detokenising the extra tokens) is part
@@ -131,8 +133,8 @@ class DraftLengthController:
     def __init__(self, max_k: int, min_gain: float = MIN_GAIN) -> None:
         self.max_k = max_k
         self.min_gain = min_gain
-        # [1, tokens, requests, context kilotokens, spans, padded tokens] -> seconds
-        self.target_cost = CostModel(6)
+        # [1, tokens, requests, context kilotokens, spans, padded, prefill tokens, prefill?] -> s
+        self.target_cost = CostModel(8)
         self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
         self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
         self.prior_rate = 1.0                       # engine-wide share of planned drafts proposed
@@ -156,18 +158,19 @@ class DraftLengthController:
 
     def observe_step(self, num_tokens: int, num_spans: int, target_s: float | None,
                      depth: int, num_drafting: int, draft_s: float, num_padded: int = 0,
-                     num_reqs: int = 1, context: int = 0) -> None:
+                     num_reqs: int = 1, context: int = 0, num_prefill: int = 0) -> None:
         """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
-        ``target_s`` None: the verify pass says nothing about what drafts cost (the engine
-        passes None for steps with a prefill chunk, which run eagerly where decode and
-        verify steps replay CUDA graphs; their cost per token would mislead the choice).
+        ``target_s`` None: the pass says nothing about what drafts cost. ``num_tokens``:
+        decode and verify tokens; ``num_prefill``: prefill chunks' tokens (a step with
+        any has its own fixed cost too: on a GPU it runs eagerly where decode and verify
+        steps replay CUDA graphs, and at high load most steps admit a new request).
         ``num_padded``: the tokens the pass really ran where it padded every request to the
         longest query (a CUDA graph replay, the CPU attention's short spans; else 0).
         ``num_reqs`` / ``context``: the requests in the pass and their tokens in the KV
         cache after it, all together."""
         if target_s is not None:
-            self.target_cost.observe(_features(num_tokens, num_reqs, context, num_spans, num_padded),
-                                     target_s)
+            self.target_cost.observe(
+                _features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill), target_s)
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
@@ -288,12 +291,12 @@ class DraftLengthController:
         self._alpha[idle] += drift * (self.prior - self._alpha[idle])
         self._rate[idle] += drift * (self.prior_rate - self._rate[idle])
         rate = self._rate[rows][:, None]
-        _a, b, _q, _x, c, pad = self.target_cost.theta
+        _a, b, _q, _x, c, pad, _f, _m = self.target_cost.theta
         pad = pad if padded else 0.0
         d, e = self.draft_cost.theta
         per_token = b + e  # each drafted token is verified and (roughly) drafted once
-        fixed = self.target_cost.predict(_features(num_reqs + num_other_tokens, num_reqs + num_other_spans,
-                                                   context, num_other_spans, num_reqs if padded else 0))
+        fixed = self.target_cost.predict(_features(num_reqs, num_reqs + num_other_spans, context, 0,
+                                                   num_reqs if padded else 0, num_other_tokens))
         depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
         # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
         # times the share of planned drafts the drafter proposes) and the cost of its
@@ -322,10 +325,11 @@ class DraftLengthController:
         return dict(zip(req_ids, k.tolist()))
 
 
-def _features(tokens: int, reqs: int, context: int, spans: int, padded: int) -> list[float]:
-    """The target cost model's inputs (context in thousands of tokens, to keep the fit's
-    columns alike in scale)."""
-    return [1.0, tokens, reqs, context / 1000.0, spans, padded]
+def _features(tokens: int, reqs: int, context: int, spans: int, padded: int, prefill: int = 0) -> list[float]:
+    """The target cost model's inputs: decode/verify tokens, requests, context (in
+    thousands of tokens, to keep the fit's columns alike in scale), verify spans, padded
+    tokens, prefill tokens and whether the step has any."""
+    return [1.0, tokens, reqs, context / 1000.0, spans, padded, prefill, 1.0 if prefill else 0.0]
 
 
 def _batch_weight(count):
