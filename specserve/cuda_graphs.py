@@ -74,8 +74,11 @@ class GraphRunner:
     def fits(self, output: SchedulerOutput) -> bool:
         """Every request within the captured query length; longer prefill chunks do not."""
         planned = output.scheduled
-        return (len(planned) <= self.buckets[-1]
-                and max(len(p.token_ids) + len(p.draft_token_ids) for p in planned) <= self.max_query_len)
+        return self.fits_lengths(len(planned), max(len(p.token_ids) + len(p.draft_token_ids) for p in planned))
+
+    def fits_lengths(self, num_reqs: int, max_query_len: int) -> bool:
+        """``fits`` for a step of ``num_reqs`` requests whose longest query is ``max_query_len``."""
+        return num_reqs <= self.buckets[-1] and max_query_len <= self.max_query_len
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, query_lens: list[int]) -> None:

@@ -176,9 +176,8 @@ class ModelRunner:
         length, if the caller has them."""
         if lengths is None:
             lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in output.scheduled]
-        graphs = self.graphs
-        if graphs is not None and len(lengths) <= graphs.buckets[-1] and max(lengths) <= graphs.max_query_len:
-            return len(lengths) * max(lengths)  # what graphs.fits(output) checks
+        if self.graphs is not None and self.graphs.fits_lengths(len(lengths), max(lengths)):
+            return len(lengths) * max(lengths)
         short = [n for n in lengths if n <= self.model.attention_backend.padded_span]
         return len(short) * max(short) if short else 0
 

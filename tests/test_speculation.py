@@ -109,12 +109,14 @@ def test_seeded_requests_keep_the_fixed_k_and_their_tokens_under_adaptive_specul
                     **SMALL)
         runs.append(llm.generate([[7, 8, 9, 7, 8, 9]], seeded, use_tqdm=False)[0])
     assert runs[0].token_ids == runs[1].token_ids and runs[0].spec_stats.num_drafts > 0
-    lengths = llm.engine._draft_lengths  # noqa: SLF001 - the choice itself
-    llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4, seed=1), req_id="s")
-    llm.engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4), req_id="u")
-    llm.engine.step()  # prefill both
-    chosen = lengths()
-    assert chosen["s"] == 3 and chosen["u"] <= 3
+    engine = llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4, seed=1), req_id="s")
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4), req_id="u")
+    engine.step()  # prefill both
+    for req_id in ("s", "u"):  # drafts that never land: the controller would choose k = 0
+        engine.controller.set_estimates(req_id, [0.0, 0.0, 0.0], 1.0)
+    chosen = engine._draft_lengths()  # noqa: SLF001 - the choice itself
+    assert chosen["u"] == 0 and chosen["s"] == 3
 
 
 def test_identical_draft_is_always_accepted_when_sampling(tiny_model_dir):
