@@ -254,7 +254,7 @@ def test_default_model_greedy_with_speculation_equals_without(method, default_mo
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM32(max_num_batched_tokens=48, max_num_seqs=4).generate(prompts, params, use_tqdm=False)
     spec = LLM32(max_num_batched_tokens=48, max_num_seqs=4, speculative_method=method,
-               num_speculative_tokens=4)
+                 num_speculative_tokens=4, speculative_adaptive=False)  # drafts every step
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.engine.spec_stats.num_drafts > 0
@@ -286,7 +286,7 @@ def test_accepted_tokens_cut_by_a_stop_token_are_not_counted(tiny_model_dir):
     plain = LLM32(target, block_size=4, num_kv_blocks=200).generate(
         [[5, 17, 99, 230]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     spec = LLM32(target, block_size=4, num_kv_blocks=200, speculative_method="draft_model",
-                 draft_model=target, num_speculative_tokens=8)
+                 draft_model=target, num_speculative_tokens=8, speculative_adaptive=False)
     out = spec.generate([[5, 17, 99, 230]], SamplingParams(temperature=0, max_tokens=12,
                                                           stop_token_ids=[plain.token_ids[3]]),
                         use_tqdm=False)[0]
@@ -345,6 +345,7 @@ def test_speculative_sampling_has_the_target_distribution(tiny_model_dir, draft_
     n = 3000
     engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model",
                        draft_model=str(draft_dirs["perturbed"]), num_speculative_tokens=2,
+                       speculative_adaptive=False,  # every step drafts: the rule under test
                        max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
     mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **sp))
             for _ in range(n)}

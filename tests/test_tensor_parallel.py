@@ -233,24 +233,24 @@ ENGINE_RUNS = [
     # then seeded sampling; the model splits its 2 KV heads over the ranks
     dict(name="ngram_chunked", variant="llama",
          engine=dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, max_num_seqs=8,
-                     speculative_method="ngram", num_speculative_tokens=3),
+                     speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False),
          params=[GREEDY, dict(GREEDY, num_speculative_tokens=0),
                  dict(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)]),
     # the CUDA-graph path's padding (buckets, one query length per step), eagerly; one KV
     # head replicated on both ranks, qkv bias
     dict(name="graphs_kv1", variant="kv1",
          engine=dict(block_size=4, num_kv_blocks=128, max_num_seqs=8,
-                     speculative_method="ngram", num_speculative_tokens=4),
+                     speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False),
          params=[GREEDY], graphs=True),
     # layer-skip drafts run the target's sharded first layer through the same broadcast
     dict(name="layerskip", variant="llama",
          engine=dict(block_size=4, num_kv_blocks=128, speculative_method="layerskip",
-                     layerskip_layers=1, num_speculative_tokens=2),
+                     layerskip_layers=1, num_speculative_tokens=2, speculative_adaptive=False),
          params=[GREEDY]),
     # a draft checkpoint runs whole on rank 0 only, beside the sharded target
     dict(name="draft_model", variant="llama", draft="draft",
          engine=dict(block_size=4, num_kv_blocks=128, speculative_method="draft_model",
-                     num_speculative_tokens=3),
+                     num_speculative_tokens=3, speculative_adaptive=False),
          params=[GREEDY, dict(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True)]),
 ]
 

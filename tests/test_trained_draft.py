@@ -41,7 +41,7 @@ def test_a_draft_of_all_target_layers_shares_storage_and_is_always_accepted(vari
     with safe_open(str(draft / "model.safetensors"), "pt") as f:
         assert not any("embed" in k or "lm_head" in k for k in f.keys())
     llm = LLM32(str(target), speculative_method="draft_model", draft_model=str(draft),
-                num_speculative_tokens=3, **SMALL)
+                num_speculative_tokens=3, speculative_adaptive=False, **SMALL)
     engine = llm.engine
     mine, theirs = engine.drafter.model, engine.runner.model
     assert mine.model.embed_tokens is theirs.model.embed_tokens
@@ -63,7 +63,7 @@ def test_a_one_layer_shared_draft_is_lossless(tmp_path, tiny_model_dir):
     target = tiny_model_dir("smollm2_tied_gqa3")
     draft = layers_only_draft(tmp_path / "draft", target, [1])
     spec = LLM32(str(target), speculative_method="draft_model", draft_model=str(draft),
-                 num_speculative_tokens=4, **SMALL)
+                 num_speculative_tokens=4, speculative_adaptive=False, **SMALL)
     plain = LLM32(str(target), **SMALL)
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -175,7 +175,8 @@ def test_the_default_model_drafts_with_its_built_in_draft(default_model_path):
     prompt: a corrupted file or a broken loader would drop to about 1."""
     from specserve import LLM
 
-    llm = LLM(speculative_method="draft_model", num_speculative_tokens=4, max_num_seqs=4)
+    llm = LLM(speculative_method="draft_model", num_speculative_tokens=4, max_num_seqs=4,
+              speculative_adaptive=False)
     assert "built in" in llm.engine.drafter.describe() or llm.engine.drafter.model.shared_modules
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Explain the difference between a process and a thread."}],
@@ -192,7 +193,8 @@ def test_the_built_in_draft_is_lossless_on_the_default_model(default_model_path)
     plain = LLM32(max_num_seqs=4)
     prompts = chat_prompts(plain.tokenizer, ["Why is the sky blue?", prompt_sets.CODE_EDITING[4]])
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    spec = LLM32(max_num_seqs=4, speculative_method="draft_model", num_speculative_tokens=4)
+    spec = LLM32(max_num_seqs=4, speculative_method="draft_model", num_speculative_tokens=4,
+                 speculative_adaptive=False)
     assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == \
         [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
