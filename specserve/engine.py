@@ -229,11 +229,15 @@ class LLMEngine:
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
-        outputs += [self._postprocess(u) for u in self.scheduler.update(scheduled, result)]
-        if self.controller and self.controller.wants_step_cost:
+        updates = self.scheduler.update(scheduled, result)
+        outputs += [self._postprocess(u) for u in updates]
+        if self.controller:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
-            self._observe_cost(scheduled, self._draft_s, time.perf_counter() - start - self._draft_s)
+            elapsed = time.perf_counter() - start
+            self.controller.observe_goodput(sum(len(u.new_token_ids) for u in updates), elapsed)
+            if self.controller.wants_step_cost:
+                self._observe_cost(scheduled, self._draft_s, elapsed - self._draft_s)
         return outputs
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:

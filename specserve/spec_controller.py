@@ -57,6 +57,18 @@ slowly back to their optimistic start while no request drafts at all, so a workl
 turns from chat to code is tried again (a request or two drafting for a step or so every
 few hundred steps, where nothing pays).
 
+A model can still be wrong where it matters most: on a host-bound GPU step at a few
+hundred requests, what drafting adds around the pass is hard to tell from what the batch
+costs anyway, and the margin alone let drafts through that made serving ~20 % slower.
+So the plan answers to what it delivers. For each kind of step, a ``GoodputCheck``
+compares the realised goodput — emitted tokens per second of whole step — of the steps
+the plan drafted with an occasional step where its drafts are withheld (or, once drafting
+lost, of the steps without drafts with an occasional step where the plan is let through).
+Each such step is set against the steps just before it, at the same batch and context,
+so the comparison is paired; the smoothed log ratio decides whether drafts are vetoed
+for that kind of step. Checks come more rarely the clearer the verdict (every 8 steps
+near a tie, every 64 where drafting doubles goodput), so a check costs little either way.
+
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one
 vectorised update, and a plan to draft nothing stands for ``IDLE_REPLAN`` - 1 more steps
@@ -75,6 +87,12 @@ PRIOR_DRIFT = 0.002         # per step without observations, how far the engine'
 IDLE_REPLAN = 4             # while the plan is to draft nothing, a full choice every this many steps
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
+CHECK_MIN = 8               # realised-goodput checks: a window of at least this many steps and
+CHECK_MAX = 64              # from CHECK_MIN to CHECK_MAX times a check step's duration, the more
+CHECK_SPREAD = 120          # by this much per unit of |log goodput ratio|
+CHECK_SMOOTHING = 0.3       # EMA weight of a check's log goodput ratio
+CHECK_CLIP = 1.0            # a check's log ratio is clipped to +-this (one stalled step)
+VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this smoothed log ratio, allowed above +this
 
 
 class CostModel:
@@ -122,6 +140,60 @@ class CostModel:
         return float(np.dot(self.theta, x))
 
 
+class GoodputCheck:
+    """Whether the plan's drafts pay, from realised goodput, for one kind of step.
+
+    Steps of the current mode — drafting, or drafts vetoed — fill a window (emitted
+    tokens, seconds); once the window lasts ``interval`` times as long as a check step,
+    one step runs the other way and is set against it: ``gap`` smooths log(goodput
+    drafting / goodput without). Checks are spaced in time, not steps: under a veto a
+    check is a drafted step, slower than the window's, and its share of the time is
+    what it costs. Only steps where the plan drafted count in a drafting window: a step
+    the plan itself left without drafts is the same under both policies."""
+
+    def __init__(self) -> None:
+        self.gap = 0.0          # smoothed log(goodput with the plan's drafts / without)
+        self.num_checks = 0
+        self.vetoed = False
+        self._tokens = 0.0      # the window: steps of the current mode since the last check
+        self._seconds = 0.0
+        self._steps = 0
+        self._check_seconds = 0.0  # the last check step's duration
+
+    @property
+    def interval(self) -> int:
+        """A window's length in check steps: short where the verdict is close (a
+        check costs little there), long where it is clear."""
+        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(self.gap)))
+
+    def due(self) -> bool:
+        """Whether the next step the plan drafts should run the other way."""
+        return self._steps >= CHECK_MIN and self._seconds >= self.interval * self._check_seconds
+
+    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
+        """A step ran: ``drafted`` whether it ran the plan's drafts, ``checked`` whether
+        it was a check (run the other way from the mode)."""
+        if seconds <= 0:
+            return
+        if not checked:
+            if drafted != self.vetoed:  # a step of the current mode
+                self._tokens += tokens
+                self._seconds += seconds
+                self._steps += 1
+            return
+        rate = tokens / seconds
+        window = self._tokens / self._seconds
+        sample = np.log(max(rate, 1e-9) / max(window, 1e-9)) * (1.0 if drafted else -1.0)
+        sample = float(np.clip(sample, -CHECK_CLIP, CHECK_CLIP))
+        self.gap += CHECK_SMOOTHING * (sample - self.gap)
+        self.num_checks += 1
+        self._check_seconds = seconds
+        vetoed = self.gap < (VETO_HYSTERESIS if self.vetoed else -VETO_HYSTERESIS)
+        self._tokens = self._seconds = 0.0
+        self._steps = 0
+        self.vetoed = vetoed
+
+
 class DraftLengthController:
     """Chooses k_i per request per step; learns from what each step cost and accepted.
 
@@ -148,6 +220,8 @@ class DraftLengthController:
         self._observed = False  # any acceptance observed since the last choice
         self._steps_since_plan = 0   # choices since the last full plan (the rest repeated k = 0)
         self._idle_plan = None       # the step kind for which the last full plan drafted nothing
+        self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
+        self._last: tuple[GoodputCheck, bool, bool] | None = None  # the last choice: check, drafted, checked
 
     # ------------------------------------------------------------------ learning
     @property
@@ -173,6 +247,14 @@ class DraftLengthController:
                 _features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill), target_s)
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
+
+    def observe_goodput(self, num_tokens: int, seconds: float) -> None:
+        """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
+        whole step, drafting included): its kind's realised-goodput check learns from it."""
+        if self._last is not None:
+            check, drafted, checked = self._last
+            self._last = None
+            check.observe(drafted, checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
                            num_accepted: int) -> None:
@@ -261,16 +343,36 @@ class DraftLengthController:
         ``context``: the tokens in the KV cache of every request in the step, all together.
         ``padded``: the step will pad every request to the longest query (a CUDA graph
         replay; the CPU attention), so a draft depth D costs every request D tokens."""
+        self._last = None
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
         regime = (padded, num_other_tokens > 0, len(caps).bit_length())
-        if self._steps_since_plan < IDLE_REPLAN and self._idle_plan == regime:
+        check = self.checks.get(regime)
+        if check is None:
+            check = self.checks[regime] = GoodputCheck()
+        if (self._steps_since_plan < IDLE_REPLAN and self._idle_plan == regime) or \
+                (check.vetoed and not check.due()):
             # The last plan drafted nothing, for a step like this one (same padding, prefill
             # or not, batch within a factor of two): it stands for a few steps (the drifts
             # below catch up at the next plan), so where drafting does not pay — large,
-            # host-bound batches — the choice costs least.
+            # host-bound batches — the choice costs least. Nor is a plan made where drafts
+            # are vetoed, but at the vetoed kind's next check.
+            self._last = (check, False, False)
             return dict.fromkeys(caps, 0)
+        k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
+        self._idle_plan = None if k.any() else regime
+        drafted = bool(k.any())
+        checked = drafted and (check.vetoed or check.due())
+        if drafted and not check.vetoed and checked:
+            k[:] = 0  # the check: this step runs without the plan's drafts
+            drafted = False
+        self._last = (check, drafted, checked)
+        return dict(zip(caps, k.tolist()))
+
+    def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
+              padded: bool, context: int) -> np.ndarray:
+        """The goodput-maximising k per request (in ``caps``' order), from the estimates."""
         steps, self._steps_since_plan = self._steps_since_plan, 0
         self._apply_pending()
         if not self._observed:  # nobody drafted: the engine-wide estimates are not trusted for ever
@@ -321,8 +423,7 @@ class DraftLengthController:
                 break
             k, ratio = new_k, new_ratio
         self._idle[rows] = (k == 0) & (cap > 0)
-        self._idle_plan = None if k.any() else regime
-        return dict(zip(req_ids, k.tolist()))
+        return k
 
 
 def _features(tokens: int, reqs: int, context: int, spans: int, padded: int, prefill: int = 0) -> list[float]:

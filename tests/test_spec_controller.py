@@ -305,6 +305,13 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     engine = llm.engine
     assert engine.controller.target_cost.num_samples > 6  # profiled, then learned online
+    assert engine.controller.checks  # the realised-goodput checks saw steps
+    seen = []
+    observe = engine.controller.observe_goodput
+    engine.controller.observe_goodput = lambda n, s: seen.append((n, s)) or observe(n, s)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(n for n, _ in seen) == sum(len(o.token_ids) for o in outs)  # every step's tokens
+    assert all(s > 0 for _, s in seen)
     assert engine.num_free_blocks == engine.kv.num_blocks
     assert sum(engine.draft_length_counts.values()) > 0
     # A request's own k still wins.
@@ -344,3 +351,80 @@ def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     assert all(f"r{i}" in ctl._rows for i in range(32))
     lone = ctl.choose({"alone": 4})  # batch of one: planned afresh
     assert "alone" in ctl._rows and lone == {"alone": 0}
+
+
+# ---------------------------------------------------------------------- realised goodput
+def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, accepted: int = 4):
+    """Run ``steps`` steps of a batch whose drafts are always accepted, where a step
+    without drafts takes ``plain_s`` and one with the plan's drafts ``drafted_s`` (what the
+    cost model does not know): returns the drafted steps' share of the time, and the goodput."""
+    caps = {f"r{i}": 4 for i in range(batch)}
+    drafting = tokens = seconds = 0
+    for _ in range(steps):
+        k = ctl.choose(caps)
+        drafted = any(k.values())
+        for req_id, n in k.items():
+            ctl.observe_acceptance(req_id, n, n, min(n, accepted))
+        emitted = sum(1 + min(n, accepted) for n in k.values())
+        elapsed = drafted_s if drafted else plain_s
+        ctl.observe_goodput(emitted, elapsed)
+        drafting, tokens, seconds = drafting + drafted * elapsed, tokens + emitted, seconds + elapsed
+    return drafting / seconds, tokens / seconds
+
+
+def test_drafts_that_lose_realised_goodput_are_vetoed():
+    """The model says drafting is nearly free (a memory-bound fit), but each drafted step
+    really takes 6x a plain one for 5x the tokens: the checks find drafting ~17 % slower
+    and veto it, letting the plan through only at rare checks (the first of them while
+    the verdict is still forming)."""
+    ctl = controller(**MEMORY_BOUND)
+    share, goodput = serve(ctl, 400, plain_s=0.010, drafted_s=0.060)
+    check = next(iter(ctl.checks.values()))
+    assert check.vetoed and check.gap < -0.1
+    assert share < 0.16  # mostly the steps before the first check
+    assert goodput > 0.97 * 8 / 0.010  # off's; drafting every step would give 0.83x
+    share, goodput = serve(ctl, 1000, plain_s=0.010, drafted_s=0.060)
+    assert share < 0.05 and goodput > 0.99 * 8 / 0.010
+
+
+def test_drafts_that_pay_are_checked_rarely():
+    """Drafting truly pays 2.5x: it is never vetoed, and checks (a step without the
+    plan's drafts) take at most 1 / CHECK_MAX of the time once the verdict is clear."""
+    from specserve.spec_controller import CHECK_MAX
+
+    ctl = controller(**MEMORY_BOUND)
+    serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
+    check = next(iter(ctl.checks.values()))
+    assert not check.vetoed and check.gap > 0.5 and check.interval == CHECK_MAX
+    share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
+    assert share >= 1 - 1.5 / CHECK_MAX
+
+
+def test_a_veto_is_lifted_when_drafting_starts_to_pay():
+    """Each kind of step keeps its own verdict, and a veto is not for ever: the plan is
+    let through at checks, and once drafts pay (a new workload, a freed machine) they
+    come back."""
+    ctl = controller(**MEMORY_BOUND)
+    serve(ctl, 300, plain_s=0.010, drafted_s=0.060)
+    assert [c.vetoed for c in ctl.checks.values()] == [True]
+    alone = serve(ctl, 100, plain_s=0.010, drafted_s=0.012, batch=1)[0]  # another kind: its own check
+    assert alone > 0.8 and len(ctl.checks) == 2
+    share, _ = serve(ctl, 300, plain_s=0.010, drafted_s=0.020)
+    assert not ctl.checks[(False, False, 4)].vetoed
+    assert serve(ctl, 100, plain_s=0.010, drafted_s=0.020)[0] > 0.85
+
+
+def test_a_stalled_check_cannot_flip_the_verdict_alone():
+    from specserve.spec_controller import GoodputCheck
+
+    check = GoodputCheck()
+    for _ in range(5):  # drafting pays 2x, checked five times
+        for _ in range(check.interval):
+            check.observe(True, False, 40, 0.02)
+        check.observe(False, True, 8, 0.008)
+    assert not check.vetoed
+    for _ in range(check.interval - 1):
+        check.observe(True, False, 40, 0.02)
+    check.observe(True, False, 40, 5.0)  # a stall inside the window
+    check.observe(False, True, 8, 0.008)
+    assert not check.vetoed and check.num_checks == 6
