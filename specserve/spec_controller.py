@@ -87,12 +87,15 @@ PRIOR_DRIFT = 0.002         # per step without observations, how far the engine'
 IDLE_REPLAN = 4             # while the plan is to draft nothing, a full choice every this many steps
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
-CHECK_MIN = 8               # realised-goodput checks: a window of at least this many steps and
-CHECK_MAX = 64              # from CHECK_MIN to CHECK_MAX times a check step's duration, the more
-CHECK_SPREAD = 120          # by this much per unit of |log goodput ratio|
-CHECK_SMOOTHING = 0.3       # EMA weight of a check's log goodput ratio
-CHECK_CLIP = 1.0            # a check's log ratio is clipped to +-this (one stalled step)
-VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this smoothed log ratio, allowed above +this
+CHECK_MIN = 4               # realised-goodput check: a side stale after CHECK_MIN to CHECK_MAX of
+CHECK_MAX = 64              # its mean step durations without a step, the more by CHECK_SPREAD
+CHECK_SPREAD = 8            # per standard error between the two sides' goodputs
+CHECK_DECAY = 0.95          # per step of a side, how much of its sums is kept
+CHECK_STALL = 3.0           # a step counts at most this many times its side's mean duration
+VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this log goodput ratio, allowed above +this
+VETO_Z = 2.0                # and only if the ratio is this many standard errors below 1
+CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, as if seen over
+CHECK_PRIOR_STEPS = 2       # this many steps, before a side's own steps show theirs
 
 
 class CostModel:
@@ -143,55 +146,92 @@ class CostModel:
 class GoodputCheck:
     """Whether the plan's drafts pay, from realised goodput, for one kind of step.
 
-    Steps of the current mode — drafting, or drafts vetoed — fill a window (emitted
-    tokens, seconds); once the window lasts ``interval`` times as long as a check step,
-    one step runs the other way and is set against it: ``gap`` smooths log(goodput
-    drafting / goodput without). Checks are spaced in time, not steps: under a veto a
-    check is a drafted step, slower than the window's, and its share of the time is
-    what it costs. Only steps where the plan drafted count in a drafting window: a step
-    the plan itself left without drafts is the same under both policies."""
+    Every step of the kind teaches one of two decayed sums of (steps, emitted tokens,
+    seconds and their squares and product): steps that ran drafts, and steps that ran
+    none — whether the plan chose none or the check withheld them. ``ratio`` is their
+    goodputs' ratio (drafted / plain), each a ratio of sums: a drafted step's tokens vary
+    a lot at small batches (nothing accepted, or all), and a mean of per-step ratios, or
+    of their logarithms, would weigh that variance against drafting. The same sums give
+    the ratio's standard error, and drafts are vetoed only when the ratio is below 1 by
+    more than ``VETO_Z`` standard errors (and the hysteresis): where it is not clear, the
+    plan stands. A veto is lifted once the ratio is above 1 again, or no longer clearly
+    below it (half as many standard errors).
 
-    def __init__(self) -> None:
-        self.gap = 0.0          # smoothed log(goodput with the plan's drafts / without)
-        self.num_checks = 0
+    Steps the plan leaves without drafts are free samples of the plain side; a step is
+    run the other way (the plan's drafts withheld, or let through under a veto) only when
+    one side has gone stale: no step for ``interval`` times its mean step duration — a
+    short wait while the verdict is uncertain, a long one once it is clear, so a check's
+    share of the time, which is what it costs, stays small where the verdict is known.
+    A step slower than ``CHECK_STALL`` times its side's mean counts as that much (another
+    process stalled the machine)."""
+
+    def __init__(self, max_k: int, batch: int = 1) -> None:
+        self.max_ratio = 1.0 + max_k
+        # A step's tokens are the sum of its requests': their deviation shrinks as 1 / sqrt(batch).
+        self.prior_cv = CHECK_PRIOR_CV / np.sqrt(max(batch, 1))
         self.vetoed = False
-        self._tokens = 0.0      # the window: steps of the current mode since the last check
-        self._seconds = 0.0
-        self._steps = 0
-        self._check_seconds = 0.0  # the last check step's duration
+        self.num_checks = 0                        # steps run the other way
+        # [drafted, plain] x [steps, tokens, seconds, tokens^2, tokens*seconds, seconds^2]
+        self._sums = np.zeros((2, 6))
+        self._since = np.zeros(2)                  # seconds of this kind since each side's last step
+
+    @property
+    def ratio(self) -> float:
+        """Goodput of the steps with drafts over that of the steps without (1: unknown)."""
+        (_, drafted_tokens, drafted_s, *_), (_, plain_tokens, plain_s, *_) = self._sums
+        if drafted_s == 0 or plain_s == 0 or plain_tokens == 0:
+            return 1.0
+        ratio = (drafted_tokens / drafted_s) / (plain_tokens / plain_s)
+        return min(max(ratio, 1.0 / self.max_ratio), self.max_ratio)
+
+    @property
+    def z(self) -> float:
+        """log(ratio) in standard errors (each side's goodput a ratio estimator)."""
+        variance = 0.0
+        for steps, tokens, seconds, tt, ts, ss in self._sums:
+            if tokens <= 0 or seconds <= 0:
+                return 0.0
+            rate = tokens / seconds
+            # A step's squared relative deviation from the side's rate, observed, shrunk
+            # towards a prior: a few steps that happen to agree do not make a verdict.
+            observed = steps * max(tt - 2.0 * rate * ts + rate * rate * ss, 0.0) / (tokens * tokens)
+            per_step = (CHECK_PRIOR_STEPS * self.prior_cv ** 2 + steps * observed) / (CHECK_PRIOR_STEPS + steps)
+            variance += per_step / steps
+        return float(np.log(self.ratio) / max(np.sqrt(variance), 1e-3))
 
     @property
     def interval(self) -> int:
-        """A window's length in check steps: short where the verdict is close (a
-        check costs little there), long where it is clear."""
-        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(self.gap)))
+        """How stale a side may go, in its mean step durations."""
+        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(self.z)))
 
-    def due(self) -> bool:
-        """Whether the next step the plan drafts should run the other way."""
-        return self._steps >= CHECK_MIN and self._seconds >= self.interval * self._check_seconds
+    def stale(self, drafted: bool) -> bool:
+        """Whether the drafted (or plain) side needs a step: it has none yet while the
+        other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations."""
+        side = 0 if drafted else 1
+        steps, _, seconds = self._sums[side, :3]
+        if steps == 0:
+            return self._sums[1 - side, 0] >= CHECK_MIN
+        return self._since[side] >= self.interval * seconds / steps
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
-        """A step ran: ``drafted`` whether it ran the plan's drafts, ``checked`` whether
-        it was a check (run the other way from the mode)."""
+        """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
+        whether the check chose so (against the plan, or against the veto)."""
         if seconds <= 0:
             return
-        if not checked:
-            if drafted != self.vetoed:  # a step of the current mode
-                self._tokens += tokens
-                self._seconds += seconds
-                self._steps += 1
-            return
-        rate = tokens / seconds
-        window = self._tokens / self._seconds
-        sample = np.log(max(rate, 1e-9) / max(window, 1e-9)) * (1.0 if drafted else -1.0)
-        sample = float(np.clip(sample, -CHECK_CLIP, CHECK_CLIP))
-        self.gap += CHECK_SMOOTHING * (sample - self.gap)
-        self.num_checks += 1
-        self._check_seconds = seconds
-        vetoed = self.gap < (VETO_HYSTERESIS if self.vetoed else -VETO_HYSTERESIS)
-        self._tokens = self._seconds = 0.0
-        self._steps = 0
-        self.vetoed = vetoed
+        side = 0 if drafted else 1
+        sums = self._sums[side]
+        if sums[0] >= CHECK_MIN:
+            seconds = min(seconds, CHECK_STALL * sums[2] / sums[0])  # a stall, not the step
+        sums *= CHECK_DECAY
+        sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
+        self._since += seconds
+        self._since[side] = 0.0
+        self.num_checks += checked
+        log_ratio = np.log(self.ratio)
+        if self.vetoed:  # lifted once the ratio is not clearly below 1
+            self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
+        else:
+            self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z
 
 
 class DraftLengthController:
@@ -202,9 +242,10 @@ class DraftLengthController:
     together, in one vectorised update, when they are next needed: at 64 requests a
     step's bookkeeping is a handful of numpy operations, not a few hundred."""
 
-    def __init__(self, max_k: int, min_gain: float = MIN_GAIN) -> None:
+    def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True) -> None:
         self.max_k = max_k
         self.min_gain = min_gain
+        self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
         # [1, tokens, requests, context kilotokens, spans, padded, prefill tokens, prefill?] -> s
         self.target_cost = CostModel(8)
         self.draft_cost = CostModel(2)    # [depth, depth * drafting requests] -> seconds
@@ -251,7 +292,7 @@ class DraftLengthController:
     def observe_goodput(self, num_tokens: int, seconds: float) -> None:
         """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
         whole step, drafting included): its kind's realised-goodput check learns from it."""
-        if self._last is not None:
+        if self._last is not None and self.check_goodput:
             check, drafted, checked = self._last
             self._last = None
             check.observe(drafted, checked, num_tokens, seconds)
@@ -350,9 +391,9 @@ class DraftLengthController:
         regime = (padded, num_other_tokens > 0, len(caps).bit_length())
         check = self.checks.get(regime)
         if check is None:
-            check = self.checks[regime] = GoodputCheck()
+            check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
         if (self._steps_since_plan < IDLE_REPLAN and self._idle_plan == regime) or \
-                (check.vetoed and not check.due()):
+                (check.vetoed and not check.stale(drafted=True)):
             # The last plan drafted nothing, for a step like this one (same padding, prefill
             # or not, batch within a factor of two): it stands for a few steps (the drifts
             # below catch up at the next plan), so where drafting does not pay — large,
@@ -363,8 +404,8 @@ class DraftLengthController:
         k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
         self._idle_plan = None if k.any() else regime
         drafted = bool(k.any())
-        checked = drafted and (check.vetoed or check.due())
-        if drafted and not check.vetoed and checked:
+        checked = drafted and (check.vetoed or check.stale(drafted=False))
+        if checked and not check.vetoed:
             k[:] = 0  # the check: this step runs without the plan's drafts
             drafted = False
         self._last = (check, drafted, checked)

@@ -372,6 +372,27 @@ def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, acc
     return drafting / seconds, tokens / seconds
 
 
+def test_drafts_that_pay_on_average_are_kept_though_most_fail():
+    """A lone request whose drafts are all accepted one step in five and none otherwise,
+    a drafted step 1.3x a plain one: drafting pays 1.38x on average, though most drafted
+    steps (and most checks under a veto) lose. Averaging the checks' logarithms would
+    count that variance against drafting (about a tie here); the checks keep drafting."""
+    import random
+
+    rng = random.Random(0)
+    ctl = controller(**MEMORY_BOUND)
+    tokens = seconds = 0.0
+    for _ in range(3000):
+        k = ctl.choose({"r": 4})["r"]
+        accepted = k if k and rng.random() < 0.2 else 0
+        ctl.observe_acceptance("r", k, k, accepted)
+        ctl.set_estimates("r", [0.9] * 4, 1.0)  # the model keeps planning drafts
+        emitted, elapsed = 1 + accepted, 0.013 if k else 0.010
+        ctl.observe_goodput(emitted, elapsed)
+        tokens, seconds = tokens + emitted, seconds + elapsed
+    assert tokens / seconds > 1.25 * 100  # speculation off: 100 tokens/s; drafting always: 138
+
+
 def test_drafts_that_lose_realised_goodput_are_vetoed():
     """The model says drafting is nearly free (a memory-bound fit), but each drafted step
     really takes 6x a plain one for 5x the tokens: the checks find drafting ~17 % slower
@@ -380,8 +401,8 @@ def test_drafts_that_lose_realised_goodput_are_vetoed():
     ctl = controller(**MEMORY_BOUND)
     share, goodput = serve(ctl, 400, plain_s=0.010, drafted_s=0.060)
     check = next(iter(ctl.checks.values()))
-    assert check.vetoed and check.gap < -0.1
-    assert share < 0.16  # mostly the steps before the first check
+    assert check.vetoed and check.ratio < 0.9
+    assert share < 0.2  # mostly the steps before the verdict
     assert goodput > 0.97 * 8 / 0.010  # off's; drafting every step would give 0.83x
     share, goodput = serve(ctl, 1000, plain_s=0.010, drafted_s=0.060)
     assert share < 0.05 and goodput > 0.99 * 8 / 0.010
@@ -395,7 +416,7 @@ def test_drafts_that_pay_are_checked_rarely():
     ctl = controller(**MEMORY_BOUND)
     serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
     check = next(iter(ctl.checks.values()))
-    assert not check.vetoed and check.gap > 0.5 and check.interval == CHECK_MAX
+    assert not check.vetoed and check.ratio > 2 and check.interval == CHECK_MAX
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
     assert share >= 1 - 1.5 / CHECK_MAX
 
@@ -417,7 +438,7 @@ def test_a_veto_is_lifted_when_drafting_starts_to_pay():
 def test_a_stalled_check_cannot_flip_the_verdict_alone():
     from specserve.spec_controller import GoodputCheck
 
-    check = GoodputCheck()
+    check = GoodputCheck(max_k=4)
     for _ in range(5):  # drafting pays 2x, checked five times
         for _ in range(check.interval):
             check.observe(True, False, 40, 0.02)

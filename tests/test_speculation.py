@@ -311,7 +311,8 @@ def test_seed_gives_the_same_tokens_whatever_k_the_budget_leaves(method, tiny_mo
     runs = []
     for filler in (0, 5):
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method=method, num_speculative_tokens=4,
-                    max_num_batched_tokens=10, max_num_seqs=8, block_size=4, num_kv_blocks=200, **extra)
+                    max_num_batched_tokens=10, max_num_seqs=8, block_size=4, num_kv_blocks=200,
+                    speculative_adaptive=False, **extra)  # the others' k: the budget's, not step times'
         prompts = [[3 + i, 4, 5, 6] for i in range(filler)] + [[7, 8, 9, 7, 8, 9]]
         others = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)] * filler
         runs.append(llm.generate(prompts, others + [params], use_tqdm=False)[-1].token_ids)
