@@ -11,7 +11,7 @@ settings take turns, each round starting with the next, and every engine is warm
 the workload first.
 
     python benchmarks/adaptive_check.py                          # chat and code-edit, 128 requests
-    python benchmarks/adaptive_check.py --workloads chat --num-prompts 384 --device cuda
+    python benchmarks/adaptive_check.py --device cuda --num-prompts 384 --num-kv-blocks 4096
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-warmups", type=int, default=None,
                         help="warm-up requests per engine (default: the whole workload)")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -58,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.bench.workloads import load_workload
 
     common = dict(speculative_method="ngram", num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs)
-    if args.device:
-        common["device"] = args.device
+    for name in ("model", "dtype", "device"):
+        if getattr(args, name):
+            common[name] = getattr(args, name)
     if args.num_kv_blocks:
         common["num_kv_blocks"] = args.num_kv_blocks
     engines = {}

@@ -59,15 +59,17 @@ few hundred steps, where nothing pays).
 
 A model can still be wrong where it matters most: on a host-bound GPU step at a few
 hundred requests, what drafting adds around the pass is hard to tell from what the batch
-costs anyway, and the margin alone let drafts through that made serving ~20 % slower.
-So the plan answers to what it delivers. For each kind of step, a ``GoodputCheck``
-compares the realised goodput — emitted tokens per second of whole step — of the steps
-the plan drafted with an occasional step where its drafts are withheld (or, once drafting
-lost, of the steps without drafts with an occasional step where the plan is let through).
-Each such step is set against the steps just before it, at the same batch and context,
-so the comparison is paired; the smoothed log ratio decides whether drafts are vetoed
-for that kind of step. Checks come more rarely the clearer the verdict (every 8 steps
-near a tie, every 64 where drafting doubles goodput), so a check costs little either way.
+costs anyway, and the margin alone let drafts through that made serving ~20 % slower
+(on the CPU, at 64 requests, a step with a few drafts costs ~1.7x one without: the
+attention pads every short span to the longest). So the plan answers to what it
+delivers. For each kind of step (padding, prefill or not, batch size within a factor of
+two) a ``GoodputCheck`` compares the realised goodput — emitted tokens per second of
+whole step — of the steps that ran drafts with that of the steps that ran none, and
+vetoes drafts where they deliver less, by more than twice the comparison's standard
+error. The plan's own steps without drafts are free samples; a step runs the other way
+(drafts withheld, or let through under a veto) only when one side has gone unseen for a
+while — a short while when the verdict is uncertain, up to 64 of its steps' durations
+once it is clear — so the checks cost little either way.
 
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one

@@ -449,3 +449,29 @@ def test_a_stalled_check_cannot_flip_the_verdict_alone():
     check.observe(True, False, 40, 5.0)  # a stall inside the window
     check.observe(False, True, 8, 0.008)
     assert not check.vetoed and check.num_checks == 6
+
+
+def test_the_check_benchmark_runs_every_setting(tiny_model_dir, tmp_path, capsys):
+    """benchmarks/adaptive_check.py on a tiny model: every setting runs, the eager plan
+    unchecked drafts what fixed k does, and the table names them all."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "adaptive_check.py"
+    spec = importlib.util.spec_from_file_location("adaptive_check", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    workload = tmp_path / "set.jsonl"
+    workload.write_text(json.dumps({"prompt": "a b c a b c a b c a b c a b c"}) + "\n")
+    out = tmp_path / "check.json"
+    assert module.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--workloads",
+                        str(workload), "--num-prompts", "8", "--output-len", "12", "--rounds", "1",
+                        "--num-warmups", "2", "--num-kv-blocks", "256", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["setting"] for r in runs] == list(module.SETTINGS)
+    lengths = {r["setting"]: r["draft_lengths"] for r in runs}
+    assert lengths["eager plan, unchecked"] == lengths["fixed k"]  # a plan that takes drafts for free
+    assert all(r["output_throughput"] > 0 for r in runs)
+    printed = capsys.readouterr().out
+    assert all(f"| {name} |" in printed for name in module.SETTINGS)
