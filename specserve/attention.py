@@ -22,6 +22,9 @@ from specserve.kernels import reference
 class AttentionBackend(Protocol):
     name: str
     padded_span: int  # query spans up to this long are padded to the longest of them (0: none)
+    # Whether it needs the step's real host-side lengths (else upper bounds will do, as a
+    # CUDA graph captured for the worst case gives it).
+    exact_lengths: bool
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, batch: ForwardBatch) -> None: ...
@@ -33,6 +36,7 @@ class AttentionBackend(Protocol):
 class TorchAttentionBackend:
     name = "torch"
     padded_span = reference.SHORT_SPAN  # decode rows and verify spans attend together, padded
+    exact_lengths = True
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
@@ -56,6 +60,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     padded_span = 0
+    exact_lengths = False  # lengths only plan tiles and splits; the kernels read the real ones
 
     def __init__(self) -> None:
         # Imported here, not at module level: the kernels are compiled (or interpreted,

@@ -65,6 +65,46 @@ def append_slots(slots: list[int], block_table: list[int], start: int, num_token
         pos += run
 
 
+@dataclass
+class RaggedArrays:
+    """A ragged step's per-token and per-request host lists (``ragged_arrays``)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    logits_rows: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    device_rows: list[int]
+
+
+def ragged_arrays(planned, block_size: int, device_counts: list[int] | None = None) -> RaggedArrays:
+    """The host lists of a ragged step, no padding: each request's tokens (fed, then
+    drafts), positions and cache slots, the rows whose logits are needed (a sampling
+    request's last 1 + k), its query and sequence lengths, and the rows whose token ids
+    are still on the device (each request's last ``device_counts[i]``)."""
+    out = RaggedArrays([], [], [], [], [], [], [])
+    input_ids, positions, slots, logits_rows, query_lens, seq_lens, device_rows = (
+        out.input_ids, out.positions, out.slots, out.logits_rows, out.query_lens, out.seq_lens,
+        out.device_rows)  # locals: this runs for every request of every step
+    num_tokens = 0
+    counts = device_counts if device_counts is not None else [0] * len(planned)
+    for p, count in zip(planned, counts):
+        num_drafts = len(p.draft_token_ids)
+        n = len(p.token_ids) + num_drafts
+        input_ids += p.token_ids
+        input_ids += p.draft_token_ids
+        positions += range(p.start_pos, p.start_pos + n)
+        append_slots(slots, p.block_table, p.start_pos, n, block_size)
+        num_tokens += n
+        if p.sample:
+            logits_rows += range(num_tokens - 1 - num_drafts, num_tokens)
+        device_rows += range(num_tokens - count, num_tokens)
+        query_lens.append(n)
+        seq_lens.append(p.start_pos + n)
+    return out
+
+
 def block_table_array(planned, num_rows: int, width: int) -> np.ndarray:
     """Block tables ``[num_rows, width]`` int32, padded with block 0 (and rows of zeros
     past the requests)."""

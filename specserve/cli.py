@@ -49,7 +49,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA: run every step eagerly, no CUDA graphs (default: graphs for "
-                        "decode/verify steps)")
+                        "decode/verify steps and for steps with prefill chunks)")
+    g.add_argument("--cuda-graph-max-tokens", type=int, default=2048, metavar="N",
+                   help="CUDA: steps with prefill chunks of up to N tokens in all replay ragged "
+                        "CUDA graphs; longer ones, or all with 0, run eagerly (default: 2048)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N GPUs of this host, one process each (generate "
                         "and serve; the command starts them under torchrun itself; default: 1)")
@@ -78,7 +81,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                 "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend", "enforce_eager",
-                "tensor_parallel_size",
+                "cuda_graph_max_tokens", "tensor_parallel_size",
                 "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
                 "layerskip_layers")
 

@@ -39,7 +39,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None     # explicit override of the memory budget
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
-    enforce_eager: bool = False          # CUDA: no CUDA graphs for decode/verify steps
+    enforce_eager: bool = False          # CUDA: no CUDA graphs at all
+    # CUDA: steps with prefill chunks of up to this many tokens (all requests together)
+    # replay ragged CUDA graphs; longer ones, or all with 0, run eagerly.
+    cuda_graph_max_tokens: int = 2048
     attention_backend: str = "auto"      # auto (triton on CUDA, torch on CPU) | torch | triton
     # Tensor parallelism: the target model split over this many ranks (one process and
     # one GPU each, started by torchrun); rank 0 runs the engine (see tp_worker.py).
@@ -89,6 +92,8 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                  f"got {self.speculative_method!r}")
+        if not _is_int(self.cuda_graph_max_tokens) or self.cuda_graph_max_tokens < 0:
+            raise SpecserveError(f"cuda_graph_max_tokens must be an integer >= 0, got {self.cuda_graph_max_tokens!r}")
         if not isinstance(self.enforce_eager, bool):
             raise SpecserveError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.speculative_adaptive, bool):

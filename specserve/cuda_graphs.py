@@ -1,10 +1,11 @@
-"""CUDA graphs for decode and verify steps.
+"""CUDA graphs for every step shape that recurs: padded decode/verify graphs and ragged
+graphs for steps with prefill chunks.
 
-A step in which every request feeds at most ``max_query_len`` tokens (decode, verify of
-one known token plus its drafts, a draft model's catch-up of one or two tokens) is run as
-a replay of a graph captured for its shape: ``num_reqs`` rounded up to a batch bucket,
-and every request padded to the step's longest query ``q``. Padding is harmless by
-construction:
+**Padded graphs.** A step in which every request feeds at most ``max_query_len`` tokens
+(decode, verify of one known token plus its drafts, a draft model's catch-up of one or
+two tokens) is run as a replay of a graph captured for its shape: ``num_reqs`` rounded up
+to a batch bucket, and every request padded to the step's longest query ``q``. Padding is
+harmless by construction:
 
 * extra draft rows of a request come *after* its real rows, so causal attention keeps
   them out of the real rows; their slot is -1, so their K/V is never stored;
@@ -12,30 +13,45 @@ construction:
   first ``q`` keys of block 0 — whatever is there, their outputs are thrown away.
 
 Only the real rows' logits are handed back (each sampling request's last 1 + k rows), in
-the same order as the eager path's, so the sampler never sees the padding. Longer prefill
-chunks (and the layer-skip draft, which runs a prefix of the layers) stay eager.
+the same order as the eager path's, so the sampler never sees the padding.
+
+**Ragged graphs.** A step with a prefill chunk (a new request admitted under load, most
+steps at a high request rate) does not fit a padded shape; run eagerly, its ~300 kernel
+launches from Python cost ~13 ms on an H200, five times a decode step. It replays a graph
+captured for its total token count rounded up to a token bucket instead: the requests'
+tokens unpadded, one after another, then one padding request owning the rows up to the
+bucket (slot -1, positions 0.., block 0 for keys), then requests with no tokens up to
+``max_num_seqs + 1`` (their attention tiles exit at once). The LM head runs inside the
+graph on the rows to sample only (a static index buffer, padded with row 0). Steps longer
+than the largest bucket (``EngineConfig.cuda_graph_max_tokens``, 2048 by default), and the
+layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's launches are
+a small part of its time.
 
 The attention kernels plan their launch (tile sizes, KV splits) from host-side lengths;
-graphs are captured with the worst case (``max_model_len`` keys for every request), so
-one graph serves every context length. All inputs live in static buffers that each step
-fills with one asynchronous host->device copy per dtype, built in one pass over the
-requests; token ids still on the device (a model drafter's proposals) are scattered in
-there, so the host never waits for them.
+graphs are captured with the worst case (``max_model_len`` keys for every request, and for
+ragged graphs the bucket's tokens in one request), so one graph serves every step that
+fits it. All inputs live in static buffers that each step fills with one asynchronous
+host->device copy per dtype, built in one pass over the requests; token ids still on the
+device (a model drafter's proposals) are scattered in there, so the host never waits for
+them.
 """
 from __future__ import annotations
 
 import logging
 import time
+from itertools import accumulate
 
 import torch
 
-from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array
+from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array, ragged_arrays
 from specserve.scheduler import SchedulerOutput
 from specserve.transfer import copy_into
 
 logger = logging.getLogger("specserve")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+MAX_RAGGED_TOKENS = TOKEN_BUCKETS[-1]  # past this (or EngineConfig.cuda_graph_max_tokens): eager
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -43,64 +59,112 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
-class GraphRunner:
-    """Graphs of ``forward + logits`` for (batch bucket, query length) shapes.
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """Ragged graphs' token counts: up to the step's token budget (at most
+    ``MAX_RAGGED_TOKENS``); none for a budget of 0."""
+    top = min(max_num_tokens, MAX_RAGGED_TOKENS)
+    if top <= 0:
+        return []
+    return [b for b in TOKEN_BUCKETS if b < top] + [top]
 
-    ``capture`` False runs the same padded static-buffer path eagerly — what the CPU tests
-    use to check the padding, since there is no CUDA there.
+
+class GraphRunner:
+    """Graphs of ``forward + logits``: padded ones for (batch bucket, query length)
+    shapes, ragged ones for token buckets (keyed ``(0, tokens)``).
+
+    ``capture`` False runs the same static-buffer paths eagerly — what the CPU tests use
+    to check the padding, since there is no CUDA there.
     """
 
     def __init__(self, model, kv_caches, *, max_num_seqs: int, max_query_len: int,
                  max_blocks_per_seq: int, max_model_len: int, device: torch.device,
-                 capture: bool = True) -> None:
+                 capture: bool = True, max_num_tokens: int = 0) -> None:
+        """``max_num_tokens``: the step's token budget, which the ragged graphs' buckets
+        reach (0: no ragged graphs)."""
         self.model, self.kv_caches = model, kv_caches
         self.buckets = batch_buckets(max_num_seqs)
         self.max_query_len = max_query_len
         self.max_model_len = max_model_len
         self.device = device
         self.capture = capture
-        max_tokens = self.buckets[-1] * max_query_len
         self.max_blocks_per_seq = max_blocks_per_seq
+        # A padding request's positions run up to its bucket: within the model's length.
+        self.token_buckets = [t for t in token_buckets(max_num_tokens) if t <= max_model_len]
+        self.ragged_reqs = self.buckets[-1] + 1  # room for the padding request
+        max_tokens = self.buckets[-1] * max_query_len
+        ragged_tokens = self.token_buckets[-1] if self.token_buckets else 0
         # Static inputs, laid out per graph shape so that each step's are one contiguous
-        # copy. int64: tokens, positions, slots (then, outside the graph, the logits rows
-        # to keep and the rows of device token ids); int32: cu_query_lens, seq_lens, tables.
-        self._long = torch.zeros(5 * max_tokens, dtype=torch.int64, device=device)
-        self._int = torch.zeros(2 * self.buckets[-1] + 1 + self.buckets[-1] * max_blocks_per_seq,
+        # copy. int64: tokens, positions, slots, (ragged: the rows to sample, read inside
+        # the graph), then outside the graph the logits rows to keep (padded) and the rows
+        # of device token ids; int32: cu_query_lens, seq_lens, tables.
+        self._long = torch.zeros(max(5 * max_tokens, 4 * ragged_tokens + self._ragged_rows(ragged_tokens)),
+                                 dtype=torch.int64, device=device)
+        self._int = torch.zeros(2 * self.ragged_reqs + 1 + self.ragged_reqs * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor, ForwardBatch]] = {}
         self._pool = None
 
     # ------------------------------------------------------------------ eligibility
     def fits(self, output: SchedulerOutput) -> bool:
-        """Every request within the captured query length; longer prefill chunks do not."""
-        planned = output.scheduled
-        return self.fits_lengths(len(planned), max(len(p.token_ids) + len(p.draft_token_ids) for p in planned))
+        """Whether a graph runs the step: every request within the captured query length
+        (padded), or the step's tokens within the largest token bucket (ragged)."""
+        return self._shape(output.scheduled) is not None
 
     def fits_lengths(self, num_reqs: int, max_query_len: int) -> bool:
-        """``fits`` for a step of ``num_reqs`` requests whose longest query is ``max_query_len``."""
+        """Whether a padded graph runs a step of ``num_reqs`` requests whose longest query
+        is ``max_query_len``."""
         return num_reqs <= self.buckets[-1] and max_query_len <= self.max_query_len
+
+    def _shape(self, planned) -> tuple[int, int] | None:
+        """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket)``
+        ragged, None for an eager step."""
+        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
+        q = max(lengths)
+        if self.fits_lengths(len(planned), q):
+            return next(b for b in self.buckets if b >= len(planned)), q
+        tokens = sum(lengths)
+        if len(planned) > self.buckets[-1] or not self.token_buckets or tokens > self.token_buckets[-1]:
+            return None
+        bucket = next(t for t in self.token_buckets if t >= tokens)
+        return (0, bucket) if self._num_logits(planned) <= self._ragged_rows(bucket) else None
+
+    def _ragged_rows(self, tokens: int) -> int:
+        """Rows a ragged graph of ``tokens`` computes logits for: every request's 1 + k."""
+        return min(tokens, self.buckets[-1] * self.max_query_len)
+
+    @staticmethod
+    def _num_logits(planned) -> int:
+        return sum(1 + len(p.draft_token_ids) for p in planned if p.sample)
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, query_lens: list[int]) -> None:
-        """Capture every bucket for each query length, largest first (they share a pool)."""
+        """Capture every bucket for each query length, then every token bucket, largest
+        first (they share a pool)."""
         start = time.perf_counter()
         for q in sorted(query_lens, reverse=True):
             for bucket in reversed(self.buckets):
-                self._get(bucket, q)
+                self._get((bucket, q))
+        for tokens in reversed(self.token_buckets):
+            self._get((0, tokens))
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
-    def _get(self, bucket: int, q: int):
-        key = (bucket, q)
+    def _get(self, key: tuple[int, int]):
         if key not in self._graphs:
-            self._graphs[key] = self._build(bucket, q)
+            self._graphs[key] = self._build(key)
         return self._graphs[key]
 
-    def _build(self, bucket: int, q: int):
-        batch = self._static_batch(bucket, q)
-        self._fill_padding(bucket, q)
+    def _build(self, key: tuple[int, int]):
+        bucket, size = key
+        if bucket:
+            batch, rows = self._static_batch(bucket, size), None
+        else:
+            batch, rows = self._static_ragged_batch(size)
+        self.prepare([], key, 1)  # an all-padding step, for warm-up and capture
 
         def forward() -> torch.Tensor:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
+            if rows is not None:
+                hidden = hidden.index_select(0, rows)
             return self.model.compute_logits(hidden).float()
 
         if not self.capture:
@@ -129,9 +193,19 @@ class GraphRunner:
             query_lens_host=[q] * bucket, seq_lens_host=[self.max_model_len] * bucket,
             has_padding=True)
 
-    def _fill_padding(self, bucket: int, q: int) -> None:
-        """Inputs of an all-padding step (for warm-up and capture)."""
-        self.prepare([], bucket, q, 1)
+    def _static_ragged_batch(self, tokens: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """A ragged graph's inputs, and the rows it computes logits for."""
+        n, reqs, ints = tokens, self.ragged_reqs, self._int
+        rows = self._long[3 * n:3 * n + self._ragged_rows(n)]
+        return ForwardBatch(
+            input_ids=self._long[:n], positions=self._long[n:2 * n], slot_mapping=self._long[2 * n:3 * n],
+            cu_query_lens=ints[:reqs + 1], seq_lens=ints[reqs + 1:2 * reqs + 1],
+            block_tables=ints[2 * reqs + 1:2 * reqs + 1 + reqs * self.max_blocks_per_seq]
+            .view(reqs, self.max_blocks_per_seq),
+            logits_indices=rows,
+            # Worst case: all the bucket's tokens in one request, every request at full length.
+            query_lens_host=[n] + [0] * (reqs - 1), seq_lens_host=[self.max_model_len] * reqs,
+            has_padding=True), rows
 
     # ------------------------------------------------------------------ replay
     @torch.inference_mode()
@@ -139,24 +213,30 @@ class GraphRunner:
             device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
         """Logits ``[Σ(1 + k_i), vocab]`` of the real rows, in schedule order."""
         planned = output.scheduled
-        q = max(len(p.token_ids) + len(p.draft_token_ids) for p in planned)
-        bucket = next(b for b in self.buckets if b >= len(planned))
-        graph, logits, batch = self._get(bucket, q)  # before writing: building overwrites inputs
-        rows, seq_lens = self.prepare(planned, bucket, q, block_size, device_ids)
+        key = self._shape(planned)
+        graph, logits, batch = self._get(key)  # before writing: building overwrites inputs
+        rows, query_lens, seq_lens = self.prepare(planned, key, block_size, device_ids)
         if self.capture:
             graph.replay()
-        else:  # eager: host-planned backends (torch) need the real lengths
-            batch.seq_lens_host = seq_lens
-            batch.attn_plans.clear()
+        else:  # eager: the torch backend needs the real lengths; Triton plans as captured
+            if self.model.attention_backend.exact_lengths:
+                batch.query_lens_host, batch.seq_lens_host = query_lens, seq_lens
+                batch.attn_plans.clear()
             logits = graph()
+        if key[0] == 0:  # ragged: the graph computed the sampled rows' logits, then padding
+            return logits[:self._num_logits(planned)]
         return logits if rows is None else logits.index_select(0, rows)
 
-    def prepare(self, planned, bucket: int, q: int, block_size: int,
-                device_ids: DeviceTokenIds | None = None) -> tuple[torch.Tensor | None, list[int]]:
-        """Write the step's inputs into the static buffers: request i owns rows
-        ``i*q .. i*q + q - 1``, its real tokens first; padding rows and padding requests
-        get slot -1. One pass over the requests, one asynchronous copy per dtype.
-        Returns the logits rows to keep (None: all of them) and the padded seq_lens."""
+    def prepare(self, planned, key: tuple[int, int], block_size: int,
+                device_ids: DeviceTokenIds | None = None
+                ) -> tuple[torch.Tensor | None, list[int], list[int]]:
+        """Write the step's inputs into the static buffers of graph ``key``; one pass over
+        the requests, one asynchronous copy per dtype. Returns the padded logits rows to
+        keep (None: all of them) and the query and sequence lengths of the requests that
+        have tokens, padding included."""
+        if key[0] == 0:
+            return self._prepare_ragged(planned, key[1], block_size, device_ids)
+        bucket, q = key
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -192,6 +272,35 @@ class GraphRunner:
         rows_t = None
         if not keep_all:
             rows_t, offset = self._long[offset:offset + len(rows)], offset + len(rows)
+        self._scatter_device_ids(count, offset, len(device_rows), device_ids)
+        return rows_t, [q] * bucket, seq_lens
+
+    def _prepare_ragged(self, planned, tokens: int, block_size: int,
+                        device_ids: DeviceTokenIds | None) -> tuple[None, list[int], list[int]]:
+        """The ragged layout: the requests' rows, then one padding request up to
+        ``tokens`` (slot -1, positions 0.., keys from block 0), then requests without
+        rows; the rows to sample padded with row 0."""
+        host = ragged_arrays(planned, block_size, device_ids.counts if device_ids is not None else None)
+        pad = tokens - len(host.input_ids)
+        query_lens, seq_lens = host.query_lens, host.seq_lens
+        if pad:
+            host.input_ids += [0] * pad
+            host.positions += range(pad)
+            host.slots += [-1] * pad
+            query_lens.append(pad)
+            seq_lens.append(pad)
+        num_rows = self._ragged_rows(tokens)
+        copy_into(self._long, [host.input_ids, host.positions, host.slots,
+                               host.logits_rows + [0] * (num_rows - len(host.logits_rows)), host.device_rows])
+        empty = self.ragged_reqs - len(query_lens)
+        cu_query_lens = [0, *accumulate(query_lens)] + [tokens] * empty
+        tables = block_table_array(planned, self.ragged_reqs, self.max_blocks_per_seq)
+        copy_into(self._int, [cu_query_lens, seq_lens + [0] * empty, tables])
+        self._scatter_device_ids(tokens, 3 * tokens + num_rows, len(host.device_rows), device_ids)
+        return None, query_lens, seq_lens
+
+    def _scatter_device_ids(self, num_tokens: int, offset: int, count: int,
+                            device_ids: DeviceTokenIds | None) -> None:
+        """Token ids still on the device into the step's token rows (listed at ``offset``)."""
         if device_ids is not None:
-            self._long[:count].index_copy_(0, self._long[offset:offset + len(device_rows)], device_ids.ids)
-        return rows_t, seq_lens
+            self._long[:num_tokens].index_copy_(0, self._long[offset:offset + count], device_ids.ids)

@@ -7,7 +7,7 @@ from itertools import accumulate
 
 import torch
 
-from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array
+from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, ragged_arrays
 from specserve.config import EngineConfig
 from specserve.distributed import SINGLE, TPGroup
 from specserve.scheduler import SchedulerOutput
@@ -122,8 +122,9 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- CUDA graphs
     def enable_graphs(self, max_query_len: int, max_model_len: int, capture: bool = True) -> None:
-        """Run decode/verify steps of up to ``max_query_len`` tokens per request as CUDA
-        graph replays (``capture=False``: the same padded path, eagerly — for tests)."""
+        """Run decode/verify steps of up to ``max_query_len`` tokens per request as padded
+        CUDA graph replays, and steps with prefill chunks within the token budget as ragged
+        ones (``capture=False``: the same static-buffer paths, eagerly — for tests)."""
         from specserve.cuda_graphs import GraphRunner
 
         if self.channel is not None:
@@ -132,7 +133,8 @@ class ModelRunner:
             self.model, self.kv_caches, max_num_seqs=self.config.max_num_seqs,
             max_query_len=max_query_len,
             max_blocks_per_seq=-(-(max_model_len + max_query_len) // self.block_size),
-            max_model_len=max_model_len, device=self.device, capture=capture)
+            max_model_len=max_model_len, device=self.device, capture=capture,
+            max_num_tokens=min(self.config.max_num_batched_tokens, self.config.cuda_graph_max_tokens))
         if capture:
             with torch.inference_mode():
                 self.graphs.capture_all(list(range(1, max_query_len + 1)))
@@ -183,7 +185,8 @@ class ModelRunner:
 
     def pads_short_spans(self, with_prefill: bool) -> bool:
         """Whether a step's decode and verify spans are padded to the longest of them (see
-        ``padded_tokens``); a step with a prefill chunk runs eagerly, not as a graph."""
+        ``padded_tokens``); a step with a prefill chunk runs unpadded (a ragged graph, or
+        eagerly)."""
         return (self.graphs is not None and not with_prefill) or self.model.attention_backend.padded_span > 0
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
@@ -203,38 +206,17 @@ class ModelRunner:
     def prepare(self, output: SchedulerOutput, device_ids: DeviceTokenIds | None = None) -> ForwardBatch:
         """The step's tensors: built on the host in one pass over the requests (runs of
         tokens at a time) and sent in one asynchronous copy per dtype, no sync."""
-        planned, bs = output.scheduled, self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        num_tokens = 0
-        for p in planned:
-            num_drafts = len(p.draft_token_ids)
-            n = len(p.token_ids) + num_drafts
-            input_ids += p.token_ids
-            input_ids += p.draft_token_ids
-            positions += range(p.start_pos, p.start_pos + n)
-            append_slots(slots, p.block_table, p.start_pos, n, bs)
-            num_tokens += n
-            if p.sample:
-                logits_indices += range(num_tokens - 1 - num_drafts, num_tokens)
-            query_lens.append(n)
-            seq_lens.append(p.start_pos + n)
-        cu_query_lens = [0, *accumulate(query_lens)]
-        device_rows: list[int] = []
-        if device_ids is not None:  # each request's last counts[i] rows
-            for end, count in zip(cu_query_lens[1:], device_ids.counts):
-                device_rows += range(end - count, end)
+        planned = output.scheduled
+        host = ragged_arrays(planned, self.block_size, device_ids.counts if device_ids is not None else None)
         input_ids_t, positions_t, slots_t, logits_t, device_rows_t = to_device(
-            [input_ids, positions, slots, logits_indices, device_rows], torch.int64, self.device)
+            [host.input_ids, host.positions, host.slots, host.logits_rows, host.device_rows],
+            torch.int64, self.device)
         tables = block_table_array(planned, len(planned), max(len(p.block_table) for p in planned))
-        tables_t, cu_t, seq_lens_t = to_device([tables, cu_query_lens, seq_lens], torch.int32, self.device)
+        cu_query_lens = [0, *accumulate(host.query_lens)]
+        tables_t, cu_t, seq_lens_t = to_device([tables, cu_query_lens, host.seq_lens], torch.int32, self.device)
         if device_ids is not None:
             input_ids_t.index_copy_(0, device_rows_t, device_ids.ids)
         return ForwardBatch(
             input_ids=input_ids_t, positions=positions_t, slot_mapping=slots_t, block_tables=tables_t,
             cu_query_lens=cu_t, seq_lens=seq_lens_t, logits_indices=logits_t,
-            query_lens_host=query_lens, seq_lens_host=seq_lens)
+            query_lens_host=host.query_lens, seq_lens_host=host.seq_lens)

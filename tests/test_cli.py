@@ -116,6 +116,7 @@ def test_config_file_sets_flags_and_command_line_wins(capsys, tiny_model_dir, tm
     ("max_tokens: [1\n", "not valid YAML"),
     ("max_tokens: lots\n", "invalid value"),
     ("speculative_method: magic\n", "must be one of"),
+    ("cuda_graph_max_tokens: -1\n", "cuda_graph_max_tokens must be an integer >= 0"),
 ])
 def test_bad_config_file_is_a_usage_error(capsys, tmp_path, text, message):
     config = tmp_path / "bad.yaml"

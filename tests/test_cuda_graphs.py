@@ -1,11 +1,13 @@
-"""The CUDA-graph path's padding, checked eagerly on CPU: decode/verify steps padded to a
-batch bucket and to one query length per step must give exactly the unpadded results."""
+"""The CUDA-graph paths' padding, checked eagerly on CPU: decode/verify steps padded to a
+batch bucket and to one query length per step, and steps with prefill chunks laid out
+ragged up to a token bucket, must give exactly the unpadded results."""
 from __future__ import annotations
 
 import pytest
 
 from specserve import SamplingParams
-from specserve.cuda_graphs import batch_buckets
+from specserve.cuda_graphs import MAX_RAGGED_TOKENS, batch_buckets, token_buckets
+from specserve.scheduler import ScheduledRequest
 from tiny_models import LLM32
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
@@ -16,6 +18,13 @@ def test_batch_buckets_end_at_max_num_seqs():
     assert batch_buckets(1) == [1]
     assert batch_buckets(10) == [1, 2, 4, 8, 10]
     assert batch_buckets(64)[-1] == 64 and len(set(batch_buckets(64))) == len(batch_buckets(64))
+
+
+def test_token_buckets_end_at_the_budget():
+    assert token_buckets(0) == []
+    assert token_buckets(20) == [16, 20]
+    assert token_buckets(512) == [16, 32, 64, 128, 192, 256, 384, 512]
+    assert token_buckets(100_000)[-1] == MAX_RAGGED_TOKENS
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral_window"])
@@ -57,3 +66,94 @@ def test_padding_rows_never_reach_the_cache(tiny_model_dir):
     ref = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64).generate(
         ["a b a b a b a b"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     assert out.token_ids == ref.token_ids
+
+
+def mixes(planned) -> bool:
+    """Whether a step has a prefill chunk beside decode or verify rows."""
+    return any(len(p.token_ids) > 1 for p in planned) and any(len(p.token_ids) == 1 for p in planned)
+
+
+@pytest.mark.parametrize("backend, method", [("torch", "none"), ("torch", "ngram"), ("triton", "ngram")])
+def test_ragged_graph_path_equals_eager(tiny_model_dir, backend, method):
+    """Steps with prefill chunks run the ragged graphs' layout: the requests' rows
+    unpadded, a padding request up to the token bucket, requests without rows up to
+    max_num_seqs + 1, logits of the sampled rows only. A budget this small makes chunks
+    share steps with decode and verify rows; the tokens are the eager path's (greedy and
+    seeded sampling) and every block comes back. Triton (interpreted) plans its launch
+    for the worst case, as the captured graph does."""
+    kwargs = dict(block_size=4, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=20,
+                  speculative_method=method, num_speculative_tokens=3, attention_backend=backend,
+                  speculative_adaptive=False)  # drafts every step: verify spans beside the chunks
+    prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 3]
+    eager = LLM32(str(tiny_model_dir("llama")), **kwargs)
+    llm = LLM32(str(tiny_model_dir("llama")), **kwargs)
+    llm.engine.enable_graphs(capture=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs.token_buckets == [16, 20]
+    ragged = []
+    run = graphs.run
+
+    def record(output, *args):
+        shape = graphs._shape(output.scheduled)
+        if shape[0] == 0:
+            tokens = sum(len(p.token_ids) + len(p.draft_token_ids) for p in output.scheduled)
+            ragged.append((shape[1], tokens, mixes(output.scheduled)))
+        return run(output, *args)
+
+    graphs.run = record
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True)]
+    if backend == "triton":  # interpreted: slow, and the sampler is the torch runs' business
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    for p in params:
+        want = eager.generate(prompts, p, use_tqdm=False)
+        got = llm.generate(prompts, p, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(mixed for *_, mixed in ragged)                    # chunks beside decode rows
+    assert any(tokens < bucket for bucket, tokens, _ in ragged)  # a padding request
+    if method == "ngram":
+        assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_steps_past_the_largest_token_bucket_run_eagerly(tiny_model_dir):
+    llm = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_num_seqs=4,
+                max_num_batched_tokens=16)
+    llm.engine.enable_graphs(capture=False)
+    graphs = llm.engine.runner.graphs
+    greedy = SamplingParams(temperature=0)
+
+    def step(*lengths):
+        return [ScheduledRequest(f"r{i}", [0] * n, 0, [0] * 8, greedy) for i, n in enumerate(lengths)]
+
+    assert graphs._shape(step(1, 1, 1)) == (4, 1)    # padded: every request within one token
+    assert graphs._shape(step(9, 1)) == (0, 16)      # ragged: ten tokens in the 16-token bucket
+    assert graphs._shape(step(16, 1)) is None        # 17 tokens: past the largest bucket
+
+
+def test_the_graph_steps_benchmark_runs_and_times_both_kinds_of_step(tiny_model_dir, tmp_path, capsys):
+    """benchmarks/graph_steps.py on a tiny model (CPU: no graphs, so both engines run the
+    same eager steps): both settings run every round, steps with and without a prefill
+    chunk are timed apart, and the table names both."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "graph_steps.py"
+    spec = importlib.util.spec_from_file_location("graph_steps", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    workload = tmp_path / "set.jsonl"
+    workload.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "steps.json"
+    assert module.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--workloads",
+                        str(workload), "--num-prompts", "10", "--output-len", "8", "--rounds", "2",
+                        "--max-num-seqs", "4", "--num-kv-blocks", "256", "--speculation", "ngram:3",
+                        "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 4 and {r["setting"] for r in runs} == {"prefill steps eager", "ragged graphs"}
+    for r in runs:  # ten requests through four seats: some steps admit one, most do not
+        assert 0 < r["num_prefill_steps"] < r["num_steps"] and r["prefill_step_ms"] > 0
+        assert r["decode_step_ms"] > 0 and r["output_throughput"] > 0
+    printed = capsys.readouterr().out
+    assert "| eager |" in printed and "| ragged graphs |" in printed

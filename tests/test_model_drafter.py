@@ -1,7 +1,7 @@
 """The draft-model drafter's device-resident loop: proposals stay on the device until the
 rejection sampler's one copy, its catch-up and draft steps run through the CUDA-graph
-padded path (eagerly here, ``capture=False``), and greedy output stays exactly that of
-speculation off."""
+padded path and its prefill through the ragged one (eagerly here, ``capture=False``),
+and greedy output stays exactly that of speculation off."""
 from __future__ import annotations
 
 import pytest
@@ -55,8 +55,7 @@ def test_padded_graph_path_of_the_draft_model_equals_speculation_off(tiny_model_
     graphs = llm.engine.drafter.runner.graphs
     calls = []
     run = graphs.run
-    graphs.run = lambda *a: calls.append((len(a[0].scheduled), max(len(p.token_ids) for p in a[0].scheduled))) \
-        or run(*a)
+    graphs.run = lambda *a: calls.append(graphs._shape(a[0].scheduled)) or run(*a)
     params = [greedy(k) for k in KS]
     want = plain.generate(PROMPTS, params, use_tqdm=False)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -65,8 +64,11 @@ def test_padded_graph_path_of_the_draft_model_equals_speculation_off(tiny_model_
     assert stats.num_drafts > 0
     if which == "target":
         assert stats.acceptance_rate == 1.0
-    assert {q for _, q in calls} == {1, 2}  # draft steps, and catch-ups after full acceptance
-    assert any(n not in batch_buckets(8) for n, _ in calls)  # padded up to a bucket
+    padded = [(bucket, q) for bucket, q in calls if bucket]
+    assert {q for _, q in padded} == {1, 2}  # draft steps, and catch-ups after full acceptance
+    assert len(padded) < len(calls)  # the prompts' lockstep prefill: ragged graphs
+    scheduled = [n for n, _ in padded]
+    assert set(scheduled) <= set(batch_buckets(8)) and 8 in scheduled  # padded up to a bucket
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 

@@ -1,0 +1,154 @@
+"""Ragged CUDA graphs for steps with prefill chunks: what they save under load.
+
+Under load most steps admit a new request, so a prefill chunk shares the step with every
+running request's decode or verify rows. Such a step does not fit a padded decode graph;
+run eagerly, its few hundred kernel launches from Python cost several times a decode
+step. This benchmark runs the same workload (all requests at once, ``--max-num-seqs``
+running) on two engines that differ only in ``cuda_graph_max_tokens``: 0 (steps with
+prefill chunks run eagerly, as before ragged graphs) and the default (they replay ragged
+graphs). Per round and engine: output tokens/s, mean TTFT, and the mean wall time of a
+step with a prefill chunk and of one without. The engines take turns, each round
+starting with the next, after a warm-up on the workload.
+
+    python benchmarks/graph_steps.py --num-prompts 384 --num-kv-blocks 4096          # a CUDA device
+    python benchmarks/graph_steps.py --speculation ngram:4 ...   # the same with n-gram drafts, k = 4
+
+Without a CUDA device there are no graphs: both engines run the same eager steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="chat,code-edit")
+    parser.add_argument("--num-prompts", type=int, default=384)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--speculation", default="none",
+                        help="none, or METHOD:K (fixed k) for the drafter both engines run")
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    from specserve import LLMEngine
+    from specserve.bench.offline import prompt_ids, run_offline, warm_up
+    from specserve.bench.workloads import load_workload
+
+    common = dict(max_num_seqs=args.max_num_seqs)
+    if args.speculation != "none":
+        method, k = args.speculation.split(":")
+        common.update(speculative_method=method, num_speculative_tokens=int(k), speculative_adaptive=False)
+    for name in ("model", "dtype", "device"):
+        if getattr(args, name):
+            common[name] = getattr(args, name)
+    if args.num_kv_blocks:
+        common["num_kv_blocks"] = args.num_kv_blocks
+    engines = {"prefill steps eager": LLMEngine(**common, cuda_graph_max_tokens=0),
+               "ragged graphs": LLMEngine(**common)}
+    results = {"machine": _machine(), "args": vars(args), "runs": []}
+    for workload in args.workloads.split(","):
+        first = next(iter(engines.values()))
+        requests = load_workload(workload, args.num_prompts, output_len=args.output_len,
+                                 tokenizer=first.tokenizer)
+        ids = prompt_ids(first, requests)
+        for engine in engines.values():
+            warm_up(engine, requests, ids, num_requests=len(requests))
+        names = list(engines)
+        for round_ in range(args.rounds):
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                engine = engines[name]
+                steps: list[tuple[bool, float]] = []
+                with _timed_steps(engine, steps):
+                    run = run_offline(engine, requests, token_ids=ids, progress=False, label=name)
+                mixed = [s for prefill, s in steps if prefill]
+                plain = [s for prefill, s in steps if not prefill]
+                row = {"workload": workload, "setting": name, "round": round_,
+                       "output_throughput": run["output_throughput"], "mean_ttft_ms": run["mean_ttft_ms"],
+                       "num_steps": len(steps), "num_prefill_steps": len(mixed),
+                       "prefill_step_ms": 1e3 * statistics.fmean(mixed) if mixed else None,
+                       "decode_step_ms": 1e3 * statistics.fmean(plain) if plain else None}
+                results["runs"].append(row)
+                print(f"{workload:9s} round {round_} {name:20s} {row['output_throughput']:9.1f} tok/s",
+                      flush=True)
+    print()
+    print(table(results["runs"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+class _timed_steps:
+    """Within the block, record (has a prefill chunk, wall seconds) for each of the
+    engine's steps that ran a pass."""
+
+    def __init__(self, engine, steps: list) -> None:
+        self.engine, self.steps = engine, steps
+
+    def __enter__(self):
+        engine, steps = self.engine, self.steps
+        step, verify = engine.step, engine._verify
+        seen: list[bool] = []
+
+        def timed_verify(scheduled):
+            seen.append(any(len(p.token_ids) > 1 for p in scheduled.scheduled))
+            return verify(scheduled)
+
+        def timed_step():
+            seen.clear()
+            start = time.perf_counter()
+            outputs = step()
+            if seen:
+                steps.append((seen[0], time.perf_counter() - start))
+            return outputs
+
+        engine.step, engine._verify = timed_step, timed_verify
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step, self.engine._verify  # back to the class's methods
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| workload | prefill steps | output tok/s (each round) | vs eager | mean TTFT ms | "
+             "step ms, with prefill / without | steps (with prefill) |",
+             "| --- | --- | --- | ---: | ---: | --- | --- |"]
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload]
+        base = statistics.median(r["output_throughput"] for r in mine if r["setting"] == "prefill steps eager")
+        for setting in dict.fromkeys(r["setting"] for r in mine):
+            rows = [r for r in mine if r["setting"] == setting]
+            tps = [r["output_throughput"] for r in rows]
+            mixed = [r["prefill_step_ms"] for r in rows if r["prefill_step_ms"] is not None]
+            plain = [r["decode_step_ms"] for r in rows if r["decode_step_ms"] is not None]
+            lines.append(
+                f"| {workload} | {'eager' if setting.endswith('eager') else 'ragged graphs'} | "
+                f"{' / '.join(f'{t:,.0f}' for t in tps)} | {statistics.median(tps) / base:.2f}x | "
+                f"{statistics.median(r['mean_ttft_ms'] for r in rows):.1f} | "
+                f"{statistics.median(mixed) if mixed else float('nan'):.2f} / "
+                f"{statistics.median(plain) if plain else float('nan'):.2f} | "
+                f"{rows[0]['num_steps']} ({rows[0]['num_prefill_steps']}) |")
+    return "\n".join(lines)
+
+
+def _machine() -> dict:
+    info = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+if __name__ == "__main__":
+    sys.exit(main())
