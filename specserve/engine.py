@@ -373,12 +373,17 @@ class LLMEngine:
                 lengths[r.req_id] = k
             else:
                 free[r.req_id] = k
-        budget = self.config.max_num_batched_tokens
         num_running = len(self.scheduler.running)
-        waiting = self.scheduler.waiting
-        other_tokens = min(other_tokens + sum(r.num_tokens - r.num_computed_tokens for r in waiting),
-                           max(budget - num_running, 0))
-        other_spans += min(len(waiting), self.config.max_num_seqs - num_running)
+        room = max(self.config.max_num_batched_tokens - num_running, 0)
+        seats = self.config.max_num_seqs - num_running
+        admitted = 0
+        for r in self.scheduler.waiting:  # only those that can be admitted: the queue may be long
+            if other_tokens >= room or admitted >= seats:
+                break
+            other_tokens += r.num_tokens - r.num_computed_tokens
+            admitted += 1
+        other_tokens = min(other_tokens, room)
+        other_spans += admitted
         padded = self.runner.pads_short_spans(with_prefill=other_tokens > 0)
         lengths.update(self.controller.choose(free, other_tokens, other_spans, padded, context))
         return lengths

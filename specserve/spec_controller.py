@@ -20,8 +20,9 @@ Two online estimates feed the choice:
   request to the step's longest query — a CUDA graph replay does, and the CPU's
   attention batches decode and verify spans that way — so a draft depth D costs every
   request of the batch D tokens there — and the prefill chunks' tokens and a step with
-  any its own fixed cost (on a GPU such a step runs eagerly, and at high load most steps
-  admit a new request), plus
+  any its own fixed cost (on a GPU such a step replays a ragged graph, not a padded one,
+  or runs eagerly past the largest token bucket; and at high load most steps admit a new
+  request), plus
   ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
   The target cost is the whole engine step's wall time less the drafter's: the host
   work around the pass (verify lists, rollback, detokenising the extra tokens) is part
@@ -73,11 +74,16 @@ once it is clear — so the checks cost little either way.
 
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one
-vectorised update, and a plan to draft nothing stands for ``IDLE_REPLAN`` - 1 more steps
-of the same kind (same padding, prefill or not, batch size within a factor of two), only
-planned steps being timed for the cost model.
+vectorised update, and a plan stands for more steps of the same kind (same padding,
+prefill or not, batch size within a factor of two): ``IDLE_REPLAN`` - 1 more if it drafts
+nothing, ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its k), only planned
+steps being timed for the cost model; a cost model's least-squares fit is solved again
+only when a step surprises it or every few steps. On an H200 host the controller's
+bookkeeping cost ~0.4 ms a step at 64 requests when it planned and solved every step.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -87,7 +93,10 @@ INITIAL_ACCEPTANCE = 0.6    # before any observation
 DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
 PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
 IDLE_REPLAN = 4             # while the plan is to draft nothing, a full choice every this many steps
+DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between)
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
+RESOLVE_ERROR = 0.25        # a cost model's fit is solved at once for a sample off by more than this
+RESOLVE_EVERY = 8           # and else every this many samples
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
 CHECK_MIN = 4               # realised-goodput check: a side stale after CHECK_MIN to CHECK_MAX of
 CHECK_MAX = 64              # its mean step durations without a step, the more by CHECK_SPREAD
@@ -96,8 +105,9 @@ CHECK_DECAY = 0.95          # per step of a side, how much of its sums is kept
 CHECK_STALL = 3.0           # a step counts at most this many times its side's mean duration
 VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this log goodput ratio, allowed above +this
 VETO_Z = 2.0                # and only if the ratio is this many standard errors below 1
-CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, as if seen over
-CHECK_PRIOR_STEPS = 2       # this many steps, before a side's own steps show theirs
+CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, plus
+CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone (a GPU host's vary by a fifth),
+CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
 
 
 class CostModel:
@@ -117,20 +127,35 @@ class CostModel:
         self.forgetting = forgetting
         self.theta = np.zeros(num_features)
         self.num_samples = 0
+        self._unsolved = 0  # samples since the last solve
 
     def observe(self, x: list[float], y: float) -> None:
+        """Learn one sample. The fit is solved again at once when the sample surprises it
+        (off the prediction by more than ``RESOLVE_ERROR``, or clipped as a stall), else
+        every ``RESOLVE_EVERY`` samples: a step that costs what was predicted teaches the
+        plan nothing it needs now, and a GPU step is too short to solve after each."""
         x = np.asarray(x, dtype=float)
         predicted = self.predict(x)
+        surprise = self.num_samples < 2 * len(x) or abs(y - predicted) > RESOLVE_ERROR * predicted
         if self.num_samples >= len(x) and predicted > 0:
             y = min(y, OUTLIER_RATIO * predicted)  # a stall, not the cost of this batch
-        self.xtx = self.forgetting * self.xtx + np.outer(x, x)
-        self.xty = self.forgetting * self.xty + x * y
+        self.xtx *= self.forgetting
+        self.xtx += np.outer(x, x)
+        self.xty *= self.forgetting
+        self.xty += x * y
         self.num_samples += 1
+        self._unsolved += 1
+        if surprise or self._unsolved >= RESOLVE_EVERY:
+            self.solve()
+
+    def solve(self) -> None:
+        """The least-squares fit of every sample so far."""
+        self._unsolved = 0
         # A ridge a billionth of the scale: the least-norm fit where the samples cannot tell
         # costs apart, ten times cheaper than an SVD.
         xtx = self.anchor_xtx + self.xtx
-        ridge = 1e-9 * np.trace(xtx) / len(x) + 1e-12
-        theta = np.linalg.solve(xtx + ridge * np.eye(len(x)), self.anchor_xty + self.xty)
+        ridge = 1e-9 * np.trace(xtx) / len(xtx) + 1e-12
+        theta = np.linalg.solve(xtx + ridge * np.eye(len(xtx)), self.anchor_xty + self.xty)
         # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
         self.theta = np.clip(theta, 0.0, None)
 
@@ -140,6 +165,7 @@ class CostModel:
         self.anchor_xty = self.anchor_xty + weight * self.xty
         self.xtx = np.zeros_like(self.xtx)
         self.xty = np.zeros_like(self.xty)
+        self.solve()
 
     def predict(self, x: list[float]) -> float:
         return float(np.dot(self.theta, x))
@@ -170,12 +196,14 @@ class GoodputCheck:
     def __init__(self, max_k: int, batch: int = 1) -> None:
         self.max_ratio = 1.0 + max_k
         # A step's tokens are the sum of its requests': their deviation shrinks as 1 / sqrt(batch).
-        self.prior_cv = CHECK_PRIOR_CV / np.sqrt(max(batch, 1))
+        self.prior_cv = math.sqrt(CHECK_PRIOR_CV ** 2 / max(batch, 1) + CHECK_JITTER_CV ** 2)
+        self._counts = [0, 0]                      # steps seen per side, undecayed
         self.vetoed = False
         self.num_checks = 0                        # steps run the other way
-        # [drafted, plain] x [steps, tokens, seconds, tokens^2, tokens*seconds, seconds^2]
-        self._sums = np.zeros((2, 6))
-        self._since = np.zeros(2)                  # seconds of this kind since each side's last step
+        # [drafted, plain] x [steps, tokens, seconds, tokens^2, tokens*seconds, seconds^2];
+        # plain floats: this runs every step, and numpy scalars cost several times more.
+        self._sums = [[0.0] * 6, [0.0] * 6]
+        self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
 
     @property
     def ratio(self) -> float:
@@ -199,7 +227,7 @@ class GoodputCheck:
             observed = steps * max(tt - 2.0 * rate * ts + rate * rate * ss, 0.0) / (tokens * tokens)
             per_step = (CHECK_PRIOR_STEPS * self.prior_cv ** 2 + steps * observed) / (CHECK_PRIOR_STEPS + steps)
             variance += per_step / steps
-        return float(np.log(self.ratio) / max(np.sqrt(variance), 1e-3))
+        return math.log(self.ratio) / max(math.sqrt(variance), 1e-3)
 
     @property
     def interval(self) -> int:
@@ -210,9 +238,9 @@ class GoodputCheck:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
         other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations."""
         side = 0 if drafted else 1
-        steps, _, seconds = self._sums[side, :3]
+        steps, _, seconds = self._sums[side][:3]
         if steps == 0:
-            return self._sums[1 - side, 0] >= CHECK_MIN
+            return self._sums[1 - side][0] >= CHECK_MIN
         return self._since[side] >= self.interval * seconds / steps
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
@@ -221,19 +249,22 @@ class GoodputCheck:
         if seconds <= 0:
             return
         side = 0 if drafted else 1
-        sums = self._sums[side]
+        sums, other = self._sums[side], self._sums[1 - side]
         if sums[0] >= CHECK_MIN:
             seconds = min(seconds, CHECK_STALL * sums[2] / sums[0])  # a stall, not the step
-        sums *= CHECK_DECAY
-        sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
-        self._since += seconds
+        elif other[0] >= CHECK_MIN:  # a side's first steps: the other side's steps tell a stall
+            seconds = min(seconds, CHECK_STALL * self.max_ratio * other[2] / other[0])
+        self._counts[side] += 1
+        new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
+        self._sums[side] = [CHECK_DECAY * old + value for old, value in zip(sums, new)]
+        self._since[1 - side] += seconds
         self._since[side] = 0.0
         self.num_checks += checked
-        log_ratio = np.log(self.ratio)
+        log_ratio = math.log(self.ratio)
         if self.vetoed:  # lifted once the ratio is not clearly below 1
             self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
-        else:
-            self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z
+        else:  # and never on a side's first few steps, however clear they look
+            self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z and min(self._counts) >= CHECK_MIN
 
 
 class DraftLengthController:
@@ -260,9 +291,13 @@ class DraftLengthController:
         self._idle = np.zeros(0, dtype=bool)        # per row: chosen k = 0 (could draft) last step
         self._pending: list[tuple[int, int, int, int]] = []  # (row, planned, proposed, accepted)
         self._pending_rows: set[int] = set()
+        self._releasing: list[int] = []  # rows of freed requests, reusable once their observation is applied
         self._observed = False  # any acceptance observed since the last choice
-        self._steps_since_plan = 0   # choices since the last full plan (the rest repeated k = 0)
-        self._idle_plan = None       # the step kind for which the last full plan drafted nothing
+        self._steps_since_plan = 0   # choices since the last full plan (the rest repeated it)
+        self._last_kind = None       # the step kind the last full plan was made for
+        self._last_plan: dict[str, int] = {}  # its k > 0 per request (empty: it drafted nothing)
+        self.idle_replan = IDLE_REPLAN    # a plan without drafts stands for this many steps
+        self.draft_replan = DRAFT_REPLAN  # and one with drafts for this many
         self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
         self._last: tuple[GoodputCheck, bool, bool] | None = None  # the last choice: check, drafted, checked
 
@@ -279,8 +314,9 @@ class DraftLengthController:
         """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
         ``target_s`` None: the pass says nothing about what drafts cost. ``num_tokens``:
         decode and verify tokens; ``num_prefill``: prefill chunks' tokens (a step with
-        any has its own fixed cost too: on a GPU it runs eagerly where decode and verify
-        steps replay CUDA graphs, and at high load most steps admit a new request).
+        any has its own fixed cost too: on a GPU it replays a ragged graph (or runs
+        eagerly) where decode and verify steps replay padded ones, and at high load most
+        steps admit a new request).
         ``num_padded``: the tokens the pass really ran where it padded every request to the
         longest query (a CUDA graph replay, the CPU attention's short spans; else 0).
         ``num_reqs`` / ``context``: the requests in the pass and their tokens in the KV
@@ -323,6 +359,9 @@ class DraftLengthController:
         self._observed = True
         self._pending.clear()
         self._pending_rows.clear()
+        if self._releasing:  # freed requests' rows: their last observation is read above
+            self._free_rows += self._releasing
+            self._releasing.clear()
         share = proposed / planned
         self._rate[rows] += ACCEPT_SMOOTHING * (share - self._rate[rows])
         self.prior_rate += _batch_weight(len(rows)) * (share.mean() - self.prior_rate)
@@ -374,8 +413,11 @@ class DraftLengthController:
 
     def free(self, req_id: str) -> None:
         row = self._rows.pop(req_id, None)
-        if row is not None:
-            self._apply_pending()  # its queued observation still teaches the priors
+        if row is None:
+            return
+        if row in self._pending_rows:  # its queued observation still teaches the priors:
+            self._releasing.append(row)  # the row is reused once that is applied
+        else:
             self._free_rows.append(row)
 
     # ------------------------------------------------------------------ the choice
@@ -394,7 +436,8 @@ class DraftLengthController:
         check = self.checks.get(regime)
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
-        if (self._steps_since_plan < IDLE_REPLAN and self._idle_plan == regime) or \
+        last_k = self._last_plan if self._last_kind == regime else None
+        if (last_k is not None and not last_k and self._steps_since_plan < self.idle_replan) or \
                 (check.vetoed and not check.stale(drafted=True)):
             # The last plan drafted nothing, for a step like this one (same padding, prefill
             # or not, batch within a factor of two): it stands for a few steps (the drifts
@@ -403,8 +446,16 @@ class DraftLengthController:
             # are vetoed, but at the vetoed kind's next check.
             self._last = (check, False, False)
             return dict.fromkeys(caps, 0)
-        k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
-        self._idle_plan = None if k.any() else regime
+        if last_k and self._steps_since_plan < self.draft_replan:
+            # A plan with drafts stands for a step more: each request keeps its k (a new
+            # one drafts nothing until the next plan). A GPU step at 64 requests lasts a
+            # few milliseconds; planning every step cost a tenth of it on the host.
+            get = last_k.get
+            k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
+        else:
+            k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
+            self._last_kind = regime
+            self._last_plan = {r: kr for r, kr in zip(caps, k.tolist()) if kr}
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:

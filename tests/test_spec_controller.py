@@ -432,7 +432,7 @@ def test_a_veto_is_lifted_when_drafting_starts_to_pay():
     assert [c.vetoed for c in ctl.checks.values()] == [True]
     alone = serve(ctl, 100, plain_s=0.010, drafted_s=0.012, batch=1)[0]  # another kind: its own check
     assert alone > 0.8 and len(ctl.checks) == 2
-    share, _ = serve(ctl, 300, plain_s=0.010, drafted_s=0.020)
+    share, _ = serve(ctl, 600, plain_s=0.010, drafted_s=0.020)  # checks every ~40 drafted steps' time
     assert not ctl.checks[(False, False, 4)].vetoed
     assert serve(ctl, 100, plain_s=0.010, drafted_s=0.020)[0] > 0.85
 
@@ -451,6 +451,23 @@ def test_a_stalled_check_cannot_flip_the_verdict_alone():
     check.observe(True, False, 40, 5.0)  # a stall inside the window
     check.observe(False, True, 8, 0.008)
     assert not check.vetoed and check.num_checks == 6
+
+
+def test_a_sides_first_stalled_step_cannot_veto():
+    """Seen on an H200: a plan that drafted in one step of a kind, which stalled (20 ms
+    where plain steps of the kind took 3.7), vetoed drafting there at once with z = -12,
+    and the veto's long interval kept it for the rest of the run. A side's first steps
+    never make a verdict, and one whose drafts pay wins the kind back."""
+    from specserve.spec_controller import CHECK_MIN, GoodputCheck
+
+    check = GoodputCheck(max_k=4, batch=32)
+    for _ in range(20):
+        check.observe(False, False, 61, 0.0037)
+    check.observe(True, False, 128, 0.020)
+    assert not check.vetoed
+    for _ in range(CHECK_MIN):
+        check.observe(True, False, 128, 0.0049)  # what a drafted step of the kind costs
+    assert not check.vetoed and check.ratio > 1
 
 
 def test_the_check_benchmark_runs_every_setting(tiny_model_dir, tmp_path, capsys):
