@@ -39,6 +39,9 @@ class Drafter(Protocol):
     """
 
     name: str
+    # Whether ``propose`` must see every step, drafts or not (a drafter with its own KV
+    # cache keeps up in lockstep); one that does not is skipped when no request drafts.
+    needs_every_step: bool
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of the drafter's own KV cache per block (0 when it has none)."""

@@ -40,6 +40,8 @@ class ModelDrafter:
     after a rollback that length is clamped to the target's accepted length.
     """
 
+    needs_every_step = True  # a draft checkpoint's cache prefills and catches up every step
+
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
         self.name = name

@@ -61,6 +61,7 @@ class NgramIndex:
 
 class NgramDrafter:
     name = "ngram"
+    needs_every_step = False  # each request's index catches up on the tokens at its next lookup
 
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n

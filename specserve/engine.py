@@ -279,7 +279,11 @@ class LLMEngine:
         # The step's one sync; device drafts come back in it, filling draft_token_ids.
         result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
-            self.draft_length_counts.update(p.num_lookahead for p in scheduled.scheduled if p.sample)
+            lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample]
+            if any(lookahead):
+                self.draft_length_counts.update(lookahead)
+            else:  # most steps under load when drafting does not pay: one count
+                self.draft_length_counts[0] += len(lookahead)
         self._draft_s = drafted - start
         return result
 
@@ -390,9 +394,12 @@ class LLMEngine:
 
     def _propose(self, scheduled: SchedulerOutput) -> DraftProposal | None:
         """Fill each planned request's draft tokens (placeholders when the proposals are
-        still on the device); None without a drafter."""
+        still on the device); None without a drafter, or when no request drafts and the
+        drafter need not see the step."""
         if self.drafter is None:
             return None
+        if not self.drafter.needs_every_step and not any(p.num_lookahead for p in scheduled.scheduled):
+            return None  # nobody drafts: the step is speculation off's
         proposal = self.drafter.propose(scheduled.scheduled, self.scheduler.requests)
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft

@@ -158,3 +158,18 @@ def test_proposals_come_back_with_the_sampled_tokens(tiny_model_dir):
     assert verified
     assert all(tokens[:len(drafts)] == drafts and len(tokens) == len(drafts) + 1
                for drafts, tokens in verified)
+
+
+def test_a_step_without_drafts_skips_only_a_drafter_that_need_not_see_it(tiny_model_dir, near_draft):
+    """No request drafts (k = 0 each): the n-gram drafter is not asked at all (the step is
+    speculation off's), a draft checkpoint still sees every step (its cache keeps up)."""
+    want = LLM32(str(tiny_model_dir("llama")), **ENGINE).generate(PROMPTS, greedy(), use_tqdm=False)
+    for method, draft, asked in (("ngram", None, False), ("draft_model", near_draft, True)):
+        llm = LLM32(str(tiny_model_dir("llama")), speculative_method=method, draft_model=draft,
+                    num_speculative_tokens=4, **ENGINE)
+        calls = []
+        propose = llm.engine.drafter.propose
+        llm.engine.drafter.propose = lambda *a, _propose=propose: calls.append(1) or _propose(*a)
+        got = llm.generate(PROMPTS, greedy(0), use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert bool(calls) == asked and llm.engine.draft_length_counts[0] > 0
