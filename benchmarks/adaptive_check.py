@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from specserve import LLMEngine
-    from specserve.bench.offline import prompt_ids, run_offline, warm_up
-    from specserve.bench.workloads import load_workload
+    from specserve.bench.offline import take_turns
 
     common = dict(speculative_method="ngram", num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs)
     for name in ("model", "dtype", "device"):
@@ -74,29 +73,18 @@ def main(argv: list[str] | None = None) -> int:
             engine.controller._plan = eager_plan  # the planner's one seam: a wrong model's plan
         engines[name] = engine
     results = {"machine": _machine(), "args": vars(args), "runs": []}
-    for workload in args.workloads.split(","):
-        first = next(iter(engines.values()))
-        requests = load_workload(workload, args.num_prompts, output_len=args.output_len,
-                                 tokenizer=first.tokenizer)
-        ids = prompt_ids(first, requests)
-        for engine in engines.values():
-            warm_up(engine, requests, ids, num_requests=args.num_warmups or len(requests))
-        names = list(engines)
-        for round_ in range(args.rounds):
-            order = names[round_ % len(names):] + names[:round_ % len(names)]
-            for name in order:
-                engine = engines[name]
-                run = run_offline(engine, requests, token_ids=ids, progress=False, label=name)
-                checks = engine.controller.checks if engine.controller else {}
-                row = {"workload": workload, "setting": name, "round": round_,
-                       "output_throughput": run["output_throughput"],
-                       "mean_tpot_ms": run["mean_tpot_ms"],
-                       "acceptance_length": run.get("spec_decode_acceptance_length"),
-                       "draft_lengths": run.get("spec_decode_draft_lengths"),
-                       "vetoed_kinds": sorted(str(kind) for kind, c in checks.items() if c.vetoed)}
-                results["runs"].append(row)
-                print(f"{workload:9s} round {round_} {name:22s} {run['output_throughput']:8.1f} tok/s",
-                      flush=True)
+    for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
+                                                  args.output_len, args.rounds, args.num_warmups):
+        controller = engines[name].controller
+        checks = controller.checks if controller else {}
+        row = {"workload": workload, "setting": name, "round": round_,
+               "output_throughput": run["output_throughput"],
+               "mean_tpot_ms": run["mean_tpot_ms"],
+               "acceptance_length": run.get("spec_decode_acceptance_length"),
+               "draft_lengths": run.get("spec_decode_draft_lengths"),
+               "vetoed_kinds": sorted(str(kind) for kind, c in checks.items() if c.vetoed)}
+        results["runs"].append(row)
+        print(f"{workload:9s} round {round_} {name:22s} {run['output_throughput']:8.1f} tok/s", flush=True)
     print()
     print(table(results["runs"]))
     if args.json:

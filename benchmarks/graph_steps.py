@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from specserve import LLMEngine
-    from specserve.bench.offline import prompt_ids, run_offline, warm_up
-    from specserve.bench.workloads import load_workload
+    from specserve.bench.offline import take_turns
 
     common = dict(max_num_seqs=args.max_num_seqs)
     if args.speculation != "none":
@@ -57,31 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         common["num_kv_blocks"] = args.num_kv_blocks
     engines = {"prefill steps eager": LLMEngine(**common, cuda_graph_max_tokens=0),
                "ragged graphs": LLMEngine(**common)}
+    timers = {name: _TimedSteps(engine) for name, engine in engines.items()}
     results = {"machine": _machine(), "args": vars(args), "runs": []}
-    for workload in args.workloads.split(","):
-        first = next(iter(engines.values()))
-        requests = load_workload(workload, args.num_prompts, output_len=args.output_len,
-                                 tokenizer=first.tokenizer)
-        ids = prompt_ids(first, requests)
-        for engine in engines.values():
-            warm_up(engine, requests, ids, num_requests=len(requests))
-        names = list(engines)
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                engine = engines[name]
-                steps: list[tuple[bool, float]] = []
-                with _timed_steps(engine, steps):
-                    run = run_offline(engine, requests, token_ids=ids, progress=False, label=name)
-                mixed = [s for prefill, s in steps if prefill]
-                plain = [s for prefill, s in steps if not prefill]
-                row = {"workload": workload, "setting": name, "round": round_,
-                       "output_throughput": run["output_throughput"], "mean_ttft_ms": run["mean_ttft_ms"],
-                       "num_steps": len(steps), "num_prefill_steps": len(mixed),
-                       "prefill_step_ms": 1e3 * statistics.fmean(mixed) if mixed else None,
-                       "decode_step_ms": 1e3 * statistics.fmean(plain) if plain else None}
-                results["runs"].append(row)
-                print(f"{workload:9s} round {round_} {name:20s} {row['output_throughput']:9.1f} tok/s",
-                      flush=True)
+    for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
+                                                  args.output_len, args.rounds, around=timers.get):
+        timed = timers[name].steps
+        mixed = [s for prefill, s in timed if prefill]
+        plain = [s for prefill, s in timed if not prefill]
+        row = {"workload": workload, "setting": name, "round": round_,
+               "output_throughput": run["output_throughput"], "mean_ttft_ms": run["mean_ttft_ms"],
+               "num_steps": len(timed), "num_prefill_steps": len(mixed),
+               "prefill_step_ms": 1e3 * statistics.fmean(mixed) if mixed else None,
+               "decode_step_ms": 1e3 * statistics.fmean(plain) if plain else None}
+        results["runs"].append(row)
+        print(f"{workload:9s} round {round_} {name:20s} {row['output_throughput']:9.1f} tok/s", flush=True)
     print()
     print(table(results["runs"]))
     if args.json:
@@ -90,15 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _timed_steps:
-    """Within the block, record (has a prefill chunk, wall seconds) for each of the
-    engine's steps that ran a pass."""
+class _TimedSteps:
+    """While entered (one measured run), ``steps`` records (has a prefill chunk, wall
+    seconds) for each of the engine's steps that ran a pass."""
 
-    def __init__(self, engine, steps: list) -> None:
-        self.engine, self.steps = engine, steps
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps: list[tuple[bool, float]] = []
 
     def __enter__(self):
-        engine, steps = self.engine, self.steps
+        engine, steps = self.engine, []
+        self.steps = steps
         step, verify = engine.step, engine._verify
         seen: list[bool] = []
 

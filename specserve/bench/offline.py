@@ -134,6 +134,32 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
         engine.step()
 
 
+def take_turns(engines: dict, workloads: list[str], num_prompts: int, output_len: int, rounds: int,
+               num_warmups: int | None = None, around=None):
+    """The comparison benchmarks' loop: for each workload, every engine warmed up on it
+    (``num_warmups`` requests, default all of them), then ``rounds`` rounds in which the
+    settings take turns, each round starting with the next (the first measured run of a
+    process pays one-off costs). Yields ``(workload, round, name, run)``, ``run`` being
+    ``run_offline``'s result for engine ``name``; ``around(name)``, if given, is a context
+    manager entered for each measured run only."""
+    from contextlib import nullcontext
+
+    from specserve.bench.workloads import load_workload
+
+    names = list(engines)
+    for workload in workloads:
+        first = engines[names[0]]
+        requests = load_workload(workload, num_prompts, output_len=output_len, tokenizer=first.tokenizer)
+        ids = prompt_ids(first, requests)
+        for engine in engines.values():
+            warm_up(engine, requests, ids, num_requests=num_warmups or len(requests))
+        for round_ in range(rounds):
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                with around(name) if around else nullcontext():
+                    run = run_offline(engines[name], requests, token_ids=ids, progress=False, label=name)
+                yield workload, round_, name, run
+
+
 def format_offline(run: dict) -> str:
     lines = [f"{' Offline Benchmark Result ':=^60}"]
     if run.get("label"):
