@@ -65,6 +65,38 @@ def test_the_fast_decoder_is_the_tokenizers_decode(tiny_tokenizer):
             assert fast(ids) == tiny_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+def test_the_fast_decoder_with_clean_up_switched_on(tiny_tokenizer, monkeypatch):
+    """clean_up_tokenization_spaces on: transformers versions that skip it for BPE
+    tokenizers leave the backend's text as it is, and then the backend path is taken;
+    where clean-up runs, the probe sees it and transformers' decode is kept. Either way
+    the decoder gives exactly tokenizer.decode."""
+    import copy
+
+    from specserve.outputs import _CLEANUP_PROBE, _cleanup_skipped
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True, raising=False)
+    backend = tokenizer.backend_tokenizer
+    ids = tokenizer.encode(_CLEANUP_PROBE)
+    skipped = tokenizer.decode(ids) == backend.decode(ids)  # what this transformers does
+    assert _cleanup_skipped(tokenizer, backend) == skipped
+    fast = _decoder(tokenizer, True)
+    assert (fast.__code__ is not _decoder(object(), True).__code__) == skipped
+    rng = random.Random(1)
+    for _ in range(100):
+        sample = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 10))] + ids
+        assert fast(sample) == tokenizer.decode(sample, skip_special_tokens=True)
+
+    class CleansUp:  # a tokenizer whose decode does clean up
+        def encode(self, text, add_special_tokens=True):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        def decode(self, token_ids, skip_special_tokens=False):
+            return tokenizer.clean_up_tokenization(backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    assert not _cleanup_skipped(CleansUp(), backend)
+
+
 def test_a_run_of_skipped_special_tokens_does_not_grow_the_decoded_tail(tiny_tokenizer):
     eos = tiny_tokenizer.eos_token_id
     detok = IncrementalDetokenizer(tiny_tokenizer, tiny_tokenizer.encode("x = 1"), skip_special_tokens=True)
