@@ -157,3 +157,26 @@ def test_the_graph_steps_benchmark_runs_and_times_both_kinds_of_step(tiny_model_
         assert r["decode_step_ms"] > 0 and r["output_throughput"] > 0
     printed = capsys.readouterr().out
     assert "| eager |" in printed and "| ragged graphs |" in printed
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="captures real CUDA graphs")
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_captured_graphs_give_the_eager_tokens_on_cuda(tiny_model_dir, method):
+    """On a GPU, with real captures (padded decode/verify graphs and ragged ones, the
+    attention planned for the worst case): float32 greedy tokens equal the eager engine's,
+    with a budget small enough that prefill chunks share steps with decode rows."""
+    kwargs = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=32,
+                  speculative_method=method, num_speculative_tokens=3, speculative_adaptive=False)
+    prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = LLM32(str(tiny_model_dir("llama")), enforce_eager=True, **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM32(str(tiny_model_dir("llama")), **kwargs)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.capture and any(bucket == 0 for bucket, _ in graphs._graphs)
+    ragged = []
+    run = graphs.run
+    graphs.run = lambda output, *a: ragged.append(graphs._shape(output.scheduled)[0] == 0) or run(output, *a)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(ragged) and not all(ragged)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
