@@ -68,6 +68,15 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     return [b for b in TOKEN_BUCKETS if b < top] + [top]
 
 
+def graph_logits_rows(max_num_seqs: int, max_query_len: int, max_num_tokens: int) -> int:
+    """Rows of logits the captured graphs keep alive as their outputs, all together: every
+    padded graph's ``bucket * q`` and every ragged graph's sampled rows."""
+    buckets = batch_buckets(max_num_seqs)
+    padded = sum(buckets) * sum(range(1, max_query_len + 1))
+    ragged = sum(min(t, buckets[-1] * max_query_len) for t in token_buckets(max_num_tokens))
+    return padded + ragged
+
+
 class GraphRunner:
     """Graphs of ``forward + logits``: padded ones for (batch bucket, query length)
     shapes, ragged ones for token buckets (keyed ``(0, tokens)``).

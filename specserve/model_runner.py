@@ -113,12 +113,23 @@ class ModelRunner:
         return num_blocks
 
     def _activation_reserve(self) -> int:
-        """A generous bound on one step's transient memory (activations and logits)."""
+        """A generous bound on one step's transient memory (activations and logits), and
+        the logits the CUDA graphs keep as their outputs (the engine captures them after
+        the cache is allocated: ~0.9 GB for the default model with k = 4)."""
         cfg = self.model.config
-        tokens = self.config.max_num_batched_tokens
+        c = self.config
+        tokens = c.max_num_batched_tokens
         per_token = 4 * (3 * cfg.hidden_size + 3 * cfg.intermediate_size)
-        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 4
-        return tokens * per_token * 4 + logits + 256 * 2**20
+        logits = c.max_num_seqs * cfg.vocab_size * 4 * 4
+        reserve = tokens * per_token * 4 + logits + 256 * 2**20
+        backend = getattr(getattr(self.model, "attention_backend", None), "name", None)
+        if self.device.type == "cuda" and not c.enforce_eager and backend == "triton":
+            from specserve.cuda_graphs import graph_logits_rows
+
+            max_query_len = 1 + (c.num_speculative_tokens if c.speculative_method != "none" else 0)
+            rows = graph_logits_rows(c.max_num_seqs, max_query_len, min(tokens, c.cuda_graph_max_tokens))
+            reserve += rows * cfg.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
+        return reserve
 
     # ---------------------------------------------------------------- CUDA graphs
     def enable_graphs(self, max_query_len: int, max_model_len: int, capture: bool = True) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
-from specserve.cuda_graphs import MAX_RAGGED_TOKENS, batch_buckets, token_buckets
+from specserve.cuda_graphs import MAX_RAGGED_TOKENS, batch_buckets, graph_logits_rows, token_buckets
 from specserve.scheduler import ScheduledRequest
 from tiny_models import LLM32
 
@@ -25,6 +25,37 @@ def test_token_buckets_end_at_the_budget():
     assert token_buckets(20) == [16, 20]
     assert token_buckets(512) == [16, 32, 64, 128, 192, 256, 384, 512]
     assert token_buckets(100_000)[-1] == MAX_RAGGED_TOKENS
+
+
+def test_graph_outputs_are_counted_row_by_row():
+    """What the GPU memory budget reserves for the graphs' kept logits: every padded
+    graph's bucket x q rows, and every ragged graph's sampled rows (at most 1 + k per
+    request). The default model with k = 4: 3,165 + 1,328 rows, ~0.9 GB of fp32 + bf16."""
+    assert graph_logits_rows(64, 5, 512) == sum(batch_buckets(64)) * 15 + \
+        sum(min(t, 64 * 5) for t in token_buckets(512)) == 3165 + 1328
+    assert graph_logits_rows(4, 1, 0) == 1 + 2 + 4  # no ragged graphs
+
+
+def test_the_gpu_memory_budget_reserves_the_graph_outputs():
+    """On CUDA with graphs the KV budget leaves room for the graphs' kept logits (fp32,
+    and the model dtype's before the cast); with --enforce-eager it does not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.config import EngineConfig
+    from specserve.model_runner import ModelRunner
+
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=576, intermediate_size=1536, vocab_size=49152),
+                            attention_backend=SimpleNamespace(name="triton"))
+
+    def reserve(**kwargs):
+        runner = SimpleNamespace(model=model, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                 config=EngineConfig(speculative_method="ngram", **kwargs))
+        return ModelRunner._activation_reserve(runner)
+
+    assert reserve() - reserve(enforce_eager=True) == graph_logits_rows(64, 5, 512) * 49152 * 6
+    assert reserve(cuda_graph_max_tokens=0) - reserve(enforce_eager=True) == graph_logits_rows(64, 5, 0) * 49152 * 6
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral_window"])
