@@ -16,13 +16,10 @@ the workload first.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 
 import numpy as np
-import torch
 
 SETTINGS = {  # name -> (engine kwargs, controller attributes)
     "off": (dict(speculative_method="none"), {}),
@@ -40,30 +37,18 @@ def eager_plan(caps: dict[str, int], *_args) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="chat,code-edit")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    from specserve.bench.offline import add_turns_flags, engine_flags, report, take_turns
+
+    add_turns_flags(parser, num_prompts=128)
     parser.add_argument("--num-warmups", type=int, default=None,
                         help="warm-up requests per engine (default: the whole workload)")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--model", default=None, help="default: the embedded default model")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
     from specserve import LLMEngine
-    from specserve.bench.offline import take_turns
+    from specserve.bench.cli import describe_machine
 
-    common = dict(speculative_method="ngram", num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs)
-    for name in ("model", "dtype", "device"):
-        if getattr(args, name):
-            common[name] = getattr(args, name)
-    if args.num_kv_blocks:
-        common["num_kv_blocks"] = args.num_kv_blocks
+    common = engine_flags(args, speculative_method="ngram", num_speculative_tokens=args.k)
     engines = {}
     for name, (kwargs, attributes) in SETTINGS.items():
         engine = LLMEngine(**{**common, **kwargs})
@@ -72,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("eager"):
             engine.controller._plan = eager_plan  # the planner's one seam: a wrong model's plan
         engines[name] = engine
-    results = {"machine": _machine(), "args": vars(args), "runs": []}
+    results = {"machine": describe_machine(), "args": vars(args), "runs": []}
     for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
                                                   args.output_len, args.rounds, args.num_warmups):
         controller = engines[name].controller
@@ -85,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                "vetoed_kinds": sorted(str(kind) for kind, c in checks.items() if c.vetoed)}
         results["runs"].append(row)
         print(f"{workload:9s} round {round_} {name:22s} {run['output_throughput']:8.1f} tok/s", flush=True)
-    print()
-    print(table(results["runs"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, table(results["runs"]), args.json)
     return 0
 
 
@@ -111,14 +92,6 @@ def table(runs: list[dict]) -> str:
             lines.append(f"| {workload} | {setting} | {' / '.join(f'{t:,.1f}' for t in tps)} | "
                          f"{statistics.median(tps) / off:.2f}x | {mean_k} |")
     return "\n".join(lines)
-
-
-def _machine() -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 if __name__ == "__main__":

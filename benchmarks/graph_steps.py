@@ -18,46 +18,31 @@ Without a CUDA device there are no graphs: both engines run the same eager steps
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-import torch
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="chat,code-edit")
-    parser.add_argument("--num-prompts", type=int, default=384)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    from specserve.bench.offline import add_turns_flags, engine_flags, report, take_turns
+
+    add_turns_flags(parser, num_prompts=384)
     parser.add_argument("--speculation", default="none",
                         help="none, or METHOD:K (fixed k) for the drafter both engines run")
-    parser.add_argument("--model", default=None, help="default: the embedded default model")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
     from specserve import LLMEngine
-    from specserve.bench.offline import take_turns
+    from specserve.bench.cli import describe_machine
 
-    common = dict(max_num_seqs=args.max_num_seqs)
+    common = engine_flags(args)
     if args.speculation != "none":
         method, k = args.speculation.split(":")
         common.update(speculative_method=method, num_speculative_tokens=int(k), speculative_adaptive=False)
-    for name in ("model", "dtype", "device"):
-        if getattr(args, name):
-            common[name] = getattr(args, name)
-    if args.num_kv_blocks:
-        common["num_kv_blocks"] = args.num_kv_blocks
     engines = {"prefill steps eager": LLMEngine(**common, cuda_graph_max_tokens=0),
                "ragged graphs": LLMEngine(**common)}
     timers = {name: _TimedSteps(engine) for name, engine in engines.items()}
-    results = {"machine": _machine(), "args": vars(args), "runs": []}
+    results = {"machine": describe_machine(), "args": vars(args), "runs": []}
     for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
                                                   args.output_len, args.rounds, around=timers.get):
         timed = timers[name].steps
@@ -70,11 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                "decode_step_ms": 1e3 * statistics.fmean(plain) if plain else None}
         results["runs"].append(row)
         print(f"{workload:9s} round {round_} {name:20s} {row['output_throughput']:9.1f} tok/s", flush=True)
-    print()
-    print(table(results["runs"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    report(results, table(results["runs"]), args.json)
     return 0
 
 
@@ -131,13 +112,6 @@ def table(runs: list[dict]) -> str:
                 f"{statistics.median(plain) if plain else float('nan'):.2f} | "
                 f"{rows[0]['num_steps']} ({rows[0]['num_prefill_steps']}) |")
     return "\n".join(lines)
-
-
-def _machine() -> dict:
-    info = {"torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 if __name__ == "__main__":

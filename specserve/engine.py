@@ -266,7 +266,9 @@ class LLMEngine:
     def _verify(self, scheduled: SchedulerOutput) -> StepResult:
         """Propose drafts, run the one ragged target pass, rejection-sample."""
         start = time.perf_counter()
-        proposal = self._propose(scheduled)
+        # k per sampling request (only those draft): the histogram, and whether anyone drafts.
+        lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample] if self.drafter else []
+        proposal = self._propose(scheduled, any(lookahead))
         drafted = time.perf_counter()
         draft_ids = proposal.draft_ids if proposal else None  # proposals still on the device
         device_ids = draft_ids if draft_ids is None else DeviceTokenIds(
@@ -279,7 +281,6 @@ class LLMEngine:
         # The step's one sync; device drafts come back in it, filling draft_token_ids.
         result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
-            lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample]
             if any(lookahead):
                 self.draft_length_counts.update(lookahead)
             else:  # most steps under load when drafting does not pay: one count
@@ -392,13 +393,13 @@ class LLMEngine:
         lengths.update(self.controller.choose(free, other_tokens, other_spans, padded, context))
         return lengths
 
-    def _propose(self, scheduled: SchedulerOutput) -> DraftProposal | None:
+    def _propose(self, scheduled: SchedulerOutput, drafting: bool) -> DraftProposal | None:
         """Fill each planned request's draft tokens (placeholders when the proposals are
         still on the device); None without a drafter, or when no request drafts and the
         drafter need not see the step."""
         if self.drafter is None:
             return None
-        if not self.drafter.needs_every_step and not any(p.num_lookahead for p in scheduled.scheduled):
+        if not drafting and not self.drafter.needs_every_step:
             return None  # nobody drafts: the step is speculation off's
         proposal = self.drafter.propose(scheduled.scheduled, self.scheduler.requests)
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):

@@ -79,7 +79,7 @@ prefill or not, batch size within a factor of two): ``IDLE_REPLAN`` - 1 more if 
 nothing, ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its k), only planned
 steps being timed for the cost model; a cost model's least-squares fit is solved again
 only when a step surprises it or every few steps. On an H200 host the controller's
-bookkeeping cost ~0.4 ms a step at 64 requests when it planned and solved every step.
+bookkeeping cost up to ~0.4 ms a step at 64 drafting requests when it planned every step.
 """
 from __future__ import annotations
 

@@ -160,6 +160,40 @@ def take_turns(engines: dict, workloads: list[str], num_prompts: int, output_len
                 yield workload, round_, name, run
 
 
+def add_turns_flags(parser, num_prompts: int) -> None:
+    """The flags every comparison benchmark has (``take_turns``, ``engine_flags``, ``report``)."""
+    parser.add_argument("--workloads", default="chat,code-edit")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default=None, help="default: the embedded default model")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the results here")
+
+
+def engine_flags(args, **extra) -> dict:
+    """Engine keyword arguments from a comparison benchmark's flags (``--model``,
+    ``--dtype``, ``--device``, ``--num-kv-blocks``, ``--max-num-seqs``: those given), and
+    ``extra``."""
+    given = {name: getattr(args, name, None) for name in
+             ("model", "dtype", "device", "num_kv_blocks", "max_num_seqs")}
+    return {**{name: value for name, value in given.items() if value}, **extra}
+
+
+def report(results: dict, table: str, path: str | None) -> None:
+    """Print a comparison benchmark's table; write its results to ``path`` as JSON."""
+    import json
+
+    print()
+    print(table)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def format_offline(run: dict) -> str:
     lines = [f"{' Offline Benchmark Result ':=^60}"]
     if run.get("label"):
