@@ -257,7 +257,7 @@ class LLMEngine:
         """Count drafts and the accepted tokens the request kept (a stop cuts them)."""
         kept = len(update.new_token_ids) if kept is None else kept
         accepted = min(update.num_accepted, kept)
-        if self.controller:
+        if self.controller and update.num_planned:
             self.controller.observe_acceptance(update.req.req_id, update.num_planned,
                                                update.num_draft_tokens, update.num_accepted)
         update.req.spec_stats.record(update.num_draft_tokens, accepted)

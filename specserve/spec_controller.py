@@ -74,10 +74,11 @@ once it is clear — so the checks cost little either way.
 
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one
-vectorised update, and a plan stands for more steps of the same kind (same padding,
-prefill or not, batch size within a factor of two): ``IDLE_REPLAN`` - 1 more if it drafts
-nothing, ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its k), only planned
-steps being timed for the cost model; a cost model's least-squares fit is solved again
+vectorised update, and each kind of step (same padding, prefill or not, batch size
+within a factor of two) keeps its own plan for more of its steps: ``IDLE_REPLAN`` - 1
+more if it drafts nothing, ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its
+k), within twice as many steps of any kind, only planned steps being timed for the cost
+model; a cost model's least-squares fit is solved again
 only when a step surprises it or every few steps. On an H200 host the controller's
 bookkeeping cost up to ~0.4 ms a step at 64 drafting requests when it planned every step.
 """
@@ -294,8 +295,11 @@ class DraftLengthController:
         self._releasing: list[int] = []  # rows of freed requests, reusable once their observation is applied
         self._observed = False  # any acceptance observed since the last choice
         self._steps_since_plan = 0   # choices since the last full plan (the rest repeated it)
-        self._last_kind = None       # the step kind the last full plan was made for
-        self._last_plan: dict[str, int] = {}  # its k > 0 per request (empty: it drafted nothing)
+        self._choices = 0            # choices made, all together
+        self._planned = False        # whether the last choice was a full plan
+        # Per kind of step, the plan that stands: [choices it served, its k > 0 per request
+        # (empty: it drafted nothing), self._choices when it was made].
+        self._plans: dict[tuple, list] = {}
         self.idle_replan = IDLE_REPLAN    # a plan without drafts stands for this many steps
         self.draft_replan = DRAFT_REPLAN  # and one with drafts for this many
         self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
@@ -306,7 +310,7 @@ class DraftLengthController:
     def wants_step_cost(self) -> bool:
         """Whether the step just planned should be timed: every step the controller
         planned afresh (while k = 0 stands unplanned, a step teaches little the last did not)."""
-        return self._steps_since_plan == 0
+        return self._planned
 
     def observe_step(self, num_tokens: int, num_spans: int, target_s: float | None,
                      depth: int, num_drafting: int, draft_s: float, num_padded: int = 0,
@@ -429,33 +433,44 @@ class DraftLengthController:
         ``padded``: the step will pad every request to the longest query (a CUDA graph
         replay; the CPU attention), so a draft depth D costs every request D tokens."""
         self._last = None
+        self._planned = False
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
+        self._choices += 1
         regime = (padded, num_other_tokens > 0, len(caps).bit_length())
         check = self.checks.get(regime)
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
-        last_k = self._last_plan if self._last_kind == regime else None
-        if (last_k is not None and not last_k and self._steps_since_plan < self.idle_replan) or \
-                (check.vetoed and not check.stale(drafted=True)):
-            # The last plan drafted nothing, for a step like this one (same padding, prefill
-            # or not, batch within a factor of two): it stands for a few steps (the drifts
-            # below catch up at the next plan), so where drafting does not pay — large,
-            # host-bound batches — the choice costs least. Nor is a plan made where drafts
-            # are vetoed, but at the vetoed kind's next check.
+        standing = self._plans.get(regime)
+        if standing is not None:
+            served, last_k, made = standing
+            limit = self.draft_replan if last_k else self.idle_replan
+            if served >= limit or self._choices - made >= 2 * limit:
+                standing = None  # served its time, or made too long ago (other kinds ran since)
+        if (standing is not None and not last_k) or (check.vetoed and not check.stale(drafted=True)):
+            # The kind's plan drafts nothing (same padding, prefill or not, batch within a
+            # factor of two): it stands for a few steps (the drifts below catch up at the
+            # next plan), so where drafting does not pay — large, host-bound batches — the
+            # choice costs least. Each kind keeps its own: under load, steps that admit a
+            # request and steps that do not take turns, and one plan for both was made
+            # again at every turn (at max load on an H200, ~0.2 ms on every other step).
+            # Nor is a plan made where drafts are vetoed, but at the vetoed kind's next check.
+            if standing is not None:
+                standing[0] += 1
             self._last = (check, False, False)
             return dict.fromkeys(caps, 0)
-        if last_k and self._steps_since_plan < self.draft_replan:
+        if standing is not None:
             # A plan with drafts stands for a step more: each request keeps its k (a new
             # one drafts nothing until the next plan). A GPU step at 64 requests lasts a
             # few milliseconds; planning every step cost a tenth of it on the host.
+            standing[0] += 1
             get = last_k.get
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
         else:
             k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
-            self._last_kind = regime
-            self._last_plan = {r: kr for r, kr in zip(caps, k.tolist()) if kr}
+            self._planned = True
+            self._plans[regime] = [1, {r: kr for r, kr in zip(caps, k.tolist()) if kr}, self._choices]
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:

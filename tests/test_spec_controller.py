@@ -353,6 +353,27 @@ def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     assert "alone" in ctl._rows and lone == {"alone": 0}
 
 
+def test_kinds_of_step_taking_turns_keep_their_own_plans():
+    """Under load steps that admit a request and steps that do not take turns: each kind
+    keeps its plan (one plan served both before, made again at every turn), but not one
+    made longer ago than twice its term."""
+    from specserve.spec_controller import IDLE_REPLAN
+
+    ctl = controller(**COMPUTE_BOUND)
+    caps = {f"r{i}": 4 for i in range(32)}
+    planned = []
+    for _ in range(IDLE_REPLAN):
+        for prefill in (0, 50):
+            assert set(ctl.choose(caps, num_other_tokens=prefill, num_other_spans=1).values()) == {0}
+            planned.append(ctl.wants_step_cost)
+    assert planned == [True, True] + [False] * (2 * IDLE_REPLAN - 2)
+    assert ctl.choose(caps) == dict.fromkeys(caps, 0) and ctl.wants_step_cost  # its term served
+    for _ in range(2 * IDLE_REPLAN):
+        ctl.choose(caps, padded=True)
+    ctl.choose(caps, num_other_tokens=50, num_other_spans=1)  # served once only, but long ago
+    assert ctl.wants_step_cost
+
+
 # ---------------------------------------------------------------------- realised goodput
 def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, accepted: int = 4):
     """Run ``steps`` steps of a batch whose drafts are always accepted, where a step
