@@ -43,7 +43,15 @@ def freeze_heap() -> None:
     host time of a step, and a stall. Unfrozen first, so the garbage of an engine dropped
     since the last freeze is collected now instead of never; and unfrozen at exit, so
     the interpreter's last collection still finalises everything (extension modules
-    report what it does not as leaks)."""
+    report what it does not as leaks).
+
+    And the youngest generation is collected after ``GC_YOUNG_THRESHOLD`` net new objects
+    instead of CPython's 700: a step at 64 requests leaves thousands alive until it ends
+    (token lists, scheduled requests, outputs), so at 700 several collections ran in every
+    step, 0.1-0.24 ms of a 2.3-3.4 ms step on an H200 host (timed per step with
+    ``gc.callbacks``). Objects that die by reference count never wait for a collection;
+    only cycles live a little longer. A threshold the process set lower than the default
+    (0: collections off) is left as it is."""
     global _unfreeze_at_exit
     if _unfreeze_at_exit:
         atexit.register(gc.unfreeze)
@@ -51,9 +59,13 @@ def freeze_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    young, *older = gc.get_threshold()
+    if young >= 700:
+        gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
 
 
 _unfreeze_at_exit = True
+GC_YOUNG_THRESHOLD = 50_000
 
 
 class LLMEngine:

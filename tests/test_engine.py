@@ -274,3 +274,24 @@ def test_the_engine_freezes_the_heap_and_frees_an_engine_dropped_before(tiny_mod
     while second.has_unfinished_requests():
         second.step()
     assert out is not None and second.num_free_blocks == second.kv.num_blocks
+
+
+def test_the_engine_collects_young_objects_rarely_unless_told_otherwise(tiny_model_dir):
+    """Steps leave thousands of objects alive until they end: the youngest generation is
+    collected every GC_YOUNG_THRESHOLD net new objects, not CPython's 700; a process
+    that lowered the threshold itself (or turned collection off) keeps its own."""
+    import gc
+
+    from specserve.engine import GC_YOUNG_THRESHOLD
+
+    path = str(tiny_model_dir("llama"))
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        LLM32(path, block_size=4, num_kv_blocks=64)
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
+        gc.set_threshold(0, *before[1:])
+        LLM32(path, block_size=4, num_kv_blocks=64)
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
