@@ -12,6 +12,7 @@ the workload first.
 
     python benchmarks/adaptive_check.py                          # chat and code-edit, 128 requests
     python benchmarks/adaptive_check.py --device cuda --num-prompts 384 --num-kv-blocks 4096
+    python benchmarks/adaptive_check.py --settings "fixed k;adaptive" --rounds 6   # off beside them
 """
 from __future__ import annotations
 
@@ -43,14 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-warmups", type=int, default=None,
                         help="warm-up requests per engine (default: the whole workload)")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--settings", default=";".join(SETTINGS),
+                        help=f"separated by ';', of: {'; '.join(SETTINGS)} (default: all; off always runs)")
     args = parser.parse_args(argv)
+    chosen = ["off"] + [name.strip() for name in args.settings.split(";") if name.strip() not in ("", "off")]
+    unknown = [name for name in chosen if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting(s): {'; '.join(unknown)} (choose from: {'; '.join(SETTINGS)})")
 
     from specserve import LLMEngine
     from specserve.bench.cli import describe_machine
 
     common = engine_flags(args, speculative_method="ngram", num_speculative_tokens=args.k)
     engines = {}
-    for name, (kwargs, attributes) in SETTINGS.items():
+    for name in dict.fromkeys(chosen):
+        kwargs, attributes = SETTINGS[name]
         engine = LLMEngine(**{**common, **kwargs})
         for attribute, value in attributes.items():
             setattr(engine.controller, attribute, value)

@@ -515,3 +515,13 @@ def test_the_check_benchmark_runs_every_setting(tiny_model_dir, tmp_path, capsys
     assert all(r["output_throughput"] > 0 for r in runs)
     printed = capsys.readouterr().out
     assert all(f"| {name} |" in printed for name in module.SETTINGS)
+
+    # --settings: a subset (off always beside it), taking turns over the rounds; a wrong name is refused
+    args = ["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--workloads", str(workload),
+            "--num-prompts", "4", "--output-len", "6", "--num-warmups", "1", "--num-kv-blocks", "256"]
+    assert module.main(args + ["--settings", "adaptive", "--rounds", "2", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["round"], r["setting"]) for r in runs] == [(0, "off"), (0, "adaptive"), (1, "adaptive"), (1, "off")]
+    with pytest.raises(SystemExit) as exc:
+        module.main(args + ["--settings", "adaptve"])
+    assert exc.value.code == 2 and "unknown setting(s): adaptve" in capsys.readouterr().err
