@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.running_version = 0  # changes whenever a request joins or leaves ``running``
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -103,6 +104,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self.running_version += 1
         else:
             self.waiting.remove(req)
         self._release(req, reason)
@@ -149,6 +151,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.running_version += 1
             scheduled.append(self._plan(req, num_new, 0))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
@@ -178,6 +181,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.running_version += 1
         if self.kv.holds(req.req_id):
             self.kv.free(req.req_id)
         req.status = RequestStatus.WAITING

@@ -320,6 +320,51 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     assert out.spec_stats.num_drafts == 0
 
 
+def test_draft_lengths_reuse_their_last_pass_only_while_it_still_holds(tiny_model_dir):
+    """``_draft_lengths`` skips its per-request pass while the running requests are those
+    it last sorted, all decoding, with none to admit: what it hands the controller then
+    (caps, pinned k, prefill, context) equals a full pass's, step by step, through
+    admissions, finishes, aborts, preemptions (a small cache) and pinned requests."""
+    import random
+
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                block_size=4, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48)
+    engine, rng = llm.engine, random.Random(0)
+    calls = []
+    engine.controller.choose = lambda caps, *args: calls.append((dict(caps), args)) or dict.fromkeys(caps, 0)
+    real, reused = engine._draft_lengths, []
+
+    def checked():
+        fast = engine._decoding is not None and engine._decoding.version == engine.scheduler.running_version
+        got = real()
+        if got is None or not calls:
+            return got
+        seen = calls[-1]
+        saved, engine._decoding = engine._decoding, None
+        want = real()  # a full pass
+        assert (got, seen) == (want, calls[-1])
+        if fast:
+            reused.append(1)
+            engine._decoding = saved
+        return got
+
+    engine._draft_lengths = checked
+    ids = []
+    for step in range(300):
+        if rng.random() < 0.15:
+            own = rng.choice([None, None, 0, 2])
+            ids.append(engine.add_request([rng.randrange(3, 60) for _ in range(rng.randint(2, 20))],
+                                          SamplingParams(temperature=0, max_tokens=rng.randint(4, 40),
+                                                         ignore_eos=True, num_speculative_tokens=own)))
+        if ids and rng.random() < 0.03:
+            engine.abort(rng.choice(ids))
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(reused) > 50 and engine.scheduler.num_preemptions > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
 def test_the_engine_wide_estimate_recovers_when_nobody_drafts():
     """After a workload whose drafts fail, new requests start from a low engine-wide
     estimate and would never draft, so nothing would ever teach it otherwise; with no
