@@ -85,6 +85,7 @@ bookkeeping cost up to ~0.4 ms a step at 64 drafting requests when it planned ev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -426,10 +427,13 @@ class DraftLengthController:
 
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
-               num_other_spans: int = 0, padded: bool = False, context: int = 0) -> dict[str, int]:
+               num_other_spans: int = 0, padded: bool = False,
+               context: int | Callable[[], int] = 0) -> dict[str, int]:
         """k_i for each decoding request (``caps``: req_id -> most drafts it may take).
         ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway.
-        ``context``: the tokens in the KV cache of every request in the step, all together.
+        ``context``: the tokens in the KV cache of every request in the step, all together,
+        or a function that counts them, called only if a plan is made (most steps repeat
+        a standing plan, and counting walks every request).
         ``padded``: the step will pad every request to the longest query (a CUDA graph
         replay; the CPU attention), so a draft depth D costs every request D tokens."""
         self._last = None
@@ -480,8 +484,10 @@ class DraftLengthController:
         return dict(zip(caps, k.tolist()))
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
-              padded: bool, context: int) -> np.ndarray:
+              padded: bool, context: int | Callable[[], int]) -> np.ndarray:
         """The goodput-maximising k per request (in ``caps``' order), from the estimates."""
+        if callable(context):
+            context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
         self._apply_pending()
         if not self._observed:  # nobody drafted: the engine-wide estimates are not trusted for ever

@@ -320,32 +320,61 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     assert out.spec_stats.num_drafts == 0
 
 
-def test_draft_lengths_reuse_their_last_pass_only_while_it_still_holds(tiny_model_dir):
-    """``_draft_lengths`` skips its per-request pass while the running requests are those
-    it last sorted, all decoding, with none to admit: what it hands the controller then
-    (caps, pinned k, prefill, context) equals a full pass's, step by step, through
-    admissions, finishes, aborts, preemptions (a small cache) and pinned requests."""
+def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_dir):
+    """``_draft_lengths`` keeps its sorting of the running requests (free, pinned, in
+    prefill) from step to step, looking only at those that joined or left and those still
+    in prefill: what it hands the controller (caps, pinned k, prefill, context) equals
+    what a fresh sorting gives, step by step, through admissions, finishes, aborts,
+    preemptions (a small cache) and requests with their own k."""
     import random
+
+    from specserve.engine import _SortedRunning
 
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 block_size=4, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48)
     engine, rng = llm.engine, random.Random(0)
     calls = []
-    engine.controller.choose = lambda caps, *args: calls.append((dict(caps), args)) or dict.fromkeys(caps, 0)
-    real, reused = engine._draft_lengths, []
+
+    def choose(caps, tokens, spans, padded, context):
+        calls.append((dict(caps), tokens, spans, padded, context() if callable(context) else context))
+        return dict.fromkeys(caps, 0)
+
+    engine.controller.choose = choose
+    real, kept = engine._draft_lengths, []
+
+    def reference():
+        """What the controller should be handed, from the scheduler's state in one pass."""
+        k, sched, cfg = engine.config.num_speculative_tokens, engine.scheduler, engine.config
+        free, pinned, tokens, spans = {}, {}, 0, 0
+        for r in sched.running:
+            remaining = len(r.all_token_ids) - r.num_computed_tokens
+            if remaining > 1:
+                tokens, spans = tokens + remaining, spans + 1
+            elif r.params.num_speculative_tokens is not None:
+                pinned[r.req_id] = min(k, r.params.num_speculative_tokens)
+            else:
+                free[r.req_id] = k
+        room = cfg.max_num_batched_tokens - len(sched.running)
+        admitted = 0
+        for r in sched.waiting:
+            if tokens >= room or admitted >= cfg.max_num_seqs - len(sched.running):
+                break
+            tokens, admitted = tokens + len(r.all_token_ids) - r.num_computed_tokens, admitted + 1
+        tokens = min(tokens, room)
+        context = sum(len(r.all_token_ids) for r in sched.running)
+        return free, pinned, (free, tokens, spans + admitted, engine.runner.pads_short_spans(tokens > 0), context)
 
     def checked():
-        fast = engine._decoding is not None and engine._decoding.version == engine.scheduler.running_version
+        kept.append(engine._sorted.version == engine.scheduler.running_version)
+        free, pinned, want = reference()
         got = real()
-        if got is None or not calls:
+        if got is None or not free and not pinned:
             return got
-        seen = calls[-1]
-        saved, engine._decoding = engine._decoding, None
-        want = real()  # a full pass
-        assert (got, seen) == (want, calls[-1])
-        if fast:
-            reused.append(1)
-            engine._decoding = saved
+        assert calls[-1] == want and got == {**pinned, **dict.fromkeys(free, 0)}
+        seen, saved = calls[-1], engine._sorted
+        engine._sorted = _SortedRunning(engine.config.num_speculative_tokens)
+        assert (got, seen) == (real(), calls[-1])  # and a fresh sorting agrees
+        engine._sorted = saved
         return got
 
     engine._draft_lengths = checked
@@ -361,7 +390,8 @@ def test_draft_lengths_reuse_their_last_pass_only_while_it_still_holds(tiny_mode
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(reused) > 50 and engine.scheduler.num_preemptions > 0
+    assert sum(kept) > 50 and len(kept) - sum(kept) > 50  # steps with the same running set, and changes
+    assert engine.scheduler.num_preemptions > 0
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 
