@@ -69,7 +69,7 @@ class NgramIndex:
     makes common under load — catches up by at most ``CATCH_UP_TOKENS`` a lookup, and
     ``scan`` answers until it is current: a request that drafts once after a long pause
     pays a few microseconds, not ~150 µs for a 600-token context (on an H200 host such
-    catch-ups made adaptive's drafted steps 1.5x fixed k's). Under a steady draft the index
+    catch-ups made adaptive's drafted steps up to 1.5x fixed k's). Under a steady draft the index
     stays current at ~2 µs a lookup."""
 
     def __init__(self, min_n: int) -> None:

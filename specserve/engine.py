@@ -48,7 +48,7 @@ def freeze_heap() -> None:
     And the youngest generation is collected after ``GC_YOUNG_THRESHOLD`` net new objects
     instead of CPython's 700: a step at 64 requests leaves thousands alive until it ends
     (token lists, scheduled requests, outputs), so at 700 several collections ran in every
-    step, 0.1-0.24 ms of a 2.3-3.4 ms step on an H200 host (timed per step with
+    step, 0.07-0.27 ms of a 2.3-3.4 ms step on an H200 host (timed per step with
     ``gc.callbacks``). Objects that die by reference count never wait for a collection;
     only cycles live a little longer. A threshold the process set lower than the default
     (0: collections off) is left as it is."""

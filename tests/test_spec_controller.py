@@ -600,3 +600,39 @@ def test_the_check_benchmark_runs_every_setting(tiny_model_dir, tmp_path, capsys
     with pytest.raises(SystemExit) as exc:
         module.main(args + ["--settings", "adaptve"])
     assert exc.value.code == 2 and "unknown setting(s): adaptve" in capsys.readouterr().err
+
+
+def test_the_step_records_benchmark_records_every_step(tiny_model_dir, tmp_path, capsys):
+    """benchmarks/step_records.py on a tiny model: every setting's every step is
+    recorded (their emitted tokens add up to the run's output), steps are told apart by
+    kind, full plain steps get their host phases, and a wrong setting is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "step_records.py"
+    spec = importlib.util.spec_from_file_location("step_records", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    workload = tmp_path / "set.jsonl"
+    workload.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                                for p in ["a b c a b c a b c a b c a b c", "one two three", "x y z x y z x y"]))
+    out = tmp_path / "steps.json"
+    assert module.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--workloads",
+                        str(workload), "--num-prompts", "9", "--output-len", "10", "--rounds", "2",
+                        "--max-num-seqs", "4", "--num-warmups", "2", "--num-kv-blocks", "256",
+                        "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    runs, col = results["runs"], {name: i for i, name in enumerate(results["fields"])}
+    assert [r["setting"] for r in runs] == ["off", "fixed k", "adaptive", "fixed k", "adaptive", "off"]
+    for r in runs:
+        assert sum(s[col["emitted"]] for s in r["steps"]) == 90  # 9 requests x 10 tokens
+        kinds = r["summary"]["kinds"]
+        assert kinds["prefill"]["steps"] > 0 and kinds["plain"]["steps"] + kinds.get("drafted", {"steps": 0})["steps"] > 0
+        assert all(s[col["step_s"]] >= s[col["verify_s"]] > 0 for s in r["steps"])
+        if r["setting"] == "fixed k":
+            assert sum(s[col["drafts"]] for s in r["steps"]) > 0
+    assert "full_plain_us" in runs[0]["summary"]  # four requests decoding without drafts
+    assert "| off |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        module.main(["--settings", "of"])
