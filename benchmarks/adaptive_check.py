@@ -38,26 +38,20 @@ def eager_plan(caps: dict[str, int], *_args) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    from specserve.bench.offline import add_turns_flags, engine_flags, report, take_turns
+    from specserve.bench.offline import (add_settings_flags, add_turns_flags, chosen_settings,
+                                         engine_flags, report, take_turns)
 
     add_turns_flags(parser, num_prompts=128)
-    parser.add_argument("--num-warmups", type=int, default=None,
-                        help="warm-up requests per engine (default: the whole workload)")
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--settings", default=";".join(SETTINGS),
-                        help=f"separated by ';', of: {'; '.join(SETTINGS)} (default: all; off always runs)")
+    add_settings_flags(parser, SETTINGS, note="; off always runs")
     args = parser.parse_args(argv)
-    chosen = ["off"] + [name.strip() for name in args.settings.split(";") if name.strip() not in ("", "off")]
-    unknown = [name for name in chosen if name not in SETTINGS]
-    if unknown:
-        parser.error(f"unknown setting(s): {'; '.join(unknown)} (choose from: {'; '.join(SETTINGS)})")
+    chosen = chosen_settings(parser, args, SETTINGS, always="off")
 
     from specserve import LLMEngine
     from specserve.bench.cli import describe_machine
 
     common = engine_flags(args, speculative_method="ngram", num_speculative_tokens=args.k)
     engines = {}
-    for name in dict.fromkeys(chosen):
+    for name in chosen:
         kwargs, attributes = SETTINGS[name]
         engine = LLMEngine(**{**common, **kwargs})
         for attribute, value in attributes.items():

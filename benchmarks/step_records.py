@@ -125,26 +125,20 @@ def summarise(steps: list[list[float]], full_batch: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    from specserve.bench.offline import add_turns_flags, engine_flags, report, take_turns
+    from specserve.bench.offline import (add_settings_flags, add_turns_flags, chosen_settings,
+                                         engine_flags, report, take_turns)
 
     add_turns_flags(parser, num_prompts=128)
     parser.set_defaults(workloads="chat")
-    parser.add_argument("--num-warmups", type=int, default=None,
-                        help="warm-up requests per engine (default: the whole workload)")
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--settings", default=";".join(SETTINGS),
-                        help=f"separated by ';', of: {'; '.join(SETTINGS)}")
+    add_settings_flags(parser, SETTINGS)
     args = parser.parse_args(argv)
-    chosen = [name.strip() for name in args.settings.split(";") if name.strip()]
-    unknown = [name for name in chosen if name not in SETTINGS]
-    if unknown or not chosen:
-        parser.error(f"unknown setting(s): {'; '.join(unknown)} (choose from: {'; '.join(SETTINGS)})")
+    chosen = chosen_settings(parser, args, SETTINGS)
 
     from specserve import LLMEngine
     from specserve.bench.cli import describe_machine
 
     common = engine_flags(args, speculative_method="ngram", num_speculative_tokens=args.k)
-    engines = {name: LLMEngine(**{**common, **SETTINGS[name]}) for name in dict.fromkeys(chosen)}
+    engines = {name: LLMEngine(**{**common, **SETTINGS[name]}) for name in chosen}
     recorders = {name: StepRecorder(engine) for name, engine in engines.items()}
     full_batch = int(0.9 * args.max_num_seqs)
 

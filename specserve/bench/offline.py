@@ -174,6 +174,29 @@ def add_turns_flags(parser, num_prompts: int) -> None:
     parser.add_argument("--json", default=None, help="write the results here")
 
 
+def add_settings_flags(parser, settings: dict, note: str = "") -> None:
+    """The flags of a comparison benchmark of n-gram ``settings`` (names -> engine
+    options): ``--num-warmups``, ``--k`` and ``--settings`` (names separated by ';',
+    since some contain commas; read back with ``chosen_settings``)."""
+    parser.add_argument("--num-warmups", type=int, default=None,
+                        help="warm-up requests per engine (default: the whole workload)")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--settings", default=";".join(settings),
+                        help=f"separated by ';', of: {'; '.join(settings)} (default: all{note})")
+
+
+def chosen_settings(parser, args, settings: dict, always: str | None = None) -> list[str]:
+    """The setting names ``--settings`` asked for, in order and once each (``always``
+    first, asked or not); an unknown name is the parser's error (exit code 2)."""
+    names = [name.strip() for name in args.settings.split(";") if name.strip()]
+    if always is not None:
+        names = [always] + names
+    unknown = [name for name in names if name not in settings]
+    if unknown or not names:
+        parser.error(f"unknown setting(s): {'; '.join(unknown)} (choose from: {'; '.join(settings)})")
+    return list(dict.fromkeys(names))
+
+
 def engine_flags(args, **extra) -> dict:
     """Engine keyword arguments from a comparison benchmark's flags (``--model``,
     ``--dtype``, ``--device``, ``--num-kv-blocks``, ``--max-num-seqs``: those given), and
