@@ -79,20 +79,18 @@ def main(argv: list[str] | None = None) -> int:
 def table(runs: list[dict]) -> str:
     lines = ["| workload | setting | output tok/s (each round) | median vs off | mean k |",
              "| --- | --- | --- | ---: | ---: |"]
-    for workload in dict.fromkeys(r["workload"] for r in runs):
-        mine = [r for r in runs if r["workload"] == workload]
-        off = statistics.median(r["output_throughput"] for r in mine if r["setting"] == "off")
-        for setting in dict.fromkeys(r["setting"] for r in mine):
-            rows = [r for r in mine if r["setting"] == setting]
-            tps = [r["output_throughput"] for r in rows]
-            lengths: dict[str, int] = {}
-            for r in rows:
-                for k, n in (r["draft_lengths"] or {}).items():
-                    lengths[k] = lengths.get(k, 0) + n
-            total = sum(lengths.values())
-            mean_k = f"{sum(int(k) * n for k, n in lengths.items()) / total:.2f}" if total else ""
-            lines.append(f"| {workload} | {setting} | {' / '.join(f'{t:,.1f}' for t in tps)} | "
-                         f"{statistics.median(tps) / off:.2f}x | {mean_k} |")
+    from specserve.bench.offline import by_setting
+
+    for workload, setting, rows, off in by_setting(runs, "off"):
+        tps = [r["output_throughput"] for r in rows]
+        lengths: dict[str, int] = {}
+        for r in rows:
+            for k, n in (r["draft_lengths"] or {}).items():
+                lengths[k] = lengths.get(k, 0) + n
+        total = sum(lengths.values())
+        mean_k = f"{sum(int(k) * n for k, n in lengths.items()) / total:.2f}" if total else ""
+        lines.append(f"| {workload} | {setting} | {' / '.join(f'{t:,.1f}' for t in tps)} | "
+                     f"{statistics.median(tps) / off:.2f}x | {mean_k} |")
     return "\n".join(lines)
 
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     from specserve.bench.offline import add_turns_flags, engine_flags, report, take_turns
+    from specserve.bench.recorder import FIELDS, StepRecorder
 
     add_turns_flags(parser, num_prompts=384)
     parser.add_argument("--speculation", default="none",
@@ -41,13 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         common.update(speculative_method=method, num_speculative_tokens=int(k), speculative_adaptive=False)
     engines = {"prefill steps eager": LLMEngine(**common, cuda_graph_max_tokens=0),
                "ragged graphs": LLMEngine(**common)}
-    timers = {name: _TimedSteps(engine) for name, engine in engines.items()}
+    recorders = {name: StepRecorder(engine) for name, engine in engines.items()}
+    prefill, seconds = FIELDS.index("prefill_tokens"), FIELDS.index("step_s")
     results = {"machine": describe_machine(), "args": vars(args), "runs": []}
     for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
-                                                  args.output_len, args.rounds, around=timers.get):
-        timed = timers[name].steps
-        mixed = [s for prefill, s in timed if prefill]
-        plain = [s for prefill, s in timed if not prefill]
+                                                  args.output_len, args.rounds,
+                                                  around=lambda name: recorders[name].recording()):
+        timed = recorders[name].steps
+        mixed = [s[seconds] for s in timed if s[prefill] > 0]
+        plain = [s[seconds] for s in timed if s[prefill] == 0]
         row = {"workload": workload, "setting": name, "round": round_,
                "output_throughput": run["output_throughput"], "mean_ttft_ms": run["mean_ttft_ms"],
                "num_steps": len(timed), "num_prefill_steps": len(mixed),
@@ -59,58 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _TimedSteps:
-    """While entered (one measured run), ``steps`` records (has a prefill chunk, wall
-    seconds) for each of the engine's steps that ran a pass."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.steps: list[tuple[bool, float]] = []
-
-    def __enter__(self):
-        engine, steps = self.engine, []
-        self.steps = steps
-        step, verify = engine.step, engine._verify
-        seen: list[bool] = []
-
-        def timed_verify(scheduled):
-            seen.append(any(len(p.token_ids) > 1 for p in scheduled.scheduled))
-            return verify(scheduled)
-
-        def timed_step():
-            seen.clear()
-            start = time.perf_counter()
-            outputs = step()
-            if seen:
-                steps.append((seen[0], time.perf_counter() - start))
-            return outputs
-
-        engine.step, engine._verify = timed_step, timed_verify
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.engine.step, self.engine._verify  # back to the class's methods
-
-
 def table(runs: list[dict]) -> str:
     lines = ["| workload | prefill steps | output tok/s (each round) | vs eager | mean TTFT ms | "
              "step ms, with prefill / without | steps (with prefill) |",
              "| --- | --- | --- | ---: | ---: | --- | --- |"]
-    for workload in dict.fromkeys(r["workload"] for r in runs):
-        mine = [r for r in runs if r["workload"] == workload]
-        base = statistics.median(r["output_throughput"] for r in mine if r["setting"] == "prefill steps eager")
-        for setting in dict.fromkeys(r["setting"] for r in mine):
-            rows = [r for r in mine if r["setting"] == setting]
-            tps = [r["output_throughput"] for r in rows]
-            mixed = [r["prefill_step_ms"] for r in rows if r["prefill_step_ms"] is not None]
-            plain = [r["decode_step_ms"] for r in rows if r["decode_step_ms"] is not None]
-            lines.append(
-                f"| {workload} | {'eager' if setting.endswith('eager') else 'ragged graphs'} | "
-                f"{' / '.join(f'{t:,.0f}' for t in tps)} | {statistics.median(tps) / base:.2f}x | "
-                f"{statistics.median(r['mean_ttft_ms'] for r in rows):.1f} | "
-                f"{statistics.median(mixed) if mixed else float('nan'):.2f} / "
-                f"{statistics.median(plain) if plain else float('nan'):.2f} | "
-                f"{rows[0]['num_steps']} ({rows[0]['num_prefill_steps']}) |")
+    from specserve.bench.offline import by_setting
+
+    for workload, setting, rows, base in by_setting(runs, "prefill steps eager"):
+        tps = [r["output_throughput"] for r in rows]
+        mixed = [r["prefill_step_ms"] for r in rows if r["prefill_step_ms"] is not None]
+        plain = [r["decode_step_ms"] for r in rows if r["decode_step_ms"] is not None]
+        lines.append(
+            f"| {workload} | {'eager' if setting.endswith('eager') else 'ragged graphs'} | "
+            f"{' / '.join(f'{t:,.0f}' for t in tps)} | {statistics.median(tps) / base:.2f}x | "
+            f"{statistics.median(r['mean_ttft_ms'] for r in rows):.1f} | "
+            f"{statistics.median(mixed) if mixed else float('nan'):.2f} / "
+            f"{statistics.median(plain) if plain else float('nan'):.2f} | "
+            f"{rows[0]['num_steps']} ({rows[0]['num_prefill_steps']}) |")
     return "\n".join(lines)
 
 

@@ -458,7 +458,7 @@ class DraftLengthController:
             # next plan), so where drafting does not pay — large, host-bound batches — the
             # choice costs least. Each kind keeps its own: under load, steps that admit a
             # request and steps that do not take turns, and one plan for both was made
-            # again at every turn (at max load on an H200, ~0.2 ms on every other step).
+            # again at every turn (a plan and a cost sample: ~0.1 ms on the CPU machine).
             # Nor is a plan made where drafts are vetoed, but at the vetoed kind's next check.
             if standing is not None:
                 standing[0] += 1

@@ -8,6 +8,8 @@ the serving benchmark's (same keys). Speculation counts come from the engine its
 """
 from __future__ import annotations
 
+import statistics
+
 import time
 from collections import deque
 
@@ -204,6 +206,17 @@ def engine_flags(args, **extra) -> dict:
     given = {name: getattr(args, name, None) for name in
              ("model", "dtype", "device", "num_kv_blocks", "max_num_seqs")}
     return {**{name: value for name, value in given.items() if value}, **extra}
+
+
+def by_setting(runs: list[dict], baseline: str):
+    """A comparison benchmark's rows grouped for its table: yields ``(workload, setting,
+    rows, base)`` per workload and setting in the order first seen, ``base`` being the
+    median output throughput of the workload's ``baseline`` setting."""
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload]
+        base = statistics.median(r["output_throughput"] for r in mine if r["setting"] == baseline)
+        for setting in dict.fromkeys(r["setting"] for r in mine):
+            yield workload, setting, [r for r in mine if r["setting"] == setting], base
 
 
 def report(results: dict, table: str, path: str | None) -> None:
