@@ -129,6 +129,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self._draft_s = 0.0  # the last step's drafting time (the controller's cost model)
+        self._drafted = False  # whether the last step planned any drafts
         # The running requests sorted for the controller, kept up to date step by step.
         self._sorted = _SortedRunning(config.num_speculative_tokens)
         self._ids = itertools.count()
@@ -249,7 +250,9 @@ class LLMEngine:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
             elapsed = time.perf_counter() - start
-            self.controller.observe_goodput(sum(len(u.new_token_ids) for u in updates), elapsed)
+            # Without drafts each update is one token (the usual step where drafting does not pay).
+            emitted = sum([len(u.new_token_ids) for u in updates]) if self._drafted else len(updates)
+            self.controller.observe_goodput(emitted, elapsed)
             if self.controller.wants_step_cost:
                 self._observe_cost(scheduled, self._draft_s, elapsed - self._draft_s)
         return outputs
@@ -282,7 +285,8 @@ class LLMEngine:
         start = time.perf_counter()
         # k per sampling request (only those draft): the histogram, and whether anyone drafts.
         lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample] if self.drafter else []
-        proposal = self._propose(scheduled, any(lookahead))
+        self._drafted = any(lookahead)
+        proposal = self._propose(scheduled, self._drafted)
         drafted = time.perf_counter()
         draft_ids = proposal.draft_ids if proposal else None  # proposals still on the device
         device_ids = draft_ids if draft_ids is None else DeviceTokenIds(
@@ -295,7 +299,7 @@ class LLMEngine:
         # The step's one sync; device drafts come back in it, filling draft_token_ids.
         result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
-            if any(lookahead):
+            if self._drafted:
                 self.draft_length_counts.update(lookahead)
             else:  # most steps under load when drafting does not pay: one count
                 self.draft_length_counts[0] += len(lookahead)
@@ -393,10 +397,11 @@ class LLMEngine:
         other_spans += admitted
         padded = self.runner.pads_short_spans(with_prefill=other_tokens > 0)
         running = sched.running
-        lengths = dict(self._sorted.pinned)
-        lengths.update(self.controller.choose(self._sorted.free, other_tokens, other_spans, padded,
-                                              lambda: sum([len(r.all_token_ids) for r in running])))
-        return lengths
+        chosen = self.controller.choose(self._sorted.free, other_tokens, other_spans, padded,
+                                        lambda: sum([len(r.all_token_ids) for r in running]))
+        if self._sorted.pinned:
+            chosen.update(self._sorted.pinned)
+        return chosen
 
     def _propose(self, scheduled: SchedulerOutput, drafting: bool) -> DraftProposal | None:
         """Fill each planned request's draft tokens (placeholders when the proposals are

@@ -75,8 +75,9 @@ once it is clear — so the checks cost little either way.
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one
 vectorised update, and each kind of step (same padding, prefill or not, batch size
-within a factor of two) keeps its own plan for more of its steps: ``IDLE_REPLAN`` - 1
-more if it drafts nothing, ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its
+within a factor of two) keeps its own plan for more of its steps: if it drafts nothing,
+``IDLE_REPLAN`` - 1 more and as many more as fit ``IDLE_REPLAN_S`` seconds (at most
+``IDLE_REPLAN_MAX``), ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its
 k), within twice as many steps of any kind, only planned steps being timed for the cost
 model; a cost model's least-squares fit is solved again
 only when a step surprises it or every few steps. On an H200 host the controller's
@@ -94,7 +95,9 @@ PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
 DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
 PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
-IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice every this many steps
+IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice after this many steps
+IDLE_REPLAN_S = 0.2         # and this many seconds of steps (all kinds) since it was made,
+IDLE_REPLAN_MAX = 128       # or after this many steps of its kind, however short
 DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between)
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
 RESOLVE_ERROR = 0.25        # a cost model's fit is solved at once for a sample off by more than this
@@ -299,9 +302,11 @@ class DraftLengthController:
         self._choices = 0            # choices made, all together
         self._planned = False        # whether the last choice was a full plan
         # Per kind of step, the plan that stands: [choices it served, its k > 0 per request
-        # (empty: it drafted nothing), self._choices when it was made].
+        # (empty: it drafted nothing), self._choices and self._clock when it was made].
         self._plans: dict[tuple, list] = {}
+        self._clock = 0.0  # seconds of steps observed (observe_goodput), all kinds together
         self.idle_replan = IDLE_REPLAN    # a plan without drafts stands for this many steps
+        self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
         self.draft_replan = DRAFT_REPLAN  # and one with drafts for this many
         self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
         self._last: tuple[GoodputCheck, bool, bool] | None = None  # the last choice: check, drafted, checked
@@ -335,6 +340,7 @@ class DraftLengthController:
     def observe_goodput(self, num_tokens: int, seconds: float) -> None:
         """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
         whole step, drafting included): its kind's realised-goodput check learns from it."""
+        self._clock += seconds
         if self._last is not None and self.check_goodput:
             check, drafted, checked = self._last
             self._last = None
@@ -447,12 +453,9 @@ class DraftLengthController:
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
         standing = self._plans.get(regime)
-        if standing is not None:
-            served, last_k, made = standing
-            limit = self.draft_replan if last_k else self.idle_replan
-            if served >= limit or self._choices - made >= 2 * limit:
-                standing = None  # served its time, or made too long ago (other kinds ran since)
-        if (standing is not None and not last_k) or (check.vetoed and not check.stale(drafted=True)):
+        if standing is not None and self._expired(standing):
+            standing = None
+        if (standing is not None and not standing[1]) or (check.vetoed and not check.stale(drafted=True)):
             # The kind's plan drafts nothing (same padding, prefill or not, batch within a
             # factor of two): it stands for a few steps (the drifts below catch up at the
             # next plan), so where drafting does not pay — large, host-bound batches — the
@@ -469,12 +472,12 @@ class DraftLengthController:
             # one drafts nothing until the next plan). A GPU step at 64 requests lasts a
             # few milliseconds; planning every step cost a tenth of it on the host.
             standing[0] += 1
-            get = last_k.get
+            get = standing[1].get
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
         else:
             k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
             self._planned = True
-            self._plans[regime] = [1, {r: kr for r, kr in zip(caps, k.tolist()) if kr}, self._choices]
+            self._plans[regime] = [1, {r: kr for r, kr in zip(caps, k.tolist()) if kr}, self._choices, self._clock]
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
@@ -482,6 +485,24 @@ class DraftLengthController:
             drafted = False
         self._last = (check, drafted, checked)
         return dict(zip(caps, k.tolist()))
+
+    def _expired(self, standing: list) -> bool:
+        """Whether a kind's plan has served its time, or was made too long ago (other
+        kinds ran since). One with drafts serves ``draft_replan`` steps. One without serves
+        ``idle_replan`` steps, and more while less than ``idle_replan_s`` seconds have
+        passed (up to ``IDLE_REPLAN_MAX`` steps). Where steps are short and drafting does
+        not pay (a host-bound GPU batch) planning every 16 steps was a cost of its own: at
+        64 requests in a host-only run on the CPU machine (forward stubbed, ~1.3 ms steps)
+        a plan took ~0.26 ms inside the step (0.06 ms warm, in a loop), 16 µs a step;
+        where steps are long (a CPU forward) a plan stays every 16."""
+        served, last_k, made, made_s = standing
+        age = self._choices - made
+        if last_k:
+            return served >= self.draft_replan or age >= 2 * self.draft_replan
+        if served >= IDLE_REPLAN_MAX or age >= 2 * IDLE_REPLAN_MAX:
+            return True
+        return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
+            self._clock - made_s >= self.idle_replan_s
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int]) -> np.ndarray:

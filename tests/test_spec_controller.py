@@ -410,22 +410,53 @@ def test_the_engine_wide_estimate_recovers_when_nobody_drafts():
 
 def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     """Where drafting does not pay (a compute-bound batch) the full choice runs every
-    IDLE_REPLAN steps; in between k = 0 is repeated at the cost of a dict. A step of
-    another kind (padding, prefill, batch size) gets a full choice at once."""
+    IDLE_REPLAN steps (steps of 50 ms: longer together than IDLE_REPLAN_S); in between
+    k = 0 is repeated at the cost of a dict. A step of another kind (padding, prefill,
+    batch size) gets a full choice at once."""
     from specserve.spec_controller import IDLE_REPLAN
 
     ctl = controller(**COMPUTE_BOUND)
     caps = {f"r{i}": 4 for i in range(32)}
     assert set(ctl.choose(caps).values()) == {0}
+    ctl.observe_goodput(32, 0.05)
     for step in range(1, IDLE_REPLAN):
         new = {**caps, f"new{step}": 4}
         assert set(ctl.choose(new).values()) == {0} and f"new{step}" not in ctl._rows
+        ctl.observe_goodput(32, 0.05)
     assert set(ctl.choose({**caps, "later": 4}).values()) == {0} and "later" in ctl._rows  # a full plan
     assert set(ctl.choose(caps).values()) == {0}
     ctl.choose(caps, padded=True)
     assert all(f"r{i}" in ctl._rows for i in range(32))
     lone = ctl.choose({"alone": 4})  # batch of one: planned afresh
     assert "alone" in ctl._rows and lone == {"alone": 0}
+
+
+@pytest.mark.parametrize("step_s, planned_at", [(0.05, 16), (0.004, 50), (0.0005, 128)])
+def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(step_s, planned_at):
+    """A plan costs a tenth of a short GPU step: one without drafts stands IDLE_REPLAN
+    steps and at least IDLE_REPLAN_S seconds (0.2 s: 50 steps of 4 ms), at most
+    IDLE_REPLAN_MAX steps. One with drafts still stands DRAFT_REPLAN steps."""
+    from specserve.spec_controller import DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_MAX, IDLE_REPLAN_S
+
+    assert (IDLE_REPLAN, IDLE_REPLAN_S, IDLE_REPLAN_MAX) == (16, 0.2, 128)
+    ctl = controller(**COMPUTE_BOUND)
+    caps = {f"r{i}": 4 for i in range(32)}
+    planned = []
+    for _ in range(300):
+        assert set(ctl.choose(caps).values()) == {0}
+        planned.append(ctl.wants_step_cost)
+        ctl.observe_goodput(32, step_s)
+    plans = [i for i, p in enumerate(planned) if p]
+    assert plans[:3] == [0, planned_at, 2 * planned_at]
+    drafting = controller(**MEMORY_BOUND)
+    drafting.check_goodput = False  # the plan alone: no check runs a step without its drafts
+    planned = []
+    for _ in range(12):
+        assert drafting.choose({"r": 4}) == {"r": 4}
+        planned.append(drafting.wants_step_cost)
+        drafting.observe_acceptance("r", 4, 4, 4)
+        drafting.observe_goodput(5, 0.0005)
+    assert planned == [True, False] * 6 and DRAFT_REPLAN == 2
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():
@@ -441,10 +472,12 @@ def test_kinds_of_step_taking_turns_keep_their_own_plans():
         for prefill in (0, 50):
             assert set(ctl.choose(caps, num_other_tokens=prefill, num_other_spans=1).values()) == {0}
             planned.append(ctl.wants_step_cost)
+            ctl.observe_goodput(32, 0.05)
     assert planned == [True, True] + [False] * (2 * IDLE_REPLAN - 2)
     assert ctl.choose(caps) == dict.fromkeys(caps, 0) and ctl.wants_step_cost  # its term served
     for _ in range(2 * IDLE_REPLAN):
         ctl.choose(caps, padded=True)
+        ctl.observe_goodput(32, 0.05)
     ctl.choose(caps, num_other_tokens=50, num_other_spans=1)  # served once only, but long ago
     assert ctl.wants_step_cost
 
