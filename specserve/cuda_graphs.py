@@ -22,7 +22,9 @@ captured for its total token count rounded up to a token bucket instead: the req
 tokens unpadded, one after another, then one padding request owning the rows up to the
 bucket (slot -1, positions 0.., block 0 for keys), then requests with no tokens up to
 ``max_num_seqs + 1`` (their attention tiles exit at once). The LM head runs inside the
-graph on the rows to sample only (a static index buffer, padded with row 0). Steps longer
+graph on the rows to sample only (a static index buffer, padded with row 0), as many as
+the step needs rounded up to one row per request or to every request's ``max_query_len``
+(a step without drafts computes no more logits than speculation off's). Steps longer
 than the largest bucket (``EngineConfig.cuda_graph_max_tokens``, 2048 by default), and the
 layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's launches are
 a small part of its time.
@@ -68,18 +70,25 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     return [b for b in TOKEN_BUCKETS if b < top] + [top]
 
 
+def row_buckets(tokens: int, max_num_seqs: int, max_query_len: int) -> list[int]:
+    """The logits rows a ragged graph of ``tokens`` may compute: one per request (a step
+    without drafts) or ``max_query_len`` per request, never more than its tokens."""
+    return sorted({min(tokens, max_num_seqs), min(tokens, max_num_seqs * max_query_len)})
+
+
 def graph_logits_rows(max_num_seqs: int, max_query_len: int, max_num_tokens: int) -> int:
     """Rows of logits the captured graphs keep alive as their outputs, all together: every
     padded graph's ``bucket * q`` and every ragged graph's sampled rows."""
     buckets = batch_buckets(max_num_seqs)
     padded = sum(buckets) * sum(range(1, max_query_len + 1))
-    ragged = sum(min(t, buckets[-1] * max_query_len) for t in token_buckets(max_num_tokens))
+    ragged = sum(sum(row_buckets(t, buckets[-1], max_query_len)) for t in token_buckets(max_num_tokens))
     return padded + ragged
 
 
 class GraphRunner:
     """Graphs of ``forward + logits``: padded ones for (batch bucket, query length)
-    shapes, ragged ones for token buckets (keyed ``(0, tokens)``).
+    shapes, ragged ones for token buckets and the logits rows they compute (keyed
+    ``(0, tokens, rows)``).
 
     ``capture`` False runs the same static-buffer paths eagerly — what the CPU tests use
     to check the padding, since there is no CUDA there.
@@ -106,11 +115,11 @@ class GraphRunner:
         # copy. int64: tokens, positions, slots, (ragged: the rows to sample, read inside
         # the graph), then outside the graph the logits rows to keep (padded) and the rows
         # of device token ids; int32: cu_query_lens, seq_lens, tables.
-        self._long = torch.zeros(max(5 * max_tokens, 4 * ragged_tokens + self._ragged_rows(ragged_tokens)),
+        self._long = torch.zeros(max(5 * max_tokens, 4 * ragged_tokens + self._row_buckets(ragged_tokens)[-1]),
                                  dtype=torch.int64, device=device)
         self._int = torch.zeros(2 * self.ragged_reqs + 1 + self.ragged_reqs * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor, ForwardBatch]] = {}
+        self._graphs: dict[tuple[int, ...], tuple[object, torch.Tensor, ForwardBatch]] = {}
         self._pool = None
 
     # ------------------------------------------------------------------ eligibility
@@ -124,9 +133,9 @@ class GraphRunner:
         is ``max_query_len``."""
         return num_reqs <= self.buckets[-1] and max_query_len <= self.max_query_len
 
-    def _shape(self, planned) -> tuple[int, int] | None:
-        """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket)``
-        ragged, None for an eager step."""
+    def _shape(self, planned) -> tuple[int, ...] | None:
+        """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket, logits
+        rows)`` ragged, None for an eager step."""
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         q = max(lengths)
         if self.fits_lengths(len(planned), q):
@@ -135,11 +144,14 @@ class GraphRunner:
         if len(planned) > self.buckets[-1] or not self.token_buckets or tokens > self.token_buckets[-1]:
             return None
         bucket = next(t for t in self.token_buckets if t >= tokens)
-        return (0, bucket) if self._num_logits(planned) <= self._ragged_rows(bucket) else None
+        num_logits = self._num_logits(planned)
+        rows = next((r for r in self._row_buckets(bucket) if r >= num_logits), None)
+        return None if rows is None else (0, bucket, rows)
 
-    def _ragged_rows(self, tokens: int) -> int:
-        """Rows a ragged graph of ``tokens`` computes logits for: every request's 1 + k."""
-        return min(tokens, self.buckets[-1] * self.max_query_len)
+    def _row_buckets(self, tokens: int) -> list[int]:
+        """The logits rows ragged graphs of ``tokens`` compute (each sampling request's 1 + k
+        fit): one per request, and ``max_query_len`` per request."""
+        return row_buckets(tokens, self.buckets[-1], self.max_query_len)
 
     @staticmethod
     def _num_logits(planned) -> int:
@@ -147,27 +159,28 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, query_lens: list[int]) -> None:
-        """Capture every bucket for each query length, then every token bucket, largest
-        first (they share a pool)."""
+        """Capture every bucket for each query length, then every token bucket with each
+        of its row counts, largest first (they share a pool)."""
         start = time.perf_counter()
         for q in sorted(query_lens, reverse=True):
             for bucket in reversed(self.buckets):
                 self._get((bucket, q))
         for tokens in reversed(self.token_buckets):
-            self._get((0, tokens))
+            for rows in reversed(self._row_buckets(tokens)):
+                self._get((0, tokens, rows))
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
-    def _get(self, key: tuple[int, int]):
+    def _get(self, key: tuple[int, ...]):
         if key not in self._graphs:
             self._graphs[key] = self._build(key)
         return self._graphs[key]
 
-    def _build(self, key: tuple[int, int]):
-        bucket, size = key
+    def _build(self, key: tuple[int, ...]):
+        bucket, size = key[:2]
         if bucket:
             batch, rows = self._static_batch(bucket, size), None
         else:
-            batch, rows = self._static_ragged_batch(size)
+            batch, rows = self._static_ragged_batch(size, key[2])
         self.prepare([], key, 1)  # an all-padding step, for warm-up and capture
 
         def forward() -> torch.Tensor:
@@ -202,10 +215,10 @@ class GraphRunner:
             query_lens_host=[q] * bucket, seq_lens_host=[self.max_model_len] * bucket,
             has_padding=True)
 
-    def _static_ragged_batch(self, tokens: int) -> tuple[ForwardBatch, torch.Tensor]:
-        """A ragged graph's inputs, and the rows it computes logits for."""
+    def _static_ragged_batch(self, tokens: int, num_rows: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """A ragged graph's inputs, and the ``num_rows`` rows it computes logits for."""
         n, reqs, ints = tokens, self.ragged_reqs, self._int
-        rows = self._long[3 * n:3 * n + self._ragged_rows(n)]
+        rows = self._long[3 * n:3 * n + num_rows]
         return ForwardBatch(
             input_ids=self._long[:n], positions=self._long[n:2 * n], slot_mapping=self._long[2 * n:3 * n],
             cu_query_lens=ints[:reqs + 1], seq_lens=ints[reqs + 1:2 * reqs + 1],
@@ -236,7 +249,7 @@ class GraphRunner:
             return logits[:self._num_logits(planned)]
         return logits if rows is None else logits.index_select(0, rows)
 
-    def prepare(self, planned, key: tuple[int, int], block_size: int,
+    def prepare(self, planned, key: tuple[int, ...], block_size: int,
                 device_ids: DeviceTokenIds | None = None
                 ) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Write the step's inputs into the static buffers of graph ``key``; one pass over
@@ -244,7 +257,7 @@ class GraphRunner:
         keep (None: all of them) and the query and sequence lengths of the requests that
         have tokens, padding included."""
         if key[0] == 0:
-            return self._prepare_ragged(planned, key[1], block_size, device_ids)
+            return self._prepare_ragged(planned, key[1], key[2], block_size, device_ids)
         bucket, q = key
         tokens: list[int] = []
         positions: list[int] = []
@@ -284,11 +297,11 @@ class GraphRunner:
         self._scatter_device_ids(count, offset, len(device_rows), device_ids)
         return rows_t, [q] * bucket, seq_lens
 
-    def _prepare_ragged(self, planned, tokens: int, block_size: int,
+    def _prepare_ragged(self, planned, tokens: int, num_rows: int, block_size: int,
                         device_ids: DeviceTokenIds | None) -> tuple[None, list[int], list[int]]:
         """The ragged layout: the requests' rows, then one padding request up to
         ``tokens`` (slot -1, positions 0.., keys from block 0), then requests without
-        rows; the rows to sample padded with row 0."""
+        rows; the rows to sample padded with row 0 up to ``num_rows``."""
         host = ragged_arrays(planned, block_size, device_ids.counts if device_ids is not None else None)
         pad = tokens - len(host.input_ids)
         query_lens, seq_lens = host.query_lens, host.seq_lens
@@ -298,7 +311,6 @@ class GraphRunner:
             host.slots += [-1] * pad
             query_lens.append(pad)
             seq_lens.append(pad)
-        num_rows = self._ragged_rows(tokens)
         copy_into(self._long, [host.input_ids, host.positions, host.slots,
                                host.logits_rows + [0] * (num_rows - len(host.logits_rows)), host.device_rows])
         empty = self.ragged_reqs - len(query_lens)

@@ -29,10 +29,11 @@ def test_token_buckets_end_at_the_budget():
 
 def test_graph_outputs_are_counted_row_by_row():
     """What the GPU memory budget reserves for the graphs' kept logits: every padded
-    graph's bucket x q rows, and every ragged graph's sampled rows (at most 1 + k per
-    request). The default model with k = 4: 3,165 + 1,328 rows, ~0.9 GB of fp32 + bf16."""
+    graph's bucket x q rows, and every ragged graph's sampled rows (one per request, and
+    1 + k per request). The default model with k = 4 and a 512-token budget: 3,165 +
+    1,648 rows, ~1.4 GB of fp32 + bf16."""
     assert graph_logits_rows(64, 5, 512) == sum(batch_buckets(64)) * 15 + \
-        sum(min(t, 64 * 5) for t in token_buckets(512)) == 3165 + 1328
+        sum(min(t, 64 * 5) + (min(t, 64) if t > 64 else 0) for t in token_buckets(512)) == 3165 + 1648
     assert graph_logits_rows(4, 1, 0) == 1 + 2 + 4  # no ragged graphs
 
 
@@ -158,8 +159,34 @@ def test_steps_past_the_largest_token_bucket_run_eagerly(tiny_model_dir):
         return [ScheduledRequest(f"r{i}", [0] * n, 0, [0] * 8, greedy) for i, n in enumerate(lengths)]
 
     assert graphs._shape(step(1, 1, 1)) == (4, 1)    # padded: every request within one token
-    assert graphs._shape(step(9, 1)) == (0, 16)      # ragged: ten tokens in the 16-token bucket
+    assert graphs._shape(step(9, 1)) == (0, 16, 4)   # ragged: ten tokens in the 16-token bucket
     assert graphs._shape(step(16, 1)) is None        # 17 tokens: past the largest bucket
+
+
+def test_ragged_graphs_compute_the_logits_rows_the_step_needs(tiny_model_dir):
+    """A drafting engine's ragged graphs come in two row counts per token bucket: one row
+    per request (a step without drafts computes no more logits than speculation off's)
+    and 1 + k per request; a step takes the smaller that holds its sampled rows, and the
+    captured set (every key built) holds both."""
+    llm = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_num_seqs=4,
+                max_num_batched_tokens=32, speculative_method="ngram", num_speculative_tokens=3)
+    llm.engine.enable_graphs(capture=False)
+    graphs = llm.engine.runner.graphs
+    greedy = SamplingParams(temperature=0)
+
+    def req(i, n, drafts=0):
+        return ScheduledRequest(f"r{i}", [0] * n, 0, [0] * 8, greedy, num_lookahead=drafts,
+                                draft_token_ids=[0] * drafts)
+
+    assert graphs._shape([req(0, 9), req(1, 1)]) == (0, 16, 4)            # 2 rows: one per request
+    assert graphs._shape([req(0, 9), req(1, 1, 3)]) == (0, 16, 16)        # 5 rows: 1 + k per request
+    assert graphs._shape([req(0, 20), req(1, 1), req(2, 1)]) == (0, 32, 4)
+    assert graphs._shape([req(0, 20), req(1, 1, 3), req(2, 1, 3)]) == (0, 32, 16)
+    graphs.capture_all([1, 2, 3, 4])
+    ragged = sorted(key for key in graphs._graphs if key[0] == 0)
+    assert ragged == [(0, 16, 4), (0, 16, 16), (0, 32, 4), (0, 32, 16)]
+    assert graph_logits_rows(4, 4, 32) == sum(b * q for b in batch_buckets(4) for q in range(1, 5)) + 40
+    assert graph_logits_rows(4, 1, 32) == sum(batch_buckets(4)) + 8  # speculation off: one row count
 
 
 def test_the_graph_steps_benchmark_runs_and_times_both_kinds_of_step(tiny_model_dir, tmp_path, capsys):
@@ -203,7 +230,7 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(tiny_model_dir, method):
     want = LLM32(str(tiny_model_dir("llama")), enforce_eager=True, **kwargs).generate(prompts, params, use_tqdm=False)
     llm = LLM32(str(tiny_model_dir("llama")), **kwargs)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.capture and any(bucket == 0 for bucket, _ in graphs._graphs)
+    assert graphs is not None and graphs.capture and any(key[0] == 0 for key in graphs._graphs)
     ragged = []
     run = graphs.run
     graphs.run = lambda output, *a: ragged.append(graphs._shape(output.scheduled)[0] == 0) or run(output, *a)

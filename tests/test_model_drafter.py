@@ -64,7 +64,7 @@ def test_padded_graph_path_of_the_draft_model_equals_speculation_off(tiny_model_
     assert stats.num_drafts > 0
     if which == "target":
         assert stats.acceptance_rate == 1.0
-    padded = [(bucket, q) for bucket, q in calls if bucket]
+    padded = [shape for shape in calls if shape[0]]
     assert {q for _, q in padded} == {1, 2}  # draft steps, and catch-ups after full acceptance
     assert len(padded) < len(calls)  # the prompts' lockstep prefill: ragged graphs
     scheduled = [n for n, _ in padded]
