@@ -337,13 +337,22 @@ class DraftLengthController:
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
-    def observe_goodput(self, num_tokens: int, seconds: float) -> None:
-        """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
-        whole step, drafting included): its kind's realised-goodput check learns from it."""
+    @property
+    def last_choice(self) -> tuple[GoodputCheck, bool, bool] | None:
+        """The last choice as ``observe_goodput`` needs it, for a caller that tells the
+        step's goodput after the next choice."""
+        return self._last
+
+    def observe_goodput(self, num_tokens: int, seconds: float,
+                        choice: tuple[GoodputCheck, bool, bool] | None = None) -> None:
+        """The step of ``choice`` (``last_choice`` then; by default the last one) emitted
+        ``num_tokens`` in ``seconds`` of wall time (the whole step, drafting included):
+        its kind's realised-goodput check learns from it."""
         self._clock += seconds
-        if self._last is not None and self.check_goodput:
-            check, drafted, checked = self._last
-            self._last = None
+        if choice is None:
+            choice, self._last = self._last, None
+        if choice is not None and self.check_goodput:
+            check, drafted, checked = choice
             check.observe(drafted, checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
