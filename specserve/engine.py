@@ -130,7 +130,6 @@ class LLMEngine:
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self._draft_s = 0.0  # the last step's drafting time (the controller's cost model)
         self._drafted = False  # whether the last step planned any drafts
-        self._unsettled = None  # the last step, not yet told to the controller (see _settle)
         # The running requests sorted for the controller, kept up to date step by step.
         self._sorted = _SortedRunning(config.num_speculative_tokens)
         self._ids = itertools.count()
@@ -238,8 +237,6 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self._draft_lengths())
         if scheduled.is_empty:
             return outputs
-        controller = self.controller
-        choice = (controller.last_choice, controller.wants_step_cost) if controller else None
         try:
             result = self._verify(scheduled)
         except RanksOutOfStepError:
@@ -249,25 +246,16 @@ class LLMEngine:
             return outputs + self._fail(scheduled, exc)
         updates = self.scheduler.update(scheduled, result)
         outputs += [self._postprocess(u) for u in updates]
-        if controller:
+        if self.controller:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
             elapsed = time.perf_counter() - start
             # Without drafts each update is one token (the usual step where drafting does not pay).
             emitted = sum([len(u.new_token_ids) for u in updates]) if self._drafted else len(updates)
-            self._unsettled = (choice, scheduled, emitted, elapsed, self._draft_s)
+            self.controller.observe_goodput(emitted, elapsed)
+            if self.controller.wants_step_cost:
+                self._observe_cost(scheduled, self._draft_s, elapsed - self._draft_s)
         return outputs
-
-    def _settle(self) -> None:
-        """Tell the controller what the last step cost and emitted. Called while the next
-        step's pass runs: on a GPU the host waits for it anyway, so this bookkeeping
-        (10-20 µs a step) costs nothing there; the controller's next choice is made a
-        step before it learns this one."""
-        (choice, planned), scheduled, emitted, elapsed, draft_s = self._unsettled
-        self._unsettled = None
-        self.controller.observe_goodput(emitted, elapsed, choice)
-        if planned:
-            self._observe_cost(scheduled, draft_s, elapsed - draft_s)
 
     def _postprocess(self, update: RequestUpdate) -> RequestOutput:
         """Detokenise, apply stop strings, count speculation, make the caller's output."""
@@ -304,19 +292,17 @@ class LLMEngine:
         device_ids = draft_ids if draft_ids is None else DeviceTokenIds(
             draft_ids, [len(p.draft_token_ids) for p in scheduled.scheduled])
         logits = self.runner.execute(scheduled, device_ids=device_ids)
-        if self._unsettled is not None:  # host work while the pass runs (on a GPU)
-            self._settle()
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
                                 first_position=p.start_pos + len(p.token_ids))
                   for p in scheduled.scheduled if p.sample]
         draft_probs = proposal.draft_probs if proposal else None
+        # The step's one sync; device drafts come back in it, filling draft_token_ids.
+        result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         if self.drafter:
             if self._drafted:
                 self.draft_length_counts.update(lookahead)
             else:  # most steps under load when drafting does not pay: one count
                 self.draft_length_counts[0] += len(lookahead)
-        # The step's one sync; device drafts come back in it, filling draft_token_ids.
-        result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
         self._draft_s = drafted - start
         return result
 

@@ -70,14 +70,14 @@ vetoes drafts where they deliver less, by more than twice the comparison's stand
 error. The plan's own steps without drafts are free samples; a step runs the other way
 (drafts withheld, or let through under a veto) only when one side has gone unseen for a
 while — a short while when the verdict is uncertain, up to 64 of its steps' durations
-once it is clear — so the checks cost little either way.
+and at least half a second once it is clear — so the checks cost little either way.
 
 The choice itself must stay cheap next to a GPU step at 256 requests: per-request state
 lives in rows of a few arrays, a step's acceptance observations are applied in one
 vectorised update, and each kind of step (same padding, prefill or not, batch size
 within a factor of two) keeps its own plan for more of its steps: if it drafts nothing,
-``IDLE_REPLAN`` - 1 more and as many more as fit ``IDLE_REPLAN_S`` seconds (at most
-``IDLE_REPLAN_MAX``), ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its
+``IDLE_REPLAN`` - 1 more and, at 16 requests or more, as many more as fit
+``IDLE_REPLAN_S`` seconds (at most ``IDLE_REPLAN_MAX``), ``DRAFT_REPLAN`` - 1 more if it drafts (each request keeps its
 k), within twice as many steps of any kind, only planned steps being timed for the cost
 model; a cost model's least-squares fit is solved again
 only when a step surprises it or every few steps. On an H200 host the controller's
@@ -96,7 +96,8 @@ INITIAL_ACCEPTANCE = 0.6    # before any observation
 DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
 PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
 IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice after this many steps
-IDLE_REPLAN_S = 0.2         # and this many seconds of steps (all kinds) since it was made,
+IDLE_REPLAN_S = 0.2         # and, for a batch of IDLE_REPLAN_BATCH or more, this many seconds of
+IDLE_REPLAN_BATCH = 16      # steps (all kinds) since it was made,
 IDLE_REPLAN_MAX = 128       # or after this many steps of its kind, however short
 DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between)
 OUTLIER_RATIO = 2.0         # a measured cost is clipped at this multiple of the prediction
@@ -105,6 +106,7 @@ RESOLVE_EVERY = 8           # and else every this many samples
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
 CHECK_MIN = 4               # realised-goodput check: a side stale after CHECK_MIN to CHECK_MAX of
 CHECK_MAX = 64              # its mean step durations without a step, the more by CHECK_SPREAD
+CHECK_MAX_S = 0.5           # and once the verdict is clear (CHECK_MAX), this many seconds at least
 CHECK_SPREAD = 8            # per standard error between the two sides' goodputs
 CHECK_DECAY = 0.95          # per step of a side, how much of its sums is kept
 CHECK_STALL = 3.0           # a step counts at most this many times its side's mean duration
@@ -241,12 +243,20 @@ class GoodputCheck:
 
     def stale(self, drafted: bool) -> bool:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
-        other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations."""
+        other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations —
+        and, once the verdict is clear, for ``CHECK_MAX_S`` seconds of this kind's steps:
+        on a GPU at 64 requests 64 steps last ~0.15 s, and with such checks ~2 % of the
+        request-steps still drafted at max load on chat, where drafts were vetoed (H200,
+        ``benchmarks/adaptive_check.py``)."""
         side = 0 if drafted else 1
         steps, _, seconds = self._sums[side][:3]
         if steps == 0:
             return self._sums[1 - side][0] >= CHECK_MIN
-        return self._since[side] >= self.interval * seconds / steps
+        interval = self.interval
+        wait = interval * seconds / steps
+        if interval >= CHECK_MAX:
+            wait = max(wait, CHECK_MAX_S)
+        return self._since[side] >= wait
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
@@ -337,22 +347,13 @@ class DraftLengthController:
         if depth:
             self.draft_cost.observe([depth, depth * num_drafting], draft_s)
 
-    @property
-    def last_choice(self) -> tuple[GoodputCheck, bool, bool] | None:
-        """The last choice as ``observe_goodput`` needs it, for a caller that tells the
-        step's goodput after the next choice."""
-        return self._last
-
-    def observe_goodput(self, num_tokens: int, seconds: float,
-                        choice: tuple[GoodputCheck, bool, bool] | None = None) -> None:
-        """The step of ``choice`` (``last_choice`` then; by default the last one) emitted
-        ``num_tokens`` in ``seconds`` of wall time (the whole step, drafting included):
-        its kind's realised-goodput check learns from it."""
+    def observe_goodput(self, num_tokens: int, seconds: float) -> None:
+        """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
+        whole step, drafting included): its kind's realised-goodput check learns from it."""
         self._clock += seconds
-        if choice is None:
-            choice, self._last = self._last, None
-        if choice is not None and self.check_goodput:
-            check, drafted, checked = choice
+        if self._last is not None and self.check_goodput:
+            check, drafted, checked = self._last
+            self._last = None
             check.observe(drafted, checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
@@ -462,7 +463,7 @@ class DraftLengthController:
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
         standing = self._plans.get(regime)
-        if standing is not None and self._expired(standing):
+        if standing is not None and self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length()):
             standing = None
         if (standing is not None and not standing[1]) or (check.vetoed and not check.stale(drafted=True)):
             # The kind's plan drafts nothing (same padding, prefill or not, batch within a
@@ -495,12 +496,15 @@ class DraftLengthController:
         self._last = (check, drafted, checked)
         return dict(zip(caps, k.tolist()))
 
-    def _expired(self, standing: list) -> bool:
+    def _expired(self, standing: list, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other
         kinds ran since). One with drafts serves ``draft_replan`` steps. One without serves
-        ``idle_replan`` steps, and more while less than ``idle_replan_s`` seconds have
-        passed (up to ``IDLE_REPLAN_MAX`` steps). Where steps are short and drafting does
-        not pay (a host-bound GPU batch) planning every 16 steps was a cost of its own: at
+        ``idle_replan`` steps, and for a ``large`` batch (``IDLE_REPLAN_BATCH`` requests or
+        more) more while less than ``idle_replan_s`` seconds have passed (up to
+        ``IDLE_REPLAN_MAX`` steps): there a request that joins changes the step's goodput
+        little, while for a lone request a new one (the next prompt at low load, code
+        after chat) is the whole step, and its plan is cheap. Where steps are short and
+        drafting does not pay (a host-bound GPU batch) planning every 16 steps was a cost of its own: at
         64 requests in a host-only run on the CPU machine (forward stubbed, ~1.3 ms steps)
         a plan took ~0.26 ms inside the step (0.06 ms warm, in a loop), 16 µs a step;
         where steps are long (a CPU forward) a plan stays every 16."""
@@ -511,7 +515,7 @@ class DraftLengthController:
         if served >= IDLE_REPLAN_MAX or age >= 2 * IDLE_REPLAN_MAX:
             return True
         return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
-            self._clock - made_s >= self.idle_replan_s
+            (not large or self._clock - made_s >= self.idle_replan_s)
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int]) -> np.ndarray:

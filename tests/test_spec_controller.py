@@ -431,21 +431,24 @@ def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     assert "alone" in ctl._rows and lone == {"alone": 0}
 
 
-@pytest.mark.parametrize("step_s, planned_at", [(0.05, 16), (0.004, 50), (0.0005, 128)])
-def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(step_s, planned_at):
-    """A plan costs a tenth of a short GPU step: one without drafts stands IDLE_REPLAN
-    steps and at least IDLE_REPLAN_S seconds (0.2 s: 50 steps of 4 ms), at most
-    IDLE_REPLAN_MAX steps. One with drafts still stands DRAFT_REPLAN steps."""
-    from specserve.spec_controller import DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_MAX, IDLE_REPLAN_S
+@pytest.mark.parametrize("batch, step_s, planned_at", [(32, 0.05, 16), (32, 0.004, 50), (32, 0.0005, 128),
+                                                       (16, 0.004, 50), (8, 0.004, 16), (1, 0.0005, 16)])
+def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step_s, planned_at):
+    """A plan costs a tenth of a short GPU step: one without drafts for 16 requests or
+    more stands IDLE_REPLAN steps and at least IDLE_REPLAN_S seconds (0.2 s: 50 steps of
+    4 ms), at most IDLE_REPLAN_MAX steps; for fewer (a request that joins is much of the
+    step) IDLE_REPLAN steps. One with drafts still stands DRAFT_REPLAN steps."""
+    from specserve.spec_controller import (DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_BATCH, IDLE_REPLAN_MAX,
+                                           IDLE_REPLAN_S)
 
-    assert (IDLE_REPLAN, IDLE_REPLAN_S, IDLE_REPLAN_MAX) == (16, 0.2, 128)
-    ctl = controller(**COMPUTE_BOUND)
-    caps = {f"r{i}": 4 for i in range(32)}
+    assert (IDLE_REPLAN, IDLE_REPLAN_S, IDLE_REPLAN_MAX, IDLE_REPLAN_BATCH) == (16, 0.2, 128, 16)
+    ctl = controller(a=0.001, b=1.0)  # every token dear: no plan drafts, whatever the batch
+    caps = {f"r{i}": 4 for i in range(batch)}
     planned = []
     for _ in range(300):
         assert set(ctl.choose(caps).values()) == {0}
         planned.append(ctl.wants_step_cost)
-        ctl.observe_goodput(32, step_s)
+        ctl.observe_goodput(batch, step_s)
     plans = [i for i, p in enumerate(planned) if p]
     assert plans[:3] == [0, planned_at, 2 * planned_at]
     drafting = controller(**MEMORY_BOUND)
@@ -550,6 +553,34 @@ def test_drafts_that_pay_are_checked_rarely():
     assert not check.vetoed and check.ratio > 2 and check.interval == CHECK_MAX
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
     assert share >= 1 - 1.5 / CHECK_MAX
+
+
+@pytest.mark.parametrize("step_s", [0.0025, 0.020])
+def test_a_clear_verdict_is_checked_again_after_half_a_second_at_least(step_s):
+    """Drafts that clearly lose are let through at a check every CHECK_MAX of their
+    steps' durations, and no sooner than CHECK_MAX_S seconds of the kind's steps: short
+    GPU steps (2.5 ms) would otherwise pay for a check every ~0.15 s."""
+    from specserve.spec_controller import CHECK_MAX, CHECK_MAX_S, GoodputCheck
+
+    check = GoodputCheck(max_k=4, batch=64)
+    for _ in range(8):
+        check.observe(False, False, 64, step_s)
+        check.observe(True, False, 70, 1.5 * step_s)
+    for _ in range(200):
+        check.observe(False, False, 64, step_s)
+        if check.stale(drafted=True):
+            check.observe(True, True, 70, 1.5 * step_s)
+    assert check.vetoed and check.interval == CHECK_MAX
+    gaps = []
+    for _ in range(3000):
+        gaps[-1:] = [gaps[-1] + 1] if gaps else [1]
+        check.observe(False, False, 64, step_s)
+        if check.stale(drafted=True):
+            check.observe(True, True, 70, 1.5 * step_s)
+            gaps.append(0)
+    wait = max(CHECK_MAX * 1.5 * step_s, CHECK_MAX_S)  # seconds of the kind between checks
+    assert all(abs(g * step_s - wait) < 2 * step_s + 0.1 * wait for g in gaps[1:-1])
+    assert check.vetoed
 
 
 def test_a_veto_is_lifted_when_drafting_starts_to_pay():
