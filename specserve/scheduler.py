@@ -10,6 +10,8 @@ from specserve.kv_cache import KVCacheManager
 from specserve.request import FinishReason, Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 
+RUNNING_LOG_MAX = 1024  # joins and leaves kept for running_changes' reader
+
 
 @dataclass
 class ScheduledRequest:
@@ -89,6 +91,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.running_version = 0  # changes whenever a request joins or leaves ``running``
+        # The joins (True) and leaves (False) that made the versions after _log_start, for a
+        # caller that keeps its own view of ``running`` up to date (running_changes); kept
+        # once someone asked.
+        self._running_log: list[tuple[Request, bool]] | None = None
+        self._log_start = 0
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -104,7 +111,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.running_version += 1
+            self._log_running(req, False)
         else:
             self.waiting.remove(req)
         self._release(req, reason)
@@ -112,6 +119,30 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def running_changes(self, since: int) -> list[tuple[Request, bool]] | None:
+        """The requests that joined (True) or left (False) ``running`` after version
+        ``since``, in order; None if that is older than the log keeps, or at the first
+        call (look at ``running`` itself then). Entries up to ``since`` are dropped: the
+        caller has seen them."""
+        if self._running_log is None:
+            self._running_log, self._log_start = [], self.running_version
+            return None
+        if since < self._log_start:
+            return None
+        del self._running_log[:since - self._log_start]
+        self._log_start = since
+        return self._running_log[:]
+
+    def _log_running(self, req: Request, joined: bool) -> None:
+        self.running_version += 1
+        log = self._running_log
+        if log is None:
+            return
+        log.append((req, joined))
+        if len(log) > RUNNING_LOG_MAX:  # its reader stopped reading: keep it short
+            del log[:RUNNING_LOG_MAX // 2]
+            self._log_start += RUNNING_LOG_MAX // 2
 
     @property
     def num_waiting(self) -> int:
@@ -151,7 +182,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.running_version += 1
+            self._log_running(req, True)
             scheduled.append(self._plan(req, num_new, 0))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
@@ -181,7 +212,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.running_version += 1
+        self._log_running(req, False)
         if self.kv.holds(req.req_id):
             self.kv.free(req.req_id)
         req.status = RequestStatus.WAITING

@@ -557,3 +557,28 @@ def test_random_workload_keeps_budget_and_ends_every_request_once(seed):
             assert len(out_ids) == req.params.max_tokens or req.num_tokens == max_model_len
             assert len(out_ids) <= req.params.max_tokens and req.num_tokens <= max_model_len
             assert not set(out_ids) & req.stop_token_ids
+
+
+def test_running_changes_log_joins_and_leaves_in_order(monkeypatch):
+    """A reader of ``running_changes`` gets, after its version, every request that joined
+    or left ``running`` in order (admission, abort, finish); None at its first call (the
+    log starts then) and once it fell further behind than the log keeps."""
+    monkeypatch.setattr("specserve.scheduler.RUNNING_LOG_MAX", 4)
+    sched = make_scheduler(max_num_seqs=2)
+    a, b, c = (make_request(name, 3, max_tokens=2, ignore_eos=True) for name in "abc")
+    add(sched, a, b, c)
+    assert sched.running_changes(sched.running_version) is None  # the first look
+    seen = sched.running_version
+    step(sched)  # a and b join
+    assert sched.running_changes(seen) == [(a, True), (b, True)]
+    seen = sched.running_version
+    sched.finish_request("a", FinishReason.ABORT)
+    assert sched.running_changes(seen) == [(a, False)]
+    assert sched.running_changes(sched.running_version) == []
+    seen = sched.running_version
+    run_to_completion(sched)  # c joins (a's seat), b finishes, c finishes: within the log
+    assert sched.running_changes(seen) == [(c, True), (b, False), (c, False)]
+    d, e, f = (make_request(name, 3, max_tokens=1, ignore_eos=True) for name in "def")
+    add(sched, d, e, f)
+    run_to_completion(sched)  # 6 changes: past a log of 4
+    assert sched.running_changes(seen) is None

@@ -320,13 +320,17 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     assert out.spec_stats.num_drafts == 0
 
 
-def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_dir):
+@pytest.mark.parametrize("log_max", [1024, 2])
+def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_dir, monkeypatch, log_max):
     """``_draft_lengths`` keeps its sorting of the running requests (free, pinned, in
-    prefill) from step to step, looking only at those that joined or left and those still
-    in prefill: what it hands the controller (caps, pinned k, prefill, context) equals
-    what a fresh sorting gives, step by step, through admissions, finishes, aborts,
-    preemptions (a small cache) and requests with their own k."""
+    prefill) from step to step, looking only at those that joined or left (the scheduler's
+    log) and those still in prefill: what it hands the controller (caps, pinned k,
+    prefill, context) equals what a fresh sorting gives, step by step, through admissions,
+    finishes, aborts, preemptions (a small cache) and requests with their own k. A log of
+    two entries makes the sorting fall behind it and sort afresh, now and then."""
     import random
+
+    monkeypatch.setattr("specserve.scheduler.RUNNING_LOG_MAX", log_max)
 
     from specserve.engine import _SortedRunning
 
@@ -581,6 +585,34 @@ def test_a_clear_verdict_is_checked_again_after_half_a_second_at_least(step_s):
     wait = max(CHECK_MAX * 1.5 * step_s, CHECK_MAX_S)  # seconds of the kind between checks
     assert all(abs(g * step_s - wait) < 2 * step_s + 0.1 * wait for g in gaps[1:-1])
     assert check.vetoed
+
+
+def test_a_vetoed_kind_weighs_its_verdict_at_drafted_steps_and_every_few_plain_ones(monkeypatch):
+    """The plan's own plain steps (every step of a kind whose drafts are vetoed) move the
+    verdict slowly: its standard error is computed at every VERDICT_EVERY-th of them, and
+    at every drafted or checked step; a veto is still lifted within that many plain steps
+    once drafting pays."""
+    from specserve.spec_controller import VERDICT_EVERY, GoodputCheck
+
+    check = GoodputCheck(max_k=4, batch=64)
+    for _ in range(8):
+        check.observe(False, False, 64, 0.0025)
+        check.observe(True, False, 70, 0.004)
+    assert check.vetoed
+    weighed = []
+    z = GoodputCheck.z
+    monkeypatch.setattr(GoodputCheck, "z", property(lambda self: weighed.append(1) or z.fget(self)))
+    for _ in range(8 * VERDICT_EVERY):
+        check.observe(False, False, 64, 0.0025)
+    assert 0 < len(weighed) <= 8 and check.vetoed
+    weighed.clear()
+    check.observe(True, True, 70, 0.004)
+    assert weighed
+    for step in range(1, 400):  # plain steps turn slow: drafting now pays
+        check.observe(False, False, 64, 0.010)
+        if not check.vetoed:
+            break
+    assert not check.vetoed
 
 
 def test_a_veto_is_lifted_when_drafting_starts_to_pay():
