@@ -46,12 +46,13 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                   block_size: int, sliding_window: int | None) -> AttentionPlan:
+                   block_size: int, sliding_window: int | None, short_spans: bool = True) -> AttentionPlan:
+    """``short_spans=False``: plan only the long spans (another kernel does the short ones)."""
     device = block_tables.device
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
-    short = [i for i, q_len in enumerate(query_lens) if q_len <= SHORT_SPAN]
+    short = [i for i, q_len in enumerate(query_lens) if q_len <= SHORT_SPAN] if short_spans else []
     rows = real = slots = keys_valid = mask = None
     if short:
         max_q = max(query_lens[i] for i in short)
@@ -85,7 +86,7 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                     scale: float, sliding_window: int | None = None,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+                    plan: AttentionPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_dim]``, request i owning ``query_lens[i]``
@@ -93,13 +94,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     its queries are the last ``query_lens[i]`` of them and attend causally, and only to the
     last ``sliding_window`` positions when a window is set. Returns ``[num_tokens,
     num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
-    lets many layers share the index work.
+    lets many layers share the index work; ``out`` receives the rows the plan covers.
     """
     if plan is None:
         plan = plan_attention(block_tables, query_lens, seq_lens, k_cache.shape[1], sliding_window)
     keys = k_cache.view(-1, *k_cache.shape[2:])
     values = v_cache.view(-1, *v_cache.shape[2:])
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if plan.short_rows is not None:
         q = query[plan.short_rows]                           # [num_short, max_q, H, D]
         flat = plan.short_slots.flatten()  # index_select is ~3x cheaper than advanced indexing

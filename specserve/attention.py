@@ -16,7 +16,7 @@ import torch
 
 from specserve.batch import ForwardBatch
 from specserve.errors import SpecserveError
-from specserve.kernels import reference
+from specserve.kernels import cpu_ops, reference
 
 
 class AttentionBackend(Protocol):
@@ -34,23 +34,39 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
+    """The torch references. ``cpu_kernels``: decode rows and verify spans attend in one
+    C++ call, and the model's layer glue runs the C++ CPU kernels too
+    (``kernels/cpu_ops.py``), instead of the torch ops."""
+
     name = "torch"
     padded_span = reference.SHORT_SPAN  # decode rows and verify spans attend together, padded
     exact_lengths = True
+
+    def __init__(self, cpu_kernels: bool = False) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
 
     def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
-        # Index work is done once per step (per window) and shared by all layers.
+        # Index work is done once per step (per window) and shared by all layers. With the
+        # CPU kernels, the short spans go to one C++ call and the plan keeps the long ones.
         plan = batch.attn_plans.get(sliding_window)
         if plan is None:
             plan = reference.plan_attention(batch.block_tables, batch.query_lens_host,
-                                            batch.seq_lens_host, k_cache.shape[1], sliding_window)
+                                            batch.seq_lens_host, k_cache.shape[1], sliding_window,
+                                            short_spans=not self.cpu_kernels)
             batch.attn_plans[sliding_window] = plan
+        out = None
+        if self.cpu_kernels:
+            out = torch.empty_like(query)
+            cpu_ops.paged_attention_short(query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens,
+                                          batch.seq_lens, scale, sliding_window, reference.SHORT_SPAN, out)
+            if not plan.spans:
+                return out
         return reference.paged_attention(query, k_cache, v_cache, batch.block_tables,
                                          batch.query_lens_host, batch.seq_lens_host,
-                                         scale, sliding_window, plan)
+                                         scale, sliding_window, plan, out)
 
 
 class TritonAttentionBackend:
@@ -89,7 +105,8 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA (when triton is installed), the torch reference elsewhere.
+    """``auto``: Triton on CUDA (when triton is installed), the torch reference elsewhere
+    (on a CPU with the C++ layer kernels, where they build).
     ``triton`` on a CPU device runs only under the Triton interpreter (TRITON_INTERPRET=1,
     set before the kernels are first imported) — slow, for tests."""
     if name not in BACKENDS:
@@ -97,7 +114,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_installed() else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        if device.type != "cpu":
+            return TorchAttentionBackend()
+        return TorchAttentionBackend(cpu_kernels=cpu_ops.available())
     if not _triton_installed():
         raise SpecserveError("attention backend 'triton' needs the triton package (pip install triton)")
     from specserve.kernels.paged_attention import interpreted

@@ -27,11 +27,13 @@ from specserve.config import EngineConfig  # noqa: E402
 from specserve.kv_cache import KVCacheManager  # noqa: E402
 from specserve.loader import ModelFiles, build_model, load_hf_config  # noqa: E402
 from specserve.model_runner import ModelRunner  # noqa: E402
-from specserve.models.layer_ops import TorchLayerOps, TritonLayerOps  # noqa: E402
+from specserve.kernels import cpu_ops  # noqa: E402
+from specserve.models.layer_ops import CpuLayerOps, TorchLayerOps, TritonLayerOps  # noqa: E402
 from specserve.models.rotary import Rotary, apply_rotary  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
 from specserve.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from sm90_compile import compiles_for_sm90  # noqa: E402
+from model_steps import chunked_prefill_logits  # noqa: E402
 from tiny_models import LLM32, VARIANTS  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -339,7 +341,8 @@ def test_layer_ops_follow_the_backend(tiny_model_dir):
     path = tiny_model_dir("llama")
     files = ModelFiles("tiny", path)
     config = load_hf_config(files)
-    for name, ops_type in (("torch", TorchLayerOps), ("triton", TritonLayerOps)):
+    on_cpu_kernels = DEVICE.type == "cpu" and cpu_ops.available()  # the torch backend's glue in C++
+    for name, ops_type in (("torch", CpuLayerOps if on_cpu_kernels else TorchLayerOps), ("triton", TritonLayerOps)):
         model = build_model(files, config, torch.float32, DEVICE, get_backend(name, DEVICE))
         layer = model.model.layers[0]
         assert type(model.model.ops) is ops_type
@@ -359,30 +362,8 @@ def test_model_logits_triton_equal_torch(tiny_model_dir, variant):
     logits = {}
     for name in ("torch", "triton"):
         model = build_model(files, config, torch.float32, DEVICE, get_backend(name, DEVICE))
-        logits[name] = chunked_prefill_logits(model, prompts, chunk=5)
+        logits[name] = chunked_prefill_logits(model, prompts, chunk=5, device=DEVICE)
     assert (logits["triton"] - logits["torch"]).abs().max().item() < 1e-4, variant
-
-
-def chunked_prefill_logits(model, prompts: list[list[int]], chunk: int) -> torch.Tensor:
-    """Every prompt prefilled ``chunk`` tokens a step, all prompts in each step's ragged
-    batch; the logits of every position of every prompt, concatenated."""
-    runner = ModelRunner(model, EngineConfig(block_size=4, num_kv_blocks=64), DEVICE, torch.float32)
-    kv = KVCacheManager(runner.num_blocks, 4)
-    kv.pool.allocate(7)  # block tables that are not contiguous
-    done, steps = [0] * len(prompts), []
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        planned = []
-        for i, prompt in enumerate(prompts):
-            n = min(chunk, len(prompt) - done[i])
-            if n:
-                kv.allocate_slots(str(i), done[i] + n)
-                planned.append(ScheduledRequest(str(i), prompt[done[i]:done[i] + n], done[i],
-                                                kv.block_table(str(i)), SamplingParams()))
-                done[i] += n
-        batch = runner.prepare(SchedulerOutput(planned, []))
-        with torch.inference_mode():
-            steps.append(model.compute_logits(model(batch.input_ids, batch.positions, runner.kv_caches, batch)))
-    return torch.cat(steps).cpu()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

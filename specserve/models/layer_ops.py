@@ -2,8 +2,11 @@
 and the KV store — behind one small interface, chosen once per model by its attention
 backend.
 
-``TorchLayerOps`` runs the torch references, op for op what the model always ran: the CPU
-path, tuned for it. ``TritonLayerOps`` (with the Triton backend, i.e. on CUDA) runs fused
+``TorchLayerOps`` runs the torch references, op for op what the model always ran.
+``CpuLayerOps`` (the torch backend on a CPU, once its kernels are built) runs each piece
+as one C++ op (``kernels/cpu_ops.cpp``) with the references' numerics: on a CPU a small
+model's decode step spends as long dispatching the references' ~25 tiny ops per layer as
+it does in their arithmetic. ``TritonLayerOps`` (with the Triton backend, i.e. on CUDA) runs fused
 kernels instead — one launch per norm, one for the activation, one for rotary + KV store —
 where the torch ops launch about 25 tiny kernels per layer and a small model's decode step
 is bound by those launches, not by its weights. Both take and give the same tensors.
@@ -46,6 +49,23 @@ class TorchLayerOps:
         return qk[:, :num_heads]
 
 
+class CpuLayerOps(TorchLayerOps):
+    """The C++ CPU kernels; rotary tables as the torch path makes them, and rotary + KV
+    store in one op, so the attention backend's store_kv is not used."""
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        from specserve.kernels import cpu_ops
+
+        self.rms_norm = cpu_ops.rms_norm
+        self.add_rms_norm = cpu_ops.add_rms_norm
+        self.silu_and_mul = cpu_ops.silu_and_mul
+        self._rotary_store_kv = cpu_ops.rotary_store_kv
+
+    def rotary_store_kv(self, qk, value, tables, kv_cache, batch):
+        return self._rotary_store_kv(qk, value, *tables, *kv_cache, batch.slot_mapping)
+
+
 class TritonLayerOps:
     """The fused Triton kernels (compiled on CUDA, interpreted under TRITON_INTERPRET=1).
     Rotary and the KV store are one launch, so the attention backend's store_kv is not used."""
@@ -72,9 +92,12 @@ class TritonLayerOps:
                                      cos_sin_cache, *kv_cache, batch.slot_mapping)
 
 
-LayerOps = TorchLayerOps | TritonLayerOps
+LayerOps = TorchLayerOps | CpuLayerOps | TritonLayerOps
 
 
 def layer_ops_for(backend) -> LayerOps:
-    """The one switch: fused kernels go with the Triton attention backend."""
-    return TritonLayerOps() if backend.name == "triton" else TorchLayerOps(backend)
+    """The one switch: fused kernels go with the Triton attention backend, the C++ ones
+    with a torch backend made for a CPU that has them."""
+    if backend.name == "triton":
+        return TritonLayerOps()
+    return CpuLayerOps(backend) if backend.cpu_kernels else TorchLayerOps(backend)

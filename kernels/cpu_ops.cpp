@@ -1,0 +1,425 @@
+// The decoder layer's glue on the CPU, one op each: RMSNorm (with the residual add fused
+// in), SiLU·mul, and rotary + KV store. A decode step of a small model on a CPU spends as
+// much time dispatching the ~25 tiny torch ops per layer these replace as in the norms'
+// arithmetic; here each is one call. Numerics follow the torch references in
+// reference.py / rotary.py rounding for rounding: every intermediate the reference rounds
+// to the model's dtype is rounded here too (``round_to<T>``), so bf16 results match it.
+//
+// Built at first use by torch.utils.cpp_extension (cpu_ops.py); registered as
+// torch.ops.specserve_cpu.*.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Rows below this many elements in all run on the calling thread: a decode step's few
+// rows are done before a thread pool would wake.
+constexpr int64_t kParallelGrain = 1 << 15;
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu(), "specserve_cpu ops run on CPU tensors");
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "the last dimension must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
+              "weight must be [hidden] and match x's last dimension");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+}
+
+// out = round(weight · round(x / rms(x))), x already in fp32 (``row``); as transformers:
+// normalise in fp32, cast back to the model's dtype, then scale.
+template <typename T>
+inline void normalize_row(const float* row, const T* weight, T* out, int64_t hidden, double eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) sum += row[i] * row[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+  for (int64_t i = 0; i < hidden; ++i)
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(row[i] * inv));
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, kParallelGrain / hidden + 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(xp[r * hidden + i]);
+      normalize_row<T>(row.data(), wp, op + r * hidden, hidden, eps);
+    }
+  });
+}
+
+template <typename T>
+void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                       at::Tensor& out, at::Tensor& sum_out, double eps) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = sum_out.data_ptr<T>();
+  at::parallel_for(0, rows, kParallelGrain / hidden + 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < hidden; ++i) {
+        // The sum is rounded to the model's dtype before it is normalised (as the reference).
+        const T s = static_cast<T>(static_cast<float>(xp[r * hidden + i]) +
+                                   static_cast<float>(rp[r * hidden + i]));
+        sp[r * hidden + i] = s;
+        row[i] = static_cast<float>(s);
+      }
+      normalize_row<T>(row.data(), wp, op + r * hidden, hidden, eps);
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  check_rows(x_in, weight);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_rows<scalar_t>(x, weight, out, eps); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x_in, weight);
+  TORCH_CHECK(x_in.sizes() == residual_in.sizes() && x_in.scalar_type() == residual_in.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous();
+  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm",
+                                  [&] { add_rms_norm_rows<scalar_t>(x, residual, weight, out, sum, eps); });
+  return {out, sum};
+}
+
+// silu(gate) · up of the merged projection [rows, 2 · inter]: silu rounded to the dtype,
+// then the product (as F.silu(gate) * up).
+at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
+  TORCH_CHECK(gate_up_in.device().is_cpu() && gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0,
+              "gate_up must be a [rows, 2 * intermediate] CPU tensor");
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kParallelGrain / inter + 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = in + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gv = static_cast<float>(g[i]);
+          const float silu = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
+          op[r * inter + i] = static_cast<scalar_t>(silu * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotate-half rotary of q and k, then k and v stored in the paged cache.
+//   qk     [tokens, q_heads + kv_heads, head_dim]   (rows may be strided: a slice of qkv)
+//   value  [tokens, kv_heads, head_dim]             (likewise)
+//   cos    [tokens, head_dim]  cos of each angle, both halves
+//   sin    [tokens, head_dim]  −sin on the first half, +sin on the second
+//   caches [blocks, block_size, kv_heads, head_dim]; slot s at block s / block_size,
+//   offset s % block_size; rows with slot −1 are not stored.
+// out[i] = round(round(x[i]·cos[i]) + round(x[i ± half]·sin[i])), as the reference's
+// x·cos + flip(halves)·sin in the model's dtype. Returns the rotated q, contiguous.
+at::Tensor rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache,
+                           const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(qk.dim() == 3 && value.dim() == 3 && qk.stride(2) == 1 && value.stride(2) == 1 &&
+                  qk.stride(1) == qk.size(2) && value.stride(1) == value.size(2),
+              "qk and value must be [tokens, heads, head_dim] with contiguous heads");
+  const int64_t tokens = qk.size(0), head_dim = qk.size(2), kv_heads = value.size(1);
+  const int64_t q_heads = qk.size(1) - kv_heads, half = head_dim / 2;
+  TORCH_CHECK(q_heads > 0 && head_dim % 2 == 0 && value.size(0) == tokens && value.size(2) == head_dim,
+              "qk / value shapes do not match");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.size(2) == kv_heads && k_cache.size(3) == head_dim &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == qk.scalar_type() && v_cache.scalar_type() == qk.scalar_type() &&
+                  value.scalar_type() == qk.scalar_type(),
+              "qk, value and the caches must share a dtype");
+  const at::Tensor cos = cos_in.to(qk.scalar_type()).contiguous().view({-1, head_dim});
+  const at::Tensor sin = sin_in.to(qk.scalar_type()).contiguous().view({-1, head_dim});
+  TORCH_CHECK(cos.size(0) == tokens && sin.size(0) == tokens, "one cos / sin row per token");
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == tokens, "one slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots.data_ptr<int64_t>()[t];
+    TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache of ", num_slots, " slots");
+  }
+  at::Tensor q_out = at::empty({tokens, q_heads, head_dim}, qk.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_store_kv", [&] {
+    using T = scalar_t;
+    const T* qkp = qk.data_ptr<T>();
+    const T* vp = value.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* snp = sin.data_ptr<T>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    T* qo = q_out.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    const int64_t qk_row = qk.stride(0), v_row = value.stride(0), kv_width = kv_heads * head_dim;
+    auto rotate = [&](const T* x, const T* c, const T* s, T* out) {
+      for (int64_t i = 0; i < head_dim; ++i) {
+        const float partner = static_cast<float>(x[i < half ? i + half : i - half]);
+        const float a = round_to<T>(static_cast<float>(x[i]) * static_cast<float>(c[i]));
+        const float b = round_to<T>(partner * static_cast<float>(s[i]));
+        out[i] = static_cast<T>(a + b);
+      }
+    };
+    at::parallel_for(0, tokens, kParallelGrain / (qk.size(1) * head_dim) + 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* c = cp + t * head_dim;
+        const T* s = snp + t * head_dim;
+        for (int64_t h = 0; h < q_heads; ++h)
+          rotate(qkp + t * qk_row + h * head_dim, c, s, qo + (t * q_heads + h) * head_dim);
+        const int64_t slot = sp[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < kv_heads; ++h)
+          rotate(qkp + t * qk_row + (q_heads + h) * head_dim, c, s, kc + slot * kv_width + h * head_dim);
+        std::copy(vp + t * v_row, vp + t * v_row + kv_width, vc + slot * kv_width);
+      }
+    });
+  });
+  return q_out;
+}
+
+// ------------------------------------------------------------------------------ attention
+// exp for softmax, written so the compiler can vectorise the loops that call it (Cephes'
+// expf: range reduction by ln 2, a degree-6 polynomial, the exponent set by bits; ~1 ulp).
+inline float exp_approx(float x) {
+  x = std::max(x, -87.f);
+  // Round to the nearest integer by adding and taking away 1.5 · 2^23 (|t| < 126 here).
+  const float nf = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const int n = static_cast<int>(nf);
+  const float f = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  const float z = f * f;
+  const float p = ((((((1.9875691500e-4f * f + 1.3981999507e-3f) * f + 8.3334519073e-3f) * f +
+                      4.1665795894e-2f) * f + 1.6666665459e-1f) * f + 5.0000001201e-1f) * z) + f + 1.f;
+  int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// A row of the cache or the query in fp32 (bf16 by its bits, so the loop vectorises).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+// a · b over n floats. The vector path sums lanes by a tree (a plain reduction loop
+// compiles to a serial chain of 16 scalar adds per dot product).
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+struct SpanTask {
+  int64_t row_start, q_len, seq_len, table_row, kv_head;
+};
+
+// One KV head of one short span (a decode row or a verify span), with every query head
+// that shares it: each key and value row is read and widened once for all of them.
+// Scores of every query row against its keys in the paged cache, softmax in fp32, then one
+// pass over the values. Query vector v = i · group + g is row i, head kv_head · group + g.
+template <typename T>
+void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
+                 const int32_t* block_tables, int64_t table_width, int64_t block_size,
+                 int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
+                 int64_t window, T* out, std::vector<float>& scores, std::vector<float>& values,
+                 std::vector<float>& buf) {
+  const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
+  const int64_t first_pos = task.seq_len - task.q_len;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t span = task.seq_len - lo;
+  scores.resize(nq * span);
+  buf.resize((2 * nq + 1) * head_dim);
+  float* q = buf.data();                 // [nq, head_dim], scaled
+  float* acc = q + nq * head_dim;        // [nq, head_dim]
+  float* row = acc + nq * head_dim;      // one key or value row
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t i = v / group, head = task.kv_head * group + v % group;
+    to_float(query + ((task.row_start + i) * num_heads + head) * head_dim, q + v * head_dim, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) q[v * head_dim + d] *= scale;
+  }
+  const int32_t* table = block_tables + task.table_row * table_width;
+  const int64_t kv_width = kv_heads * head_dim;
+  // Calls fn(position, row of that position in ``cache``) for positions lo .. seq_len - 1,
+  // a block at a time (no division per position).
+  auto for_each_row = [&](const T* cache, auto&& fn) {
+    for (int64_t pos = lo; pos < task.seq_len;) {
+      const int64_t block = pos / block_size, offset = pos - block * block_size;
+      const int64_t count = std::min(block_size - offset, task.seq_len - pos);
+      const T* base = cache + (static_cast<int64_t>(table[block]) * block_size + offset) * kv_width +
+                      task.kv_head * head_dim;
+      for (int64_t r = 0; r < count; ++r) fn(pos + r, base + r * kv_width);
+      pos += count;
+    }
+  };
+  for_each_row(k_cache, [&](int64_t pos, const T* key) {
+    to_float(key, row, head_dim);
+    for (int64_t v = 0; v < nq; ++v) scores[v * span + pos - lo] = dot(q + v * head_dim, row, head_dim);
+  });
+  // Row i sees positions [max(lo, first_pos + i - window + 1), first_pos + i]; columns
+  // are positions - lo; the rest of its scores become 0.
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t i = v / group;
+    float* s = scores.data() + v * span;
+    const int64_t a = window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0;
+    const int64_t b = first_pos + i - lo + 1;
+    float m = s[a];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = a + 1; j < b; ++j) m = std::max(m, s[j]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = a; j < b; ++j) {
+      s[j] = exp_approx(s[j] - m);
+      total += s[j];
+    }
+    const float inv = 1.f / total;
+    std::fill(s, s + a, 0.f);
+#pragma omp simd
+    for (int64_t j = a; j < b; ++j) s[j] *= inv;
+    std::fill(s + b, s + span, 0.f);
+  }
+  values.resize(span * head_dim);
+  for_each_row(v_cache, [&](int64_t pos, const T* value) { to_float(value, values.data() + (pos - lo) * head_dim, head_dim); });
+  for (int64_t v = 0; v < nq; ++v) {
+    const float* p = scores.data() + v * span;
+    float* o = acc + v * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    // Rows are summed in chunks of 16 lanes that stay in registers across positions.
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      const int64_t width = std::min<int64_t>(16, head_dim - d0);
+      float lanes[16] = {0.f};
+      for (int64_t j = 0; j < span; ++j) {
+        const float* val = values.data() + j * head_dim + d0;
+#pragma omp simd
+        for (int64_t d = 0; d < 16; ++d) lanes[d] += p[j] * (d < width ? val[d] : 0.f);
+      }
+      std::copy(lanes, lanes + width, o + d0);
+    }
+  }
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t i = v / group, head = task.kv_head * group + v % group;
+    T* dst = out + ((task.row_start + i) * num_heads + head) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[v * head_dim + d]);
+  }
+}
+
+// Causal attention over the paged cache for every request whose query span is at most
+// ``max_span`` rows, written into ``out`` (the other requests' rows are left as they are).
+// Same semantics as reference.paged_attention: request r's rows cu_query_lens[r] ..
+// cu_query_lens[r+1] are the last of its seq_lens[r] cached positions; ``window`` > 0
+// keeps only the last ``window`` positions.
+void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables_in, const at::Tensor& cu_query_lens_in,
+                           const at::Tensor& seq_lens_in, double scale, int64_t window, int64_t max_span,
+                           at::Tensor out) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+                  query.dim() == 3, "query and out must be contiguous [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == query.size(2) &&
+                  query.size(1) % k_cache.size(2) == 0,
+              "caches must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, caches and out must share a dtype");
+  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor cu = cu_query_lens_in.to(at::kInt).contiguous();  // no copy for the batch's own
+  const at::Tensor lens = seq_lens_in.to(at::kInt).contiguous();
+  const int64_t num_reqs = lens.numel(), num_heads = query.size(1), block_size = k_cache.size(1);
+  const int64_t kv_heads = k_cache.size(2);
+  TORCH_CHECK(cu.numel() == num_reqs + 1 && tables.size(0) >= num_reqs, "one table and span per request");
+  const int32_t* cup = cu.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  std::vector<SpanTask> tasks;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = cup[r + 1] - cup[r];
+    if (q_len == 0 || q_len > max_span) continue;
+    TORCH_CHECK(q_len <= lp[r] && (lp[r] + block_size - 1) / block_size <= tables.size(1) &&
+                    cup[r + 1] <= query.size(0),
+                "request ", r, ": its span, length and block table do not fit");
+    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({cup[r], q_len, lp[r], r, h});
+  }
+  const int64_t num_blocks = k_cache.size(0);
+  for (const SpanTask& task : tasks) {  // every block a span reads must be in the cache
+    if (task.kv_head != 0) continue;
+    const int32_t* table = tables.data_ptr<int32_t>() + task.table_row * tables.size(1);
+    for (int64_t b = 0; b < (task.seq_len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block ", table[b], " is outside the cache");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, values, buf;
+      for (int64_t t = begin; t < end; ++t)
+        attend_span<scalar_t>(tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
+                              block_size, num_heads, kv_heads, query.size(2),
+                              static_cast<float>(scale), window, out.data_ptr<scalar_t>(), scores, values, buf);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_store_kv(Tensor qk, Tensor value, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("paged_attention_short(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, int max_span, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("rotary_store_kv", rotary_store_kv);
+  m.impl("paged_attention_short", paged_attention_short);
+}

@@ -1,0 +1,80 @@
+"""C++ kernels for the CPU path: the decoder layer's glue (RMSNorm with the residual add,
+SiLU·mul, rotary + KV store), one op each (source: ``cpu_ops.cpp``).
+
+On a 2-core CPU a batch-1 decode step of SmolLM2-135M ran ~12 ms outside its 14 ms of
+projections (bound by reading the weights), most of it dispatching ~25 tiny torch ops per
+layer; these ops make each piece one call. They are compiled once per machine at first
+use by torch's extension loader (g++ and ninja; ~1 min on 2 cores, then cached under
+``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Where that cannot work
+(no compiler, a read-only cache) the engine logs why and keeps the torch references;
+``SPECSERVE_CPU_KERNELS=0`` chooses them outright.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("specserve")
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
+# Vector ISA flags by what torch found this CPU to run (the build is per machine and named
+# by it, so a cache shared with another CPU holds one build each).
+_VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+                 "AVX2": ["-mavx2", "-mfma"]}
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.specserve_cpu`` is loaded (built now if it has to be)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        capability = torch.backends.cpu.get_cpu_capability()  # what this CPU runs, e.g. AVX512
+        cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(_SOURCE)],
+                           extra_cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
+                           extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+        return hasattr(torch.ops.specserve_cpu, "add_rms_norm")
+    except Exception as exc:  # no compiler, no ninja, a read-only cache, ...
+        logger.warning("CPU kernels unavailable, using the torch ops (slower): %s",
+                       str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
+        return False
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.specserve_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.specserve_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.specserve_cpu.silu_and_mul(gate_up)
+
+
+def rotary_store_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k (``qk`` ``[tokens, q_heads + kv_heads, head_dim]``) with ``cos`` /
+    signed ``sin`` (``Rotary.forward``'s tables), store k and ``value`` at
+    ``slot_mapping`` (−1: skipped); returns the rotated q ``[tokens, q_heads, head_dim]``."""
+    return torch.ops.specserve_cpu.rotary_store_kv(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_short(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                          max_span: int, out: torch.Tensor) -> None:
+    """``reference.paged_attention`` for the requests whose query span is at most
+    ``max_span`` rows (decode rows, verify spans), written into ``out``
+    ``[tokens, heads, head_dim]``; the other requests' rows are left alone."""
+    torch.ops.specserve_cpu.paged_attention_short(query, k_cache, v_cache, block_tables, cu_query_lens,
+                                                  seq_lens, scale, sliding_window or 0, max_span, out)

@@ -1,0 +1,220 @@
+"""The C++ CPU kernels (``kernels/cpu_ops.cpp``) against their torch references, the model
+and the engine with them against the torch path, and the fallback when they cannot load.
+
+bf16: the norms, SiLU·mul and rotary round every intermediate where the references do, so
+they match them bit for bit at decode sizes (a norm's fp32 sum order may flip a rare
+rounding: within one bf16 step); attention sums in fp32 without rounding the softmax, so it
+is within bf16 rounding of the reference. fp32: within 1e-5.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from model_steps import chunked_prefill_logits
+from specserve.kernels import cpu_ops, reference
+from tiny_models import LLM32, VARIANTS
+
+from specserve.attention import TorchAttentionBackend, get_backend
+from specserve.loader import ModelFiles, build_model, load_hf_config
+from specserve.models.layer_ops import CpuLayerOps, TorchLayerOps
+from specserve.models.rotary import apply_rotary
+from specserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+
+F32, BF16 = torch.float32, torch.bfloat16
+BF16_STEP = 2 ** -7  # one bf16 rounding, relative
+
+
+def randn(*shape, dtype=F32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+
+def assert_matches(out, want, exact: bool):
+    assert out.dtype == want.dtype and out.shape == want.shape
+    if out.dtype == F32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    elif exact:
+        assert torch.equal(out, want)
+    else:
+        torch.testing.assert_close(out.float(), want.float(), atol=1e-2, rtol=BF16_STEP)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_norms_match_reference(dtype, tokens):
+    x, res = randn(tokens, 576, dtype=dtype, seed=1), randn(tokens, 576, dtype=dtype, seed=2)
+    weight = (randn(576, seed=3).abs() + 0.5).to(dtype)
+    exact = tokens < 100
+    assert_matches(cpu_ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), exact)
+    normed, summed = cpu_ops.add_rms_norm(x, res, weight, 1e-5)
+    want_normed, want_summed = reference.add_rms_norm(x, res, weight, 1e-5)
+    assert torch.equal(summed, want_summed)  # the residual sum is rounded as the reference does
+    assert_matches(normed, want_normed, exact)
+    # A strided input (a row slice) reads the same values.
+    wide = randn(tokens, 2 * 576, dtype=dtype, seed=4)
+    assert_matches(cpu_ops.rms_norm(wide[:, :576], weight, 1e-5), reference.rms_norm(wide[:, :576], weight, 1e-5), exact)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_silu_and_mul_matches_reference(dtype):
+    gate_up = randn(7, 2 * 1536, dtype=dtype, seed=5, scale=3.0)
+    assert_matches(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), exact=True)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (5, 1, 80)])
+def test_rotary_store_kv_matches_reference(dtype, heads):
+    num_heads, num_kv, dim = heads
+    tokens = 6
+    qkv = randn(tokens, num_heads + 2 * num_kv, dim, dtype=dtype, seed=6)
+    qk, value = qkv[:, :num_heads + num_kv], qkv[:, num_heads + num_kv:]  # strided, as in the model
+    angles = randn(tokens, dim // 2, seed=7, scale=4.0)
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[:, None].to(dtype)
+    sin = torch.stack((-angles.sin(), angles.sin()), dim=1)[:, None].to(dtype)
+    slots = torch.tensor([17, -1, 3, 40, 41, 0])
+    caches = [torch.zeros(8, 8, num_kv, dim, dtype=dtype) for _ in range(4)]
+    q = cpu_ops.rotary_store_kv(qk, value, cos, sin, caches[0], caches[1], slots)
+    rotated = apply_rotary(qk, cos, sin)
+    reference.store_kv(rotated[:, num_heads:], value, caches[2], caches[3], slots)
+    assert_matches(q, rotated[:, :num_heads].contiguous(), exact=True)
+    assert_matches(caches[0], caches[2], exact=True)
+    assert torch.equal(caches[1], caches[3])  # values are copied
+    assert q.is_contiguous()
+
+
+def test_rotary_store_kv_refuses_a_slot_outside_the_cache():
+    qk, value = randn(2, 3, 16), randn(2, 1, 16)
+    cos, sin = torch.ones(2, 16), torch.zeros(2, 16)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.rotary_store_kv(qk, value, cos, sin, k_cache, v_cache, torch.tensor([0, 8]))
+    assert not k_cache.any()  # checked before anything is written
+
+
+def random_paged_batch(seed: int, dtype, num_heads=9, num_kv=3, dim=64, block_size=16):
+    """Requests with decode rows, verify spans and prefill spans over shuffled blocks."""
+    rng = random.Random(seed)
+    query_lens = [rng.choice([1, 1, 2, 5, 16, 17, 40]) for _ in range(rng.randint(1, 6))]
+    seq_lens = [q + rng.randint(0, 150) for q in query_lens]
+    num_blocks = 128
+    k_cache = randn(num_blocks, block_size, num_kv, dim, dtype=dtype, seed=seed)
+    v_cache = randn(num_blocks, block_size, num_kv, dim, dtype=dtype, seed=seed + 1)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).int()
+    tables = perm[:len(query_lens) * 12].view(len(query_lens), 12)
+    query = randn(sum(query_lens), num_heads, dim, dtype=dtype, seed=seed + 2)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return query, k_cache, v_cache, tables, query_lens, seq_lens, cu
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_attention_short_matches_reference(dtype, window, seed):
+    query, k_cache, v_cache, tables, query_lens, seq_lens, cu = random_paged_batch(seed, dtype)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.125, window)
+    out = torch.full_like(query, float("nan"))
+    cpu_ops.paged_attention_short(query, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                  0.125, window, reference.SHORT_SPAN, out)
+    short = torch.cat([torch.full((n,), n <= reference.SHORT_SPAN) for n in query_lens])
+    assert torch.isnan(out[~short]).all()  # long spans are left to the caller
+    if dtype == F32:
+        torch.testing.assert_close(out[short], want[short], atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out[short].float(), want[short].float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_paged_attention_short_refuses_a_block_outside_the_cache():
+    query, k_cache, v_cache, tables, _, seq_lens, cu = random_paged_batch(0, F32)
+    tables[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.paged_attention_short(query, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                      0.125, None, 1 << 30, torch.empty_like(query))
+
+
+def test_backend_attends_mixed_batches_like_the_reference():
+    """The torch backend with the kernels: short spans in C++, long ones by the plan."""
+    from specserve.batch import ForwardBatch
+
+    seed = next(s for s in range(100) if len({n > reference.SHORT_SPAN for n in random_paged_batch(s, F32)[4]}) == 2)
+    query, k_cache, v_cache, tables, query_lens, seq_lens, cu = random_paged_batch(seed, F32)
+    assert any(n > reference.SHORT_SPAN for n in query_lens) and any(n <= reference.SHORT_SPAN for n in query_lens)
+    batch = ForwardBatch(input_ids=torch.zeros(len(query)), positions=torch.zeros(len(query)),
+                         slot_mapping=torch.zeros(len(query)), block_tables=tables, cu_query_lens=cu,
+                         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), logits_indices=torch.zeros(1),
+                         query_lens_host=query_lens, seq_lens_host=seq_lens)
+    got = TorchAttentionBackend(cpu_kernels=True).attend(query, k_cache, v_cache, batch, 0.125, None)
+    want = reference.paged_attention(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the model
+def test_cpu_backend_chooses_the_kernels(tiny_model_dir, monkeypatch):
+    files = ModelFiles("tiny", tiny_model_dir("llama"))
+    config = load_hf_config(files)
+    backend = get_backend("auto", torch.device("cpu"))
+    assert backend.cpu_kernels
+    model = build_model(files, config, F32, torch.device("cpu"), backend)
+    assert type(model.model.ops) is CpuLayerOps
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    model = build_model(files, config, F32, torch.device("cpu"), get_backend("torch", torch.device("cpu")))
+    assert type(model.model.ops) is TorchLayerOps
+
+
+@pytest.mark.parametrize("chunk", [5, 20])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_model_logits_with_kernels_equal_torch(tiny_model_dir, variant, chunk):
+    """Every architecture variant (qk-norm, llama3 rope, bias, sliding window, tied GQA),
+    prefill chunks (short spans of 5 in C++; spans of 20 by the plan) and decode rows in
+    ragged steps: logits within 1e-4 of the torch ops."""
+    files = ModelFiles("tiny", tiny_model_dir(variant))
+    config = load_hf_config(files)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (23, 1, 9, 14, 30)]
+    logits = {}
+    for kernels in (False, True):
+        model = build_model(files, config, F32, torch.device("cpu"), TorchAttentionBackend(cpu_kernels=kernels))
+        logits[kernels] = chunked_prefill_logits(model, prompts, chunk=chunk, device=torch.device("cpu"))
+    assert (logits[True] - logits[False]).abs().max().item() < 1e-4, variant
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(max_num_batched_tokens=24, max_num_seqs=4, block_size=16, num_kv_blocks=32,
+              speculative_method="ngram", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("variant", ["smollm2_tied_gqa3", "qwen3_qknorm", "mistral_window"])
+def test_engine_greedy_tokens_with_kernels_equal_torch_ops(tiny_model_dir, variant, monkeypatch):
+    """Prefill chunks sharing steps with decode rows and verify spans: the same greedy
+    tokens in fp32 with the kernels as with the torch ops, and no block left behind."""
+    prompts = [[5, 9, 11, 5, 9, 11, 5, 9], list(range(3, 60)), [7], [4, 4, 4, 4]]
+    outputs = {}
+    for kernels in (True, False):
+        monkeypatch.setattr(cpu_ops, "available", lambda kernels=kernels: kernels)
+        llm = LLM32(str(tiny_model_dir(variant)), attention_backend="torch", **ENGINE)
+        assert llm.engine.runner.model.attention_backend.cpu_kernels is kernels
+        outputs[kernels] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.num_free_blocks == llm.engine.runner.num_blocks
+    assert outputs[True] == outputs[False]
+
+
+# ---------------------------------------------------------------------------- fallback
+def test_unavailable_when_switched_off_or_the_build_fails(monkeypatch, caplog):
+    undecorated = cpu_ops.available.__wrapped__
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    assert undecorated() is False
+    monkeypatch.delenv(cpu_ops.ENV_SWITCH)
+
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        assert undecorated() is False
+    assert "CPU kernels unavailable" in caplog.text and "Ninja is required" in caplog.text
