@@ -12,10 +12,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -243,105 +239,146 @@ inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t 
   for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
 
-// a · b over n floats. The vector path sums lanes by a tree (a plain reduction loop
-// compiles to a serial chain of 16 scalar adds per dot product).
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float sum = 0.f;
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
 struct SpanTask {
   int64_t row_start, q_len, seq_len, table_row, kv_head;
 };
 
+// Query vectors are scored 16 at a time ("a pack"), one per vector lane, so a key's dot
+// products with all of them are head_dim fused multiply-adds with no sum across lanes.
+constexpr int64_t kPack = 16;
+// Keys scored together: independent accumulators, so the adds do not wait on each other.
+constexpr int64_t kKeys = 4;
+// Value dimensions summed together (reads past a row's end stay inside the buffer's slack).
+constexpr int64_t kValueChunk = 64;
+
+// Scores of one pack: st[j][l] = q_l · key_j for the span's keys (rows of ``keys``).
+inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t head_dim, float* st) {
+  int64_t j = 0;
+  for (; j + kKeys <= span; j += kKeys) {
+    float acc[kKeys][kPack] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float* qd = qt + d * kPack;
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const float k = keys[(j + t) * head_dim + d];
+#pragma omp simd
+        for (int64_t l = 0; l < kPack; ++l) acc[t][l] += k * qd[l];
+      }
+    }
+    std::memcpy(st + j * kPack, acc, sizeof(acc));
+  }
+  for (; j < span; ++j) {
+    float acc[kPack] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float k = keys[j * head_dim + d];
+#pragma omp simd
+      for (int64_t l = 0; l < kPack; ++l) acc[l] += k * qt[d * kPack + l];
+    }
+    std::memcpy(st + j * kPack, acc, sizeof(acc));
+  }
+}
+
+// Softmax of each lane over its own key range [lo_l, hi_l) of st [span][16]; outside it
+// the probabilities are 0.
+inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32_t* hi) {
+  float m[kPack], total[kPack];
+  std::fill(m, m + kPack, -3.0e38f);
+  std::fill(total, total + kPack, 0.f);
+  for (int64_t j = 0; j < span; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < kPack; ++l)
+      m[l] = (j >= lo[l] && j < hi[l]) ? std::max(m[l], st[j * kPack + l]) : m[l];
+  }
+  for (int64_t j = 0; j < span; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < kPack; ++l) {
+      const float e = (j >= lo[l] && j < hi[l]) ? exp_approx(st[j * kPack + l] - m[l]) : 0.f;
+      st[j * kPack + l] = e;
+      total[l] += e;
+    }
+  }
+  float inv[kPack];
+  for (int64_t l = 0; l < kPack; ++l) inv[l] = total[l] > 0.f ? 1.f / total[l] : 0.f;
+  for (int64_t j = 0; j < span; ++j) {
+#pragma omp simd
+    for (int64_t l = 0; l < kPack; ++l) st[j * kPack + l] *= inv[l];
+  }
+}
+
 // One KV head of one short span (a decode row or a verify span), with every query head
-// that shares it: each key and value row is read and widened once for all of them.
-// Scores of every query row against its keys in the paged cache, softmax in fp32, then one
-// pass over the values. Query vector v = i · group + g is row i, head kv_head · group + g.
+// that shares it: its keys and values are read and widened once for all of them. Query
+// vector v = i · group + g is row i, head kv_head · group + g; row i attends causally to
+// positions [max(lo, first_pos + i - window + 1), first_pos + i].
 template <typename T>
 void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
                  const int32_t* block_tables, int64_t table_width, int64_t block_size,
                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                 int64_t window, T* out, std::vector<float>& scores, std::vector<float>& values,
+                 int64_t window, T* out, std::vector<float>& scores, std::vector<float>& rows,
                  std::vector<float>& buf) {
   const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
+  const int64_t packs = (nq + kPack - 1) / kPack;
   const int64_t first_pos = task.seq_len - task.q_len;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int64_t span = task.seq_len - lo;
-  scores.resize(nq * span);
-  buf.resize((2 * nq + 1) * head_dim);
-  float* q = buf.data();                 // [nq, head_dim], scaled
-  float* acc = q + nq * head_dim;        // [nq, head_dim]
-  float* row = acc + nq * head_dim;      // one key or value row
+  scores.resize(packs * span * kPack);
+  rows.resize(span * head_dim + kValueChunk);  // widened keys, then values (+ slack for vector reads)
+  buf.assign(packs * head_dim * kPack + nq * head_dim, 0.f);
+  float* qt = buf.data();                           // [packs, head_dim, 16], scaled, lanes padded with 0
+  float* acc = qt + packs * head_dim * kPack;       // [nq, head_dim]
+  std::vector<float> widened(head_dim);
   for (int64_t v = 0; v < nq; ++v) {
     const int64_t i = v / group, head = task.kv_head * group + v % group;
-    to_float(query + ((task.row_start + i) * num_heads + head) * head_dim, q + v * head_dim, head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) q[v * head_dim + d] *= scale;
+    to_float(query + ((task.row_start + i) * num_heads + head) * head_dim, widened.data(), head_dim);
+    float* dst = qt + (v / kPack) * head_dim * kPack + v % kPack;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kPack] = widened[d] * scale;
   }
   const int32_t* table = block_tables + task.table_row * table_width;
   const int64_t kv_width = kv_heads * head_dim;
-  // Calls fn(position, row of that position in ``cache``) for positions lo .. seq_len - 1,
-  // a block at a time (no division per position).
-  auto for_each_row = [&](const T* cache, auto&& fn) {
+  // The rows of positions lo .. seq_len - 1 of ``cache``, widened into ``rows``, a block
+  // at a time (no division per position).
+  auto widen_rows = [&](const T* cache) {
     for (int64_t pos = lo; pos < task.seq_len;) {
       const int64_t block = pos / block_size, offset = pos - block * block_size;
       const int64_t count = std::min(block_size - offset, task.seq_len - pos);
       const T* base = cache + (static_cast<int64_t>(table[block]) * block_size + offset) * kv_width +
                       task.kv_head * head_dim;
-      for (int64_t r = 0; r < count; ++r) fn(pos + r, base + r * kv_width);
+      for (int64_t r = 0; r < count; ++r) to_float(base + r * kv_width, rows.data() + (pos - lo + r) * head_dim, head_dim);
       pos += count;
     }
   };
-  for_each_row(k_cache, [&](int64_t pos, const T* key) {
-    to_float(key, row, head_dim);
-    for (int64_t v = 0; v < nq; ++v) scores[v * span + pos - lo] = dot(q + v * head_dim, row, head_dim);
-  });
-  // Row i sees positions [max(lo, first_pos + i - window + 1), first_pos + i]; columns
-  // are positions - lo; the rest of its scores become 0.
-  for (int64_t v = 0; v < nq; ++v) {
-    const int64_t i = v / group;
-    float* s = scores.data() + v * span;
-    const int64_t a = window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0;
-    const int64_t b = first_pos + i - lo + 1;
-    float m = s[a];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = a + 1; j < b; ++j) m = std::max(m, s[j]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = a; j < b; ++j) {
-      s[j] = exp_approx(s[j] - m);
-      total += s[j];
+  widen_rows(k_cache);
+  for (int64_t p = 0; p < packs; ++p) {
+    int32_t key_lo[kPack], key_hi[kPack];
+    for (int64_t l = 0; l < kPack; ++l) {
+      const int64_t i = std::min(p * kPack + l, nq - 1) / group;  // padding lanes copy the last row
+      key_lo[l] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0);
+      key_hi[l] = static_cast<int32_t>(first_pos + i - lo + 1);
     }
-    const float inv = 1.f / total;
-    std::fill(s, s + a, 0.f);
-#pragma omp simd
-    for (int64_t j = a; j < b; ++j) s[j] *= inv;
-    std::fill(s + b, s + span, 0.f);
+    float* st = scores.data() + p * span * kPack;
+    score_pack(qt + p * head_dim * kPack, rows.data(), span, head_dim, st);
+    softmax_pack(st, span, key_lo, key_hi);
   }
-  values.resize(span * head_dim);
-  for_each_row(v_cache, [&](int64_t pos, const T* value) { to_float(value, values.data() + (pos - lo) * head_dim, head_dim); });
-  for (int64_t v = 0; v < nq; ++v) {
-    const float* p = scores.data() + v * span;
-    float* o = acc + v * head_dim;
-    std::fill(o, o + head_dim, 0.f);
-    // Rows are summed in chunks of 16 lanes that stay in registers across positions.
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-      const int64_t width = std::min<int64_t>(16, head_dim - d0);
-      float lanes[16] = {0.f};
-      for (int64_t j = 0; j < span; ++j) {
-        const float* val = values.data() + j * head_dim + d0;
+  widen_rows(v_cache);
+  // Probability-weighted values: two query vectors and 64 dimensions at a time, so eight
+  // vector accumulators stay in registers and their adds do not wait on one another.
+  for (int64_t v0 = 0; v0 < nq; v0 += 2) {
+    const int64_t v1 = std::min(v0 + 1, nq - 1);
+    const float* p0 = scores.data() + (v0 / kPack) * span * kPack + v0 % kPack;  // stride kPack
+    const float* p1 = scores.data() + (v1 / kPack) * span * kPack + v1 % kPack;
+    const int64_t hi = first_pos + v1 / group - lo + 1;  // later positions have probability 0
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kValueChunk) {
+      const int64_t width = std::min(kValueChunk, head_dim - d0);
+      float sums[2][kValueChunk] = {};
+      for (int64_t j = 0; j < hi; ++j) {
+        const float a = p0[j * kPack], b = p1[j * kPack];
+        const float* val = rows.data() + j * head_dim + d0;
 #pragma omp simd
-        for (int64_t d = 0; d < 16; ++d) lanes[d] += p[j] * (d < width ? val[d] : 0.f);
+        for (int64_t d = 0; d < kValueChunk; ++d) {
+          sums[0][d] += a * val[d];
+          sums[1][d] += b * val[d];
+        }
       }
-      std::copy(lanes, lanes + width, o + d0);
+      std::copy(sums[0], sums[0] + width, acc + v0 * head_dim + d0);
+      std::copy(sums[1], sums[1] + width, acc + v1 * head_dim + d0);
     }
   }
   for (int64_t v = 0; v < nq; ++v) {
@@ -394,12 +431,12 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, values, buf;
+      std::vector<float> scores, rows, buf;
       for (int64_t t = begin; t < end; ++t)
         attend_span<scalar_t>(tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
                               block_size, num_heads, kv_heads, query.size(2),
-                              static_cast<float>(scale), window, out.data_ptr<scalar_t>(), scores, values, buf);
+                              static_cast<float>(scale), window, out.data_ptr<scalar_t>(), scores, rows, buf);
     });
   });
 }
