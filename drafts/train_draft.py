@@ -77,11 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     # data
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (default: all)")
     p.add_argument("--num-val-prompts", type=int, default=64)
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="more training prompts written by the target itself: sampled from the chat "
+                        "template's opening of a user turn (Magpie), deduplicated")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-seq-len", type=int, default=1024, help="longer prompts are skipped")
     p.add_argument("--samples", type=int, default=2,
                    help="sampled answers (T = 0.7) per training prompt, beside the greedy one, budget allowing")
     p.add_argument("--generator", choices=("auto", "hf", "engine"), default="auto")
+    p.add_argument("--generate-only", action="store_true",
+                   help="stop once the prompts and responses are in --work-dir (a later run with the "
+                        "same data settings trains on them without generating)")
     p.add_argument("--gen-batch-tokens", type=int, default=None,
                    help="padded tokens per HF generate batch (default: 800k on CUDA, 16k on CPU)")
     p.add_argument("--gen-max-batch", type=int, default=None,
@@ -138,9 +144,10 @@ def use_bf16(device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------- prompts
-def select_prompts(args, tokenizer) -> dict[str, list[tuple[str, str, list[int]]]]:
+def select_prompts(args, tokenizer, extra_chat: list[str] = ()) -> dict[str, list[tuple[str, str, list[int]]]]:
     """(kind, source, prompt token ids) for the train and val splits, seeded order;
-    training prompts alternate chat and code so any prefix of the list is balanced."""
+    training prompts alternate chat and code so any prefix of the list is balanced, and
+    ``extra_chat`` (self-written prompts, all train) follows them."""
     from specserve.drafts.prompt_sets import build_prompt_set
 
     rng = random.Random(args.seed)
@@ -160,7 +167,56 @@ def select_prompts(args, tokenizer) -> dict[str, list[tuple[str, str, list[int]]
             if len(ids) + 16 <= args.max_seq_len:
                 items.append((prompt.kind, prompt.source, ids))
         chosen[split] = items[:limit] if limit is not None else items
+    held_out = {p.text.strip().lower() for p in everything if p.split != "train"}
+    for i, text in enumerate(extra_chat):
+        ids = encode_prompt(tokenizer, text)
+        if text.strip().lower() not in held_out and len(ids) + 16 <= args.max_seq_len:
+            chosen["train"].append(("chat", f"self:{i}", ids))
     return chosen
+
+
+SELF_PROMPT_TEMPERATURE = 1.0
+SELF_PROMPT_MAX_TOKENS = 128
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """The chat template's text up to where a user's message begins (its default system
+    turn included): what an instruct model continues with a user message of its own."""
+    mark = "\x00user-message\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    return tokenizer(text[:text.index(mark)], add_special_tokens=False)["input_ids"]
+
+
+def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list[str]:
+    """``--self-prompts`` user messages written by the target (Magpie: sampled at
+    temperature 1 from the opening of a user turn, seeded per message), kept when the turn
+    ended, is at least 16 characters and not seen before; cached under ``work_dir``."""
+    from specserve import LLM, SamplingParams
+
+    settings = f"{files.name}|{args.self_prompts}|{args.seed}|{SELF_PROMPT_TEMPERATURE}|{SELF_PROMPT_MAX_TOKENS}"
+    path = work_dir / f"self-prompts-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--self-prompts needs a target with a chat template (it writes user turns)")
+    opening = user_turn_opening(tokenizer)
+    cuda = device.type == "cuda"
+    llm = LLM(args.target, device=str(device), max_num_seqs=256 if cuda else 64,
+              max_model_len=len(opening) + SELF_PROMPT_MAX_TOKENS + 16)
+    params = [SamplingParams(temperature=SELF_PROMPT_TEMPERATURE, max_tokens=SELF_PROMPT_MAX_TOKENS,
+                             seed=args.seed * 7919 + i) for i in range(args.self_prompts)]
+    outs = llm.generate([opening] * args.self_prompts, params, use_tqdm=False)
+    llm.engine.shutdown()
+    del llm
+    seen, prompts = set(), []
+    for out in outs:
+        text = out.text.strip()
+        if out.finish_reason == "stop" and len(text) >= 16 and text.lower() not in seen:
+            seen.add(text.lower())
+            prompts.append(text)
+    path.write_text(json.dumps(prompts, indent=0))
+    log(f"self-written prompts: {len(prompts)} kept of {args.self_prompts}")
+    return prompts
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -292,9 +348,10 @@ def _generate_hf(args, files, tokenizer, todo, device, deadline, cache, eos) -> 
 def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
     from specserve import LLM, SamplingParams
 
-    llm = LLM(args.target, device=str(device), max_num_seqs=64, max_num_batched_tokens=2048,
+    cuda = device.type == "cuda"
+    llm = LLM(args.target, device=str(device), max_num_seqs=256 if cuda else 64, max_num_batched_tokens=2048,
               max_model_len=args.max_seq_len + args.max_new_tokens)
-    chunk = 64
+    chunk = 2048 if cuda else 64
     bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
     for start in range(0, len(todo), chunk):
         if deadline is not None and time.time() > deadline:
@@ -310,6 +367,7 @@ def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos)
         cache.save()
         bar.update(len(batch))
     bar.close()
+    llm.engine.shutdown()
 
 
 # ---------------------------------------------------------------------------- the draft
@@ -656,7 +714,11 @@ def write_model_card(out: Path, record: dict) -> None:
         f"{d['train_by_kind']['code']} code), built offline by "
         "`specserve.drafts.prompt_sets` (chat questions from topic lists × question templates, "
         "writing and maths tasks, code tasks and explain/summarise/rewrite tasks over Python "
-        "standard-library functions and docstrings). The target answered each with the chat "
+        "standard-library functions and docstrings)"
+        + (f", {d['self_written_prompts']} of them (chat) written by the target itself: user messages "
+           f"sampled at temperature {SELF_PROMPT_TEMPERATURE} from the chat template's opening of a user "
+           "turn (Magpie), deduplicated" if d.get("self_written_prompts") else "")
+        + ". The target answered each with the chat "
         f"template applied: greedy, plus {d['sampled_examples']} sampled answers at temperature "
         f"{SAMPLE_TEMPERATURE}; at most {d['max_new_tokens']} new tokens; {d['response_tokens']} "
         f"response tokens in all, generated with "
@@ -731,12 +793,16 @@ def main(argv=None) -> dict:
     log(f"target {files.name} on {device_name(device)}; budget "
         f"{args.time_budget_min or 'none'} min; out {out}")
 
-    prompts = select_prompts(args, tokenizer)
-    log(f"prompts: {len(prompts['train'])} train, {len(prompts['val'])} val")
     gen_started = time.time()
+    extra = self_written_prompts(args, files, tokenizer, device, work_dir) if args.self_prompts else []
+    prompts = select_prompts(args, tokenizer, extra)
+    log(f"prompts: {len(prompts['train'])} train ({len(extra)} self-written), {len(prompts['val'])} val")
     gen_deadline = started + args.time_budget_min * 60 * args.gen_budget_frac if deadline else None
     examples = generate_responses(args, files, tokenizer, prompts, device, gen_deadline, work_dir)
     gen_seconds = time.time() - gen_started
+    if args.generate_only:
+        log(f"generated in {gen_seconds:.0f} s; data in {work_dir}")
+        return {"generated_examples": len(examples), "seconds": gen_seconds}
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
@@ -795,6 +861,7 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "data": {"train_prompts": len(prompts["train"]), "val_prompts": len(prompts["val"]),
+                 "self_written_prompts": sum(source.startswith("self:") for _, source, _ in prompts["train"]),
                  "train_by_kind": {k: sum(e.kind == k and not e.sampled for e in train_examples)
                                    for k in ("chat", "code")},
                  "sampled_examples": sum(e.sampled for e in train_examples),

@@ -168,6 +168,41 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert "--init-from" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
 
 
+def test_self_written_prompts_join_training_and_data_can_be_made_first(tmp_path, tiny_model_dir):
+    """``--self-prompts``: the target writes user messages from the chat template's opening
+    of a user turn; those that end their turn join the training prompts (all train, as
+    chat). ``--generate-only`` stops with the data cached, and the next run trains on it."""
+    import shutil
+
+    from specserve.drafts.train_draft import main, user_turn_opening
+    from specserve.loader import ModelFiles, load_tokenizer
+
+    target = tmp_path / "chat-model"  # the tiny model with a chat template whose turns end in EOS
+    shutil.copytree(tiny_model_dir("smollm2_tied_gqa3"), target)
+    tokenizer = load_tokenizer(ModelFiles("tiny", target))
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    tokenizer.save_pretrained(target)
+    opening = tokenizer.decode(user_turn_opening(tokenizer))
+    assert opening == "<s>user\n"
+    target = str(target)
+    work = tmp_path / "work"
+    argv = ["--target", target, "--work-dir", str(work), "--device", "cpu", "--num-prompts", "4",
+            "--num-val-prompts", "2", "--max-new-tokens", "6", "--max-seq-len", "256", "--samples", "0",
+            "--self-prompts", "48", "--steps", "2", "--batch-tokens", "512", "--eval-prompts", "0",
+            "--num-layers", "1", "--init-layers", "first", "--out", str(tmp_path / "a")]
+    first = main(argv + ["--generate-only"])
+    assert "training" not in first and not (tmp_path / "a").exists()
+    [cached] = work.glob("self-prompts-*.json")
+    written = json.loads(cached.read_text())
+    assert 0 < len(written) < 48 and len(set(written)) == len(written)  # unfinished turns dropped
+    record = main(argv)
+    assert record["data"]["self_written_prompts"] == len(written)
+    assert record["data"]["train_prompts"] == 4 + len(written)
+    assert record["data"]["seconds"] < first["seconds"]  # nothing generated again
+    assert "written by the target itself" in (tmp_path / "a" / "MODEL_CARD.md").read_text()
+
+
 # ---------------------------------------------------------------------------- the default model
 @pytest.mark.slow
 def test_the_default_model_drafts_with_its_built_in_draft(default_model_path):
