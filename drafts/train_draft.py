@@ -667,8 +667,10 @@ def evaluate_in_engine(args, out: Path, device: torch.device) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.eval_max_tokens)
     results = {}
     for method, extra in methods.items():
+        # k fixed at 4: an adaptive engine would draft only where it pays on this device.
         llm = LLM(args.target, device=str(device), speculative_method=method, num_speculative_tokens=4,
-                  max_num_seqs=32, max_model_len=args.max_seq_len + args.eval_max_tokens, **extra)
+                  speculative_adaptive=False, max_num_seqs=32,
+                  max_model_len=args.max_seq_len + args.eval_max_tokens, **extra)
         tokenizer = llm.tokenizer
         results[method] = {}
         for kind, messages in prompts.items():

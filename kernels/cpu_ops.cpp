@@ -1,9 +1,11 @@
 // The decoder layer's glue on the CPU, one op each: RMSNorm (with the residual add fused
-// in), SiLU·mul, and rotary + KV store. A decode step of a small model on a CPU spends as
-// much time dispatching the ~25 tiny torch ops per layer these replace as in the norms'
-// arithmetic; here each is one call. Numerics follow the torch references in
-// reference.py / rotary.py rounding for rounding: every intermediate the reference rounds
-// to the model's dtype is rounded here too (``round_to<T>``), so bf16 results match it.
+// in), SiLU·mul, rotary + KV store, and paged attention for decode rows and verify spans.
+// A decode step of a small model on a CPU spends as much time dispatching the ~25 tiny
+// torch ops per layer these replace as in their arithmetic; here each is one call. The
+// glue follows the torch references in reference.py / rotary.py rounding for rounding:
+// every intermediate the reference rounds to the model's dtype is rounded here too
+// (``round_to<T>``), so bf16 results match it. Attention sums in fp32 throughout (the
+// reference's SDPA rounds its probabilities to bf16), so it agrees within bf16 rounding.
 //
 // Built at first use by torch.utils.cpp_extension (cpu_ops.py); registered as
 // torch.ops.specserve_cpu.*.

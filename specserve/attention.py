@@ -39,11 +39,13 @@ class TorchAttentionBackend:
     (``kernels/cpu_ops.py``), instead of the torch ops."""
 
     name = "torch"
-    padded_span = reference.SHORT_SPAN  # decode rows and verify spans attend together, padded
     exact_lengths = True
 
     def __init__(self, cpu_kernels: bool = False) -> None:
         self.cpu_kernels = cpu_kernels
+        # The references attend decode rows and verify spans together, padded to the
+        # longest; the C++ kernel attends each span's own rows.
+        self.padded_span = 0 if cpu_kernels else reference.SHORT_SPAN
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)

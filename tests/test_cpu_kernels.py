@@ -158,6 +158,8 @@ def test_cpu_backend_chooses_the_kernels(tiny_model_dir, monkeypatch):
     config = load_hf_config(files)
     backend = get_backend("auto", torch.device("cpu"))
     assert backend.cpu_kernels
+    # Each span attends its own rows: nothing is padded (the step-cost model counts padding).
+    assert backend.padded_span == 0 and TorchAttentionBackend().padded_span == reference.SHORT_SPAN
     model = build_model(files, config, F32, torch.device("cpu"), backend)
     assert type(model.model.ops) is CpuLayerOps
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
