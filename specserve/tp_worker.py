@@ -84,7 +84,11 @@ class StepChannel:
         self._send([GRAPHS, max_query_len, max_model_len, int(capture)], [])
 
     def send_shutdown(self) -> None:
+        """The last message; every rank then meets at a barrier (``receive`` does its side),
+        so no rank tears its process group down while another's is still mid-message —
+        without it, a rank exiting early made the other abort now and then (gloo, CPU)."""
         self._send([SHUTDOWN], [])
+        self.tp.barrier()
 
     def _send(self, head: list[int], payload: list[int]) -> None:
         head = head + [0] * (HEADER - len(head))
@@ -102,6 +106,7 @@ class StepChannel:
         first = self.tp.broadcast(torch.empty(FIRST, dtype=torch.int64, device=self.tp.device)).tolist()
         kind, num_reqs, num_tokens, num_layers, payload_len, num_device_ids = first[:6]
         if kind == SHUTDOWN:
+            self.tp.barrier()  # rank 0's send_shutdown waits here too
             return Announcement(SHUTDOWN)
         if kind == GRAPHS:
             return Announcement(GRAPHS, graphs=(first[1], first[2], bool(first[3])))

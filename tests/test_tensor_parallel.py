@@ -125,6 +125,10 @@ class _Loopback(TPGroup):
     def __init__(self, queue: list, rank: int) -> None:
         super().__init__(rank=rank, size=2)
         object.__setattr__(self, "queue", queue)
+        object.__setattr__(self, "barriers", 0)
+
+    def barrier(self) -> None:  # each side's count is checked: both meet at the shutdown
+        object.__setattr__(self, "barriers", self.barriers + 1)
 
     def broadcast(self, x):
         if self.rank == 0:
@@ -167,7 +171,9 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
             assert got.device_ids.counts == device_ids.counts
             assert torch.equal(got.device_ids.ids, device_ids.ids)
     assert receive.receive().graphs == (5, 4096, True)
+    assert send.tp.barriers == 1 and receive.tp.barriers == 0  # only the shutdown meets
     assert receive.receive().kind == SHUTDOWN and not queue
+    assert receive.tp.barriers == 1
     assert GRAPHS != STEP
 
 
