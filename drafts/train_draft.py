@@ -5,7 +5,10 @@ checkpoint with its model card -> held-out acceptance in the engine.
     python -m specserve.drafts.train_draft --out drafts/smollm2_draft --time-budget-min 8
 
 1. Prompts: ``prompt_sets.build_prompt_set`` (offline: the benchmark workloads and prompts
-   generated for the project, split train / val / test by source; test is never trained on).
+   generated for the project, split train / val / test by source; test is never trained on),
+   plus ``--self-prompts`` user messages the target writes itself (Magpie: sampled from the
+   chat template's opening of a user turn), all for training. ``--generate-only`` stops
+   once prompts and responses are cached, for a later run to train on.
 2. Data: the target answers every training and validation prompt greedily and, while the
    generation budget lasts, ``--samples`` more times sampled at temperature 0.7, with the
    chat template applied. HF ``generate`` (batched, left-padded; bf16 on CUDA) or our engine (``auto``:
@@ -198,7 +201,7 @@ def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list
     if path.is_file():
         return json.loads(path.read_text())
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--self-prompts needs a target with a chat template (it writes user turns)")
+        raise SystemExit("--self-prompts needs a target with a chat template (it writes user turns)")
     opening = user_turn_opening(tokenizer)
     cuda = device.type == "cuda"
     llm = LLM(args.target, device=str(device), max_num_seqs=256 if cuda else 64,
