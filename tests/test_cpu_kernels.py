@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from model_steps import chunked_prefill_logits
+from paged_batches import make_batch
 from specserve.kernels import cpu_ops, reference
 from tiny_models import LLM32, VARIANTS
 
@@ -96,31 +97,36 @@ def test_rotary_store_kv_refuses_a_slot_outside_the_cache():
     assert not k_cache.any()  # checked before anything is written
 
 
-def random_paged_batch(seed: int, dtype, num_heads=9, num_kv=3, dim=64, block_size=16):
-    """Requests with decode rows, verify spans and prefill spans over shuffled blocks."""
+def random_spans(seed: int) -> list[tuple[int, int]]:
+    """(query len, kv len) per request: decode rows, verify spans and prefill spans (> 16)."""
     rng = random.Random(seed)
     query_lens = [rng.choice([1, 1, 2, 5, 16, 17, 40]) for _ in range(rng.randint(1, 6))]
-    seq_lens = [q + rng.randint(0, 150) for q in query_lens]
-    num_blocks = 128
-    k_cache = randn(num_blocks, block_size, num_kv, dim, dtype=dtype, seed=seed)
-    v_cache = randn(num_blocks, block_size, num_kv, dim, dtype=dtype, seed=seed + 1)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).int()
-    tables = perm[:len(query_lens) * 12].view(len(query_lens), 12)
-    query = randn(sum(query_lens), num_heads, dim, dtype=dtype, seed=seed + 2)
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return query, k_cache, v_cache, tables, query_lens, seq_lens, cu
+    return [(q, q + rng.randint(0, 150)) for q in query_lens]
+
+
+def paged_batch(spans, dtype, seed: int = 0):
+    """SmolLM2's heads (9 query, 3 KV, 64 wide) over 16-token blocks; unowned slots NaN."""
+    return make_batch(spans, 9, 3, 64, 16, dtype, torch.device("cpu"), num_blocks=128, seed=seed)
+
+
+def attend_short(b, window=None, max_span=reference.SHORT_SPAN) -> torch.Tensor:
+    out = torch.full_like(b.query, float("nan"))
+    cpu_ops.paged_attention_short(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
+                                  b.seq_lens, 0.125, window, max_span, out)
+    return out
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("seed", range(4))
 def test_paged_attention_short_matches_reference(dtype, window, seed):
-    query, k_cache, v_cache, tables, query_lens, seq_lens, cu = random_paged_batch(seed, dtype)
-    want = reference.paged_attention(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.125, window)
-    out = torch.full_like(query, float("nan"))
-    cpu_ops.paged_attention_short(query, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32),
-                                  0.125, window, reference.SHORT_SPAN, out)
-    short = torch.cat([torch.full((n,), n <= reference.SHORT_SPAN) for n in query_lens])
+    """Against the reference on random ragged batches; NaN in every slot a request does
+    not own, so reading past a request's length or into another's block shows."""
+    b = paged_batch(random_spans(seed), dtype, seed)
+    want = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
+                                     b.seq_lens_host, 0.125, window)
+    out = attend_short(b, window)
+    short = torch.cat([torch.full((n,), n <= reference.SHORT_SPAN) for n in b.query_lens_host])
     assert torch.isnan(out[~short]).all()  # long spans are left to the caller
     if dtype == F32:
         torch.testing.assert_close(out[short], want[short], atol=1e-5, rtol=1e-5)
@@ -129,26 +135,26 @@ def test_paged_attention_short_matches_reference(dtype, window, seed):
 
 
 def test_paged_attention_short_refuses_a_block_outside_the_cache():
-    query, k_cache, v_cache, tables, _, seq_lens, cu = random_paged_batch(0, F32)
-    tables[0, 0] = k_cache.shape[0]
+    b = paged_batch([(1, 20), (3, 40)], F32)
+    b.block_tables[1, 0] = b.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_ops.paged_attention_short(query, k_cache, v_cache, tables, cu, torch.tensor(seq_lens, dtype=torch.int32),
-                                      0.125, None, 1 << 30, torch.empty_like(query))
+        attend_short(b)
 
 
 def test_backend_attends_mixed_batches_like_the_reference():
     """The torch backend with the kernels: short spans in C++, long ones by the plan."""
     from specserve.batch import ForwardBatch
 
-    seed = next(s for s in range(100) if len({n > reference.SHORT_SPAN for n in random_paged_batch(s, F32)[4]}) == 2)
-    query, k_cache, v_cache, tables, query_lens, seq_lens, cu = random_paged_batch(seed, F32)
-    assert any(n > reference.SHORT_SPAN for n in query_lens) and any(n <= reference.SHORT_SPAN for n in query_lens)
-    batch = ForwardBatch(input_ids=torch.zeros(len(query)), positions=torch.zeros(len(query)),
-                         slot_mapping=torch.zeros(len(query)), block_tables=tables, cu_query_lens=cu,
-                         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), logits_indices=torch.zeros(1),
-                         query_lens_host=query_lens, seq_lens_host=seq_lens)
-    got = TorchAttentionBackend(cpu_kernels=True).attend(query, k_cache, v_cache, batch, 0.125, None)
-    want = reference.paged_attention(query, k_cache, v_cache, tables, query_lens, seq_lens, 0.125)
+    b = paged_batch([(1, 70), (40, 90), (5, 5), (17, 17), (2, 130)], F32)
+    n = len(b.query)
+    batch = ForwardBatch(input_ids=torch.zeros(n), positions=torch.zeros(n), slot_mapping=torch.zeros(n),
+                         block_tables=b.block_tables, cu_query_lens=b.cu_query_lens, seq_lens=b.seq_lens,
+                         logits_indices=torch.zeros(1), query_lens_host=b.query_lens_host,
+                         seq_lens_host=b.seq_lens_host)
+    got = TorchAttentionBackend(cpu_kernels=True).attend(b.query, b.k_cache, b.v_cache, batch, 0.125, None)
+    want = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
+                                     b.seq_lens_host, 0.125)
+    assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -6,8 +6,6 @@ cache starts as NaN, so any read of a stale slot or unowned block poisons the re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -26,6 +24,8 @@ from specserve.config import EngineConfig  # noqa: E402
 from specserve.errors import SpecserveError  # noqa: E402
 from specserve.kernels import reference  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
+import paged_batches  # noqa: E402
+from paged_batches import Batch  # noqa: E402
 from sm90_compile import compiles_for_sm90  # noqa: E402
 from tiny_models import LLM32  # noqa: E402
 
@@ -44,43 +44,9 @@ else:
 
 
 # ---------------------------------------------------------------------------- helpers
-@dataclass
-class Batch:
-    query: torch.Tensor          # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor   # [num_reqs, max_blocks] int32
-    cu_query_lens: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor       # [num_reqs] int32
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-
-
-def make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype,
-               num_blocks=NUM_BLOCKS, seed=0) -> Batch:
-    """A NaN cache with random K/V at each request's slots, reached through block tables
-    drawn from a random permutation (non-contiguous, unordered block ids)."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-    free = torch.randperm(num_blocks, generator=g, device=DEVICE).tolist()
-    tables = []
-    for _, kv_len in spans:
-        table = [free.pop() for _ in range(-(-kv_len // block_size))]
-        slots = torch.tensor(table, device=DEVICE)[:, None] * block_size + torch.arange(block_size, device=DEVICE)
-        slots = slots.flatten()[:kv_len]
-        kv = torch.randn(2, kv_len, num_kv_heads, head_dim, generator=g, device=DEVICE).to(dtype)
-        reference.store_kv(kv[0], kv[1], k_cache, v_cache, slots, has_padding=False)
-        tables.append(table)
-    width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
-    query_lens = [q for q, _ in spans]
-    seq_lens = [kv for _, kv in spans]
-    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g, device=DEVICE).to(dtype)
-    return Batch(query, k_cache, v_cache, block_tables, cu,
-                 torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_lens, seq_lens)
+def make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype, num_blocks=NUM_BLOCKS, seed=0):
+    return paged_batches.make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                    DEVICE, num_blocks, seed)
 
 
 def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None):
