@@ -194,7 +194,7 @@ def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list
     """``--self-prompts`` user messages written by the target (Magpie: sampled at
     temperature 1 from the opening of a user turn, seeded per message), kept when the turn
     ended, is at least 16 characters and not seen before; cached under ``work_dir``."""
-    from specserve import LLM, SamplingParams
+    from specserve import SamplingParams
 
     settings = f"{files.name}|{args.self_prompts}|{args.seed}|{SELF_PROMPT_TEMPERATURE}|{SELF_PROMPT_MAX_TOKENS}"
     path = work_dir / f"self-prompts-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.json"
@@ -203,9 +203,7 @@ def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list
     if not getattr(tokenizer, "chat_template", None):
         raise SystemExit("--self-prompts needs a target with a chat template (it writes user turns)")
     opening = user_turn_opening(tokenizer)
-    cuda = device.type == "cuda"
-    llm = LLM(args.target, device=str(device), max_num_seqs=256 if cuda else 64,
-              max_model_len=len(opening) + SELF_PROMPT_MAX_TOKENS + 16)
+    llm = generation_engine(args, device, max_model_len=len(opening) + SELF_PROMPT_MAX_TOKENS + 16)
     params = [SamplingParams(temperature=SELF_PROMPT_TEMPERATURE, max_tokens=SELF_PROMPT_MAX_TOKENS,
                              seed=args.seed * 7919 + i) for i in range(args.self_prompts)]
     outs = llm.generate([opening] * args.self_prompts, params, use_tqdm=False)
@@ -348,13 +346,19 @@ def _generate_hf(args, files, tokenizer, todo, device, deadline, cache, eos) -> 
         torch.cuda.empty_cache()
 
 
-def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
-    from specserve import LLM, SamplingParams
+def generation_engine(args, device: torch.device, max_model_len: int):
+    """The target in our engine, batched for generating data (wider on a GPU)."""
+    from specserve import LLM
 
-    cuda = device.type == "cuda"
-    llm = LLM(args.target, device=str(device), max_num_seqs=256 if cuda else 64, max_num_batched_tokens=2048,
-              max_model_len=args.max_seq_len + args.max_new_tokens)
-    chunk = 2048 if cuda else 64
+    return LLM(args.target, device=str(device), max_num_seqs=256 if device.type == "cuda" else 64,
+               max_num_batched_tokens=2048, max_model_len=max_model_len)
+
+
+def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
+    from specserve import SamplingParams
+
+    llm = generation_engine(args, device, max_model_len=args.max_seq_len + args.max_new_tokens)
+    chunk = 2048 if device.type == "cuda" else 64
     bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
     for start in range(0, len(todo), chunk):
         if deadline is not None and time.time() > deadline:
