@@ -98,6 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gen-budget-frac", type=float, default=0.45,
                    help="share of the time budget generation may use")
     # model and training
+    p.add_argument("--arch", choices=("layers", "eagle"), default="layers",
+                   help="layers: a small model of the target's family; eagle: one layer drafting from "
+                        "the target's final hidden states (eagle_training.py)")
+    p.add_argument("--eagle-init-layer", type=int, default=-1,
+                   help="target layer the EAGLE head's layer starts from (default: the last)")
+    p.add_argument("--passes", type=int, default=4,
+                   help="EAGLE: draft steps unrolled in training (training-time test), = the k it is tuned for")
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--init-layers", default="first-last",
                    help="target layers to copy: comma-separated indices, 'first-last', 'first' or 'spread'")
@@ -175,6 +182,12 @@ def select_prompts(args, tokenizer, extra_chat: list[str] = ()) -> dict[str, lis
         ids = encode_prompt(tokenizer, text)
         if text.strip().lower() not in held_out and len(ids) + 16 <= args.max_seq_len:
             chosen["train"].append(("chat", f"self:{i}", ids))
+    if args.eval_prompts:  # the engine's held-out prompts, answered greedily: replayed after training
+        from specserve.drafts.prompt_sets import held_out_prompts
+
+        chosen["test"] = [(kind, "held-out", ids) for kind in ("chat", "code")
+                          for ids in (encode_prompt(tokenizer, m) for m in held_out_prompts(kind, args.eval_prompts, args.seed))
+                          if len(ids) + 16 <= args.max_seq_len]
     return chosen
 
 
@@ -252,7 +265,8 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
     cache = ResponseCache(work_dir / f"responses-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.pt")
     generator = generator_for(args, device)
     eos = eos_ids(files, tokenizer)
-    jobs = [(split, kind, ids, "greedy") for split in ("val", "train") for kind, _, ids in prompts[split]]
+    jobs = [(split, kind, ids, "greedy") for split in ("val", "train", "test")
+            for kind, _, ids in prompts.get(split, [])]
     for round_ in range(args.samples):  # "sampled", "sampled2", ...: one round after another
         mode = "sampled" + (str(round_ + 1) if round_ else "")
         jobs += [("train", kind, ids, mode) for kind, _, ids in prompts["train"]]
@@ -552,7 +566,8 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
     budget = args.batch_tokens or (16384 if device.type == "cuda" else 2048)
     train_set = [e for e in examples if e.split == "train"]
     val_batches = make_batches([e for e in examples if e.split == "val"], budget, random.Random(0))
-    params = own_parameters(draft)
+    eagle = args.arch == "eagle"
+    params = draft.own_parameters() if eagle else own_parameters(draft)
     for p in target.parameters():
         p.requires_grad_(False)
     decay = [p for n, p in params.items() if p.dim() >= 2]
@@ -566,7 +581,14 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     history = {"train": [], "val": []}
-    initial = validate(draft, target, val_batches, device, pad, autocast)
+    def check(batches) -> dict:
+        if eagle:
+            from specserve.drafts.eagle_training import validate_head
+
+            return validate_head(draft, target, batches, device, pad, autocast, args.passes)
+        return validate(draft, target, batches, device, pad, autocast)
+
+    initial = check(val_batches)
     history["val"].append({"step": 0, **initial})
     log(f"validation before training: {initial}")
 
@@ -608,10 +630,15 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
         for group in optimizer.param_groups:
             group["lr"] = lr
         with autocast():
-            with torch.no_grad():
-                t_logits = logits_at(target, ids, rows, cols)
-            d_logits = logits_at(draft, ids, rows, cols)
-        loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight)
+            if eagle:
+                from specserve.drafts.eagle_training import head_losses
+
+                loss, kl, ce, _ = head_losses(draft, target, ids, rows, cols, args.passes, args.ce_weight)
+            else:
+                with torch.no_grad():
+                    t_logits = logits_at(target, ids, rows, cols)
+                d_logits = logits_at(draft, ids, rows, cols)
+                loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -626,13 +653,17 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
                                      "kl": round(kl.item(), 4), "ce": round(ce.item(), 4),
                                      "grad_norm": round(norm.item(), 3)})
         if steps is not None and (step % every == 0 or step == steps):
-            result = {"step": step, **validate(draft, target, val_batches, device, pad, autocast)}
+            result = {"step": step, **check(val_batches)}
             history["val"].append(result)
             log(f"step {step}/{steps}: train kl {kl.item():.3f} ce {ce.item():.3f} | val {result}")
     if bar is not None:
         bar.close()
     seconds = time.time() - started
-    return {"steps": steps, "seconds": round(seconds, 1), "batch_tokens": budget,
+    test = [e for e in examples if e.split == "test"]
+    held_out = check(make_batches(test, budget, random.Random(0))) if test else None
+    if held_out:
+        log(f"held-out prompts, teacher-forced: {held_out}")
+    return {"steps": steps, "seconds": round(seconds, 1), "batch_tokens": budget, "held_out_replay": held_out,
             "response_tokens_seen": tokens_seen, "epochs": round(tokens_seen / max(1, sum(
                 len(e.token_ids) - e.num_prompt for e in train_set)), 2),
             "history": history, "final_val": history["val"][-1]}
@@ -815,23 +846,38 @@ def main(argv=None) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
-    if args.init_from:  # a warm start: the checkpoint's shape, then its weights
-        start = json.loads((Path(args.init_from) / "config.json").read_text())
-        init_layers = start["specserve_draft"]["init_from_target_layers"]
-        args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
+    if args.arch == "eagle":
+        from specserve.drafts.eagle_training import EagleHead, load_head_weights
+
+        layers = target.config.num_hidden_layers
+        init_layers = [args.eagle_init_layer % layers]
+        args.num_layers, args.intermediate_size = 1, target.config.intermediate_size
+        draft = EagleHead(target, init_layers[0]).to(device)
+        if args.init_from:
+            load_head_weights(draft, Path(args.init_from) / "model.safetensors")
     else:
-        init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
-    width = target.config.intermediate_size * 2 // 3
-    args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
-    draft = build_draft(target, init_layers, device, args.intermediate_size)
-    if args.init_from:
-        load_own_weights(draft, Path(args.init_from) / "model.safetensors")
+        if args.init_from:  # a warm start: the checkpoint's shape, then its weights
+            start = json.loads((Path(args.init_from) / "config.json").read_text())
+            init_layers = start["specserve_draft"]["init_from_target_layers"]
+            args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
+        else:
+            init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
+        width = target.config.intermediate_size * 2 // 3
+        args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
+        draft = build_draft(target, init_layers, device, args.intermediate_size)
+        if args.init_from:
+            load_own_weights(draft, Path(args.init_from) / "model.safetensors")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reserve = args.eval_reserve_s if args.eval_reserve_s is not None else (60 if device.type == "cuda" else 240)
     train_deadline = deadline - reserve if deadline else None
     training = train(args, target, draft, examples, device, pad, train_deadline)
 
-    save_draft(draft, files, init_layers, out)
+    if args.arch == "eagle":
+        from specserve.drafts.eagle_training import save_head
+
+        save_head(draft, files, init_layers[0], out)
+    else:
+        save_draft(draft, files, init_layers, out)
     del draft, target
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,0 +1,231 @@
+"""Training an EAGLE-style draft head (``train_draft --arch eagle``).
+
+The head drafts from the target's own features: its entry at position j reads the token
+x_{j+1} and the target's final hidden state h_j (the LM head's input),
+``fc([embed(x_{j+1}); h_j])``, runs one decoder layer over its own KV cache and a norm, and
+its output g_j goes through the target's LM head to predict x_{j+2}. When drafting, only
+the context has target features: the head's second proposal reads its own g from the first
+step, and so on (see ``eagle.py``).
+
+Training unrolls that (training-time test, as EAGLE-3): pass 0 feeds every position the
+target's features; pass t feeds position m the output of pass t-1 at m-1 and lets it attend
+to pass 0's keys at positions <= m - t (the context, computed from target features) and to
+pass s's key at m - t + s for 1 <= s <= t (the chain's earlier drafts) — exactly what the
+t-th draft step sees in the engine. Each pass's logits at m are distilled to the target's at
+m + 1 (forward KL + ``ce_weight`` × cross-entropy to the target's argmax), pass t weighted
+``PASS_DECAY ** t``, on response positions only. The same passes give an exact
+teacher-forced replay of greedy chain drafting at k = ``num_passes`` (``chain_acceptance``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PASS_DECAY = 0.8
+
+
+class EagleHead(nn.Module):
+    """The head for training: parameter names match the checkpoint the engine loads
+    (``fc.weight``, ``model.layers.0.*`` in the target family's names, ``model.norm.weight``);
+    the target's embeddings, rotary tables and LM head are used, never trained."""
+
+    def __init__(self, target, init_layer: int) -> None:
+        super().__init__()
+        cfg = target.config
+        hidden = cfg.hidden_size
+        self.config = cfg
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():  # start as "embedding + feature", the layer sees their sum
+            self.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([copy.deepcopy(target.model.layers[init_layer])])
+        self.model.norm = copy.deepcopy(target.model.norm)
+        self.float()
+        attn = self.model.layers[0].self_attn
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        # Not registered: shared with the target, frozen.
+        self.__dict__["target"] = target
+
+    def own_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.named_parameters())
+
+    def _attend(self, layer, u: torch.Tensor, cos, sin, keys: list, values: list, t: int,
+                masks: dict) -> torch.Tensor:
+        """One decoder layer on pass ``t``'s inputs ``u`` [B, L, H]; appends this pass's
+        keys and values to ``keys`` / ``values`` (one entry per pass)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attn = layer.self_attn
+        batch, length, _ = u.shape
+        x = layer.input_layernorm(u)
+        q = attn.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k)
+        values.append(v)
+        mask = masks.get((t, length))
+        if mask is None:
+            mask = masks[(t, length)] = _pass_mask(t, length, u.device)
+        out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out = attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        h = u + out
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, num_passes: int):
+        """``ids`` [B, L] the sequences, ``features`` [B, L, H] the target's final hidden
+        states. Returns each pass's normed outputs [B, L, H]: row m of pass t predicts
+        token m + 2 (its logits are the target LM head's of it)."""
+        target = self.target
+        batch, length = ids.shape
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{m+1}; the last row is never used
+        emb = target.model.embed_tokens(nxt).to(features.dtype)
+        positions = torch.arange(length, device=ids.device).expand(batch, length)
+        cos, sin = target.model.rotary_emb(features, positions)
+        layer = self.model.layers[0]
+        keys, values, outs, masks = [], [], [], {}
+        feat = features
+        for t in range(num_passes):
+            u = self.fc(torch.cat([emb, feat], dim=-1))
+            g = self.model.norm(self._attend(layer, u, cos, sin, keys, values, t, masks))
+            outs.append(g)
+            feat = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
+        return outs
+
+
+def _pass_mask(t: int, length: int, device) -> torch.Tensor:
+    """Pass ``t``'s attention mask [L, (t + 1) L]: pass 0's keys at n <= m - t, pass s's key
+    at n = m - t + s. Rows m < t see nothing real; they get their own key so softmax is
+    defined (their outputs are never used)."""
+    m = torch.arange(length, device=device)[:, None]
+    n = torch.arange(length, device=device)[None, :]
+    blocks = [n <= m - t] + [n == m - t + s for s in range(1, t + 1)]
+    if t == 0:
+        return blocks[0]
+    blocks[-1] = blocks[-1] | (m < t) & (n == m)
+    return torch.cat(blocks, dim=1)
+
+
+def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_weight: float):
+    """(loss, kl, ce, agree) over the response positions ``rows, cols`` (positions whose
+    next token is a response token, as ``train_draft.collate`` gives them): pass t at
+    m = col - 1 against the target's logits at col, where m >= t. ``agree[t]`` is the
+    draft's argmax == the target's at those rows (False where m < t)."""
+    with torch.no_grad():
+        features = target.model(input_ids=ids).last_hidden_state
+        t_logits = target.lm_head(features[rows, cols]).float()
+        log_p = F.log_softmax(t_logits, dim=-1)
+        t_arg = t_logits.argmax(dim=-1)
+    outs = head(ids, features, num_passes)
+    loss = kl_sum = ce_sum = 0.0
+    agree = []
+    for t, g in enumerate(outs):
+        valid = (cols - 1) >= t
+        d_logits = target.lm_head(g[rows, (cols - 1).clamp(min=0)]).float()
+        log_q = F.log_softmax(d_logits, dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        ce = F.cross_entropy(d_logits, t_arg, reduction="none")
+        n = valid.sum().clamp(min=1)
+        kl_t, ce_t = (kl * valid).sum() / n, (ce * valid).sum() / n
+        loss = loss + PASS_DECAY ** t * (kl_t + ce_weight * ce_t)
+        kl_sum, ce_sum = kl_sum + kl_t.detach(), ce_sum + ce_t.detach()
+        agree.append((d_logits.argmax(-1) == t_arg) & valid)
+    return loss, kl_sum / num_passes, ce_sum / num_passes, torch.stack(agree)
+
+
+def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
+    """Greedy chain drafting replayed on one response: ``agree[t][i]`` says whether pass t
+    predicts response token i as the target does (the t-th draft of a chain whose first
+    proposal is token i - t). Token 0 comes from the prefill; each verify step proposes
+    from the next token on, accepts the run of agreeing drafts (at most k) and emits one
+    more. Returns (verify steps, accepted drafts)."""
+    length = len(agree[0])
+    steps = accepted = 0
+    i = 1
+    while i < length:
+        run = 0
+        while run < k and i + run < length and agree[run][i + run]:
+            run += 1
+        steps += 1
+        accepted += run
+        i += run + 1
+    return steps, accepted
+
+
+def save_head(head: EagleHead, files, init_layer: int, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in head.own_parameters().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((files.path / "config.json").read_text())
+    for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label", "label2id"):
+        config.pop(key, None)
+    config["num_hidden_layers"] = 1
+    if config.get("layer_types"):
+        config["layer_types"] = [config["layer_types"][init_layer]]
+    config["dtype"] = "bfloat16"
+    config["specserve_draft"] = {"kind": "eagle", "shares_target_embeddings": True, "target": files.name,
+                                 "init_from_target_layers": [init_layer],
+                                 "trained_by": "python -m specserve.drafts.train_draft --arch eagle"}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_head_weights(head: EagleHead, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    own = head.own_parameters()
+    if set(state) != set(own):
+        raise SystemExit(f"--init-from {path}: its tensors do not match an EAGLE head")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            own[name].copy_(tensor.float())
+
+
+@torch.no_grad()
+def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_passes: int) -> dict:
+    """Mean KL over the passes, pass 0's top-1 agreement and the chain acceptance length at
+    k = ``num_passes`` replayed on each greedy answer, per kind (as ``train_draft.validate``)."""
+    from specserve.drafts.train_draft import collate
+
+    head.eval()
+    kl_sum = n = 0.0
+    counts: dict[str, list[int]] = {}
+    for batch in batches:
+        ids, rows, cols = collate(batch, device, pad)
+        with autocast():
+            _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0)
+        kl_sum += kl.item() * len(rows)
+        n += len(rows)
+        agree = agree.tolist()
+        start = 0
+        for e in batch:
+            length = len(e.token_ids) - e.num_prompt
+            if not e.sampled:
+                steps, accepted = chain_acceptance([a[start:start + length] for a in agree], num_passes)
+                c = counts.setdefault(e.kind, [0, 0, 0, 0])
+                c[0] += steps
+                c[1] += accepted
+                c[2] += sum(agree[0][start:start + length])
+                c[3] += length
+            start += length
+    head.train()
+    result = {"kl": round(kl_sum / max(n, 1), 4)}
+    for kind, (steps, accepted, top1, length) in sorted(counts.items()):
+        result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
+        result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
+    return result
