@@ -12,9 +12,14 @@ so it goes through the target's runner and its step broadcast like any target pa
 """
 from __future__ import annotations
 
+import json
+import logging
+
 import torch
 
 from specserve.errors import SpecserveError
+
+logger = logging.getLogger("specserve")
 
 
 def build_drafter(config, target_model, target_hf_config, target_tokenizer,
@@ -46,7 +51,7 @@ def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype
 def _draft_model(config, target, target_hf_config, target_tokenizer, device, dtype):
     """A draft checkpoint: the one named, else the draft shipped for this target."""
     from specserve.drafts.model_drafter import ModelDrafter
-    from specserve.drafts.shipped import shipped_draft_for, shares_target_embeddings
+    from specserve.drafts.shipped import is_eagle_head, shipped_draft_for, shares_target_embeddings
     from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
 
     if config.draft_model is not None:
@@ -77,8 +82,22 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
         shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
     from specserve.attention import get_backend
 
-    model = build_model(files, draft_config, dtype, device,
-                        get_backend(config.attention_backend, device), shared_modules=shared)
+    backend = get_backend(config.attention_backend, device)
+    if is_eagle_head(draft_config):
+        from specserve.drafts.eagle import EagleDrafter
+        from specserve.models.eagle import EagleForCausalLM
+
+        if shared is None:
+            raise SpecserveError(f"draft model {files.name} is an EAGLE head without "
+                                 "shares_target_embeddings: it must use the target's embeddings")
+        model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
+                            model_class=EagleForCausalLM)
+        vocab = files.path / "draft_vocab.json"
+        if vocab.is_file() and not model.restrict_vocab(torch.tensor(json.loads(vocab.read_text()))):
+            logger.warning("draft model %s: its draft vocabulary needs the target's LM head weights, "
+                           "which are prepacked here; drafting over the whole vocabulary", files.name)
+        return EagleDrafter(model, config, device, dtype)
+    model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared)
     return ModelDrafter("draft_model", model, config, device, dtype)
 
 

@@ -31,20 +31,27 @@ PASS_DECAY = 0.8
 
 class EagleHead(nn.Module):
     """The head for training: parameter names match the checkpoint the engine loads
-    (``fc.weight``, ``model.layers.0.*`` in the target family's names, ``model.norm.weight``);
-    the target's embeddings, rotary tables and LM head are used, never trained."""
+    (``fc.weight``, ``model.layers.*`` in the target family's names, ``model.norm.weight``);
+    the target's embeddings, rotary tables and LM head are used, never trained.
 
-    def __init__(self, target, init_layer: int) -> None:
+    ``layers`` and ``norm`` (HF modules, float32) become the head's own. ``fc_init``:
+    ``"sum"`` starts the layers on embedding + feature; ``"tokens"`` on the embedding alone,
+    so a head made from a trained layers-only draft starts as exactly that draft (up to
+    positions shifted by one, which rotary attention does not see) and learns to use the
+    features from there."""
+
+    def __init__(self, target, layers, norm, fc_init: str = "sum") -> None:
         super().__init__()
         cfg = target.config
         hidden = cfg.hidden_size
         self.config = cfg
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        with torch.no_grad():  # start as "embedding + feature", the layer sees their sum
-            self.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+        eye = torch.eye(hidden)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.cat([eye, eye if fc_init == "sum" else torch.zeros_like(eye)], dim=1))
         self.model = nn.Module()
-        self.model.layers = nn.ModuleList([copy.deepcopy(target.model.layers[init_layer])])
-        self.model.norm = copy.deepcopy(target.model.norm)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = norm
         self.float()
         attn = self.model.layers[0].self_attn
         self.num_heads = cfg.num_attention_heads
@@ -74,13 +81,19 @@ class EagleHead(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.num_kv_heads != self.num_heads:  # the fused kernels take masks without GQA
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         keys.append(k)
         values.append(v)
-        mask = masks.get((t, length))
-        if mask is None:
-            mask = masks[(t, length)] = _pass_mask(t, length, u.device)
-        out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
+        if t == 0:  # plain causal attention: the flash kernel
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = masks.get((t, length))
+            if mask is None:
+                mask = masks[(t, length)] = _pass_mask(t, length, u.device)
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                                 attn_mask=mask, scale=self.scale)
         out = attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
         h = u + out
         return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -95,12 +108,15 @@ class EagleHead(nn.Module):
         emb = target.model.embed_tokens(nxt).to(features.dtype)
         positions = torch.arange(length, device=ids.device).expand(batch, length)
         cos, sin = target.model.rotary_emb(features, positions)
-        layer = self.model.layers[0]
-        keys, values, outs, masks = [], [], [], {}
+        layers = self.model.layers
+        keys, values = [[] for _ in layers], [[] for _ in layers]
+        outs, masks = [], {}
         feat = features
         for t in range(num_passes):
-            u = self.fc(torch.cat([emb, feat], dim=-1))
-            g = self.model.norm(self._attend(layer, u, cos, sin, keys, values, t, masks))
+            x = self.fc(torch.cat([emb, feat], dim=-1))
+            for i, layer in enumerate(layers):
+                x = self._attend(layer, x, cos, sin, keys[i], values[i], t, masks)
+            g = self.model.norm(x)
             outs.append(g)
             feat = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
         return outs
@@ -128,6 +144,8 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
         features = target.model(input_ids=ids).last_hidden_state
         t_logits = target.lm_head(features[rows, cols]).float()
         log_p = F.log_softmax(t_logits, dim=-1)
+        p_log_p = (log_p.exp() * log_p).sum(-1)  # -entropy: KL = that - Σ p log q
+        p = log_p.exp_()
         t_arg = t_logits.argmax(dim=-1)
     outs = head(ids, features, num_passes)
     loss = kl_sum = ce_sum = 0.0
@@ -136,7 +154,7 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
         valid = (cols - 1) >= t
         d_logits = target.lm_head(g[rows, (cols - 1).clamp(min=0)]).float()
         log_q = F.log_softmax(d_logits, dim=-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+        kl = p_log_p - (p * log_q).sum(-1)
         ce = F.cross_entropy(d_logits, t_arg, reduction="none")
         n = valid.sum().clamp(min=1)
         kl_t, ce_t = (kl * valid).sum() / n, (ce * valid).sum() / n
@@ -165,7 +183,7 @@ def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
     return steps, accepted
 
 
-def save_head(head: EagleHead, files, init_layer: int, out: Path) -> None:
+def save_head(head: EagleHead, files, init_layers: list[int], out: Path) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -174,12 +192,13 @@ def save_head(head: EagleHead, files, init_layer: int, out: Path) -> None:
     config = json.loads((files.path / "config.json").read_text())
     for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label", "label2id"):
         config.pop(key, None)
-    config["num_hidden_layers"] = 1
+    config["num_hidden_layers"] = len(init_layers)
+    config["intermediate_size"] = head.model.layers[0].mlp.down_proj.in_features
     if config.get("layer_types"):
-        config["layer_types"] = [config["layer_types"][init_layer]]
+        config["layer_types"] = [config["layer_types"][i] for i in init_layers]
     config["dtype"] = "bfloat16"
     config["specserve_draft"] = {"kind": "eagle", "shares_target_embeddings": True, "target": files.name,
-                                 "init_from_target_layers": [init_layer],
+                                 "init_from_target_layers": init_layers,
                                  "trained_by": "python -m specserve.drafts.train_draft --arch eagle"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -229,3 +248,15 @@ def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_p
         result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
         result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
     return result
+
+
+def save_draft_vocab(examples, size: int, out: Path) -> float:
+    """``draft_vocab.json``: the ``size`` token ids most frequent in the responses of
+    ``examples``, ascending; returns the share of response tokens they cover."""
+    counts: dict[int, int] = {}
+    for e in examples:
+        for token in e.token_ids[e.num_prompt:]:
+            counts[token] = counts.get(token, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    (out / "draft_vocab.json").write_text(json.dumps(sorted(top)) + "\n")
+    return sum(counts[t] for t in top) / max(1, sum(counts.values()))

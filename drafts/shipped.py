@@ -28,6 +28,12 @@ def shipped_draft_for(model: str | None) -> ModelFiles | None:
     return ModelFiles(f"{model or DEFAULT_MODEL_NAME} draft (built in)", path)
 
 
+def is_eagle_head(config) -> bool:
+    """Whether a draft checkpoint is an EAGLE-style head (``"kind": "eagle"``): it drafts
+    from the target's hidden states (``models/eagle.py``)."""
+    return (getattr(config, "specserve_draft", None) or {}).get("kind") == "eagle"
+
+
 def shares_target_embeddings(config) -> bool:
     """Whether a draft checkpoint's config says it takes the target's embeddings and LM head."""
     return bool((getattr(config, "specserve_draft", None) or {}).get("shares_target_embeddings"))

@@ -102,9 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="layers: a small model of the target's family; eagle: one layer drafting from "
                         "the target's final hidden states (eagle_training.py)")
     p.add_argument("--eagle-init-layer", type=int, default=-1,
-                   help="target layer the EAGLE head's layer starts from (default: the last)")
+                   help="target layer a new EAGLE head's one layer starts from (default: the last; "
+                        "--init-from a layers-only draft starts the head as that draft instead)")
     p.add_argument("--passes", type=int, default=4,
                    help="EAGLE: draft steps unrolled in training (training-time test), = the k it is tuned for")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="EAGLE: draft only among the N tokens most frequent in the training responses "
+                        "(draft_vocab.json; a smaller LM head, as FR-Spec); 0: the whole vocabulary")
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--init-layers", default="first-last",
                    help="target layers to copy: comma-separated indices, 'first-last', 'first' or 'spread'")
@@ -846,27 +850,31 @@ def main(argv=None) -> dict:
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).to(device).eval()
+    start = json.loads((Path(args.init_from) / "config.json").read_text()) if args.init_from else None
+    if start:  # a warm start: the checkpoint's shape, then its weights
+        init_layers = start["specserve_draft"]["init_from_target_layers"]
+        args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
+    elif args.arch == "eagle":
+        init_layers = [args.eagle_init_layer % target.config.num_hidden_layers]
+        args.num_layers, args.intermediate_size = 1, target.config.intermediate_size
+    else:
+        init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
+    width = target.config.intermediate_size * 2 // 3
+    args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
+    draft = build_draft(target, init_layers, device, args.intermediate_size)
+    start_is_eagle = bool(start) and start["specserve_draft"].get("kind") == "eagle"
+    if start and not start_is_eagle:
+        load_own_weights(draft, Path(args.init_from) / "model.safetensors")
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import EagleHead, load_head_weights
 
-        layers = target.config.num_hidden_layers
-        init_layers = [args.eagle_init_layer % layers]
-        args.num_layers, args.intermediate_size = 1, target.config.intermediate_size
-        draft = EagleHead(target, init_layers[0]).to(device)
-        if args.init_from:
+        # From a layers-only draft: start as that draft; else on embedding + feature.
+        draft = EagleHead(target, draft.model.layers, draft.model.norm,
+                          "tokens" if start and not start_is_eagle else "sum").to(device)
+        if start_is_eagle:
             load_head_weights(draft, Path(args.init_from) / "model.safetensors")
-    else:
-        if args.init_from:  # a warm start: the checkpoint's shape, then its weights
-            start = json.loads((Path(args.init_from) / "config.json").read_text())
-            init_layers = start["specserve_draft"]["init_from_target_layers"]
-            args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
-        else:
-            init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
-        width = target.config.intermediate_size * 2 // 3
-        args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
-        draft = build_draft(target, init_layers, device, args.intermediate_size)
-        if args.init_from:
-            load_own_weights(draft, Path(args.init_from) / "model.safetensors")
+    elif start_is_eagle:
+        raise SystemExit(f"--init-from {args.init_from} is an EAGLE head: add --arch eagle")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reserve = args.eval_reserve_s if args.eval_reserve_s is not None else (60 if device.type == "cuda" else 240)
     train_deadline = deadline - reserve if deadline else None
@@ -875,7 +883,11 @@ def main(argv=None) -> dict:
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import save_head
 
-        save_head(draft, files, init_layers[0], out)
+        save_head(draft, files, init_layers, out)
+        if args.draft_vocab:
+            from specserve.drafts.eagle_training import save_draft_vocab
+
+            save_draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab, out)
     else:
         save_draft(draft, files, init_layers, out)
     del draft, target

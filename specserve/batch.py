@@ -27,6 +27,9 @@ class ForwardBatch:
     query_lens_host: list[int]    # host copies, so backends need no device->host sync
     seq_lens_host: list[int]
     has_padding: bool = False     # some slot_mapping rows are -1
+    # [num_tokens, hidden]: per-token conditioning for a draft head that reads its
+    # target's hidden states (``models/eagle.py``); None for every other model.
+    features: torch.Tensor | None = None
     # Filled by the attention backend on first use in this step, keyed by sliding window.
     attn_plans: dict = field(default_factory=dict)
 

@@ -47,7 +47,7 @@ import torch
 
 from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array, ragged_arrays
 from specserve.scheduler import SchedulerOutput
-from specserve.transfer import copy_into
+from specserve.transfer import copy_into, to_device
 
 logger = logging.getLogger("specserve")
 
@@ -119,8 +119,13 @@ class GraphRunner:
                                  dtype=torch.int64, device=device)
         self._int = torch.zeros(2 * self.ragged_reqs + 1 + self.ragged_reqs * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, ...], tuple[object, torch.Tensor, ForwardBatch]] = {}
+        # key -> (graph, its outputs: (logits, every row's final hidden state), its inputs)
+        self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
+        # With ``keep_hidden``, each replay leaves its real rows' final hidden states in
+        # ``last_hidden``, ragged in schedule order (as ``ModelRunner.keep_hidden``).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ eligibility
     def fits(self, output: SchedulerOutput) -> bool:
@@ -183,11 +188,10 @@ class GraphRunner:
             batch, rows = self._static_ragged_batch(size, key[2])
         self.prepare([], key, 1)  # an all-padding step, for warm-up and capture
 
-        def forward() -> torch.Tensor:
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
-            if rows is not None:
-                hidden = hidden.index_select(0, rows)
-            return self.model.compute_logits(hidden).float()
+            picked = hidden if rows is None else hidden.index_select(0, rows)
+            return self.model.compute_logits(picked).float(), hidden
 
         if not self.capture:
             return forward, None, batch
@@ -199,9 +203,9 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = forward()
+            outputs = forward()
         self._pool = graph.pool()
-        return graph, logits, batch
+        return graph, outputs, batch
 
     def _static_batch(self, bucket: int, q: int) -> ForwardBatch:
         n, ints = bucket * q, self._int
@@ -236,7 +240,7 @@ class GraphRunner:
         """Logits ``[Σ(1 + k_i), vocab]`` of the real rows, in schedule order."""
         planned = output.scheduled
         key = self._shape(planned)
-        graph, logits, batch = self._get(key)  # before writing: building overwrites inputs
+        graph, outputs, batch = self._get(key)  # before writing: building overwrites inputs
         rows, query_lens, seq_lens = self.prepare(planned, key, block_size, device_ids)
         if self.capture:
             graph.replay()
@@ -244,9 +248,18 @@ class GraphRunner:
             if self.model.attention_backend.exact_lengths:
                 batch.query_lens_host, batch.seq_lens_host = query_lens, seq_lens
                 batch.attn_plans.clear()
-            logits = graph()
+            outputs = graph()
+        logits, hidden = outputs
+        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned] if self.keep_hidden else None
         if key[0] == 0:  # ragged: the graph computed the sampled rows' logits, then padding
+            if lengths:
+                self.last_hidden = hidden[:sum(lengths)]  # the requests' rows come first
             return logits[:self._num_logits(planned)]
+        if lengths:  # padded: request i's rows start at i * q
+            q = key[1]
+            (real,) = to_device([[i * q + r for i, n in enumerate(lengths) for r in range(n)]],
+                                torch.int64, self.device)
+            self.last_hidden = hidden.index_select(0, real)
         return logits if rows is None else logits.index_select(0, rows)
 
     def prepare(self, planned, key: tuple[int, ...], block_size: int,

@@ -211,7 +211,7 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 # ---------------------------------------------------------------------------- weights
 def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
-                shared_modules: dict | None = None, tp=None):
+                shared_modules: dict | None = None, tp=None, model_class=None):
     """Build our model on the meta device (no random init), then stream the checkpoint's
     tensors into it on ``device``, merging q/k/v and gate/up as they arrive.
 
@@ -221,7 +221,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     ``shared_modules`` (module path -> module of another model already on ``device``) are
     used as they are, same storage: a draft that shares its target's embeddings and LM
     head takes them this way, and its checkpoint holds only its own tensors.
-    ``model.num_parameters`` counts the model's own parameters."""
+    ``model.num_parameters`` counts the model's own parameters. ``model_class``: a
+    subclass of ``LlamaForCausalLM`` to build instead (an EAGLE draft head)."""
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
@@ -231,7 +232,7 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     spec = ARCHITECTURES[_check_architecture(config)]
     shared_modules = shared_modules or {}
     with init_empty_weights():
-        model = LlamaForCausalLM(config, spec, backend, tp or SINGLE)
+        model = (model_class or LlamaForCausalLM)(config, spec, backend, tp or SINGLE)
     for path, module in shared_modules.items():
         model.set_submodule(path, module)
     if "lm_head" not in shared_modules:

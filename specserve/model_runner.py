@@ -57,6 +57,12 @@ class ModelRunner:
         self.extra_bytes_per_block = extra_bytes_per_block
         self.graphs = None  # a GraphRunner once enable_graphs() ran
         self.closed = False
+        # With ``keep_hidden`` set (by a drafter that reads them), each pass keeps its final
+        # hidden states ``[num_tokens, hidden]`` (ragged, schedule order) in ``last_hidden``
+        # and the scheduled list it ran in ``last_pass``, until the next pass.
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self.last_pass: list | None = None
         self.num_blocks = num_blocks or tp.min(self._num_kv_blocks())
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
         try:
@@ -177,8 +183,14 @@ class ModelRunner:
 
     def _forward(self, output: SchedulerOutput, num_layers: int | None,
                  device_ids: DeviceTokenIds | None) -> torch.Tensor:
+        if self.keep_hidden:
+            self.last_pass = output.scheduled
         if self.graphs is not None and num_layers is None and self.graphs.fits(output):
-            return self.graphs.run(output, self.block_size, device_ids)
+            self.graphs.keep_hidden = self.keep_hidden
+            logits = self.graphs.run(output, self.block_size, device_ids)
+            if self.keep_hidden:
+                self.last_hidden = self.graphs.last_hidden
+            return logits
         return self.forward(self.prepare(output, device_ids), num_layers)
 
     def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
@@ -203,6 +215,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
         """The model over a prepared batch: logits ``[num_logits, vocab]`` float32."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def close(self) -> None:

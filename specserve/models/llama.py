@@ -168,7 +168,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                 num_layers: int | None = None) -> torch.Tensor:
         """``num_layers`` stops after the first layers (the layer-skip draft), then norms."""
-        hidden = self.model.embed_tokens(input_ids)
+        return self.decode(self.model.embed_tokens(input_ids), positions, kv_caches, batch, num_layers)
+
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
+               num_layers: int | None = None) -> torch.Tensor:
+        """The decoder layers and the final norm over input vectors ``hidden``."""
         rotary_tables = self.model.ops.rotary_tables(self.model.rotary, positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):

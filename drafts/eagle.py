@@ -1,0 +1,154 @@
+"""Drafting with an EAGLE-style head (``models/eagle.py``): one layer that reads the target's
+final hidden states.
+
+The head's cache entry at position j pairs the target's hidden state h_j with token
+x_{j+1}; its output there predicts x_{j+2}. The head runs before the target in a step, so
+it only ever has the features of positions the target computed in earlier passes: the
+target runner keeps each pass's hidden states (``ModelRunner.keep_hidden``), and at the
+next step the drafter takes each request's rows of that pass — its prefill chunk's, or its
+verify span's, of which the accepted part is exactly what it needs.
+
+A request computed up to position s (its pending token x_s not yet in the cache) has head
+entries up to s - 1 once caught up: the catch-up forward feeds the entries from where the
+head's cache is valid to s - 1, for every scheduled request (prefill chunks too, one step
+behind the target), and its last row gives a drafting request's first proposal d_1. Each
+further draft step feeds the previous proposal at the next position with the head's own
+output as its feature. Those entries (s … s + k - 2) are never counted as valid: after
+verification the next catch-up rewrites them from the target's features, so rollback is
+the same clamp as a draft model's, and blocks are the target's (same ids).
+
+Like the draft model it never waits for its own proposals (they stay on the device). The
+target's CUDA graphs hand back the hidden states with the logits; the head's own steps run
+eagerly.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from specserve.batch import DeviceTokenIds
+from specserve.drafts.base import DraftProposal
+from specserve.drafts.model_drafter import ModelDrafter, _head
+from specserve.model_runner import ModelRunner
+from specserve.request import Request
+from specserve.sampler import SamplingMetadata
+from specserve.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class EagleDrafter(ModelDrafter):
+    needs_every_step = True  # the head's cache follows every pass of the target
+
+    def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__("draft_model", model, config, device, dtype)
+        self.target_runner: ModelRunner | None = None
+        self._seen: list | None = None  # the scheduled list of the last step proposed for
+        # req_id -> (first position, [n, hidden] target hidden states of positions first …)
+        self._features: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def bind(self, target_runner: ModelRunner) -> None:
+        super().bind(target_runner)
+        self.target_runner = target_runner
+        target_runner.keep_hidden = True
+        self.runner.keep_hidden = True
+
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Nothing: the head's steps run eagerly (see the module docstring)."""
+
+    def free(self, req_id: str) -> None:
+        super().free(req_id)
+        self._features.pop(req_id, None)
+
+    def describe(self) -> str:
+        cfg, vocab = self.model.config, self.model.vocab_ids
+        among = "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
+        return (f"draft_model (EAGLE head: {cfg.num_hidden_layers} layer over the target's hidden "
+                f"states, {self.model.num_parameters / 1e6:.0f}M parameters + the target's "
+                f"embeddings and LM head{among})")
+
+    # ------------------------------------------------------------------ features
+    def _collect(self, requests: Mapping[str, Request]) -> None:
+        """Keep each live request's rows of the target's last pass, if it was the pass of
+        the step this drafter last proposed for (not, say, a profiling pass)."""
+        runner = self.target_runner
+        if self._seen is None or runner.last_pass is not self._seen or runner.last_hidden is None:
+            return
+        hidden, start = runner.last_hidden, 0
+        for planned in self._seen:
+            n = len(planned.token_ids) + len(planned.draft_token_ids)
+            req = requests.get(planned.req_id)
+            if req is not None and not req.is_finished:
+                self._features[planned.req_id] = (planned.start_pos, hidden[start:start + n])
+            start += n
+
+    def _feature_rows(self, req_id: str, lo: int, hi: int) -> torch.Tensor:
+        """The target's hidden states of positions [lo, hi); zeros where none was kept (the
+        head then drafts worse, never wrongly: verification decides)."""
+        first, rows = self._features.get(req_id, (0, None))
+        if rows is not None and first <= lo and hi <= first + rows.shape[0]:
+            return rows[lo - first:hi - first]
+        out = torch.zeros(hi - lo, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        if rows is not None:
+            a, b = max(lo, first), min(hi, first + rows.shape[0])
+            if a < b:
+                out[a - lo:b - lo] = rows[a - first:b - first]
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def propose(self, scheduled: list[ScheduledRequest],
+                requests: Mapping[str, Request]) -> DraftProposal:
+        self._collect(requests)
+        self._seen = scheduled
+        entries, features, drafting, ends = [], [], [], {}
+        for planned in scheduled:
+            k, start = planned.num_lookahead, planned.start_pos
+            # Entries below ``fed`` are valid; a drafting request re-feeds at least its last
+            # one (s - 1), whose output is the first proposal.
+            fed = max(0, min(self._fed.get(planned.req_id, 0), start - 1 if k else start))
+            if fed < start:
+                tokens = requests[planned.req_id].all_token_ids[fed + 1:start + 1]
+                entries.append(ScheduledRequest(planned.req_id, tokens, fed, planned.block_table,
+                                                planned.params, sample=k > 0))
+                features.append(self._feature_rows(planned.req_id, fed, start))
+            self._fed[planned.req_id] = start
+            if k:
+                drafting.append(planned)
+                ends[planned.req_id] = start + len(planned.token_ids)
+        if not drafting:
+            if entries:
+                self._forward(entries, features)
+            return DraftProposal([[] for _ in scheduled])
+        # As ModelDrafter: longest k first, so each step's inputs are a prefix of the last's outputs.
+        order = sorted(drafting, key=lambda p: -p.num_lookahead)
+        rank = {p.req_id: i for i, p in enumerate(order)}
+        paired = sorted(zip(entries, features), key=lambda e: rank.get(e[0].req_id, len(order)))
+        meta = None
+        if any(not p.params.greedy for p in order):
+            meta = SamplingMetadata.build([p.params for p in order], self.device)
+        logits, outputs = self._forward([e for e, _ in paired], [f for _, f in paired])
+        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta)
+        columns, q_columns = [tokens], [q]
+        for j in range(1, order[0].num_lookahead):
+            n = sum(p.num_lookahead > j for p in order)
+            active = order[:n]
+            # Proposal d_j at position s - 1 + j (= end + j - 2), the head's output as its feature.
+            step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params)
+                    for p in active]
+            logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
+            tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
+                                     meta and _head(meta, n))
+            columns.append(tokens)
+            q_columns.append(q)
+        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
+        placeholders = [[0] * p.num_lookahead for p in scheduled]
+        return DraftProposal(placeholders, draft_probs, draft_ids)
+
+    def _forward(self, entries: list[ScheduledRequest], features: list[torch.Tensor],
+                 device_ids: DeviceTokenIds | None = None):
+        """The head over ``entries`` with their feature rows: (logits of the sampling rows,
+        the head's outputs there, the next step's features)."""
+        runner = self.runner
+        batch = runner.prepare(SchedulerOutput(entries, []), device_ids)
+        batch.features = features[0] if len(features) == 1 else torch.cat(features)
+        logits = runner.forward(batch)
+        return logits, runner.last_hidden.index_select(0, batch.logits_indices)

@@ -1,0 +1,248 @@
+"""EAGLE-style draft heads: drafting from the target's hidden states in the engine (lossless,
+no leaked blocks, under chunked prefill and preemption), the engine's proposals equal to
+what the training head's unrolled passes predict, and the training pipeline with
+``--arch eagle``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import LLM32
+
+from specserve import SamplingParams
+from specserve.errors import SpecserveError
+
+PROMPTS = [[5, 17, 99, 230, 17, 99], [7, 8, 9, 7, 8, 9, 10], list(range(3, 40)), [11, 12], [40, 41, 40, 41, 40]]
+KS = (4, 2, 3, 0, 1)  # per request: proposals of several lengths, and a request that only keeps up
+SMALL = {"max_num_batched_tokens": 16, "max_num_seqs": 8, "block_size": 4, "num_kv_blocks": 200}
+
+
+def greedy(k: int | None = None, max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
+
+
+def load_target(target_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def make_head(target, layers: list[int], seed: int = 0):
+    """A training head as ``train_draft --arch eagle`` starts one from target layers
+    ``layers``, its weights nudged at random so that its drafts depend on every part of it."""
+    from specserve.drafts.eagle_training import EagleHead
+    from specserve.drafts.train_draft import build_draft
+
+    draft = build_draft(target, layers, torch.device("cpu"), target.config.intermediate_size // 2)
+    head = EagleHead(target, draft.model.layers, draft.model.norm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return head.eval(), layers
+
+
+def save_head(head, layers, target_dir, path):
+    from specserve.drafts.eagle_training import save_head as save
+
+    from specserve.loader import resolve_model
+
+    save(head, resolve_model(str(target_dir)), layers, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory, tiny_model_dir):
+    """variant -> (target dir, head dir, the training head in float32)."""
+    made = {}
+
+    def build(variant: str = "smollm2_tied_gqa3", layers: tuple[int, ...] = (1,)):
+        if (variant, layers) not in made:
+            target_dir = tiny_model_dir(variant)
+            head, _ = make_head(load_target(target_dir), list(layers))
+            # Saved in bf16 as shipped heads are; the engine's float32 copy is then exactly
+            # the training head with its weights rounded, so round them here too.
+            with torch.no_grad():
+                for p in head.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+            path = tmp_path_factory.mktemp(f"eagle-{variant}")
+            made[(variant, layers)] = (target_dir, save_head(head, list(layers), target_dir, path), head)
+        return made[(variant, layers)]
+
+    return build
+
+
+def eagle_llm(target_dir, head_dir, k: int = 4, **kwargs):
+    return LLM32(str(target_dir), speculative_method="draft_model", draft_model=head_dir,
+                 num_speculative_tokens=k, speculative_adaptive=False, **{**SMALL, **kwargs})
+
+
+@pytest.mark.parametrize("variant", ["smollm2_tied_gqa3", "llama", "qwen3_qknorm"])
+def test_an_eagle_head_is_lossless_with_chunked_prefill_and_mixed_k(variant, eagle):
+    target_dir, head_dir, _ = eagle(variant)
+    llm = eagle_llm(target_dir, head_dir)
+    engine = llm.engine
+    assert "EAGLE head" in engine.drafter.describe()
+    assert engine.drafter.model.model.embed_tokens is engine.runner.model.model.embed_tokens
+    params = [greedy(k) for k in KS]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.num_accepted_tokens > 0
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert not engine.drafter._features and not engine.drafter._fed  # finished requests forgotten
+
+
+def test_an_eagle_head_is_lossless_under_preemption(eagle):
+    """A cache too small for every request: some are preempted and recomputed, their head
+    cache and features rebuilt from the target's new passes."""
+    target_dir, head_dir, _ = eagle()
+    llm = eagle_llm(target_dir, head_dir, num_kv_blocks=20)
+    params = [greedy(k, max_tokens=30) for k in KS]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_seeded_sampling_with_an_eagle_head_is_reproducible(eagle):
+    target_dir, head_dir, _ = eagle()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True,
+                             num_speculative_tokens=k) for i, k in enumerate(KS)]
+    first = eagle_llm(target_dir, head_dir).generate(PROMPTS, params, use_tqdm=False)
+    second = eagle_llm(target_dir, head_dir).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+
+
+@pytest.mark.parametrize("variant,layers", [("smollm2_tied_gqa3", (1,)), ("qwen3_qknorm", (1,)),
+                                            ("smollm2_tied_gqa3", (0, 1))])
+def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, eagle):
+    """Every proposal of the engine's first verify step of a request equals the argmax of
+    the training head's pass t at position P - 1 + t, fed the prompt, the first sampled
+    token and the earlier proposals (teacher-forced): the unrolled training passes see
+    exactly what the engine's draft steps see (features, positions, attention)."""
+    target_dir, head_dir, head = eagle(variant, layers)
+    target = head.target
+    k = 4
+    llm = eagle_llm(target_dir, head_dir, k=k, max_num_batched_tokens=64)
+    drafter = llm.engine.drafter
+    proposals = []
+    propose = drafter.propose
+
+    def spy(scheduled, requests):
+        out = propose(scheduled, requests)
+        if out.draft_ids is not None:
+            proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
+                              out.draft_ids.tolist()))
+        return out
+
+    drafter.propose = spy
+    for prompt in PROMPTS[:3]:
+        proposals.clear()
+        llm.generate([prompt], greedy(k, max_tokens=8), use_tqdm=False)
+        start, tokens, drafts = proposals[0]
+        assert start == len(prompt) and len(drafts) == k
+        ids = torch.tensor([tokens[:start + 1] + drafts[:-1]])
+        with torch.no_grad():
+            features = target.model(input_ids=ids).last_hidden_state
+            outs = head(ids, features, k)
+            predicted = [target.lm_head(outs[t][0, start - 1 + t]).argmax().item() for t in range(k)]
+        assert predicted == drafts
+
+
+def test_an_eagle_head_must_share_the_target_embeddings(eagle, tmp_path):
+    import shutil
+
+    target_dir, head_dir, _ = eagle()
+    shutil.copytree(head_dir, tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["specserve_draft"]["shares_target_embeddings"] = False
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecserveError, match="EAGLE head without shares_target_embeddings"):
+        eagle_llm(target_dir, str(tmp_path / "head"))
+
+
+def test_chain_acceptance_replays_chain_drafting():
+    from specserve.drafts.eagle_training import chain_acceptance
+
+    # Token 0 from the prefill. Chain from token 1: pass 0 right on 1, pass 1 right on 2,
+    # pass 2 wrong on 3 -> 2 accepted, token 3 emitted. Next chain from token 4: pass 0
+    # wrong -> 0 accepted, token 4 emitted. From token 5: k = 2 caps a run of 2; the end.
+    agree = [[False, True, False, False, False, True, False, False],
+             [False, False, True, False, False, False, True, False],
+             [False, False, False, False, False, False, False, True]]
+    assert chain_acceptance(agree, k=2) == (3, 4)
+    assert chain_acceptance(agree, k=3) == (3, 5)
+
+
+def test_the_pass_masks_follow_the_draft_steps():
+    from specserve.drafts.eagle_training import _pass_mask
+
+    mask = _pass_mask(2, 5, "cpu")
+    # Position 4 in pass 2: pass 0's keys at 0..2, pass 1's key at 3, pass 2's at 4.
+    assert mask[4].tolist() == [True, True, True, False, False] + [False, False, False, True, False] + \
+        [False, False, False, False, True]
+    assert mask.shape == (5, 15) and _pass_mask(0, 3, "cpu").tolist() == torch.ones(3, 3).tril().bool().tolist()
+
+
+def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
+    from specserve.drafts.train_draft import main
+
+    target = str(tiny_model_dir("smollm2_tied_gqa3"))
+    record = main(["--target", target, "--work-dir", str(tmp_path / "work"), "--device", "cpu", "--arch", "eagle",
+                   "--num-prompts", "6", "--num-val-prompts", "2", "--max-new-tokens", "8", "--max-seq-len", "256",
+                   "--steps", "3", "--batch-tokens", "512", "--eval-prompts", "1", "--eval-max-tokens", "6",
+                   "--eval-baselines", "", "--passes", "3", "--draft-vocab", "64", "--out", str(tmp_path / "head")])
+    assert record["training"]["steps"] == 3 and record["num_layers"] == 1
+    assert "sim_accept_len_chat" in record["training"]["held_out_replay"]
+    assert set(record["evaluation"]["mean_acceptance_length"]) == {"draft_model"}
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["specserve_draft"]["kind"] == "eagle" and config["num_hidden_layers"] == 1
+    assert len(json.loads((tmp_path / "head" / "draft_vocab.json").read_text())) == 64
+
+
+def test_the_graph_path_hands_the_head_its_features(eagle):
+    """The target's padded and ragged CUDA-graph paths (eagerly here, ``capture=False``)
+    give the head the same hidden-state rows as the plain path: same tokens, same drafts
+    accepted."""
+    target_dir, head_dir, _ = eagle()
+    params = [greedy(k) for k in KS]
+    plain = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    llm = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    llm.engine.enable_graphs(capture=False)
+    graphs = llm.engine.runner.graphs
+    shapes = []
+    run = graphs.run
+    graphs.run = lambda *a: shapes.append(graphs._shape(a[0].scheduled)) or run(*a)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {s[0] == 0 for s in shapes} == {True, False}  # ragged (prefill) and padded steps
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_stats.num_accepted_tokens == plain.engine.spec_stats.num_accepted_tokens
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless(eagle, tmp_path):
+    import shutil
+
+    target_dir, head_dir, _ = eagle()
+    shutil.copytree(head_dir, tmp_path / "head")
+    vocab = list(range(0, 512, 3))
+    (tmp_path / "head" / "draft_vocab.json").write_text(json.dumps(vocab))
+    llm = eagle_llm(target_dir, str(tmp_path / "head"))
+    assert f"among its {len(vocab)} most written tokens" in llm.engine.drafter.describe()
+    drafter, proposed = llm.engine.drafter, []
+    propose = drafter.propose
+    drafter.propose = lambda s, r: (out := propose(s, r)) and (
+        proposed.extend(out.draft_ids.tolist()) if out.draft_ids is not None else None) or out
+    for params in ([greedy(k) for k in KS],
+                   [SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True,
+                                   num_speculative_tokens=k) for i, k in enumerate(KS)]):
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        if params[0].greedy:
+            want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert proposed and set(proposed) <= set(vocab)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
