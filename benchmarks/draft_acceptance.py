@@ -16,10 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import drafter_settings  # noqa: E402
 
 
 def machine_name(device: torch.device) -> str:
@@ -64,8 +68,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
-    parser.add_argument("--methods", default="none,ngram,layerskip,draft_model")
-    parser.add_argument("--draft-model", default=None, help="another draft (default: the built-in one)")
+    parser.add_argument("--methods", default="none,ngram,layerskip,draft_model",
+                        help="comma-separated; draft_model@PATH for a draft other than the built-in one")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None, help="write all results here")
@@ -78,9 +82,9 @@ def main() -> None:
     methods = args.methods.split(",")
     engines = {}
     for method in methods:
-        extra = {"draft_model": args.draft_model} if method == "draft_model" and args.draft_model else {}
-        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_method=method, speculative_adaptive=False,
-                              num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096, **extra)
+        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=False,
+                              num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096,
+                              **drafter_settings(method))
     first = engines[methods[0]].engine
     tok, device = first.tokenizer, first.device
     machine, dtype = machine_name(device), str(first.dtype).removeprefix("torch.")
@@ -101,8 +105,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
-    draft = engines.get("draft_model")
-    described = draft.engine.drafter.describe() if draft else ""
+    described = "; ".join(f"{m}: {e.engine.drafter.describe()}" for m, e in engines.items()
+                          if m.startswith("draft_model"))
     print(f"\nSmolLM2-135M-Instruct on {machine}, {dtype}; held-out prompts ({args.prompts} chat, "
           f"{args.prompts} code), greedy, k = {args.k}, up to {args.max_tokens} new tokens\n"
           f"{described}\n")

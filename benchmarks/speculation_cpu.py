@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import WORKLOADS, chat_prompts  # noqa: E402
+from workloads import WORKLOADS, chat_prompts, drafter_settings  # noqa: E402
 
 
 def timed(fn):
@@ -72,7 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
-    parser.add_argument("--drafters", default="ngram,layerskip")
+    parser.add_argument("--drafters", default="ngram,layerskip",
+                        help="comma-separated methods; draft_model@PATH for a draft other than the built-in one")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompts-per-workload", type=int, default=4,
                         help="prompts run one at a time for batch 1")
@@ -88,8 +89,8 @@ def main() -> None:
 
     engines = {"off": LLM(dtype=args.dtype)}
     for name in args.drafters.split(","):
-        engines[name] = LLM(dtype=args.dtype, speculative_method=name, num_speculative_tokens=max(ks),
-                            speculative_adaptive=False)  # k per request: the sweep
+        engines[name] = LLM(dtype=args.dtype, num_speculative_tokens=max(ks), speculative_adaptive=False,
+                            **drafter_settings(name))  # k per request: the sweep
     llm = engines["off"]
     tok = llm.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
@@ -113,7 +114,8 @@ def main() -> None:
                 for k in ks:
                     r = run_engine(engines[name], chosen, batch, args.max_tokens, k)
                     same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
-                    entries.append((f"specserve {name}", k, r, same))
+                    label = name if "@" not in name else f"{name.split('@')[0]}@{Path(name.split('@')[1]).name}"
+                    entries.append((f"specserve {label}", k, r, same))
             for label, k, r, same in entries:
                 row = {"workload": workload, "batch": batch, "method": label, "k": k,
                        "tokens_per_s": round(r["tokens_per_s"], 1),

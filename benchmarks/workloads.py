@@ -15,4 +15,11 @@ from specserve.drafts.prompt_sets import (
     held_out_prompts,
 )
 
-__all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "held_out_prompts"]
+__all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "drafter_settings", "held_out_prompts"]
+
+
+def drafter_settings(spec: str) -> dict:
+    """A benchmark's drafter: a speculative method (``none`` for speculation off), or
+    ``draft_model@PATH`` for a draft checkpoint other than the built-in one."""
+    method, _, path = spec.partition("@")
+    return {"speculative_method": method, **({"draft_model": path} if path else {})}

@@ -92,13 +92,29 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                                  "shares_target_embeddings: it must use the target's embeddings")
         model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
                             model_class=EagleForCausalLM)
-        vocab = files.path / "draft_vocab.json"
-        if vocab.is_file() and not model.restrict_vocab(torch.tensor(json.loads(vocab.read_text()))):
-            logger.warning("draft model %s: its draft vocabulary needs the target's LM head weights, "
-                           "which are prepacked here; drafting over the whole vocabulary", files.name)
+        _restrict_vocab(model, files)
         return EagleDrafter(model, config, device, dtype)
     model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared)
+    _restrict_vocab(model, files)
     return ModelDrafter("draft_model", model, config, device, dtype)
+
+
+def _restrict_vocab(model, files) -> None:
+    """A checkpoint's ``draft_vocab.json`` (token ids, written by ``train_draft
+    --draft-vocab``): the draft proposes among those only."""
+    path = files.path / "draft_vocab.json"
+    if not path.is_file():
+        return
+    try:
+        ids = torch.tensor(json.loads(path.read_text()), dtype=torch.int64)
+    except (ValueError, TypeError) as exc:
+        raise SpecserveError(f"draft model {files.name}: draft_vocab.json is not a list of token ids ({exc})") from None
+    if ids.dim() != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= model.config.vocab_size:
+        raise SpecserveError(f"draft model {files.name}: draft_vocab.json must list token ids below "
+                             f"{model.config.vocab_size}")
+    if not model.restrict_vocab(ids):
+        logger.warning("draft model %s: its draft vocabulary needs the LM head's weights, which are "
+                       "prepacked here; drafting over the whole vocabulary", files.name)
 
 
 _BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model}

@@ -60,11 +60,10 @@ class EagleDrafter(ModelDrafter):
         self._features.pop(req_id, None)
 
     def describe(self) -> str:
-        cfg, vocab = self.model.config, self.model.vocab_ids
-        among = "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
-        return (f"draft_model (EAGLE head: {cfg.num_hidden_layers} layer over the target's hidden "
+        cfg = self.model.config
+        return (f"draft_model (EAGLE head: {cfg.num_hidden_layers} layer(s) over the target's hidden "
                 f"states, {self.model.num_parameters / 1e6:.0f}M parameters + the target's "
-                f"embeddings and LM head{among})")
+                f"embeddings and LM head{self._among()})")
 
     # ------------------------------------------------------------------ features
     def _collect(self, requests: Mapping[str, Request]) -> None:

@@ -249,14 +249,3 @@ def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_p
         result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
     return result
 
-
-def save_draft_vocab(examples, size: int, out: Path) -> float:
-    """``draft_vocab.json``: the ``size`` token ids most frequent in the responses of
-    ``examples``, ascending; returns the share of response tokens they cover."""
-    counts: dict[int, int] = {}
-    for e in examples:
-        for token in e.token_ids[e.num_prompt:]:
-            counts[token] = counts.get(token, 0) + 1
-    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    (out / "draft_vocab.json").write_text(json.dumps(sorted(top)) + "\n")
-    return sum(counts[t] for t in top) / max(1, sum(counts.values()))

@@ -90,7 +90,11 @@ class ModelDrafter:
         params = self.model.num_parameters / 1e6
         shared = " + the target's embeddings and LM head" if self.model.shared_modules else ""
         return (f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, "
-                f"{params:.0f}M parameters{shared})")
+                f"{params:.0f}M parameters{shared}{self._among()})")
+
+    def _among(self) -> str:
+        vocab = getattr(self.model, "vocab_ids", None)
+        return "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
 
     # ------------------------------------------------------------------ the step
     def propose(self, scheduled: list[ScheduledRequest],

@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=4,
                    help="EAGLE: draft steps unrolled in training (training-time test), = the k it is tuned for")
     p.add_argument("--draft-vocab", type=int, default=0,
-                   help="EAGLE: draft only among the N tokens most frequent in the training responses "
+                   help="draft only among the N tokens most frequent in the training responses "
                         "(draft_vocab.json; a smaller LM head, as FR-Spec); 0: the whole vocabulary")
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--init-layers", default="first-last",
@@ -695,6 +695,18 @@ def save_draft(draft, files, init_layers: list[int], out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def save_draft_vocab(examples: list[Example], size: int, out: Path) -> float:
+    """``draft_vocab.json``: the ``size`` token ids most frequent in the responses of
+    ``examples``, ascending; returns the share of response tokens they cover."""
+    counts: dict[int, int] = {}
+    for e in examples:
+        for token in e.token_ids[e.num_prompt:]:
+            counts[token] = counts.get(token, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    (out / "draft_vocab.json").write_text(json.dumps(sorted(top)) + "\n")
+    return sum(counts[t] for t in top) / max(1, sum(counts.values()))
+
+
 # ---------------------------------------------------------------------------- evaluation
 def evaluate_in_engine(args, out: Path, device: torch.device) -> dict:
     """Held-out chat and code prompts, greedy, k = 4, all at once: mean acceptance length
@@ -733,13 +745,25 @@ def evaluate_in_engine(args, out: Path, device: torch.device) -> dict:
 def write_model_card(out: Path, record: dict) -> None:
     t, d, e = record["training"], record["data"], record.get("evaluation")
     val0, val1 = t["history"]["val"][0], t["final_val"]
+    eagle = record["args"].get("arch") == "eagle"
+    passes = record["args"].get("passes", 4)
+    vocab = record.get("draft_vocab")
     lines = [
         f"# {record['name']}",
         "",
-        f"A {record['num_layers']}-layer draft model for **{record['target']}**, made for speculative "
-        "decoding in specserve. It stores only its own decoder layers and final norm "
-        f"({record['file_mb']:.1f} MB, bf16); the target's embeddings and (tied) LM head are shared "
-        "with it at load time, same storage, so it costs no memory for them.",
+        (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
+         "made for speculative decoding in specserve. Each of its cache entries reads a token and the "
+         "target's final hidden state at the position before it (`fc([embedding; hidden])`), so it drafts "
+         "from what the target has already computed; while drafting ahead it feeds its own output "
+         "instead. It stores only its own layers, `fc` and final norm "
+         if eagle else
+         f"A {record['num_layers']}-layer draft model for **{record['target']}**, made for speculative "
+         "decoding in specserve. It stores only its own decoder layers and final norm ")
+        + f"({record['file_mb']:.1f} MB, bf16); the target's embeddings and (tied) LM head are shared "
+        "with it at load time, same storage, so it costs no memory for them."
+        + (f" It drafts among the {vocab['size']} tokens most frequent in its training responses "
+           f"(`draft_vocab.json`, {vocab['coverage']:.1%} of them): a smaller LM head, the rest get "
+           "probability 0 in q — verification stays exact." if vocab else ""),
         "",
         *(["It is the built-in draft of the embedded default model, used when no other is named:",
            "", "```bash", "specserve generate --speculative-method draft_model \"Why is the sky blue?\"",
@@ -753,7 +777,10 @@ def write_model_card(out: Path, record: dict) -> None:
         (f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
          f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons"
          + (f"; then trained as below, and this run continued from that checkpoint "
-            f"(`--init-from {record['args']['init_from']}`)." if record["args"].get("init_from") else ".")),
+            f"(`--init-from {record['args']['init_from']}`)" if record["args"].get("init_from") else "")
+         + ("; `fc` passes the embedding through and starts with the features' half at zero, so the "
+            "head starts as the draft it was made from" if eagle and record["args"].get("init_from") else "")
+         + "."),
         f"- **Data:** {d['train_prompts']} training prompts ({d['train_by_kind']['chat']} chat, "
         f"{d['train_by_kind']['code']} code), built offline by "
         "`specserve.drafts.prompt_sets` (chat questions from topic lists × question templates, "
@@ -773,7 +800,11 @@ def write_model_card(out: Path, record: dict) -> None:
         f"(validation, {d['val_prompts']} prompts) is watched during training. Neither is trained on.",
         f"- **Objective:** forward KL(target ‖ draft) on response positions with the target's logits "
         f"computed on the fly, plus {record['args']['ce_weight']} × cross-entropy to the target's "
-        "argmax; only the draft's layers and norm learn.",
+        "argmax; only the draft's layers and norm learn."
+        + (f" The head's {passes} draft steps are unrolled (training-time test): step t reads its own "
+           "step t-1 output as feature and attends to the target-feature entries before the chain and "
+           f"to the chain's earlier entries, exactly as when drafting; step t's loss is weighted 0.8^t."
+           if eagle else ""),
         f"- **Optimisation:** AdamW (lr {record['args']['lr']}, betas 0.9/0.95, weight decay "
         f"{record['args']['weight_decay']}), {record['args']['warmup_steps']} warm-up steps then cosine "
         f"decay, {t['steps']} steps of ≤ {t['batch_tokens']} padded tokens, "
@@ -785,12 +816,16 @@ def write_model_card(out: Path, record: dict) -> None:
         "## Figures",
         "",
         "Validation (teacher forcing on the validation prompts' greedy answers; acceptance length "
-        "at k = 4 replayed exactly from draft-vs-target argmax agreement):",
+        f"at k = {passes if eagle else 4} replayed exactly from draft-vs-target argmax agreement"
+        + (", each draft step of a chain with its own unrolled pass" if eagle else "") + "):",
         "",
         "| | KL | top-1 agreement chat | top-1 agreement code | accept. length chat | accept. length code |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for label, v in (("before training", val0), ("after training", val1)):
+    replayed = [("before training", val0), ("after training", val1)]
+    if t.get("held_out_replay"):
+        replayed.append(("held-out prompts, after training", t["held_out_replay"]))
+    for label, v in replayed:
         lines.append(f"| {label} | {v['kl']} | {v.get('top1_agreement_chat', '')} | "
                      f"{v.get('top1_agreement_code', '')} | {v.get('sim_accept_len_chat', '')} | "
                      f"{v.get('sim_accept_len_code', '')} |")
@@ -884,17 +919,17 @@ def main(argv=None) -> dict:
         from specserve.drafts.eagle_training import save_head
 
         save_head(draft, files, init_layers, out)
-        if args.draft_vocab:
-            from specserve.drafts.eagle_training import save_draft_vocab
-
-            save_draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab, out)
     else:
         save_draft(draft, files, init_layers, out)
+    if args.draft_vocab:
+        coverage = save_draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab, out)
     del draft, target
     if device.type == "cuda":
         torch.cuda.empty_cache()
     record = make_record(args, argv, files, device, init_layers, out, prompts, examples, gen_seconds,
                          training, started)
+    if args.draft_vocab:
+        record["draft_vocab"] = {"size": args.draft_vocab, "coverage": round(coverage, 4)}
     write_outputs(out, record)  # before evaluating: a failing evaluation keeps the draft's card
     if args.eval_prompts:
         try:
@@ -920,7 +955,8 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
 
     train_examples = [e for e in examples if e.split == "train"]
     return {
-        "name": f"{files.name} draft ({args.num_layers} layers)", "target": files.name,
+        "name": f"{files.name} {'EAGLE head' if args.arch == 'eagle' else 'draft'} ({args.num_layers} layers)",
+        "target": files.name,
         "num_layers": args.num_layers, "init_layers": init_layers, "device": device_name(device),
         "file_mb": (out / "model.safetensors").stat().st_size / 1e6,
         "args": vars(args), "command": " ".join(["python -m specserve.drafts.train_draft", *(

@@ -237,3 +237,37 @@ def test_the_built_in_draft_is_lossless_on_the_default_model(default_model_path)
 
 # Measured 1.85 on this prompt (bf16 CPU, 64 tokens); a corrupted file or a broken loader gives ~1.0.
 ACCEPTANCE_FLOOR = 1.4
+
+
+def test_a_draft_vocabulary_limits_the_proposals_and_stays_lossless(tmp_path, tiny_model_dir):
+    """``draft_vocab.json`` beside a draft: it proposes among those tokens only (q is 0
+    elsewhere), greedy output stays the target's, seeded sampling stays reproducible."""
+    target = tiny_model_dir("smollm2_tied_gqa3")
+    draft = layers_only_draft(tmp_path / "draft", target, [0, 1])
+    vocab = list(range(0, 512, 2))
+    (draft / "draft_vocab.json").write_text(json.dumps(vocab))
+    spec = LLM32(str(target), speculative_method="draft_model", draft_model=str(draft),
+                 num_speculative_tokens=4, speculative_adaptive=False, **SMALL)
+    assert "among its 256 most written tokens" in spec.engine.drafter.describe()
+    drafter, proposed = spec.engine.drafter, []
+    propose = drafter.propose
+
+    def spy(scheduled, requests):
+        out = propose(scheduled, requests)
+        if out.draft_ids is not None:
+            proposed.extend(out.draft_ids.tolist())
+        return out
+
+    drafter.propose = spy
+    plain = LLM32(str(target), **SMALL)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # The whole-vocabulary draft is the target: only tokens outside the vocabulary are refused.
+    assert proposed and set(proposed) <= set(vocab) and 0 < spec.engine.spec_stats.acceptance_rate < 1
+    sampled = [SamplingParams(temperature=0.9, seed=i, max_tokens=16, ignore_eos=True) for i in range(3)]
+    first = spec.generate(PROMPTS, sampled, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in spec.generate(PROMPTS, sampled, use_tqdm=False)]
+    assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+    (draft / "draft_vocab.json").write_text(json.dumps([0, 512]))
+    with pytest.raises(SpecserveError, match="draft_vocab.json must list token ids below 512"):
+        LLM32(str(target), speculative_method="draft_model", draft_model=str(draft), **SMALL)

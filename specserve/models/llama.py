@@ -182,7 +182,35 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
 
+    # A draft may propose among a subset of the vocabulary only (``restrict_vocab``).
+    vocab_ids: torch.Tensor | None = None
+
+    def restrict_vocab(self, ids: torch.Tensor) -> bool:
+        """Let a draft propose only token ids ``ids`` (the tokens its target writes most,
+        as FR-Spec): its LM head becomes those rows of its own, and every other token gets
+        logit -inf — probability 0 in q, never proposed, so verification stays exact. On a
+        CPU the full LM head is most of a draft step's cost. Returns False (the full head
+        kept) where the head's weights cannot be read: an untied head prepacked for the CPU."""
+        from specserve.models.packed_linear import PackedLinear
+
+        if isinstance(self.lm_head, nn.Linear):
+            weight = self.lm_head.weight
+        elif self.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight
+        else:
+            return False
+        ids = ids.to(device=weight.device, dtype=torch.int64)
+        head = nn.Linear(weight.shape[1], len(ids), bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(weight.index_select(0, ids))
+        self.vocab_head = PackedLinear(head) if isinstance(self.lm_head, PackedLinear) else head
+        self.vocab_ids = ids
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.vocab_ids is not None:
+            out = hidden.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+            return out.index_copy_(1, self.vocab_ids, self.vocab_head(hidden).float())
         logits = self.lm_head(hidden)
         if self.tp.size == 1:
             return logits
