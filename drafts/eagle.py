@@ -1,5 +1,5 @@
-"""Drafting with an EAGLE-style head (``models/eagle.py``): one layer that reads the target's
-final hidden states.
+"""Drafting with an EAGLE-style head (``models/eagle.py``): a layer or a few that read the
+target's final hidden states.
 
 The head's cache entry at position j pairs the target's hidden state h_j with token
 x_{j+1}; its output there predicts x_{j+2}. The head runs before the target in a step, so
@@ -144,8 +144,8 @@ class EagleDrafter(ModelDrafter):
 
     def _forward(self, entries: list[ScheduledRequest], features: list[torch.Tensor],
                  device_ids: DeviceTokenIds | None = None):
-        """The head over ``entries`` with their feature rows: (logits of the sampling rows,
-        the head's outputs there, the next step's features)."""
+        """The head over ``entries`` with their feature rows: the logits of the sampling
+        rows, and the head's outputs there (the features of the next draft step)."""
         runner = self.runner
         batch = runner.prepare(SchedulerOutput(entries, []), device_ids)
         batch.features = features[0] if len(features) == 1 else torch.cat(features)

@@ -22,8 +22,14 @@ checkpoint with its model card -> held-out acceptance in the engine.
    autocast on CUDA (and on CPUs with native bf16). With a time budget the number of steps
    is fixed after a short calibration and printed, so ``--steps`` reproduces the run.
    Validation: KL and the greedy acceptance length at k = 4 simulated exactly on the
-   validation responses (draft argmax vs target argmax under teacher forcing).
+   validation responses (draft argmax vs target argmax under teacher forcing); after
+   training, the same on the held-out evaluation prompts' greedy answers.
+   ``--arch eagle`` trains an EAGLE-style head instead (``eagle_training.py``): a layer that
+   drafts from the target's final hidden states, or a head started as a layers-only draft
+   (``--init-from``) that learns to use them, its draft steps unrolled in training.
 4. Output (``--out``): ``model.safetensors`` with the draft's layers and norm only (bf16),
+   ``draft_vocab.json`` with ``--draft-vocab N`` (the N tokens most frequent in the training
+   responses: the draft proposes among those only),
    ``config.json`` (the target's config with the draft's layer count and
    ``"specserve_draft": {"shares_target_embeddings": true, ...}``), ``training_log.json``
    and ``MODEL_CARD.md`` with the figures.

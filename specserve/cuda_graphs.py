@@ -252,8 +252,8 @@ class GraphRunner:
         logits, hidden = outputs
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned] if self.keep_hidden else None
         if key[0] == 0:  # ragged: the graph computed the sampled rows' logits, then padding
-            if lengths:
-                self.last_hidden = hidden[:sum(lengths)]  # the requests' rows come first
+            if lengths:  # the requests' rows come first; copied, as the next replay overwrites them
+                self.last_hidden = hidden[:sum(lengths)].clone()
             return logits[:self._num_logits(planned)]
         if lengths:  # padded: request i's rows start at i * q
             q = key[1]
