@@ -246,3 +246,20 @@ def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless
             assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert proposed and set(proposed) <= set(vocab)
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs")
+def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(eagle):
+    """On a GPU, with real captures: float32 greedy tokens and accepted drafts equal the
+    eager engine's (the head reads the graphs' hidden-state outputs)."""
+    target_dir, head_dir, _ = eagle()
+    kwargs = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=8)
+    params = [greedy(k) for k in KS]
+    eager = eagle_llm(target_dir, head_dir, enforce_eager=True, **kwargs)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    llm = eagle_llm(target_dir, head_dir, **kwargs)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.capture
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_stats.num_accepted_tokens == eager.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
