@@ -18,7 +18,6 @@ teacher-forced replay of greedy chain drafting at k = ``num_passes`` (``chain_ac
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

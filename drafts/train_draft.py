@@ -780,7 +780,10 @@ def write_model_card(out: Path, record: dict) -> None:
         "",
         "## How it was trained",
         "",
-        (f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
+        (f"- **Initialisation:** a new head's layer from target layer {record['init_layers']} and the "
+         "target's final norm, `fc` adding embedding and feature."
+         if eagle and not record["args"].get("init_from") else
+         f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
          f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons"
          + (f"; then trained as below, and this run continued from that checkpoint "
             f"(`--init-from {record['args']['init_from']}`)" if record["args"].get("init_from") else "")
@@ -806,7 +809,7 @@ def write_model_card(out: Path, record: dict) -> None:
         f"(validation, {d['val_prompts']} prompts) is watched during training. Neither is trained on.",
         f"- **Objective:** forward KL(target ‖ draft) on response positions with the target's logits "
         f"computed on the fly, plus {record['args']['ce_weight']} × cross-entropy to the target's "
-        "argmax; only the draft's layers and norm learn."
+        f"argmax; only the draft's layers{', `fc`' if eagle else ''} and norm learn."
         + (f" The head's {passes} draft steps are unrolled (training-time test): step t reads its own "
            "step t-1 output as feature and attends to the target-feature entries before the chain and "
            f"to the chain's earlier entries, exactly as when drafting; step t's loss is weighted 0.8^t."
@@ -961,7 +964,8 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
 
     train_examples = [e for e in examples if e.split == "train"]
     return {
-        "name": f"{files.name} {'EAGLE head' if args.arch == 'eagle' else 'draft'} ({args.num_layers} layers)",
+        "name": f"{files.name} {'EAGLE head' if args.arch == 'eagle' else 'draft'} "
+                f"({args.num_layers} layer{'s' if args.num_layers > 1 else ''})",
         "target": files.name,
         "num_layers": args.num_layers, "init_layers": init_layers, "device": device_name(device),
         "file_mb": (out / "model.safetensors").stat().st_size / 1e6,

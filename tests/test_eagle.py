@@ -201,6 +201,8 @@ def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["specserve_draft"]["kind"] == "eagle" and config["num_hidden_layers"] == 1
     assert len(json.loads((tmp_path / "head" / "draft_vocab.json").read_text())) == 64
+    card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
+    assert "EAGLE-style draft head" in card and "64 tokens most frequent" in card and "unrolled" in card
 
 
 def test_the_graph_path_hands_the_head_its_features(eagle):
