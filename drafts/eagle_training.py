@@ -143,8 +143,8 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
         features = target.model(input_ids=ids).last_hidden_state
         t_logits = target.lm_head(features[rows, cols]).float()
         log_p = F.log_softmax(t_logits, dim=-1)
-        p_log_p = (log_p.exp() * log_p).sum(-1)  # -entropy: KL = that - Σ p log q
-        p = log_p.exp_()
+        p = log_p.exp()
+        p_log_p = (p * log_p).sum(-1)  # minus p's entropy: KL(p || q) = Σ p log p - Σ p log q
         t_arg = t_logits.argmax(dim=-1)
     outs = head(ids, features, num_passes)
     loss = kl_sum = ce_sum = 0.0
@@ -154,7 +154,7 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
         d_logits = target.lm_head(g[rows, (cols - 1).clamp(min=0)]).float()
         log_q = F.log_softmax(d_logits, dim=-1)
         kl = p_log_p - (p * log_q).sum(-1)
-        ce = F.cross_entropy(d_logits, t_arg, reduction="none")
+        ce = -log_q.gather(1, t_arg[:, None]).squeeze(1)
         n = valid.sum().clamp(min=1)
         kl_t, ce_t = (kl * valid).sum() / n, (ce * valid).sum() / n
         loss = loss + PASS_DECAY ** t * (kl_t + ce_weight * ce_t)

@@ -105,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="share of the time budget generation may use")
     # model and training
     p.add_argument("--arch", choices=("layers", "eagle"), default="layers",
-                   help="layers: a small model of the target's family; eagle: one layer drafting from "
+                   help="layers: a small model of the target's family; eagle: a head drafting from "
                         "the target's final hidden states (eagle_training.py)")
     p.add_argument("--eagle-init-layer", type=int, default=-1,
                    help="target layer a new EAGLE head's one layer starts from (default: the last; "
@@ -195,9 +195,10 @@ def select_prompts(args, tokenizer, extra_chat: list[str] = ()) -> dict[str, lis
     if args.eval_prompts:  # the engine's held-out prompts, answered greedily: replayed after training
         from specserve.drafts.prompt_sets import held_out_prompts
 
-        chosen["test"] = [(kind, "held-out", ids) for kind in ("chat", "code")
-                          for ids in (encode_prompt(tokenizer, m) for m in held_out_prompts(kind, args.eval_prompts, args.seed))
-                          if len(ids) + 16 <= args.max_seq_len]
+        encoded = {kind: [encode_prompt(tokenizer, m) for m in held_out_prompts(kind, args.eval_prompts, args.seed)]
+                   for kind in ("chat", "code")}
+        chosen["test"] = [(kind, "held-out", ids) for kind, all_ids in encoded.items()
+                          for ids in all_ids if len(ids) + 16 <= args.max_seq_len]
     return chosen
 
 
@@ -591,6 +592,7 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     history = {"train": [], "val": []}
+
     def check(batches) -> dict:
         if eagle:
             from specserve.drafts.eagle_training import validate_head

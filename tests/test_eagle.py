@@ -177,6 +177,30 @@ def test_chain_acceptance_replays_chain_drafting():
     assert chain_acceptance(agree, k=3) == (3, 5)
 
 
+def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(eagle):
+    import torch.nn.functional as F
+
+    from specserve.drafts.eagle_training import PASS_DECAY, head_losses
+
+    _, _, head = eagle()
+    target = head.target
+    ids = torch.tensor([PROMPTS[2][:20]])
+    cols = torch.arange(3, 19)
+    with torch.no_grad():
+        loss, kl, ce, agree = head_losses(head, target, ids, torch.zeros_like(cols), cols, 2, 0.5)
+        features = target.model(input_ids=ids).last_hidden_state
+        outs = head(ids, features, 2)
+        t_logits = target.lm_head(features[0, cols]).float()
+        want = 0.0
+        for t in range(2):
+            d_logits = target.lm_head(outs[t][0, cols - 1]).float()
+            kl_t = F.kl_div(F.log_softmax(d_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                            reduction="batchmean")
+            want += PASS_DECAY ** t * (kl_t + 0.5 * F.cross_entropy(d_logits, t_logits.argmax(-1)))
+            assert agree[t].tolist() == (d_logits.argmax(-1) == t_logits.argmax(-1)).tolist()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
 def test_the_pass_masks_follow_the_draft_steps():
     from specserve.drafts.eagle_training import _pass_mask
 
