@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import LLM32
+from tiny_models import LLM32, make_eagle_head
 
 from specserve import SamplingParams
 from specserve.errors import SpecserveError
@@ -22,36 +22,6 @@ def greedy(k: int | None = None, max_tokens: int = 24) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
 
 
-def load_target(target_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-def make_head(target, layers: list[int], seed: int = 0):
-    """A training head as ``train_draft --arch eagle`` starts one from target layers
-    ``layers``, its weights nudged at random so that its drafts depend on every part of it."""
-    from specserve.drafts.eagle_training import EagleHead
-    from specserve.drafts.train_draft import build_draft
-
-    draft = build_draft(target, layers, torch.device("cpu"), target.config.intermediate_size // 2)
-    head = EagleHead(target, draft.model.layers, draft.model.norm)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return head.eval(), layers
-
-
-def save_head(head, layers, target_dir, path):
-    from specserve.drafts.eagle_training import save_head as save
-
-    from specserve.loader import resolve_model
-
-    save(head, resolve_model(str(target_dir)), layers, path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory, tiny_model_dir):
     """variant -> (target dir, head dir, the training head in float32)."""
@@ -60,14 +30,8 @@ def eagle(tmp_path_factory, tiny_model_dir):
     def build(variant: str = "smollm2_tied_gqa3", layers: tuple[int, ...] = (1,)):
         if (variant, layers) not in made:
             target_dir = tiny_model_dir(variant)
-            head, _ = make_head(load_target(target_dir), list(layers))
-            # Saved in bf16 as shipped heads are; the engine's float32 copy is then exactly
-            # the training head with its weights rounded, so round them here too.
-            with torch.no_grad():
-                for p in head.parameters():
-                    p.copy_(p.to(torch.bfloat16).float())
             path = tmp_path_factory.mktemp(f"eagle-{variant}")
-            made[(variant, layers)] = (target_dir, save_head(head, list(layers), target_dir, path), head)
+            made[(variant, layers)] = (target_dir, *make_eagle_head(target_dir, list(layers), path))
         return made[(variant, layers)]
 
     return build

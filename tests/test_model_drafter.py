@@ -9,7 +9,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.cuda_graphs import batch_buckets
-from tiny_models import LLM32, make_tokenizer
+from tiny_models import LLM32, make_eagle_head, make_tokenizer
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
            "import os\nimport sys\nimport os\n"]
@@ -87,15 +87,19 @@ def test_padded_graph_path_of_the_draft_model_samples_as_eager(tiny_model_dir, n
 SYNCS = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "ngram", "none"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, monkeypatch, method, graphs):
+def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, tmp_path, monkeypatch, method, graphs):
     """Outside the model's forward (where the CPU attention backend plans on the host),
     a step reads device values exactly once: the rejection sampler's packed copy, which
-    also brings a draft model's proposals back."""
+    also brings a draft model's proposals back (an EAGLE head's too, its features kept on
+    the device)."""
     kwargs = dict(speculative_method=method, num_speculative_tokens=4)
     if method == "draft_model":
         kwargs["draft_model"] = near_draft
+    elif method == "eagle":
+        kwargs.update(speculative_method="draft_model",
+                      draft_model=make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
     llm = LLM32(str(tiny_model_dir("llama")), **ENGINE, **kwargs)
     engine = llm.engine
     if graphs:

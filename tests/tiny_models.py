@@ -67,3 +67,28 @@ def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
     from specserve import LLM
 
     return LLM(*args, dtype="float32", **kwargs)
+
+
+def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0):
+    """An EAGLE head for the tiny target at ``target_dir`` as ``train_draft --arch eagle``
+    starts one from target layers ``layers``, its weights nudged at random so that its
+    drafts depend on every part of it, saved to ``path`` as training saves heads (bf16).
+    Returns (``str(path)``, the training head in float32 with its weights rounded to bf16,
+    i.e. exactly what the engine loads)."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.drafts.eagle_training import EagleHead, save_head
+    from specserve.drafts.train_draft import build_draft
+    from specserve.loader import resolve_model
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = build_draft(target, layers, torch.device("cpu"), target.config.intermediate_size // 2)
+    head = EagleHead(target, draft.model.layers, draft.model.norm)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            p.copy_(p.to(torch.bfloat16).float())
+    save_head(head, resolve_model(str(target_dir)), layers, path)
+    return str(path), head.eval()
+
