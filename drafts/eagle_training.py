@@ -2,7 +2,7 @@
 
 The head drafts from the target's own features: its entry at position j reads the token
 x_{j+1} and the target's final hidden state h_j (the LM head's input),
-``fc([embed(x_{j+1}); h_j])``, runs one decoder layer over its own KV cache and a norm, and
+``fc([embed(x_{j+1}); h_j])``, runs its decoder layer(s) over its own KV cache and a norm, and
 its output g_j goes through the target's LM head to predict x_{j+2}. When drafting, only
 the context has target features: the head's second proposal reads its own g from the first
 step, and so on (see ``eagle.py``).
@@ -123,15 +123,11 @@ class EagleHead(nn.Module):
 
 def _pass_mask(t: int, length: int, device) -> torch.Tensor:
     """Pass ``t``'s attention mask [L, (t + 1) L]: pass 0's keys at n <= m - t, pass s's key
-    at n = m - t + s. Rows m < t see nothing real; they get their own key so softmax is
-    defined (their outputs are never used)."""
+    at n = m - t + s. Every row sees at least its own key (pass t's at n = m); rows m < t
+    have no context (a chain cannot start before position 0) and are never trained on."""
     m = torch.arange(length, device=device)[:, None]
     n = torch.arange(length, device=device)[None, :]
-    blocks = [n <= m - t] + [n == m - t + s for s in range(1, t + 1)]
-    if t == 0:
-        return blocks[0]
-    blocks[-1] = blocks[-1] | (m < t) & (n == m)
-    return torch.cat(blocks, dim=1)
+    return torch.cat([n <= m - t] + [n == m - t + s for s in range(1, t + 1)], dim=1)
 
 
 def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_weight: float):
