@@ -253,3 +253,16 @@ def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(eagle):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.spec_stats.num_accepted_tokens == eager.engine.spec_stats.num_accepted_tokens > 0
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_features_the_target_never_computed_are_zeros(eagle):
+    """Positions without kept target features (none in the runs above) read as zeros: the
+    head drafts worse there, and verification still decides."""
+    target_dir, head_dir, _ = eagle()
+    drafter = eagle_llm(target_dir, head_dir).engine.drafter
+    rows = torch.arange(1.0, 4.0)[:, None].expand(3, drafter.model.config.hidden_size)
+    drafter._features["r"] = (5, rows)
+    assert drafter._feature_rows("r", 6, 8).data_ptr() == rows[1:].data_ptr()  # kept rows: no copy
+    got = drafter._feature_rows("r", 3, 9)
+    assert got[:, 0].tolist() == [0, 0, 1, 2, 3, 0]
+    assert drafter._feature_rows("unknown", 0, 2).abs().sum() == 0
