@@ -266,3 +266,38 @@ def test_features_the_target_never_computed_are_zeros(eagle):
     got = drafter._feature_rows("r", 3, 9)
     assert got[:, 0].tolist() == [0, 0, 1, 2, 3, 0]
     assert drafter._feature_rows("unknown", 0, 2).abs().sum() == 0
+
+
+
+def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_model_dir):
+    """``--arch eagle --init-from`` a layers-only draft: the head is that draft's layers with
+    ``fc`` passing the embedding through (the features' half zero), so before training its
+    entry m (token m + 1, at position m) gives the draft's logits for the sequence without
+    its first token, at position m — whatever the features."""
+    from safetensors import safe_open
+    from specserve.drafts.eagle_training import EagleHead
+    from specserve.drafts.train_draft import build_draft, main
+    from transformers import AutoModelForCausalLM
+
+    target_dir = tiny_model_dir("smollm2_tied_gqa3")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = build_draft(target, [0, 1], torch.device("cpu"), 64).eval()
+    head = EagleHead(target, draft.model.layers, draft.model.norm, "tokens").eval()
+    ids = torch.tensor([PROMPTS[2][:24]])
+    with torch.no_grad():
+        want = draft(input_ids=ids[:, 1:]).logits[0]
+        noise = torch.randn(1, ids.shape[1], target.config.hidden_size)
+        got = target.lm_head(head(ids, noise, 1)[0][0, :-1])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The pipeline builds it so from a saved draft.
+    argv = ["--target", str(target_dir), "--work-dir", str(tmp_path / "work"), "--device", "cpu",
+            "--num-prompts", "4", "--num-val-prompts", "2", "--max-new-tokens", "6", "--max-seq-len", "256",
+            "--batch-tokens", "512", "--eval-prompts", "0", "--num-layers", "2", "--init-layers", "first"]
+    layers = main(argv + ["--steps", "1", "--out", str(tmp_path / "layers")])
+    record = main(argv + ["--steps", "1", "--arch", "eagle", "--passes", "2", "--lr", "0",
+                          "--init-from", str(tmp_path / "layers"), "--out", str(tmp_path / "head")])
+    assert record["num_layers"] == 2 and record["init_layers"] == layers["init_layers"]
+    with safe_open(str(tmp_path / "head" / "model.safetensors"), "pt") as f:
+        fc = f.get_tensor("fc.weight").float()
+    hidden = fc.shape[0]
+    assert torch.equal(fc[:, :hidden], torch.eye(hidden)) and not fc[:, hidden:].any()
