@@ -110,6 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eagle-init-layer", type=int, default=-1,
                    help="target layer a new EAGLE head's one layer starts from (default: the last; "
                         "--init-from a layers-only draft starts the head as that draft instead)")
+    p.add_argument("--fc-lr-mult", type=float, default=1.0,
+                   help="EAGLE: the learning rate of the head's fc (its only path from the features) "
+                        "as a multiple of --lr; a head started from a trained draft has those weights "
+                        "at zero while its layers are already trained")
     p.add_argument("--passes", type=int, default=4,
                    help="EAGLE: draft steps unrolled in training (training-time test), = the k it is tuned for")
     p.add_argument("--draft-vocab", type=int, default=0,
@@ -581,11 +585,14 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
     params = draft.own_parameters() if eagle else own_parameters(draft)
     for p in target.parameters():
         p.requires_grad_(False)
-    decay = [p for n, p in params.items() if p.dim() >= 2]
+    fc = [p for n, p in params.items() if n.startswith("fc.")]  # an EAGLE head's input projection
+    decay = [p for n, p in params.items() if p.dim() >= 2 and not n.startswith("fc.")]
     no_decay = [p for n, p in params.items() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": args.weight_decay, "lr_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "lr_mult": 1.0}]
+    if fc:
+        groups.append({"params": fc, "weight_decay": args.weight_decay, "lr_mult": args.fc_lr_mult})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     bf16 = use_bf16(device)
 
     def autocast():
@@ -640,7 +647,7 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
         ids, rows, cols = collate(batch, device, pad)
         lr = lr_at(step, steps, args)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_mult"]
         with autocast():
             if eagle:
                 from specserve.drafts.eagle_training import head_losses
@@ -816,7 +823,9 @@ def write_model_card(out: Path, record: dict) -> None:
            "step t-1 output as feature and attends to the target-feature entries before the chain and "
            f"to the chain's earlier entries, exactly as when drafting; step t's loss is weighted 0.8^t."
            if eagle else ""),
-        f"- **Optimisation:** AdamW (lr {record['args']['lr']}, betas 0.9/0.95, weight decay "
+        f"- **Optimisation:** AdamW (lr {record['args']['lr']}"
+        + (f", `fc` at {fc_mult:g}× that" if eagle and (fc_mult := record["args"].get("fc_lr_mult", 1.0)) != 1 else "")
+        + ", betas 0.9/0.95, weight decay "
         f"{record['args']['weight_decay']}), {record['args']['warmup_steps']} warm-up steps then cosine "
         f"decay, {t['steps']} steps of ≤ {t['batch_tokens']} padded tokens, "
         f"{t['response_tokens_seen']} response tokens seen ({t['epochs']} epochs), "

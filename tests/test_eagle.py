@@ -301,3 +301,11 @@ def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_mod
         fc = f.get_tensor("fc.weight").float()
     hidden = fc.shape[0]
     assert torch.equal(fc[:, :hidden], torch.eye(hidden)) and not fc[:, hidden:].any()
+    # --fc-lr-mult: fc learns (its features' half leaves zero) while the layers stay put.
+    main(argv + ["--steps", "2", "--arch", "eagle", "--passes", "2", "--lr", "1e-12", "--fc-lr-mult", "1e10",
+                 "--init-from", str(tmp_path / "layers"), "--out", str(tmp_path / "head2")])
+    with safe_open(str(tmp_path / "head2" / "model.safetensors"), "pt") as f, \
+            safe_open(str(tmp_path / "layers" / "model.safetensors"), "pt") as g:
+        assert f.get_tensor("fc.weight")[:, hidden:].float().abs().max() > 1e-4
+        assert all(torch.equal(f.get_tensor(name), g.get_tensor(name)) for name in g.keys())
+    assert "`fc` at 1e+10× that" in (tmp_path / "head2" / "MODEL_CARD.md").read_text()
