@@ -93,7 +93,7 @@ class ModelDrafter:
                 f"{params:.0f}M parameters{shared}{self._among()})")
 
     def _among(self) -> str:
-        vocab = getattr(self.model, "vocab_ids", None)
+        vocab = self.model.vocab_ids
         return "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
 
     # ------------------------------------------------------------------ the step

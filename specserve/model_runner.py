@@ -152,6 +152,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-(max_model_len + max_query_len) // self.block_size),
             max_model_len=max_model_len, device=self.device, capture=capture,
             max_num_tokens=min(self.config.max_num_batched_tokens, self.config.cuda_graph_max_tokens))
+        self.graphs.keep_hidden = self.keep_hidden  # set by a drafter's bind, before graphs
         if capture:
             with torch.inference_mode():
                 self.graphs.capture_all(list(range(1, max_query_len + 1)))
@@ -186,7 +187,6 @@ class ModelRunner:
         if self.keep_hidden:
             self.last_pass = output.scheduled
         if self.graphs is not None and num_layers is None and self.graphs.fits(output):
-            self.graphs.keep_hidden = self.keep_hidden
             logits = self.graphs.run(output, self.block_size, device_ids)
             if self.keep_hidden:
                 self.last_hidden = self.graphs.last_hidden

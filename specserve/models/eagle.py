@@ -1,9 +1,9 @@
-"""An EAGLE-style draft head: one decoder layer that drafts from its target's features.
+"""An EAGLE-style draft head: a decoder layer (or a few) that drafts from its target's features.
 
 Its entry at position j reads token x_{j+1} and a feature vector f_j — the target's final
 hidden state h_j (the LM head's input) where the target has computed it, else the head's
 own output for the previous position while it drafts ahead — as
-``fc([embed(x_{j+1}); f_j])``, runs its decoder layer over its own paged KV cache and the
+``fc([embed(x_{j+1}); f_j])``, runs its decoder layer(s) over its own paged KV cache and the
 final norm; its output goes through the target's LM head (shared, same storage) to give
 x_{j+2}, and is the next entry's feature. The features come in ``batch.features``, one row
 per token. ``drafts/eagle_training.py`` trains it; ``drafts/eagle.py`` drafts with it.
