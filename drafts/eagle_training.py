@@ -37,13 +37,19 @@ class EagleHead(nn.Module):
     ``"sum"`` starts the layers on embedding + feature; ``"tokens"`` on the embedding alone,
     so a head made from a trained layers-only draft starts as exactly that draft (up to
     positions shifted by one, which rotary attention does not see) and learns to use the
-    features from there."""
+    features from there. ``input_norms``: RMS-norm each input before ``fc`` (learned
+    weights ``embed_norm``, ``feature_norm``), so both start on an equal footing."""
 
-    def __init__(self, target, layers, norm, fc_init: str = "sum") -> None:
+    def __init__(self, target, layers, norm, fc_init: str = "sum", input_norms: bool = False) -> None:
         super().__init__()
         cfg = target.config
         hidden = cfg.hidden_size
         self.config = cfg
+        self.input_norms = input_norms
+        if input_norms:  # RMS-norm the embedding and the feature before fc (models/eagle.py)
+            norm_class = type(norm)
+            self.embed_norm = norm_class(hidden, eps=cfg.rms_norm_eps)
+            self.feature_norm = norm_class(hidden, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         eye = torch.eye(hidden)
         with torch.no_grad():
@@ -105,6 +111,8 @@ class EagleHead(nn.Module):
         batch, length = ids.shape
         nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)  # x_{m+1}; the last row is never used
         emb = target.model.embed_tokens(nxt).to(features.dtype)
+        if self.input_norms:
+            emb = self.embed_norm(emb)
         positions = torch.arange(length, device=ids.device).expand(batch, length)
         cos, sin = target.model.rotary_emb(features, positions)
         layers = self.model.layers
@@ -112,7 +120,7 @@ class EagleHead(nn.Module):
         outs, masks = [], {}
         feat = features
         for t in range(num_passes):
-            x = self.fc(torch.cat([emb, feat], dim=-1))
+            x = self.fc(torch.cat([emb, self.feature_norm(feat) if self.input_norms else feat], dim=-1))
             for i, layer in enumerate(layers):
                 x = self._attend(layer, x, cos, sin, keys[i], values[i], t, masks)
             g = self.model.norm(x)
@@ -130,32 +138,29 @@ def _pass_mask(t: int, length: int, device) -> torch.Tensor:
     return torch.cat([n <= m - t] + [n == m - t + s for s in range(1, t + 1)], dim=1)
 
 
-def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_weight: float):
+def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_weight: float,
+                vocab: torch.Tensor | None = None):
     """(loss, kl, ce, agree) over the response positions ``rows, cols`` (positions whose
     next token is a response token, as ``train_draft.collate`` gives them): pass t at
     m = col - 1 against the target's logits at col, where m >= t. ``agree[t]`` is the
-    draft's argmax == the target's at those rows (False where m < t)."""
+    draft's argmax == the target's at those rows (False where m < t). ``vocab``: the draft
+    vocabulary, the logits and the target's distribution over those tokens only
+    (``train_draft.TargetDistribution``)."""
+    from specserve.drafts.train_draft import TargetDistribution
+
     with torch.no_grad():
         features = target.model(input_ids=ids).last_hidden_state
-        t_logits = target.lm_head(features[rows, cols]).float()
-        log_p = F.log_softmax(t_logits, dim=-1)
-        p = log_p.exp()
-        p_log_p = (p * log_p).sum(-1)  # minus p's entropy: KL(p || q) = Σ p log p - Σ p log q
-        t_arg = t_logits.argmax(dim=-1)
+        teacher = TargetDistribution(target.lm_head(features[rows, cols]).float(), vocab)
     outs = head(ids, features, num_passes)
+    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
     loss = kl_sum = ce_sum = 0.0
     agree = []
     for t, g in enumerate(outs):
-        valid = (cols - 1) >= t
-        d_logits = target.lm_head(g[rows, (cols - 1).clamp(min=0)]).float()
-        log_q = F.log_softmax(d_logits, dim=-1)
-        kl = p_log_p - (p * log_q).sum(-1)
-        ce = -log_q.gather(1, t_arg[:, None]).squeeze(1)
-        n = valid.sum().clamp(min=1)
-        kl_t, ce_t = (kl * valid).sum() / n, (ce * valid).sum() / n
-        loss = loss + PASS_DECAY ** t * (kl_t + ce_weight * ce_t)
+        d_logits = F.linear(g[rows, (cols - 1).clamp(min=0)], weight).float()
+        loss_t, kl_t, ce_t, agree_t = teacher.loss(d_logits, ce_weight, valid=(cols - 1) >= t)
+        loss = loss + PASS_DECAY ** t * loss_t
         kl_sum, ce_sum = kl_sum + kl_t.detach(), ce_sum + ce_t.detach()
-        agree.append((d_logits.argmax(-1) == t_arg) & valid)
+        agree.append(agree_t)
     return loss, kl_sum / num_passes, ce_sum / num_passes, torch.stack(agree)
 
 
@@ -193,7 +198,7 @@ def save_head(head: EagleHead, files, init_layers: list[int], out: Path) -> None
         config["layer_types"] = [config["layer_types"][i] for i in init_layers]
     config["dtype"] = "bfloat16"
     config["specserve_draft"] = {"kind": "eagle", "shares_target_embeddings": True, "target": files.name,
-                                 "init_from_target_layers": init_layers,
+                                 "input_norms": head.input_norms, "init_from_target_layers": init_layers,
                                  "trained_by": "python -m specserve.drafts.train_draft --arch eagle"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -211,7 +216,8 @@ def load_head_weights(head: EagleHead, path: Path) -> None:
 
 
 @torch.no_grad()
-def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_passes: int) -> dict:
+def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_passes: int,
+                  vocab: torch.Tensor | None = None) -> dict:
     """Mean KL over the passes, pass 0's top-1 agreement and the chain acceptance length at
     k = ``num_passes`` replayed on each greedy answer, per kind (as ``train_draft.validate``)."""
     from specserve.drafts.train_draft import collate
@@ -222,7 +228,7 @@ def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_p
     for batch in batches:
         ids, rows, cols = collate(batch, device, pad)
         with autocast():
-            _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0)
+            _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0, vocab)
         kl_sum += kl.item() * len(rows)
         n += len(rows)
         agree = agree.tolist()

@@ -29,7 +29,8 @@ checkpoint with its model card -> held-out acceptance in the engine.
    (``--init-from``) that learns to use them, its draft steps unrolled in training.
 4. Output (``--out``): ``model.safetensors`` with the draft's layers and norm only (bf16),
    ``draft_vocab.json`` with ``--draft-vocab N`` (the N tokens most frequent in the training
-   responses: the draft proposes among those only),
+   responses: the draft proposes among those only, and its training losses are over those
+   tokens, the target's distribution renormalised over them),
    ``config.json`` (the target's config with the draft's layer count and
    ``"specserve_draft": {"shares_target_embeddings": true, ...}``), ``training_log.json``
    and ``MODEL_CARD.md`` with the figures.
@@ -107,9 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arch", choices=("layers", "eagle"), default="layers",
                    help="layers: a small model of the target's family; eagle: a head drafting from "
                         "the target's final hidden states (eagle_training.py)")
-    p.add_argument("--eagle-init-layer", type=int, default=-1,
-                   help="target layer a new EAGLE head's one layer starts from (default: the last; "
-                        "--init-from a layers-only draft starts the head as that draft instead)")
+    p.add_argument("--eagle-init-layers", default="-1",
+                   help="target layers a new EAGLE head's layers start from, comma-separated (default: "
+                        "one layer, the last; --init-from a layers-only draft starts the head as that "
+                        "draft instead)")
+    p.add_argument("--eagle-input-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="EAGLE: RMS-norm the token embedding and the feature before fc (default: on for "
+                        "a new head, off for one started from a layers-only draft, which then starts "
+                        "as exactly that draft)")
     p.add_argument("--fc-lr-mult", type=float, default=1.0,
                    help="EAGLE: the learning rate of the head's fc (its only path from the features) "
                         "as a multiple of --lr; a head started from a trained draft has those weights "
@@ -118,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="EAGLE: draft steps unrolled in training (training-time test), = the k it is tuned for")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="draft only among the N tokens most frequent in the training responses "
-                        "(draft_vocab.json; a smaller LM head, as FR-Spec); 0: the whole vocabulary")
+                        "(draft_vocab.json; a smaller LM head, as FR-Spec), and train so; 0: the whole vocabulary")
     p.add_argument("--num-layers", type=int, default=3)
     p.add_argument("--init-layers", default="first-last",
                    help="target layers to copy: comma-separated indices, 'first-last', 'first' or 'spread'")
@@ -507,17 +513,64 @@ def collate(batch: list[Example], device: torch.device, pad: int):
     return ids.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device)
 
 
-def logits_at(model, ids, rows, cols) -> torch.Tensor:
+def logits_at(model, ids, rows, cols, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits at the training rows; with ``vocab`` (a draft vocabulary), those
+    tokens' only, in its order."""
     hidden = model.model(input_ids=ids).last_hidden_state
-    return model.lm_head(hidden[rows, cols]).float()
+    return head_logits(model.lm_head, hidden[rows, cols], vocab)
 
 
-def distill_loss(draft_logits, target_logits, ce_weight: float):
-    log_p = F.log_softmax(target_logits, dim=-1)
-    log_q = F.log_softmax(draft_logits, dim=-1)
-    kl = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
-    ce = F.cross_entropy(draft_logits, target_logits.argmax(dim=-1))
-    return kl + ce_weight * ce, kl, ce
+def head_logits(lm_head, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    weight = lm_head.weight if vocab is None else lm_head.weight[vocab]
+    return F.linear(hidden, weight).float()
+
+
+class TargetDistribution:
+    """What a draft learns at each training row: the target's distribution p over the
+    draft's vocabulary (the whole one, or ``vocab``: p renormalised over those tokens — all
+    the draft can propose, as the engine's q is then zero elsewhere) and its argmax, with
+    which a draft's logits over the same tokens give per-row forward KL(p || q),
+    cross-entropy to the argmax and agreement."""
+
+    def __init__(self, target_logits: torch.Tensor, vocab: torch.Tensor | None = None) -> None:
+        with torch.no_grad():
+            self.argmax = target_logits.argmax(dim=-1)
+            self.vocab = vocab
+            if vocab is not None:
+                target_logits = target_logits[:, vocab]
+                index = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long, device=vocab.device)
+                index[vocab] = torch.arange(len(vocab), device=vocab.device)
+                # The argmax's column in ``vocab``; -1 where the draft cannot propose it.
+                self.column = torch.where(self.argmax < len(index), index[self.argmax.clamp(max=len(index) - 1)], -1)
+            else:
+                self.column = self.argmax
+            self.log_p = F.log_softmax(target_logits.float(), dim=-1)
+            self.p = self.log_p.exp()
+            self.p_log_p = (self.p * self.log_p).sum(-1)  # minus p's entropy
+
+    def terms(self, draft_logits: torch.Tensor):
+        """Per row: (KL(p || q), cross-entropy to the argmax — 0 where the draft's vocabulary
+        lacks it —, whether it is in the vocabulary, whether the draft's argmax is it)."""
+        log_q = F.log_softmax(draft_logits, dim=-1)
+        kl = self.p_log_p - (self.p * log_q).sum(-1)
+        has = self.column >= 0
+        ce = -log_q.gather(1, self.column.clamp(min=0)[:, None]).squeeze(1) * has
+        return kl, ce, has, (draft_logits.argmax(-1) == self.column) & has
+
+    def loss(self, draft_logits: torch.Tensor, ce_weight: float, valid: torch.Tensor | None = None):
+        """(kl + ce_weight × ce, kl, ce, agree) averaged over the rows (``valid`` ones)."""
+        kl, ce, has, agree = self.terms(draft_logits)
+        if valid is not None:
+            has, agree = has & valid, agree & valid
+        rows = valid if valid is not None else torch.ones_like(has)
+        kl = (kl * rows).sum() / rows.sum().clamp(min=1)
+        ce = (ce * has).sum() / has.sum().clamp(min=1)
+        return kl + ce_weight * ce, kl, ce, agree
+
+
+def distill_loss(draft_logits, target_logits, ce_weight: float, vocab: torch.Tensor | None = None):
+    loss, kl, ce, _ = TargetDistribution(target_logits, vocab).loss(draft_logits, ce_weight)
+    return loss, kl, ce
 
 
 def lr_at(step: int, steps: int | None, args) -> float:
@@ -548,7 +601,7 @@ def simulated_acceptance(matches: list[list[bool]], k: int = 4) -> float:
 
 
 @torch.no_grad()
-def validate(draft, target, batches, device, pad, autocast) -> dict:
+def validate(draft, target, batches, device, pad, autocast, vocab: torch.Tensor | None = None) -> dict:
     draft.eval()
     kl_sum = n = 0.0
     matches: dict[str, list[list[bool]]] = {"chat": [], "code": []}
@@ -556,11 +609,11 @@ def validate(draft, target, batches, device, pad, autocast) -> dict:
         ids, rows, cols = collate(batch, device, pad)
         with autocast():
             t_logits = logits_at(target, ids, rows, cols)
-            d_logits = logits_at(draft, ids, rows, cols)
-        _, kl, _ = distill_loss(d_logits, t_logits, 0.0)
+            d_logits = logits_at(draft, ids, rows, cols, vocab)
+        _, kl, _, agree = TargetDistribution(t_logits, vocab).loss(d_logits, 0.0)
         kl_sum += kl.item() * len(rows)
         n += len(rows)
-        agree = (d_logits.argmax(-1) == t_logits.argmax(-1)).tolist()
+        agree = agree.tolist()
         start = 0
         for e in batch:
             length = len(e.token_ids) - e.num_prompt
@@ -576,7 +629,44 @@ def validate(draft, target, batches, device, pad, autocast) -> dict:
     return result
 
 
-def train(args, target, draft, examples, device, pad, deadline: float | None) -> dict:
+class StepBudget:
+    """How many training steps fit before ``deadline``. Steps [40, 100) are timed (the
+    first ones pay one-off costs: kernel selection, the allocator growing for new shapes)
+    and fix the number; until then the learning rate warms up and holds at its peak. Steps
+    [100, 300) are timed again and fix it anew — they have run faster than the first window
+    — while a long run's cosine decay has barely begun. Validations (``val_seconds``, one
+    entry each, appended by the caller; the first before training) are not step time, and
+    about ten a run are set aside. Past the deadline training stops where it is."""
+
+    MARKS = (40, 100, 300)
+
+    def __init__(self, deadline: float, val_seconds: list[float]) -> None:
+        self.deadline = deadline
+        self.val_seconds = val_seconds
+        self.steps: int | None = None
+        self.message = ""
+        self._timer = self._from = self._vals = None
+
+    def at(self, step: int, now: float) -> int | None:
+        """Called before each step: the number of steps (None until step 100)."""
+        if step in self.MARKS and (self.steps is None or self.steps > 2 * self.MARKS[-1]):
+            if self._timer is not None:
+                per_step = (now - self._timer - sum(self.val_seconds[self._vals:])) / (step - self._from)
+                left = self.deadline - now - max(0, 11 - len(self.val_seconds)) * self.val_seconds[-1]
+                self.steps = step + max(1, int(left / (per_step * 1.03)))  # 3 %: jitter
+                self.message = (f"training: {per_step * 1000:.0f} ms per step over steps [{self._from}, {step}) "
+                                f"-> {self.steps} steps (pass --steps {self.steps} to reproduce)")
+            self._timer, self._from, self._vals = now, step, len(self.val_seconds)
+        if now > self.deadline and (self.steps is None or step < self.steps):
+            self.steps = step
+            self.message = f"training: the budget ran out at step {step}"
+        return self.steps
+
+
+def train(args, target, draft, examples, device, pad, deadline: float | None,
+          vocab: torch.Tensor | None = None) -> dict:
+    """``vocab``: the draft vocabulary it will draft among; losses and validation are then
+    over those tokens only (``TargetDistribution``)."""
     rng = random.Random(args.seed)
     budget = args.batch_tokens or (16384 if device.type == "cuda" else 2048)
     train_set = [e for e in examples if e.split == "train"]
@@ -604,39 +694,33 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
         if eagle:
             from specserve.drafts.eagle_training import validate_head
 
-            return validate_head(draft, target, batches, device, pad, autocast, args.passes)
-        return validate(draft, target, batches, device, pad, autocast)
+            return validate_head(draft, target, batches, device, pad, autocast, args.passes, vocab)
+        return validate(draft, target, batches, device, pad, autocast, vocab)
 
+    val_started = time.time()
     initial = check(val_batches)
+    val_seconds = [time.time() - val_started]  # each validation's time: not training time
     history["val"].append({"step": 0, **initial})
     log(f"validation before training: {initial}")
 
-    # With a time budget, steps [40, 100) are timed (the first ones pay one-off costs:
-    # kernel selection, the allocator growing for new shapes) and fix the number of steps;
-    # until then the learning rate warms up and holds at its peak.
     epoch_batches: list = []
     steps = args.steps if args.steps or deadline is None else None
     steps = steps or (1000 if deadline is None else None)
-    timed_from, timed_to = 40, 100
+    budget_steps = StepBudget(deadline, val_seconds) if steps is None else None
     step = tokens_seen = 0
     started = time.time()
     bar = None
     draft.train()
     while True:
-        if steps is None and step in (timed_from, timed_to):
-            if device.type == "cuda":
+        if budget_steps is not None:
+            if step in budget_steps.MARKS and device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if step == timed_from:
-                timer = time.time()
-            else:
-                per_step = (time.time() - timer) / (timed_to - timed_from)
-                left = deadline - time.time()
-                steps = step + max(1, int(left / (per_step * 1.05)))  # 5 %: validations, jitter
-                log(f"training: {per_step * 1000:.0f} ms per step -> {steps} steps "
-                    f"(pass --steps {steps} to reproduce)")
-        if steps is None and time.time() > deadline:  # a budget too small to calibrate in
-            steps = step
-            log(f"training: the budget ran out before step {timed_to}: {steps} steps")
+            fixed = budget_steps.at(step, time.time())
+            if fixed != steps:
+                steps = fixed
+                log(budget_steps.message)
+                if bar is not None:
+                    bar.total = steps
         if steps is not None and step >= steps:
             break
         if bar is None and steps is not None:
@@ -652,12 +736,12 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
             if eagle:
                 from specserve.drafts.eagle_training import head_losses
 
-                loss, kl, ce, _ = head_losses(draft, target, ids, rows, cols, args.passes, args.ce_weight)
+                loss, kl, ce, _ = head_losses(draft, target, ids, rows, cols, args.passes, args.ce_weight, vocab)
             else:
                 with torch.no_grad():
                     t_logits = logits_at(target, ids, rows, cols)
-                d_logits = logits_at(draft, ids, rows, cols)
-                loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight)
+                d_logits = logits_at(draft, ids, rows, cols, vocab)
+                loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight, vocab)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -672,7 +756,9 @@ def train(args, target, draft, examples, device, pad, deadline: float | None) ->
                                      "kl": round(kl.item(), 4), "ce": round(ce.item(), 4),
                                      "grad_norm": round(norm.item(), 3)})
         if steps is not None and (step % every == 0 or step == steps):
+            val_started = time.time()
             result = {"step": step, **check(val_batches)}
+            val_seconds.append(time.time() - val_started)
             history["val"].append(result)
             log(f"step {step}/{steps}: train kl {kl.item():.3f} ce {ce.item():.3f} | val {result}")
     if bar is not None:
@@ -710,16 +796,15 @@ def save_draft(draft, files, init_layers: list[int], out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def save_draft_vocab(examples: list[Example], size: int, out: Path) -> float:
-    """``draft_vocab.json``: the ``size`` token ids most frequent in the responses of
-    ``examples``, ascending; returns the share of response tokens they cover."""
+def draft_vocab(examples: list[Example], size: int) -> tuple[list[int], float]:
+    """The ``size`` token ids most frequent in the responses of ``examples``, ascending,
+    and the share of response tokens they cover."""
     counts: dict[int, int] = {}
     for e in examples:
         for token in e.token_ids[e.num_prompt:]:
             counts[token] = counts.get(token, 0) + 1
     top = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    (out / "draft_vocab.json").write_text(json.dumps(sorted(top)) + "\n")
-    return sum(counts[t] for t in top) / max(1, sum(counts.values()))
+    return sorted(top), sum(counts[t] for t in top) / max(1, sum(counts.values()))
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -768,17 +853,19 @@ def write_model_card(out: Path, record: dict) -> None:
         "",
         (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
          "made for speculative decoding in specserve. Each of its cache entries reads a token and the "
-         "target's final hidden state at the position before it (`fc([embedding; hidden])`), so it drafts "
-         "from what the target has already computed; while drafting ahead it feeds its own output "
-         "instead. It stores only its own layers, `fc` and final norm "
+         "target's final hidden state at the position before it (`fc([embedding; hidden])`"
+         + (", each RMS-normed first" if record.get("input_norms") else "") +
+         "), so it drafts from what the target has already computed; while drafting ahead it feeds its "
+         "own output instead. It stores only its own layers, `fc` and final norm "
          if eagle else
          f"A {record['num_layers']}-layer draft model for **{record['target']}**, made for speculative "
          "decoding in specserve. It stores only its own decoder layers and final norm ")
         + f"({record['file_mb']:.1f} MB, bf16); the target's embeddings and (tied) LM head are shared "
         "with it at load time, same storage, so it costs no memory for them."
         + (f" It drafts among the {vocab['size']} tokens most frequent in its training responses "
-           f"(`draft_vocab.json`, {vocab['coverage']:.1%} of them): a smaller LM head, the rest get "
-           "probability 0 in q — verification stays exact." if vocab else ""),
+           f"(`draft_vocab.json`, {vocab['coverage']:.1%} of them), and was trained so (its losses over "
+           "those tokens): a smaller LM head, the rest get probability 0 in q — verification stays exact."
+           if vocab else ""),
         "",
         *(["It is the built-in draft of the embedded default model, used when no other is named:",
            "", "```bash", "specserve generate --speculative-method draft_model \"Why is the sky blue?\"",
@@ -910,8 +997,12 @@ def main(argv=None) -> dict:
         init_layers = start["specserve_draft"]["init_from_target_layers"]
         args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
     elif args.arch == "eagle":
-        init_layers = [args.eagle_init_layer % target.config.num_hidden_layers]
-        args.num_layers, args.intermediate_size = 1, target.config.intermediate_size
+        total = target.config.num_hidden_layers
+        try:
+            init_layers = [int(x) % total for x in args.eagle_init_layers.split(",")]
+        except ValueError:
+            raise SystemExit(f"--eagle-init-layers {args.eagle_init_layers!r}: comma-separated layer indices") from None
+        args.num_layers, args.intermediate_size = len(init_layers), target.config.intermediate_size
     else:
         init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
     width = target.config.intermediate_size * 2 // 3
@@ -924,8 +1015,16 @@ def main(argv=None) -> dict:
         from specserve.drafts.eagle_training import EagleHead, load_head_weights
 
         # From a layers-only draft: start as that draft; else on embedding + feature.
-        draft = EagleHead(target, draft.model.layers, draft.model.norm,
-                          "tokens" if start and not start_is_eagle else "sum").to(device)
+        from_layers = bool(start) and not start_is_eagle
+        norms = args.eagle_input_norms
+        if start_is_eagle:
+            had = bool(start["specserve_draft"].get("input_norms"))
+            if norms is not None and norms != had:
+                raise SystemExit(f"--init-from {args.init_from} has input_norms {had}: drop --[no-]eagle-input-norms")
+            norms = had
+        input_norms = not from_layers if norms is None else norms
+        draft = EagleHead(target, draft.model.layers, draft.model.norm, "tokens" if from_layers else "sum",
+                          input_norms=input_norms).to(device)
         if start_is_eagle:
             load_head_weights(draft, Path(args.init_from) / "model.safetensors")
     elif start_is_eagle:
@@ -933,7 +1032,11 @@ def main(argv=None) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     reserve = args.eval_reserve_s if args.eval_reserve_s is not None else (60 if device.type == "cuda" else 240)
     train_deadline = deadline - reserve if deadline else None
-    training = train(args, target, draft, examples, device, pad, train_deadline)
+    vocab = coverage = None
+    if args.draft_vocab:  # chosen first: the draft learns to draft among these tokens
+        vocab, coverage = draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab)
+    training = train(args, target, draft, examples, device, pad, train_deadline,
+                     torch.tensor(vocab, device=device) if vocab else None)
 
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import save_head
@@ -941,8 +1044,8 @@ def main(argv=None) -> dict:
         save_head(draft, files, init_layers, out)
     else:
         save_draft(draft, files, init_layers, out)
-    if args.draft_vocab:
-        coverage = save_draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab, out)
+    if vocab:
+        (out / "draft_vocab.json").write_text(json.dumps(vocab) + "\n")
     del draft, target
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -950,6 +1053,8 @@ def main(argv=None) -> dict:
                          training, started)
     if args.draft_vocab:
         record["draft_vocab"] = {"size": args.draft_vocab, "coverage": round(coverage, 4)}
+    if args.arch == "eagle":
+        record["input_norms"] = input_norms
     write_outputs(out, record)  # before evaluating: a failing evaluation keeps the draft's card
     if args.eval_prompts:
         try:

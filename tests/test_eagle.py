@@ -5,6 +5,7 @@ what the training head's unrolled passes predict, and the training pipeline with
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,12 +28,13 @@ def eagle(tmp_path_factory, tiny_model_dir):
     """variant -> (target dir, head dir, the training head in float32)."""
     made = {}
 
-    def build(variant: str = "smollm2_tied_gqa3", layers: tuple[int, ...] = (1,)):
-        if (variant, layers) not in made:
+    def build(variant: str = "smollm2_tied_gqa3", layers: tuple[int, ...] = (1,), input_norms: bool = False):
+        key = (variant, layers, input_norms)
+        if key not in made:
             target_dir = tiny_model_dir(variant)
             path = tmp_path_factory.mktemp(f"eagle-{variant}")
-            made[(variant, layers)] = (target_dir, *make_eagle_head(target_dir, list(layers), path))
-        return made[(variant, layers)]
+            made[key] = (target_dir, *make_eagle_head(target_dir, list(layers), path, input_norms=input_norms))
+        return made[key]
 
     return build
 
@@ -80,14 +82,17 @@ def test_seeded_sampling_with_an_eagle_head_is_reproducible(eagle):
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
 
 
-@pytest.mark.parametrize("variant,layers", [("smollm2_tied_gqa3", (1,)), ("qwen3_qknorm", (1,)),
-                                            ("smollm2_tied_gqa3", (0, 1))])
-def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, eagle):
+@pytest.mark.parametrize("variant,layers,input_norms", [
+    ("smollm2_tied_gqa3", (1,), False), ("qwen3_qknorm", (1,), False), ("smollm2_tied_gqa3", (0, 1), False),
+    ("smollm2_tied_gqa3", (1,), True), ("llama", (0, 1), True)])
+def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, input_norms, eagle):
     """Every proposal of the engine's first verify step of a request equals the argmax of
     the training head's pass t at position P - 1 + t, fed the prompt, the first sampled
     token and the earlier proposals (teacher-forced): the unrolled training passes see
-    exactly what the engine's draft steps see (features, positions, attention)."""
-    target_dir, head_dir, head = eagle(variant, layers)
+    exactly what the engine's draft steps see (features, positions, attention, and the
+    input norms where the head has them)."""
+    target_dir, head_dir, head = eagle(variant, layers, input_norms)
+    assert llm_config_input_norms(head_dir) is input_norms
     target = head.target
     k = 4
     llm = eagle_llm(target_dir, head_dir, k=k, max_num_batched_tokens=64)
@@ -116,6 +121,10 @@ def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, eagl
         assert predicted == drafts
 
 
+def llm_config_input_norms(head_dir) -> bool:
+    return json.loads((Path(head_dir) / "config.json").read_text())["specserve_draft"]["input_norms"]
+
+
 def test_an_eagle_head_must_share_the_target_embeddings(eagle, tmp_path):
     import shutil
 
@@ -141,7 +150,11 @@ def test_chain_acceptance_replays_chain_drafting():
     assert chain_acceptance(agree, k=3) == (3, 5)
 
 
-def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(eagle):
+@pytest.mark.parametrize("restricted", [False, True])
+def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(restricted, eagle):
+    """Per pass: KL(p || q) + ce_weight × cross-entropy to the target's argmax, weighted
+    PASS_DECAY^t. Over a draft vocabulary (``--draft-vocab``): p renormalised over its
+    tokens, q over them only, the cross-entropy on rows whose argmax it holds."""
     import torch.nn.functional as F
 
     from specserve.drafts.eagle_training import PASS_DECAY, head_losses
@@ -151,17 +164,27 @@ def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(eagle)
     ids = torch.tensor([PROMPTS[2][:20]])
     cols = torch.arange(3, 19)
     with torch.no_grad():
-        loss, kl, ce, agree = head_losses(head, target, ids, torch.zeros_like(cols), cols, 2, 0.5)
         features = target.model(input_ids=ids).last_hidden_state
+        t_full = target.lm_head(features[0, cols]).float()
+        argmax = t_full.argmax(-1)
+        vocab = None
+        if restricted:  # every other row's argmax and 200 more tokens
+            vocab = torch.unique(torch.cat([argmax[::2], torch.arange(100, 300)]))
+            assert not torch.isin(argmax, vocab).all()
+        loss, kl, ce, agree = head_losses(head, target, ids, torch.zeros_like(cols), cols, 2, 0.5, vocab)
         outs = head(ids, features, 2)
-        t_logits = target.lm_head(features[0, cols]).float()
+        rows = torch.arange(target.config.vocab_size) if vocab is None else vocab
+        t_logits = t_full[:, rows]
+        has = torch.isin(argmax, rows)
         want = 0.0
         for t in range(2):
-            d_logits = target.lm_head(outs[t][0, cols - 1]).float()
+            d_logits = target.lm_head(outs[t][0, cols - 1]).float()[:, rows]
             kl_t = F.kl_div(F.log_softmax(d_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
                             reduction="batchmean")
-            want += PASS_DECAY ** t * (kl_t + 0.5 * F.cross_entropy(d_logits, t_logits.argmax(-1)))
-            assert agree[t].tolist() == (d_logits.argmax(-1) == t_logits.argmax(-1)).tolist()
+            column = torch.searchsorted(rows, argmax[has])
+            ce_t = F.cross_entropy(d_logits[has], column)
+            want += PASS_DECAY ** t * (kl_t + 0.5 * ce_t)
+            assert agree[t].tolist() == (rows[d_logits.argmax(-1)] == argmax).tolist()
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
 
 
@@ -182,12 +205,14 @@ def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     record = main(["--target", target, "--work-dir", str(tmp_path / "work"), "--device", "cpu", "--arch", "eagle",
                    "--num-prompts", "6", "--num-val-prompts", "2", "--max-new-tokens", "8", "--max-seq-len", "256",
                    "--steps", "3", "--batch-tokens", "512", "--eval-prompts", "1", "--eval-max-tokens", "6",
-                   "--eval-baselines", "", "--passes", "3", "--draft-vocab", "64", "--out", str(tmp_path / "head")])
-    assert record["training"]["steps"] == 3 and record["num_layers"] == 1
+                   "--eval-baselines", "", "--passes", "3", "--draft-vocab", "64", "--eagle-init-layers", "0,-1",
+                   "--out", str(tmp_path / "head")])
+    assert record["training"]["steps"] == 3 and record["num_layers"] == 2 and record["init_layers"] == [0, 1]
     assert "sim_accept_len_chat" in record["training"]["held_out_replay"]
     assert set(record["evaluation"]["mean_acceptance_length"]) == {"draft_model"}
     config = json.loads((tmp_path / "head" / "config.json").read_text())
-    assert config["specserve_draft"]["kind"] == "eagle" and config["num_hidden_layers"] == 1
+    assert config["specserve_draft"]["kind"] == "eagle" and config["num_hidden_layers"] == 2
+    assert config["specserve_draft"]["input_norms"] is True  # a new head norms its inputs
     assert len(json.loads((tmp_path / "head" / "draft_vocab.json").read_text())) == 64
     card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
     assert "EAGLE-style draft head" in card and "64 tokens most frequent" in card and "unrolled" in card
@@ -297,6 +322,7 @@ def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_mod
     record = main(argv + ["--steps", "1", "--arch", "eagle", "--passes", "2", "--lr", "0",
                           "--init-from", str(tmp_path / "layers"), "--out", str(tmp_path / "head")])
     assert record["num_layers"] == 2 and record["init_layers"] == layers["init_layers"]
+    assert llm_config_input_norms(tmp_path / "head") is False  # none: it starts as the draft
     with safe_open(str(tmp_path / "head" / "model.safetensors"), "pt") as f:
         fc = f.get_tensor("fc.weight").float()
     hidden = fc.shape[0]

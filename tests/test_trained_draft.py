@@ -159,8 +159,11 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     for name in ("model.safetensors", "config.json", "MODEL_CARD.md", "training_log.json"):
         assert (tmp_path / "a" / name).is_file()
     assert "specserve_draft" in json.loads((tmp_path / "a" / "config.json").read_text())
-    again = main(argv + ["--out", str(tmp_path / "b"), "--eval-prompts", "0"])
+    again = main(argv + ["--out", str(tmp_path / "b"), "--eval-prompts", "0", "--draft-vocab", "64"])
     assert again["data"]["seconds"] < record["data"]["seconds"] and again["evaluation"] is None
+    # Trained over its draft vocabulary: the validation figures are over those 64 tokens.
+    assert len(json.loads((tmp_path / "b" / "draft_vocab.json").read_text())) == 64
+    assert again["training"]["final_val"]["kl"] != record["training"]["final_val"]["kl"]
     # A warm start begins where the checkpoint ended (saved in bf16: close, not equal).
     warm = main(argv + ["--out", str(tmp_path / "c"), "--eval-prompts", "0", "--init-from", str(tmp_path / "a")])
     assert warm["training"]["history"]["val"][0]["kl"] == pytest.approx(record["training"]["final_val"]["kl"], rel=0.05)
@@ -271,3 +274,33 @@ def test_a_draft_vocabulary_limits_the_proposals_and_stays_lossless(tmp_path, ti
     (draft / "draft_vocab.json").write_text(json.dumps([0, 512]))
     with pytest.raises(SpecserveError, match="draft_vocab.json must list token ids below 512"):
         LLM32(str(target), speculative_method="draft_model", draft_model=str(draft), **SMALL)
+
+
+def test_a_time_budget_is_filled_though_the_first_steps_run_slow():
+    """``StepBudget`` on a simulated clock: steps take 0.5 s until step 100, 0.3 s after;
+    validations take 4 s (ten a run, every tenth of it). The count fixed over [40, 100) is
+    refixed over [100, 300) from the faster steps, and the run ends within 3 % of the
+    deadline, not before its last step."""
+    from specserve.drafts.train_draft import StepBudget
+
+    val_seconds = [4.0]
+    now, deadline = 4.0, 600.0
+    budget = StepBudget(deadline, val_seconds)
+    step, steps, fixed = 0, None, []
+    while True:
+        steps = budget.at(step, now)
+        if steps is not None and (not fixed or fixed[-1] != steps):
+            fixed.append(steps)
+        if steps is not None and step >= steps:
+            break
+        now += 0.5 if step < 100 else 0.3
+        step += 1
+        if steps and step % (steps // 10) == 0:
+            now += 4.0
+            val_seconds.append(4.0)
+    assert len(fixed) == 2  # fixed at step 100, refixed at step 300
+    assert fixed[0] < fixed[1]
+    assert deadline * 0.97 < now <= deadline + 4.0  # the last validation may end past it
+    # Past the deadline before the count is known: training stops there.
+    late = StepBudget(10.0, [1.0])
+    assert late.at(0, 0.0) is None and late.at(7, 11.0) == 7

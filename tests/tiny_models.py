@@ -69,9 +69,10 @@ def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
     return LLM(*args, dtype="float32", **kwargs)
 
 
-def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0):
+def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_norms: bool = False):
     """An EAGLE head for the tiny target at ``target_dir`` as ``train_draft --arch eagle``
-    starts one from target layers ``layers``, its weights nudged at random so that its
+    starts one from target layers ``layers`` (``input_norms``: with its embedding and
+    feature norms before ``fc``), its weights nudged at random so that its
     drafts depend on every part of it, saved to ``path`` as training saves heads (bf16).
     Returns (``str(path)``, the training head in float32 with its weights rounded to bf16,
     i.e. exactly what the engine loads)."""
@@ -83,7 +84,7 @@ def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0):
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = build_draft(target, layers, torch.device("cpu"), target.config.intermediate_size // 2)
-    head = EagleHead(target, draft.model.layers, draft.model.norm)
+    head = EagleHead(target, draft.model.layers, draft.model.norm, input_norms=input_norms)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():

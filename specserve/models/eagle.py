@@ -3,7 +3,10 @@
 Its entry at position j reads token x_{j+1} and a feature vector f_j — the target's final
 hidden state h_j (the LM head's input) where the target has computed it, else the head's
 own output for the previous position while it drafts ahead — as
-``fc([embed(x_{j+1}); f_j])``, runs its decoder layer(s) over its own paged KV cache and the
+``fc([embed(x_{j+1}); f_j])`` — with ``"input_norms": true`` in its config's
+``specserve_draft``, ``fc([norm_e(embed(x_{j+1})); norm_f(f_j)])``, each input RMS-normed
+first (as EAGLE-3: the target's embeddings are ~16x smaller than its final hidden states,
+so unnormed the token is a faint signal beside the feature) — runs its decoder layer(s) over its own paged KV cache and the
 final norm; its output goes through the target's LM head (shared, same storage) to give
 x_{j+2}, and is the next entry's feature. The features come in ``batch.features``, one row
 per token. ``drafts/eagle_training.py`` trains it; ``drafts/eagle.py`` drafts with it.
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 from specserve.batch import ForwardBatch
-from specserve.models.llama import LlamaForCausalLM
+from specserve.models.llama import LlamaForCausalLM, RMSNorm
 
 
 class EagleForCausalLM(LlamaForCausalLM):
@@ -24,10 +27,18 @@ class EagleForCausalLM(LlamaForCausalLM):
     def __init__(self, config, spec, backend, tp) -> None:
         super().__init__(config, spec, backend, tp)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.input_norms = bool((getattr(config, "specserve_draft", None) or {}).get("input_norms"))
+        if self.input_norms:
+            ops = self.model.ops
+            self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+            self.feature_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                 num_layers: int | None = None) -> torch.Tensor:
         embeds = self.model.embed_tokens(input_ids)
-        hidden = self.fc(torch.cat([embeds, batch.features.to(embeds.dtype)], dim=-1))
+        features = batch.features.to(embeds.dtype)
+        if self.input_norms:
+            embeds, features = self.embed_norm(embeds), self.feature_norm(features)
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
         return self.decode(hidden, positions, kv_caches, batch, num_layers)
