@@ -483,12 +483,20 @@ def own_parameters(draft) -> dict[str, torch.nn.Parameter]:
 
 
 # ---------------------------------------------------------------------------- training
+PAD_TO = 64
+
+
+def padded_length(length: int) -> int:
+    return -(-length // PAD_TO) * PAD_TO
+
+
 def make_batches(examples: list[Example], budget: int, rng: random.Random) -> list[list[Example]]:
-    """Examples of similar length together, at most ``budget`` padded tokens a batch."""
+    """Examples of similar length together, at most ``budget`` padded tokens a batch (as
+    ``collate`` pads them: so the batches of one padded length have one shape)."""
     order = sorted(examples, key=lambda e: len(e.token_ids))
     batches, batch = [], []
     for example in order:
-        if batch and (len(batch) + 1) * len(example.token_ids) > budget:
+        if batch and (len(batch) + 1) * padded_length(len(example.token_ids)) > budget:
             batches.append(batch)
             batch = []
         batch.append(example)
@@ -498,9 +506,6 @@ def make_batches(examples: list[Example], budget: int, rng: random.Random) -> li
     return batches
 
 
-PAD_TO = 64
-
-
 def collate(batch: list[Example], device: torch.device, pad: int):
     """Right-padded ids ``[B, L]`` and the response positions: row and column of each
     position whose next token is a response token. Causal attention never lets a real
@@ -508,7 +513,7 @@ def collate(batch: list[Example], device: torch.device, pad: int):
     ``PAD_TO``: on a GPU every new shape costs kernel selection, and with exact lengths a
     first epoch is nearly all new shapes (an H200 ran its first ~450 steps at ~420 ms,
     later ones at ~95)."""
-    width = -(-max(len(e.token_ids) for e in batch) // PAD_TO) * PAD_TO
+    width = padded_length(max(len(e.token_ids) for e in batch))
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     rows, cols = [], []
     for r, e in enumerate(batch):

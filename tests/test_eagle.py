@@ -264,10 +264,11 @@ def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures real CUDA graphs")
-def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(eagle):
+@pytest.mark.parametrize("input_norms", [False, True])
+def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(input_norms, eagle):
     """On a GPU, with real captures: float32 greedy tokens and accepted drafts equal the
     eager engine's (the head reads the graphs' hidden-state outputs)."""
-    target_dir, head_dir, _ = eagle()
+    target_dir, head_dir, _ = eagle(input_norms=input_norms)
     kwargs = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=8)
     params = [greedy(k) for k in KS]
     eager = eagle_llm(target_dir, head_dir, enforce_eager=True, **kwargs)

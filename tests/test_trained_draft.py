@@ -304,3 +304,25 @@ def test_a_time_budget_is_filled_though_the_first_steps_run_slow():
     # Past the deadline before the count is known: training stops there.
     late = StepBudget(10.0, [1.0])
     assert late.at(0, 0.0) is None and late.at(7, 11.0) == 7
+
+
+def test_training_batches_are_padded_to_few_shapes_within_the_budget():
+    """Batches hold at most the budget of padded tokens, their length a multiple of
+    PAD_TO, and those of one padded length share a shape (a GPU pays for each new one)."""
+    import random
+
+    from specserve.drafts.train_draft import PAD_TO, Example, collate, make_batches
+
+    rng = random.Random(0)
+    examples = [Example(list(range(1, n + 1)), 10, "chat", "train", False)
+                for n in (rng.randint(40, 700) for _ in range(3000))]
+    batches = make_batches(examples, 4096, random.Random(0))
+    assert sorted(map(id, (e for b in batches for e in b))) == sorted(map(id, examples))
+    shapes = set()
+    for batch in batches:
+        ids, rows, cols = collate(batch, torch.device("cpu"), 0)
+        assert ids.shape[1] % PAD_TO == 0 and ids.numel() <= 4096
+        assert len(rows) == sum(len(e.token_ids) - e.num_prompt for e in batch)
+        shapes.add(tuple(ids.shape))
+    widths = {w for _, w in shapes}
+    assert len(shapes) <= 2 * len(widths) <= 2 * (704 // PAD_TO)
