@@ -146,17 +146,16 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
     draft's argmax == the target's at those rows (False where m < t). ``vocab``: the draft
     vocabulary, the logits and the target's distribution over those tokens only
     (``train_draft.TargetDistribution``)."""
-    from specserve.drafts.train_draft import TargetDistribution
+    from specserve.drafts.train_draft import TargetDistribution, head_logits
 
     with torch.no_grad():
         features = target.model(input_ids=ids).last_hidden_state
         teacher = TargetDistribution(target.lm_head(features[rows, cols]).float(), vocab)
     outs = head(ids, features, num_passes)
-    weight = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
     loss = kl_sum = ce_sum = 0.0
     agree = []
     for t, g in enumerate(outs):
-        d_logits = F.linear(g[rows, (cols - 1).clamp(min=0)], weight).float()
+        d_logits = head_logits(target.lm_head, g[rows, (cols - 1).clamp(min=0)], vocab)
         loss_t, kl_t, ce_t, agree_t = teacher.loss(d_logits, ce_weight, valid=(cols - 1) >= t)
         loss = loss + PASS_DECAY ** t * loss_t
         kl_sum, ce_sum = kl_sum + kl_t.detach(), ce_sum + ce_t.detach()

@@ -545,16 +545,13 @@ class TargetDistribution:
 
     def __init__(self, target_logits: torch.Tensor, vocab: torch.Tensor | None = None) -> None:
         with torch.no_grad():
-            self.argmax = target_logits.argmax(dim=-1)
-            self.vocab = vocab
+            argmax = target_logits.argmax(dim=-1)
+            self.column = argmax  # the argmax's column in the draft's logits; -1: not there
             if vocab is not None:
+                column_of = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=vocab.device)
+                column_of[vocab] = torch.arange(len(vocab), device=vocab.device)
+                self.column = column_of[argmax]
                 target_logits = target_logits[:, vocab]
-                index = torch.full((int(vocab.max()) + 1,), -1, dtype=torch.long, device=vocab.device)
-                index[vocab] = torch.arange(len(vocab), device=vocab.device)
-                # The argmax's column in ``vocab``; -1 where the draft cannot propose it.
-                self.column = torch.where(self.argmax < len(index), index[self.argmax.clamp(max=len(index) - 1)], -1)
-            else:
-                self.column = self.argmax
             self.log_p = F.log_softmax(target_logits.float(), dim=-1)
             self.p = self.log_p.exp()
             self.p_log_p = (self.p * self.log_p).sum(-1)  # minus p's entropy
