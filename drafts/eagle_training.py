@@ -14,7 +14,8 @@ pass s's key at m - t + s for 1 <= s <= t (the chain's earlier drafts) — exact
 t-th draft step sees in the engine. Each pass's logits at m are distilled to the target's at
 m + 1 (forward KL + ``ce_weight`` × cross-entropy to the target's argmax), pass t weighted
 ``PASS_DECAY ** t``, on response positions only. The same passes give an exact
-teacher-forced replay of greedy chain drafting at k = ``num_passes`` (``chain_acceptance``).
+teacher-forced replay of greedy chain drafting at k = ``num_passes``
+(``train_draft.chain_acceptance``).
 """
 from __future__ import annotations
 
@@ -163,25 +164,6 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
     return loss, kl_sum / num_passes, ce_sum / num_passes, torch.stack(agree)
 
 
-def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
-    """Greedy chain drafting replayed on one response: ``agree[t][i]`` says whether pass t
-    predicts response token i as the target does (the t-th draft of a chain whose first
-    proposal is token i - t). Token 0 comes from the prefill; each verify step proposes
-    from the next token on, accepts the run of agreeing drafts (at most k) and emits one
-    more. Returns (verify steps, accepted drafts)."""
-    length = len(agree[0])
-    steps = accepted = 0
-    i = 1
-    while i < length:
-        run = 0
-        while run < k and i + run < length and agree[run][i + run]:
-            run += 1
-        steps += 1
-        accepted += run
-        i += run + 1
-    return steps, accepted
-
-
 def save_head(head: EagleHead, files, init_layers: list[int], out: Path) -> None:
     from safetensors.torch import save_file
 
@@ -214,38 +196,10 @@ def load_head_weights(head: EagleHead, path: Path) -> None:
             own[name].copy_(tensor.float())
 
 
-@torch.no_grad()
-def validate_head(head: EagleHead, target, batches, device, pad, autocast, num_passes: int,
-                  vocab: torch.Tensor | None = None) -> dict:
-    """Mean KL over the passes, pass 0's top-1 agreement and the chain acceptance length at
-    k = ``num_passes`` replayed on each greedy answer, per kind (as ``train_draft.validate``)."""
-    from specserve.drafts.train_draft import collate
-
-    head.eval()
-    kl_sum = n = 0.0
-    counts: dict[str, list[int]] = {}
-    for batch in batches:
-        ids, rows, cols = collate(batch, device, pad)
-        with autocast():
-            _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0, vocab)
-        kl_sum += kl.item() * len(rows)
-        n += len(rows)
-        agree = agree.tolist()
-        start = 0
-        for e in batch:
-            length = len(e.token_ids) - e.num_prompt
-            if not e.sampled:
-                steps, accepted = chain_acceptance([a[start:start + length] for a in agree], num_passes)
-                c = counts.setdefault(e.kind, [0, 0, 0, 0])
-                c[0] += steps
-                c[1] += accepted
-                c[2] += sum(agree[0][start:start + length])
-                c[3] += length
-            start += length
-    head.train()
-    result = {"kl": round(kl_sum / max(n, 1), 4)}
-    for kind, (steps, accepted, top1, length) in sorted(counts.items()):
-        result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
-        result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
-    return result
-
+def head_score(head: EagleHead, target, num_passes: int, vocab: torch.Tensor | None = None):
+    """``train_draft.validate``'s score for a head: mean KL over the passes and each pass's
+    agreement, whose chain replay is exact at k = ``num_passes``."""
+    def score(ids, rows, cols):
+        _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0, vocab)
+        return kl, agree
+    return score

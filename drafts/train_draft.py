@@ -21,8 +21,9 @@ checkpoint with its model card -> held-out acceptance in the engine.
    cross-entropy to the target's argmax. AdamW, linear warm-up then cosine decay, bf16
    autocast on CUDA (and on CPUs with native bf16). With a time budget the number of steps
    is fixed after a short calibration and printed, so ``--steps`` reproduces the run.
-   Validation: KL and the greedy acceptance length at k = 4 simulated exactly on the
-   validation responses (draft argmax vs target argmax under teacher forcing); after
+   Validation: KL and the greedy acceptance length at k = 4 replayed exactly on the
+   validation responses (draft argmax vs target argmax under teacher forcing, the first
+   response token being the prefill's, as in the engine); after
    training, the same on the held-out evaluation prompts' greedy answers.
    ``--arch eagle`` trains an EAGLE-style head instead (``eagle_training.py``): a layer that
    drafts from the target's final hidden states, or a head started as a layers-only draft
@@ -591,34 +592,39 @@ def lr_at(step: int, steps: int | None, args) -> float:
     return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def simulated_acceptance(matches: list[list[bool]], k: int = 4) -> float:
-    """Greedy verification replayed on teacher-forced agreement: from each verify position,
-    the draft's run of agreeing tokens (at most k) is accepted and one more token is
-    emitted. Returns tokens per verify step, as the engine's ``mean_acceptance_length``."""
+def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
+    """Greedy chain drafting replayed on one response: ``agree[t][i]`` says whether the
+    t-th draft of a chain whose first proposal is token i - t predicts response token i as
+    the target does (a layers draft under teacher forcing sees exactly the accepted tokens,
+    so its one row serves every t; an EAGLE head has one row per unrolled pass). Token 0
+    comes from the prefill; each verify step proposes from the next token on, accepts the
+    run of agreeing drafts (at most k) and emits one more. Returns (verify steps, accepted
+    drafts)."""
+    length = len(agree[0])
     steps = accepted = 0
-    for row in matches:
-        i = 0
-        while i < len(row):
-            run = 0
-            while run < k and i + run < len(row) and row[i + run]:
-                run += 1
-            steps += 1
-            accepted += run
-            i += run + 1
-    return 1 + accepted / steps if steps else 1.0
+    i = 1
+    while i < length:
+        run = 0
+        while run < k and i + run < length and agree[min(run, len(agree) - 1)][i + run]:
+            run += 1
+        steps += 1
+        accepted += run
+        i += run + 1
+    return steps, accepted
 
 
 @torch.no_grad()
-def validate(draft, target, batches, device, pad, autocast, vocab: torch.Tensor | None = None) -> dict:
-    draft.eval()
+def validate(model, batches, device, pad, autocast, score, k: int = 4) -> dict:
+    """Mean KL, pass 0's top-1 agreement and the acceptance length of greedy chain drafting
+    at ``k`` replayed on each greedy answer (``chain_acceptance``), per kind.
+    ``score(ids, rows, cols)`` gives the batch's (mean KL, agreement ``[passes, rows]``)."""
+    model.eval()
     kl_sum = n = 0.0
-    matches: dict[str, list[list[bool]]] = {"chat": [], "code": []}
+    counts: dict[str, list[int]] = {}
     for batch in batches:
         ids, rows, cols = collate(batch, device, pad)
         with autocast():
-            t_logits = logits_at(target, ids, rows, cols)
-            d_logits = logits_at(draft, ids, rows, cols, vocab)
-        _, kl, _, agree = TargetDistribution(t_logits, vocab).loss(d_logits, 0.0)
+            kl, agree = score(ids, rows, cols)
         kl_sum += kl.item() * len(rows)
         n += len(rows)
         agree = agree.tolist()
@@ -626,15 +632,29 @@ def validate(draft, target, batches, device, pad, autocast, vocab: torch.Tensor 
         for e in batch:
             length = len(e.token_ids) - e.num_prompt
             if not e.sampled:
-                matches[e.kind].append(agree[start:start + length])
+                steps, accepted = chain_acceptance([a[start:start + length] for a in agree], k)
+                c = counts.setdefault(e.kind, [0, 0, 0, 0])
+                c[0] += steps
+                c[1] += accepted
+                c[2] += sum(agree[0][start:start + length])
+                c[3] += length
             start += length
-    draft.train()
+    model.train()
     result = {"kl": round(kl_sum / max(n, 1), 4)}
-    for kind, rows_ in matches.items():
-        if rows_:
-            result[f"sim_accept_len_{kind}"] = round(simulated_acceptance(rows_), 3)
-            result[f"top1_agreement_{kind}"] = round(sum(map(sum, rows_)) / sum(map(len, rows_)), 4)
+    for kind, (steps, accepted, top1, length) in sorted(counts.items()):
+        result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
+        result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
     return result
+
+
+def draft_score(draft, target, vocab: torch.Tensor | None = None):
+    """``validate``'s score for a layers-only draft: one agreement row, teacher-forced."""
+    def score(ids, rows, cols):
+        t_logits = logits_at(target, ids, rows, cols)
+        d_logits = logits_at(draft, ids, rows, cols, vocab)
+        _, kl, _, agree = TargetDistribution(t_logits, vocab).loss(d_logits, 0.0)
+        return kl, agree[None]
+    return score
 
 
 class StepBudget:
@@ -698,12 +718,15 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
 
     history = {"train": [], "val": []}
 
-    def check(batches) -> dict:
-        if eagle:
-            from specserve.drafts.eagle_training import validate_head
+    if eagle:
+        from specserve.drafts.eagle_training import head_score
 
-            return validate_head(draft, target, batches, device, pad, autocast, args.passes, vocab)
-        return validate(draft, target, batches, device, pad, autocast, vocab)
+        score, k = head_score(draft, target, args.passes, vocab), args.passes
+    else:
+        score, k = draft_score(draft, target, vocab), 4
+
+    def check(batches) -> dict:
+        return validate(draft, batches, device, pad, autocast, score, k)
 
     val_started = time.time()
     initial = check(val_batches)

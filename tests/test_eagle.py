@@ -138,7 +138,7 @@ def test_an_eagle_head_must_share_the_target_embeddings(eagle, tmp_path):
 
 
 def test_chain_acceptance_replays_chain_drafting():
-    from specserve.drafts.eagle_training import chain_acceptance
+    from specserve.drafts.train_draft import chain_acceptance
 
     # Token 0 from the prefill. Chain from token 1: pass 0 right on 1, pass 1 right on 2,
     # pass 2 wrong on 3 -> 2 accepted, token 3 emitted. Next chain from token 4: pass 0

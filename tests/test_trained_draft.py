@@ -133,13 +133,15 @@ def test_the_prompt_split_is_by_source_and_holds_out_the_benchmarks():
     assert chat[:8] == prompt_sets.CHAT and len(chat) == 12 and set(chat) <= held_out
 
 
-def test_simulated_acceptance_replays_greedy_verification():
-    from specserve.drafts.train_draft import simulated_acceptance
+def test_one_teacher_forced_row_replays_greedy_verification():
+    """A layers draft's single agreement row serves every draft position of a chain."""
+    from specserve.drafts.train_draft import chain_acceptance
 
-    # 3 accepted + 1, then a miss (0 + 1), then 4 accepted (k caps) + 1, then the end.
-    assert simulated_acceptance([[True, True, True, False, False, True, True, True, True, True]]) == \
-        1 + (3 + 0 + 4) / 3
-    assert simulated_acceptance([[False] * 5]) == 1.0
+    # Token 0 from the prefill; from 1: 2 accepted + 1 (token 3 missed), from 4: 0 + 1,
+    # from 5: 4 accepted (k caps) + 1 (token 9), from 10: 0 + 1, the end.
+    row = [False, True, True, False, False, True, True, True, True, True, False]
+    assert chain_acceptance([row], k=4) == (4, 2 + 0 + 4 + 0)
+    assert chain_acceptance([[False] * 5], k=4) == (4, 0)
 
 
 # ---------------------------------------------------------------------------- the pipeline
