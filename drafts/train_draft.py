@@ -37,6 +37,12 @@ checkpoint with its model card -> held-out acceptance in the engine.
    and ``MODEL_CARD.md`` with the figures.
 5. Evaluation: the engine with the new draft, n-gram and layer-skip on held-out chat and
    code prompts, greedy, k = 4: mean acceptance length, as ``spec_stats`` counts it.
+
+Several GPUs: ``torchrun --nproc-per-node N -m specserve.drafts.train_draft ...`` (data
+parallel, one process per GPU). The ranks write the self-written prompts and the responses
+a share each (every response seeded by what it answers, so the data do not depend on N,
+but for rounding where batched numerics differ), then train on N batches a step — one each, the gradients averaged — so a step sees N ×
+``--batch-tokens``; rank 0 validates, saves and evaluates. On CPU the ranks use gloo.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import platform
 import random
 import sys
@@ -56,11 +63,41 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from specserve.distributed import SINGLE, TPGroup, destroy_tensor_parallel, init_tensor_parallel
+
 SAMPLE_TEMPERATURE = 0.7
 
 
+def quiet() -> bool:
+    """Whether this process is a data-parallel rank other than 0 (rank 0 speaks for all)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+
+
 def log(message: str) -> None:
-    print(f"[train_draft {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    if not quiet():
+        print(f"[train_draft {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def join_ranks(args) -> TPGroup:
+    """The data-parallel group torchrun started (``WORLD_SIZE`` > 1), else one process.
+    Each rank runs on ``cuda:LOCAL_RANK`` (or the CPU, with gloo)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return SINGLE
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"under torchrun each rank uses cuda:LOCAL_RANK: pass --device auto, cuda or cpu, "
+                         f"not {args.device!r}")
+    return init_tensor_parallel(world, args.device)
+
+
+def gather(group: TPGroup, part):
+    """Every rank's ``part`` (any picklable value), in rank order, on every rank."""
+    if group.size == 1:
+        return [part]
+    parts = [None] * group.size
+    torch.distributed.all_gather_object(parts, part)
+    return parts
 
 
 @dataclass
@@ -225,10 +262,11 @@ def user_turn_opening(tokenizer) -> list[int]:
     return tokenizer(text[:text.index(mark)], add_special_tokens=False)["input_ids"]
 
 
-def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list[str]:
+def self_written_prompts(args, files, tokenizer, device, work_dir: Path, group: TPGroup = SINGLE) -> list[str]:
     """``--self-prompts`` user messages written by the target (Magpie: sampled at
     temperature 1 from the opening of a user turn, seeded per message), kept when the turn
-    ended, is at least 16 characters and not seen before; cached under ``work_dir``."""
+    ended, is at least 16 characters and not seen before; cached under ``work_dir``. Ranks
+    write every ``group.size``-th message each."""
     from specserve import SamplingParams
 
     settings = f"{files.name}|{args.self_prompts}|{args.seed}|{SELF_PROMPT_TEMPERATURE}|{SELF_PROMPT_MAX_TOKENS}"
@@ -239,18 +277,22 @@ def self_written_prompts(args, files, tokenizer, device, work_dir: Path) -> list
         raise SystemExit("--self-prompts needs a target with a chat template (it writes user turns)")
     opening = user_turn_opening(tokenizer)
     llm = generation_engine(args, device, max_model_len=len(opening) + SELF_PROMPT_MAX_TOKENS + 16)
+    mine = range(group.rank, args.self_prompts, group.size)
     params = [SamplingParams(temperature=SELF_PROMPT_TEMPERATURE, max_tokens=SELF_PROMPT_MAX_TOKENS,
-                             seed=args.seed * 7919 + i) for i in range(args.self_prompts)]
-    outs = llm.generate([opening] * args.self_prompts, params, use_tqdm=False)
+                             seed=args.seed * 7919 + i) for i in mine]
+    outs = llm.generate([opening] * len(params), params, use_tqdm=False)
     llm.engine.shutdown()
     del llm
+    mine_written = {i: (out.text.strip(), out.finish_reason == "stop") for i, out in zip(mine, outs)}
+    written = {i: pair for part in gather(group, mine_written) for i, pair in part.items()}
     seen, prompts = set(), []
-    for out in outs:
-        text = out.text.strip()
-        if out.finish_reason == "stop" and len(text) >= 16 and text.lower() not in seen:
+    for i in range(args.self_prompts):
+        text, ended = written[i]
+        if ended and len(text) >= 16 and text.lower() not in seen:
             seen.add(text.lower())
             prompts.append(text)
-    path.write_text(json.dumps(prompts, indent=0))
+    if group.is_driver:
+        path.write_text(json.dumps(prompts, indent=0))
     log(f"self-written prompts: {len(prompts)} kept of {args.self_prompts}")
     return prompts
 
@@ -264,11 +306,21 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 # ---------------------------------------------------------------------------- generation
 class ResponseCache:
-    """Generated responses keyed by (prompt ids, mode); saved after every batch."""
+    """Generated responses keyed by (prompt ids, mode); saved after every batch. A
+    data-parallel rank saves its share beside the cache (``<name>.rank<N>.pt``) until the
+    shares are merged; a run that stopped before then finds them there and keeps them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, shares: bool = True) -> None:
         self.path = path
         self.data: dict[str, list[int]] = torch.load(path) if path.is_file() else {}
+        for share in self.shares() if shares else []:
+            self.data.update(torch.load(share))
+
+    def shares(self) -> list[Path]:
+        return sorted(self.path.parent.glob(f"{self.path.stem}.rank*.pt"))
+
+    def share(self, rank: int) -> "ResponseCache":
+        return ResponseCache(self.path.with_name(f"{self.path.stem}.rank{rank}.pt"), shares=False)
 
     @staticmethod
     def key(prompt_ids: list[int], mode: str) -> str:
@@ -280,9 +332,16 @@ class ResponseCache:
         tmp.replace(self.path)
 
 
+def job_seed(args, job) -> int:
+    """A sampled response's seed: from what it answers, so the data do not depend on
+    what was cached before, on the batching or on the number of ranks."""
+    return args.seed * 1_000_003 + int(ResponseCache.key(job[2], job[3])[:12], 16)
+
+
 def generate_responses(args, files, tokenizer, prompts, device, deadline: float | None,
-                       work_dir: Path) -> list[Example]:
-    """Greedy responses for every prompt, then sampled ones while the budget lasts."""
+                       work_dir: Path, group: TPGroup = SINGLE) -> list[Example]:
+    """Greedy responses for every prompt, then sampled ones while the budget lasts; ranks
+    generate every ``group.size``-th missing one each, then share them."""
     settings = f"{files.name}|{args.max_new_tokens}|{args.seed}|{generator_for(args, device)}"
     cache = ResponseCache(work_dir / f"responses-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.pt")
     generator = generator_for(args, device)
@@ -294,10 +353,21 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
         jobs += [("train", kind, ids, mode) for kind, _, ids in prompts["train"]]
     todo = [j for j in jobs if ResponseCache.key(j[2], j[3]) not in cache.data]
     log(f"generation: {len(jobs)} responses wanted, {len(jobs) - len(todo)} cached, "
-        f"{len(todo)} to generate with {generator} on {device_name(device)}")
-    if todo:
+        f"{len(todo)} to generate with {generator} on {device_name(device)}"
+        + (f" and {group.size - 1} more like it" if group.size > 1 else ""))
+    group.barrier()  # every rank has read the cache (and its leftover shares) before any writes a share
+    mine = todo[group.rank::group.size]
+    share = cache if group.size == 1 else cache.share(group.rank)
+    if mine:
         run = _generate_engine if generator == "engine" else _generate_hf
-        run(args, files, tokenizer, todo, device, deadline, cache, eos)
+        run(args, files, tokenizer, mine, device, deadline, share, eos)
+    for part in gather(group, share.data) if group.size > 1 else []:
+        cache.data.update(part)
+    if group.is_driver and cache.shares():  # merged: one file again
+        cache.save()
+        for leftover in cache.shares():
+            leftover.unlink()
+    group.barrier()
     examples = []
     for split, kind, ids, mode in jobs:
         response = cache.data.get(ResponseCache.key(ids, mode))
@@ -357,7 +427,7 @@ def _generate_hf(args, files, tokenizer, todo, device, deadline, cache, eos) -> 
     budget = args.gen_batch_tokens or (800_000 if cuda else 16_384)
     max_batch = args.gen_max_batch or (1024 if cuda else 64)
     batches = list(_batches_by_length(todo, budget, args.max_new_tokens, max_batch))
-    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
+    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5, disable=quiet())
     for index, batch in enumerate(batches):
         if deadline is not None and time.time() > deadline:
             log(f"generation budget spent: {len(todo) - bar.n} responses not generated")
@@ -395,15 +465,15 @@ def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos)
 
     llm = generation_engine(args, device, max_model_len=args.max_seq_len + args.max_new_tokens)
     chunk = 2048 if device.type == "cuda" else 64
-    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5)
+    bar = tqdm(total=len(todo), desc="generating", unit="resp", mininterval=5, disable=quiet())
     for start in range(0, len(todo), chunk):
         if deadline is not None and time.time() > deadline:
             log(f"generation budget spent: {len(todo) - start} responses not generated")
             break
         batch = todo[start:start + chunk]
         params = [SamplingParams(temperature=SAMPLE_TEMPERATURE if j[3] != "greedy" else 0.0,
-                                 seed=args.seed * 1_000_003 + start + i, max_tokens=args.max_new_tokens)
-                  for i, j in enumerate(batch)]
+                                 seed=job_seed(args, j), max_tokens=args.max_new_tokens)
+                  for j in batch]
         outs = llm.generate([j[2] for j in batch], params, use_tqdm=False)
         for job, out in zip(batch, outs):
             cache.data[ResponseCache.key(job[2], job[3])] = list(out.token_ids)
@@ -691,10 +761,23 @@ class StepBudget:
         return self.steps
 
 
+def average_gradients(params: list[torch.nn.Parameter], group: TPGroup) -> None:
+    """Data parallelism's one exchange a step: the ranks' gradients averaged, in one
+    all-reduce of them all flattened."""
+    if group.size == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = group.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / group.size
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = chunk.view_as(p).to(p.dtype)
+
+
 def train(args, target, draft, examples, device, pad, deadline: float | None,
-          vocab: torch.Tensor | None = None) -> dict:
+          vocab: torch.Tensor | None = None, group: TPGroup = SINGLE) -> dict:
     """``vocab``: the draft vocabulary it will draft among; losses and validation are then
-    over those tokens only (``TargetDistribution``)."""
+    over those tokens only (``TargetDistribution``). With several ranks each step takes
+    ``group.size`` batches of the one shuffled order, one a rank; rank 0 validates and
+    decides when a time budget ends."""
     rng = random.Random(args.seed)
     budget = args.batch_tokens or (16384 if device.type == "cuda" else 2048)
     train_set = [e for e in examples if e.split == "train"]
@@ -703,6 +786,8 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
     params = draft.own_parameters() if eagle else own_parameters(draft)
     for p in target.parameters():
         p.requires_grad_(False)
+    for p in params.values():  # one starting point (a head's new weights are random)
+        group.broadcast(p.data)
     fc = [p for n, p in params.items() if n.startswith("fc.")]  # an EAGLE head's input projection
     decay = [p for n, p in params.items() if p.dim() >= 2 and not n.startswith("fc.")]
     no_decay = [p for n, p in params.items() if p.dim() < 2]
@@ -729,10 +814,20 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
         return validate(draft, batches, device, pad, autocast, score, k)
 
     val_started = time.time()
-    initial = check(val_batches)
+    initial = check(val_batches) if group.is_driver else {}
     val_seconds = [time.time() - val_started]  # each validation's time: not training time
     history["val"].append({"step": 0, **initial})
     log(f"validation before training: {initial}")
+
+    def next_batch() -> list[Example]:
+        """This rank's batch of the step: the rank-th of the next ``group.size``."""
+        nonlocal epoch_batches
+        taken = []
+        for _ in range(group.size):
+            if not epoch_batches:
+                epoch_batches = make_batches(train_set, budget, rng)
+            taken.append(epoch_batches.pop())
+        return taken[group.rank]
 
     epoch_batches: list = []
     steps = args.steps if args.steps or deadline is None else None
@@ -747,6 +842,9 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
             if step in budget_steps.MARKS and device.type == "cuda":
                 torch.cuda.synchronize(device)
             fixed = budget_steps.at(step, time.time())
+            if group.size > 1:  # rank 0's clock decides
+                fixed = int(group.broadcast(torch.tensor([-1 if fixed is None else fixed], device=device)).item())
+                fixed = None if fixed < 0 else fixed
             if fixed != steps:
                 steps = fixed
                 log(budget_steps.message)
@@ -755,14 +853,11 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
         if steps is not None and step >= steps:
             break
         if bar is None and steps is not None:
-            bar = tqdm(total=steps, initial=step, desc="training", unit="step", mininterval=10)
-        if not epoch_batches:
-            epoch_batches = make_batches(train_set, budget, rng)
-        batch = epoch_batches.pop()
-        ids, rows, cols = collate(batch, device, pad)
+            bar = tqdm(total=steps, initial=step, desc="training", unit="step", mininterval=10, disable=quiet())
+        ids, rows, cols = collate(next_batch(), device, pad)
         lr = lr_at(step, steps, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group["lr_mult"]
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr * param_group["lr_mult"]
         with autocast():
             if eagle:
                 from specserve.drafts.eagle_training import head_losses
@@ -775,6 +870,7 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
                 loss, kl, ce = distill_loss(d_logits, t_logits, args.ce_weight, vocab)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        average_gradients(list(params.values()), group)
         norm = torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
         optimizer.step()
         tokens_seen += len(rows)
@@ -786,7 +882,7 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
             history["train"].append({"step": step, "lr": round(lr, 7), "loss": round(loss.item(), 4),
                                      "kl": round(kl.item(), 4), "ce": round(ce.item(), 4),
                                      "grad_norm": round(norm.item(), 3)})
-        if steps is not None and (step % every == 0 or step == steps):
+        if steps is not None and (step % every == 0 or step == steps) and group.is_driver:
             val_started = time.time()
             result = {"step": step, **check(val_batches)}
             val_seconds.append(time.time() - val_started)
@@ -795,11 +891,14 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
     if bar is not None:
         bar.close()
     seconds = time.time() - started
+    if group.size > 1:
+        tokens_seen = int(group.all_reduce(torch.tensor([tokens_seen], device=device)).item())
     test = [e for e in examples if e.split == "test"]
-    held_out = check(make_batches(test, budget, random.Random(0))) if test else None
+    held_out = check(make_batches(test, budget, random.Random(0))) if test and group.is_driver else None
     if held_out:
         log(f"held-out prompts, teacher-forced: {held_out}")
-    return {"steps": steps, "seconds": round(seconds, 1), "batch_tokens": budget, "held_out_replay": held_out,
+    return {"steps": steps, "seconds": round(seconds, 1), "batch_tokens": budget, "ranks": group.size,
+            "held_out_replay": held_out,
             "response_tokens_seen": tokens_seen, "epochs": round(tokens_seen / max(1, sum(
                 len(e.token_ids) - e.num_prompt for e in train_set)), 2),
             "history": history, "final_val": history["val"][-1]}
@@ -996,7 +1095,8 @@ def main(argv=None) -> dict:
     deadline = started + args.time_budget_min * 60 if args.time_budget_min else None
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    device = pick_device(args.device)
+    group = join_ranks(args)
+    device = group.device if group.size > 1 else pick_device(args.device)
     out = Path(args.out)
 
     from transformers import AutoModelForCausalLM
@@ -1007,18 +1107,20 @@ def main(argv=None) -> dict:
     tokenizer = load_tokenizer(files)
     work_dir = Path(args.work_dir) if args.work_dir else cache_dir() / "draft-training"
     work_dir.mkdir(parents=True, exist_ok=True)
-    log(f"target {files.name} on {device_name(device)}; budget "
-        f"{args.time_budget_min or 'none'} min; out {out}")
+    log(f"target {files.name} on {device_name(device)}"
+        + (f" × {group.size} ranks" if group.size > 1 else "")
+        + f"; budget {args.time_budget_min or 'none'} min; out {out}")
 
     gen_started = time.time()
-    extra = self_written_prompts(args, files, tokenizer, device, work_dir) if args.self_prompts else []
+    extra = self_written_prompts(args, files, tokenizer, device, work_dir, group) if args.self_prompts else []
     prompts = select_prompts(args, tokenizer, extra)
     log(f"prompts: {len(prompts['train'])} train ({len(extra)} self-written), {len(prompts['val'])} val")
     gen_deadline = started + args.time_budget_min * 60 * args.gen_budget_frac if deadline else None
-    examples = generate_responses(args, files, tokenizer, prompts, device, gen_deadline, work_dir)
+    examples = generate_responses(args, files, tokenizer, prompts, device, gen_deadline, work_dir, group)
     gen_seconds = time.time() - gen_started
     if args.generate_only:
         log(f"generated in {gen_seconds:.0f} s; data in {work_dir}")
+        destroy_tensor_parallel()
         return {"generated_examples": len(examples), "seconds": gen_seconds}
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -1067,7 +1169,11 @@ def main(argv=None) -> dict:
     if args.draft_vocab:  # chosen first: the draft learns to draft among these tokens
         vocab, coverage = draft_vocab([e for e in examples if e.split == "train"], args.draft_vocab)
     training = train(args, target, draft, examples, device, pad, train_deadline,
-                     torch.tensor(vocab, device=device) if vocab else None)
+                     torch.tensor(vocab, device=device) if vocab else None, group)
+    group.barrier()
+    destroy_tensor_parallel()  # rank 0 saves and evaluates alone
+    if not group.is_driver:
+        return {}
 
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import save_head

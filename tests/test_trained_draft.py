@@ -173,24 +173,33 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert "--init-from" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
 
 
-def test_self_written_prompts_join_training_and_data_can_be_made_first(tmp_path, tiny_model_dir):
-    """``--self-prompts``: the target writes user messages from the chat template's opening
-    of a user turn; those that end their turn join the training prompts (all train, as
-    chat). ``--generate-only`` stops with the data cached, and the next run trains on it."""
+@pytest.fixture
+def chat_target(tmp_path, tiny_model_dir):
+    """The tiny model with a chat template whose turns end in EOS."""
     import shutil
 
-    from specserve.drafts.train_draft import main, user_turn_opening
     from specserve.loader import ModelFiles, load_tokenizer
 
-    target = tmp_path / "chat-model"  # the tiny model with a chat template whose turns end in EOS
+    target = tmp_path / "chat-model"
     shutil.copytree(tiny_model_dir("smollm2_tied_gqa3"), target)
     tokenizer = load_tokenizer(ModelFiles("tiny", target))
     tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
     tokenizer.save_pretrained(target)
+    return target
+
+
+def test_self_written_prompts_join_training_and_data_can_be_made_first(tmp_path, chat_target):
+    """``--self-prompts``: the target writes user messages from the chat template's opening
+    of a user turn; those that end their turn join the training prompts (all train, as
+    chat). ``--generate-only`` stops with the data cached, and the next run trains on it."""
+    from specserve.drafts.train_draft import main, user_turn_opening
+    from specserve.loader import ModelFiles, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelFiles("tiny", chat_target))
     opening = tokenizer.decode(user_turn_opening(tokenizer))
     assert opening == "<s>user\n"
-    target = str(target)
+    target = str(chat_target)
     work = tmp_path / "work"
     argv = ["--target", target, "--work-dir", str(work), "--device", "cpu", "--num-prompts", "4",
             "--num-val-prompts", "2", "--max-new-tokens", "6", "--max-seq-len", "256", "--samples", "0",
@@ -206,6 +215,67 @@ def test_self_written_prompts_join_training_and_data_can_be_made_first(tmp_path,
     assert record["data"]["train_prompts"] == 4 + len(written)
     assert record["data"]["seconds"] < first["seconds"]  # nothing generated again
     assert "written by the target itself" in (tmp_path / "a" / "MODEL_CARD.md").read_text()
+
+
+class _TwoSameRanks:
+    """A stand-in group of two ranks that computed the same gradients: its all-reduce
+    doubles them, as summing over two identical ranks would."""
+
+    size, rank = 2, 0
+
+    @staticmethod
+    def all_reduce(x):
+        return x.mul_(2)
+
+
+def test_data_parallel_gradients_are_the_ranks_mean():
+    from specserve.drafts.train_draft import average_gradients
+
+    a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
+    a.grad, b.grad = torch.randn(3, 4), None  # b took no part in this step's loss
+    want = a.grad.clone()
+    average_gradients([a, b], _TwoSameRanks())
+    assert torch.equal(a.grad, want) and torch.equal(b.grad, torch.zeros(5))
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
+    """``torchrun --nproc-per-node 2`` (gloo on the CPU): the ranks write the self-written
+    prompts and the responses a share each — the same data one process makes, as every
+    response is seeded by what it answers — then train on two batches a step, and rank 0
+    saves a draft the engine evaluates."""
+    import os
+    import subprocess
+    import sys
+
+    from specserve.drafts.train_draft import main
+
+    common = ["--target", str(chat_target), "--device", "cpu", "--num-prompts", "6", "--num-val-prompts", "2",
+              "--max-new-tokens", "6", "--max-seq-len", "256", "--samples", "1", "--self-prompts", "24",
+              "--steps", "3", "--batch-tokens", "256", "--num-layers", "1", "--init-layers", "first",
+              "--eval-max-tokens", "6", "--eval-baselines", "ngram"]
+    two = common + ["--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "two"), "--eval-prompts", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "specserve.drafts.train_draft", *two], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "two" / "training_log.json").read_text())
+    assert record["training"]["ranks"] == 2 and record["training"]["steps"] == 3
+    assert record["evaluation"]["mean_acceptance_length"]["draft_model"]
+    one = main(common + ["--work-dir", str(tmp_path / "work1"), "--out", str(tmp_path / "one"),
+                         "--eval-prompts", "1"])
+    assert one["training"]["ranks"] == 1
+    # Both ranks' batches count: two a step against one.
+    assert record["training"]["response_tokens_seen"] > one["training"]["response_tokens_seen"]
+    for name in ("self-prompts-*.json", "responses-*.pt"):  # one merged file each, as one process writes
+        [made2], [made1] = (tmp_path / "work2").glob(name), (tmp_path / "work1").glob(name)
+        load = json.loads if name.endswith(".json") else None
+        if load:
+            assert load(made2.read_text()) == load(made1.read_text())
+        else:
+            assert torch.load(made2) == torch.load(made1)
+    assert record["data"]["sampled_examples"] == one["data"]["sampled_examples"] > 0
 
 
 # ---------------------------------------------------------------------------- the default model
