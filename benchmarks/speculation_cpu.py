@@ -1,5 +1,6 @@
 """Speculative decoding on the CPU, default model: every drafter and k beside speculation
-off, HF transformers ``generate`` and HF prompt-lookup ``generate``, all in one run.
+off, HF transformers ``generate`` (float32, its default, and bfloat16, specserve's dtype
+here) and HF prompt-lookup ``generate``, all in one run.
 
 Greedy, EOS ignored, a fixed number of new tokens per prompt. Batch 1 runs the prompts of
 a workload one after another; batch 8 runs 8 prompts of it at once. Outputs with
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_acceptance import machine_name  # noqa: E402
 from workloads import WORKLOADS, chat_prompts, drafter_settings  # noqa: E402
 
 
@@ -94,8 +95,11 @@ def main() -> None:
     llm = engines["off"]
     tok = llm.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.bfloat16).eval()
+    for model in (hf, hf16):  # warm-up: the first generate pays one-off costs
+        run_hf(model, tok, chat_prompts(tok, WORKLOADS["chat"])[:1], 1, 4)
     dtype = str(llm.engine.dtype).removeprefix("torch.")
-    cpu = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    cpu = machine_name(torch.device("cpu"))
 
     rows, results = [], []
     for workload, messages in WORKLOADS.items():
@@ -104,7 +108,8 @@ def main() -> None:
             llm.generate(chosen[:1], use_tqdm=False)  # warm-up
             base = run_engine(llm, chosen, batch, args.max_tokens, 0)
             hf_plain = run_hf(hf, tok, chosen, batch, args.max_tokens)
-            entries = [("HF generate (fp32)", "", hf_plain, None),
+            hf_bf16 = run_hf(hf16, tok, chosen, batch, args.max_tokens)
+            entries = [("HF generate (fp32)", "", hf_plain, None), ("HF generate (bf16)", "", hf_bf16, None),
                        ("specserve, speculation off", "", base, None)]
             if batch == 1:
                 for k in (3, 10):
@@ -120,17 +125,18 @@ def main() -> None:
                 row = {"workload": workload, "batch": batch, "method": label, "k": k,
                        "tokens_per_s": round(r["tokens_per_s"], 1),
                        "speedup_vs_hf": round(r["tokens_per_s"] / hf_plain["tokens_per_s"], 2),
+                       "speedup_vs_hf_bf16": round(r["tokens_per_s"] / hf_bf16["tokens_per_s"], 2),
                        "acceptance_length": round(r.get("acceptance_length", 0) or 0, 2) or None,
                        "same_as_spec_off": f"{same}/{len(chosen)}" if same is not None else None}
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            rows.append((workload, batch, entries, hf_plain))
+            rows.append((workload, batch, entries, hf_plain, hf_bf16))
 
     print(f"\nSmolLM2-135M-Instruct on {cpu}; specserve {dtype}, HF float32; greedy, "
           f"{args.max_tokens} new tokens per prompt, EOS ignored\n")
-    print("| workload | batch | method | k | tokens/s | vs HF generate | acceptance length |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
-    for workload, batch, entries, hf_plain in rows:
+    print("| workload | batch | method | k | tokens/s | vs HF generate | vs HF bf16 | acceptance length |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for workload, batch, entries, hf_plain, hf_bf16 in rows:
         best = {}
         for label, k, r, _ in entries:
             if label.startswith("specserve ") and "off" not in label:
@@ -141,7 +147,8 @@ def main() -> None:
         for label, k, r in shown:
             al = r.get("acceptance_length")
             print(f"| {workload} | {batch} | {label} | {k} | {r['tokens_per_s']:.1f} | "
-                  f"{r['tokens_per_s'] / hf_plain['tokens_per_s']:.2f}x | {f'{al:.2f}' if al else ''} |")
+                  f"{r['tokens_per_s'] / hf_plain['tokens_per_s']:.2f}x | "
+                  f"{r['tokens_per_s'] / hf_bf16['tokens_per_s']:.2f}x | {f'{al:.2f}' if al else ''} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": cpu, "dtype": dtype, "rows": results}, indent=1))
 
