@@ -243,10 +243,11 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
     """``torchrun --nproc-per-node 2`` (gloo on the CPU): the ranks write the self-written
     prompts and the responses a share each — the same data one process makes, as every
     response is seeded by what it answers — then train on two batches a step, and rank 0
-    saves a draft the engine evaluates."""
+    saves a draft the engine evaluates; an EAGLE head trains on two ranks too."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     from specserve.drafts.train_draft import main
 
@@ -255,12 +256,14 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
               "--batch-tokens", "256", "--num-layers", "1", "--init-layers", "first",
               "--eval-max-tokens", "6", "--eval-baselines", "ngram", "--eval-prompts", "1"]
     two = common + ["--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "two"), "--steps", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "specserve.drafts.train_draft", *two], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads((tmp_path / "two" / "training_log.json").read_text())
+    def torchrun(argv: list[str]) -> dict:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               "-m", "specserve.drafts.train_draft", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((Path(argv[argv.index("--out") + 1]) / "training_log.json").read_text())
+
+    record = torchrun(two)
     assert record["training"]["ranks"] == 2 and record["training"]["steps"] == 3
     assert record["evaluation"]["mean_acceptance_length"]["draft_model"]
     one = main(common + ["--work-dir", str(tmp_path / "work1"), "--out", str(tmp_path / "one"), "--steps", "6"])
@@ -275,6 +278,11 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
         else:
             assert torch.load(made2) == torch.load(made1)
     assert record["data"]["sampled_examples"] == one["data"]["sampled_examples"] > 0
+    # An EAGLE head (started as that draft) trains on the two ranks the same way.
+    head = torchrun(common + ["--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "head"), "--steps", "2",
+                              "--arch", "eagle", "--init-from", str(tmp_path / "two"), "--eval-prompts", "0"])
+    assert head["training"]["ranks"] == 2 and head["training"]["steps"] == 2
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["specserve_draft"]["kind"] == "eagle"
 
 
 # ---------------------------------------------------------------------------- the default model
