@@ -41,8 +41,9 @@ checkpoint with its model card -> held-out acceptance in the engine.
 Several GPUs: ``torchrun --nproc-per-node N -m specserve.drafts.train_draft ...`` (data
 parallel, one process per GPU). The ranks write the self-written prompts and the responses
 a share each (every response seeded by what it answers, so the data do not depend on N,
-but for rounding where batched numerics differ), then train on N batches a step — one each, the gradients averaged — so a step sees N ×
-``--batch-tokens``; rank 0 validates, saves and evaluates. On CPU the ranks use gloo.
+but for rounding where batched numerics differ), then train on N batches a step — one
+each, the gradients averaged — so a step sees N × ``--batch-tokens``; rank 0 validates,
+saves and evaluates. On CPU the ranks use gloo.
 """
 from __future__ import annotations
 
