@@ -40,10 +40,11 @@ checkpoint with its model card -> held-out acceptance in the engine.
 
 Several GPUs: ``torchrun --nproc-per-node N -m specserve.drafts.train_draft ...`` (data
 parallel, one process per GPU). The ranks write the self-written prompts and the responses
-a share each (every response seeded by what it answers, so the data do not depend on N,
-but for rounding where batched numerics differ), then train on N batches a step — one
-each, the gradients averaged — so a step sees N × ``--batch-tokens``; rank 0 validates,
-saves and evaluates. On CPU the ranks use gloo.
+a share each (with the engine generator every response is seeded by what it answers, so
+the data do not depend on N, but for rounding where batched numerics differ; HF
+``generate`` seeds a batch), then train on N batches a step — one each, the gradients
+averaged — so a step sees N × ``--batch-tokens``; rank 0 validates, saves and evaluates.
+On CPU the ranks use gloo.
 """
 from __future__ import annotations
 
@@ -334,8 +335,9 @@ class ResponseCache:
 
 
 def job_seed(args, job) -> int:
-    """A sampled response's seed: from what it answers, so the data do not depend on
-    what was cached before, on the batching or on the number of ranks."""
+    """A sampled response's seed in the engine generator: from what it answers, so the
+    data do not depend on what was cached before, on the batching or on the number of
+    ranks (HF ``generate`` takes one seed a batch)."""
     return args.seed * 1_000_003 + int(ResponseCache.key(job[2], job[3])[:12], 16)
 
 

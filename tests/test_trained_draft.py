@@ -256,6 +256,7 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
               "--batch-tokens", "256", "--num-layers", "1", "--init-layers", "first",
               "--eval-max-tokens", "6", "--eval-baselines", "ngram", "--eval-prompts", "1"]
     two = common + ["--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "two"), "--steps", "3"]
+
     def torchrun(argv: list[str]) -> dict:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                "-m", "specserve.drafts.train_draft", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -270,13 +271,14 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
     assert one["training"]["ranks"] == 1
     # 3 steps of two ranks took the batches 6 steps of one process take, one each a step.
     assert record["training"]["response_tokens_seen"] == one["training"]["response_tokens_seen"]
-    for name in ("self-prompts-*.json", "responses-*.pt"):  # one merged file each, as one process writes
-        [made2], [made1] = (tmp_path / "work2").glob(name), (tmp_path / "work1").glob(name)
-        load = json.loads if name.endswith(".json") else None
-        if load:
-            assert load(made2.read_text()) == load(made1.read_text())
-        else:
-            assert torch.load(made2) == torch.load(made1)
+    def only(work: str, pattern: str) -> Path:
+        [path] = (tmp_path / work).glob(pattern)  # one merged file, no rank's share left beside it
+        return path
+
+    # The ranks' data is what one process writes.
+    written = [json.loads(only(work, "self-prompts-*").read_text()) for work in ("work2", "work1")]
+    assert written[0] == written[1]
+    assert torch.load(only("work2", "responses-*")) == torch.load(only("work1", "responses-*"))
     assert record["data"]["sampled_examples"] == one["data"]["sampled_examples"] > 0
     # An EAGLE head (started as that draft) trains on the two ranks the same way.
     head = torchrun(common + ["--work-dir", str(tmp_path / "work2"), "--out", str(tmp_path / "head"), "--steps", "2",
