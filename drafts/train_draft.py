@@ -171,6 +171,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--init-from", default=None,
                    help="continue from this draft checkpoint (its layers, MLP width and norm) instead "
                         "of copying target layers; its init_from_target_layers are kept")
+    p.add_argument("--add-layers", default="",
+                   help="with --init-from a layers-only draft: target layers (comma-separated) added to "
+                        "it, each at its place in target order, with their output projections (o_proj, "
+                        "down_proj) at zero, so the grown draft starts as exactly the checkpoint")
+    p.add_argument("--weights", choices=("bfloat16", "int8"), default="bfloat16",
+                   help="how the checkpoint stores its matrices: bfloat16, or int8 with one scale per "
+                        "row (half the file; the loader dequantises them)")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="the draft's MLP width (default: 2/3 of the target's, a multiple of 64); a "
                         "narrower MLP keeps the target neurons with the largest weights")
@@ -501,6 +508,18 @@ def parse_init_layers(spec: str, num_layers: int, target_layers: int) -> list[in
     return layers
 
 
+def parse_added_layers(args, start: dict | None, target_layers: int) -> list[int]:
+    if not args.add_layers:
+        return []
+    if not start or start["specserve_draft"].get("kind") == "eagle" or args.arch == "eagle":
+        raise SystemExit("--add-layers grows a layers-only draft: name it with --init-from")
+    try:
+        added = [int(x) % target_layers for x in args.add_layers.split(",")]
+    except ValueError:
+        raise SystemExit(f"--add-layers {args.add_layers!r}: comma-separated layer indices") from None
+    return added
+
+
 def build_draft(target, init_layers: list[int], device: torch.device, intermediate_size: int | None = None):
     """A ``len(init_layers)``-layer HF model of the target's family: its layers and final
     norm copied from the target (float32 master weights), its embeddings and LM head the
@@ -522,17 +541,51 @@ def build_draft(target, init_layers: list[int], device: torch.device, intermedia
     return draft
 
 
-def load_own_weights(draft, path: Path) -> None:
-    """The draft's own layers and norm from a checkpoint ``save_draft`` wrote."""
+def load_own_weights(draft, path: Path, layer_at: list[int] | None = None) -> None:
+    """The draft's own layers and norm from a checkpoint ``save_draft`` wrote (its int8
+    matrices dequantised). ``layer_at[i]``: the draft layer that takes checkpoint layer i (a
+    grown draft, ``grow_draft``); the other layers keep their weights."""
     from safetensors.torch import load_file
 
-    state = load_file(str(path))
+    from specserve.loader import dequantize_int8_state
+
+    state = dequantize_int8_state(load_file(str(path)), str(path))
     own = own_parameters(draft)
-    if set(state) != set(own):
+    expected = set(own)
+    if layer_at is not None:
+        def moved(name: str) -> str:
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) < len(layer_at):
+                parts[2] = str(layer_at[int(parts[2])])
+            return ".".join(parts)
+        state = {moved(name): t for name, t in state.items()}
+        taken = {str(i) for i in layer_at}
+        expected = {n for n in own if not n.startswith("model.layers.") or n.split(".")[2] in taken}
+    if set(state) != expected:
         raise SystemExit(f"--init-from {path}: its tensors do not match a {len(draft.model.layers)}-layer draft")
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.float())
+
+
+def grow_draft(target, start_layers: list[int], added: list[int], device: torch.device,
+               intermediate_size: int, checkpoint: Path):
+    """A draft of target layers ``start_layers`` + ``added`` (in target order): the
+    checkpoint's layers where they were, each added layer copied from the target (MLP
+    narrowed as ``build_draft``) with ``o_proj`` and ``down_proj`` at zero. Those layers
+    then add nothing to the residual stream: the grown draft computes exactly what the
+    checkpoint does, and training starts from there. Returns (draft, its target layers)."""
+    if set(added) & set(start_layers) or len(set(added)) != len(added):
+        raise SystemExit(f"--add-layers {added}: the checkpoint already has target layers {start_layers}")
+    layers = sorted(start_layers + added)
+    draft = build_draft(target, layers, device, intermediate_size)
+    load_own_weights(draft, checkpoint, [layers.index(i) for i in start_layers])
+    with torch.no_grad():
+        for i in added:
+            layer = draft.model.layers[layers.index(i)]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return draft, layers
 
 
 def _narrowed(state: dict, width: int) -> dict:
@@ -908,12 +961,21 @@ def train(args, target, draft, examples, device, pad, deadline: float | None,
 
 
 # ---------------------------------------------------------------------------- saving
-def save_draft(draft, files, init_layers: list[int], out: Path) -> None:
+def save_draft(draft, files, init_layers: list[int], out: Path, weights: str = "bfloat16") -> None:
+    """The draft's own layers and norm; with ``weights="int8"`` each matrix as int8 values
+    and a scale per row (``loader.quantize_int8_rows``), the norms in bf16."""
     from safetensors.torch import save_file
 
+    from specserve.loader import INT8_SCALE_SUFFIX, quantize_int8_rows
+
     out.mkdir(parents=True, exist_ok=True)
-    state = {n: p.detach().to(torch.bfloat16).cpu().contiguous()
-             for n, p in own_parameters(draft).items()}
+    state = {}
+    for name, p in own_parameters(draft).items():
+        p = p.detach().cpu()
+        if weights == "int8" and p.dim() == 2:
+            state[name], state[name + INT8_SCALE_SUFFIX] = quantize_int8_rows(p)
+        else:
+            state[name] = p.to(torch.bfloat16).contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((files.path / "config.json").read_text())
     for key in ("_name_or_path", "_model_name_or_path", "transformers_version", "id2label", "label2id"):
@@ -924,7 +986,7 @@ def save_draft(draft, files, init_layers: list[int], out: Path) -> None:
         config["layer_types"] = [config["layer_types"][i] for i in init_layers]
     config["dtype"] = "bfloat16"
     config["specserve_draft"] = {"shares_target_embeddings": True, "target": files.name,
-                                 "init_from_target_layers": init_layers,
+                                 "init_from_target_layers": init_layers, "weights": weights,
                                  "trained_by": "python -m specserve.drafts.train_draft"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -993,7 +1055,10 @@ def write_model_card(out: Path, record: dict) -> None:
          if eagle else
          f"A {record['num_layers']}-layer draft model for **{record['target']}**, made for speculative "
          "decoding in specserve. It stores only its own decoder layers and final norm ")
-        + f"({record['file_mb']:.1f} MB, bf16); the target's embeddings and (tied) LM head are shared "
+        + f"({record['file_mb']:.1f} MB, "
+        + ("int8 matrices with a scale per row, dequantised when loaded"
+           if record["args"].get("weights") == "int8" else "bf16")
+        + "); the target's embeddings and (tied) LM head are shared "
         "with it at load time, same storage, so it costs no memory for them."
         + (f" It drafts among the {vocab['size']} tokens most frequent in its training responses "
            f"(`draft_vocab.json`, {vocab['coverage']:.1%} of them), and was trained so (its losses over "
@@ -1016,6 +1081,9 @@ def write_model_card(out: Path, record: dict) -> None:
          f", MLPs narrowed to the target's {record['args']['intermediate_size']} widest neurons"
          + (f"; then trained as below, and this run continued from that checkpoint "
             f"(`--init-from {record['args']['init_from']}`)" if record["args"].get("init_from") else "")
+         + (f", growing it by target layers {record['args']['add_layers']} with their output projections "
+            "at zero (`--add-layers`), so the grown draft started as exactly that checkpoint"
+            if record["args"].get("add_layers") else "")
          + ("; `fc` passes the embedding through and starts with the features' half at zero, so the "
             "head starts as the draft it was made from" if eagle and record["args"].get("init_from") else "")
          + "."),
@@ -1143,9 +1211,17 @@ def main(argv=None) -> dict:
         init_layers = parse_init_layers(args.init_layers, args.num_layers, target.config.num_hidden_layers)
     width = target.config.intermediate_size * 2 // 3
     args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
-    draft = build_draft(target, init_layers, device, args.intermediate_size)
     start_is_eagle = bool(start) and start["specserve_draft"].get("kind") == "eagle"
-    if start and not start_is_eagle:
+    if args.weights != "bfloat16" and args.arch == "eagle":
+        raise SystemExit("--weights int8 stores a layers-only draft; an EAGLE head is saved in bf16")
+    added = parse_added_layers(args, start, target.config.num_hidden_layers)
+    if added:
+        draft, init_layers = grow_draft(target, init_layers, added, device, args.intermediate_size,
+                                        Path(args.init_from) / "model.safetensors")
+        args.num_layers = len(init_layers)
+    else:
+        draft = build_draft(target, init_layers, device, args.intermediate_size)
+    if start and not start_is_eagle and not added:
         load_own_weights(draft, Path(args.init_from) / "model.safetensors")
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import EagleHead, load_head_weights
@@ -1183,7 +1259,7 @@ def main(argv=None) -> dict:
 
         save_head(draft, files, init_layers, out)
     else:
-        save_draft(draft, files, init_layers, out)
+        save_draft(draft, files, init_layers, out, args.weights)
     if vocab:
         (out / "draft_vocab.json").write_text(json.dumps(vocab) + "\n")
     del draft, target

@@ -316,11 +316,58 @@ def _iter_checkpoint(files: ModelFiles):
     except Exception as exc:
         raise ModelLoadError(f"{files.name}: corrupt safetensors file "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    for handle, key in tqdm(names, desc=f"Loading {files.name}", unit="tensor",
-                            leave=False, disable=None):
+    handle_of = {key: handle for handle, key in names}
+
+    def read(key: str) -> torch.Tensor:
         try:
-            tensor = handle.get_tensor(key)
+            return handle_of[key].get_tensor(key)
         except Exception as exc:
             raise ModelLoadError(f"{files.name}: corrupt tensor {key!r} "
                                  f"({type(exc).__name__})") from None
+
+    for handle, key in tqdm(names, desc=f"Loading {files.name}", unit="tensor",
+                            leave=False, disable=None):
+        if key.endswith(INT8_SCALE_SUFFIX) and key[:-len(INT8_SCALE_SUFFIX)] in handle_of:
+            continue  # read with its weight
+        tensor = read(key)
+        if tensor.dtype == torch.int8:
+            scale = key + INT8_SCALE_SUFFIX
+            if scale not in handle_of:
+                raise ModelLoadError(f"{files.name}: int8 tensor {key!r} comes without {scale!r}")
+            tensor = dequantize_int8_rows(tensor, read(scale))
         yield key, tensor
+
+
+# Weights stored in int8 (a draft checkpoint kept small, ``train_draft --weights int8``): the
+# tensor "X.weight" in int8 beside "X.weight_scale", one float scale per row (output
+# channel); the weight is their product, dequantised when loaded.
+INT8_SCALE_SUFFIX = "_scale"
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scales): each row scaled so its largest magnitude is 127."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8_state(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """A whole state dict read at once (``safetensors.torch.load_file``) with its int8
+    weights dequantised and their scales dropped."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(INT8_SCALE_SUFFIX) and name[:-len(INT8_SCALE_SUFFIX)] in state:
+            continue
+        if tensor.dtype == torch.int8:
+            if name + INT8_SCALE_SUFFIX not in state:
+                raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {name + INT8_SCALE_SUFFIX!r}")
+            tensor = dequantize_int8_rows(tensor, state[name + INT8_SCALE_SUFFIX])
+        out[name] = tensor
+    return out
+
+
+def dequantize_int8_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if values.dim() != 2 or scale.shape != values.shape[:1]:
+        raise ModelLoadError(f"int8 weight of shape {tuple(values.shape)} with scales of shape "
+                             f"{tuple(scale.shape)}: want one scale per row")
+    return values.float() * scale.float()[:, None]

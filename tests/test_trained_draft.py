@@ -80,6 +80,75 @@ def test_a_shared_draft_for_another_hidden_size_is_refused(tmp_path, tiny_model_
         LLM32(str(target), speculative_method="draft_model", draft_model=str(draft), **SMALL)
 
 
+def test_a_grown_draft_starts_as_its_checkpoint_and_int8_weights_load_lossless(tmp_path, tiny_model_dir):
+    """``--add-layers``: target layer 0 added to a one-layer draft of layer 1 with its output
+    projections at zero computes exactly what the checkpoint does. ``--weights int8``: the
+    file holds int8 matrices and a scale per row, which the engine dequantises (its weights
+    are exactly the product), and the draft stays lossless."""
+    from specserve.drafts.train_draft import build_draft, grow_draft, load_own_weights, save_draft
+    from transformers import AutoModelForCausalLM
+
+    from specserve.loader import dequantize_int8_rows, resolve_model
+
+    target_dir = tiny_model_dir("smollm2_tied_gqa3")
+    one = layers_only_draft(tmp_path / "one", target_dir, [1])
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    before = build_draft(target, [1], cpu)
+    load_own_weights(before, one / "model.safetensors")
+    width = before.config.intermediate_size
+    grown, layers = grow_draft(target, [1], [0], cpu, width, one / "model.safetensors")
+    assert layers == [0, 1] and len(grown.model.layers) == 2
+    ids = torch.tensor([[5, 17, 99, 230, 17, 99, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(grown(ids).logits, before(ids).logits)
+        grown.model.layers[0].mlp.down_proj.weight.normal_()  # the added layer does count
+        assert not torch.allclose(grown(ids).logits, before(ids).logits)
+    with pytest.raises(SystemExit, match="already has target layers"):
+        grow_draft(target, [1], [1], cpu, width, one / "model.safetensors")
+
+    save_draft(grown, resolve_model(str(target_dir)), layers, tmp_path / "int8", weights="int8")
+    with safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt") as f:
+        qkv = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        scale = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale")
+        assert qkv.dtype == torch.int8 and scale.shape == qkv.shape[:1]
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    expected = dequantize_int8_rows(qkv, scale)
+    assert torch.allclose(expected, grown.model.layers[0].self_attn.q_proj.weight, atol=scale.max().item())
+    spec = LLM32(str(target_dir), speculative_method="draft_model", draft_model=str(tmp_path / "int8"),
+                 num_speculative_tokens=3, speculative_adaptive=False, **SMALL)
+    loaded = spec.engine.drafter.model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(loaded[:expected.shape[0]], expected)
+    plain = LLM32(str(target_dir), **SMALL)
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert spec.engine.spec_stats.num_drafts > 0
+    # A training run continues from the int8 checkpoint: the same weights, dequantised.
+    again = build_draft(target, layers, cpu, width)
+    load_own_weights(again, tmp_path / "int8" / "model.safetensors")
+    assert torch.equal(again.model.layers[0].self_attn.q_proj.weight, expected)
+
+
+def test_an_int8_weight_without_its_scales_is_refused(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+    from specserve.drafts.train_draft import build_draft, load_own_weights, save_draft
+    from transformers import AutoModelForCausalLM
+
+    from specserve.loader import resolve_model
+
+    target_dir = tiny_model_dir("smollm2_tied_gqa3")
+    draft = layers_only_draft(tmp_path / "draft", target_dir, [0])
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model = build_draft(target, [0], torch.device("cpu"))
+    load_own_weights(model, draft / "model.safetensors")
+    save_draft(model, resolve_model(str(target_dir)), [0], draft, weights="int8")
+    state = load_file(str(draft / "model.safetensors"))
+    del state["model.layers.0.mlp.up_proj.weight_scale"]
+    save_file(state, str(draft / "model.safetensors"))
+    with pytest.raises(SpecserveError, match="comes without 'model.layers.0.mlp.up_proj.weight_scale'"):
+        LLM32(str(target_dir), speculative_method="draft_model", draft_model=str(draft), **SMALL)
+
+
 def test_only_the_default_model_has_a_built_in_draft(tiny_model_dir):
     assert shipped_draft_for(str(tiny_model_dir("llama"))) is None
     with pytest.raises(SpecserveError, match="needs a draft checkpoint"):
@@ -171,6 +240,30 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert warm["training"]["history"]["val"][0]["kl"] == pytest.approx(record["training"]["final_val"]["kl"], rel=0.05)
     assert warm["training"]["history"]["val"][0]["kl"] != record["training"]["history"]["val"][0]["kl"]
     assert "--init-from" in (tmp_path / "c" / "MODEL_CARD.md").read_text()
+
+
+def test_a_training_run_grows_a_draft_and_saves_it_in_int8(tmp_path, tiny_model_dir):
+    """``--init-from D --add-layers L --weights int8``: the run starts where D ended (its
+    first validation equals D's last, up to int8 rounding), and the engine loads the result."""
+    from specserve.drafts.train_draft import main
+
+    argv = ["--target", str(tiny_model_dir("smollm2_tied_gqa3")), "--work-dir", str(tmp_path / "work"),
+            "--device", "cpu", "--num-prompts", "4", "--num-val-prompts", "2", "--max-new-tokens", "6",
+            "--max-seq-len", "256", "--steps", "3", "--batch-tokens", "512", "--eval-max-tokens", "6",
+            "--eval-baselines", ""]
+    one = main(argv + ["--out", str(tmp_path / "one"), "--eval-prompts", "0", "--num-layers", "1",
+                       "--init-layers", "1"])
+    with pytest.raises(SystemExit, match="grows a layers-only draft: name it with --init-from"):
+        main(argv + ["--out", str(tmp_path / "x"), "--add-layers", "0"])
+    grown = main(argv + ["--out", str(tmp_path / "grown"), "--eval-prompts", "1", "--init-from",
+                         str(tmp_path / "one"), "--add-layers", "0", "--weights", "int8"])
+    assert grown["init_layers"] == [0, 1] and grown["num_layers"] == 2
+    assert grown["training"]["history"]["val"][0]["kl"] == pytest.approx(one["training"]["final_val"]["kl"], rel=0.05)
+    assert grown["evaluation"]["mean_acceptance_length"]["draft_model"]["chat"] >= 1.0
+    config = json.loads((tmp_path / "grown" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["specserve_draft"]["weights"] == "int8"
+    card = (tmp_path / "grown" / "MODEL_CARD.md").read_text()
+    assert "--add-layers" in card and "int8 matrices" in card
 
 
 @pytest.fixture
