@@ -547,9 +547,13 @@ def load_own_weights(draft, path: Path, layer_at: list[int] | None = None) -> No
     grown draft, ``grow_draft``); the other layers keep their weights."""
     from safetensors.torch import load_file
 
+    from specserve.errors import ModelLoadError
     from specserve.loader import dequantize_int8_state
 
-    state = dequantize_int8_state(load_file(str(path)), str(path))
+    try:
+        state = dequantize_int8_state(load_file(str(path)), str(path))
+    except ModelLoadError as exc:
+        raise SystemExit(f"--init-from: {exc}") from None
     own = own_parameters(draft)
     expected = set(own)
     if layer_at is not None:

@@ -147,6 +147,8 @@ def test_an_int8_weight_without_its_scales_is_refused(tmp_path, tiny_model_dir):
     save_file(state, str(draft / "model.safetensors"))
     with pytest.raises(SpecserveError, match="comes without 'model.layers.0.mlp.up_proj.weight_scale'"):
         LLM32(str(target_dir), speculative_method="draft_model", draft_model=str(draft), **SMALL)
+    with pytest.raises(SystemExit, match="comes without 'model.layers.0.mlp.up_proj.weight_scale'"):
+        load_own_weights(model, draft / "model.safetensors")  # a training warm start: one line too
 
 
 def test_only_the_default_model_has_a_built_in_draft(tiny_model_dir):
