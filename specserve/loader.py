@@ -325,17 +325,9 @@ def _iter_checkpoint(files: ModelFiles):
             raise ModelLoadError(f"{files.name}: corrupt tensor {key!r} "
                                  f"({type(exc).__name__})") from None
 
-    for handle, key in tqdm(names, desc=f"Loading {files.name}", unit="tensor",
-                            leave=False, disable=None):
-        if key.endswith(INT8_SCALE_SUFFIX) and key[:-len(INT8_SCALE_SUFFIX)] in handle_of:
-            continue  # read with its weight
-        tensor = read(key)
-        if tensor.dtype == torch.int8:
-            scale = key + INT8_SCALE_SUFFIX
-            if scale not in handle_of:
-                raise ModelLoadError(f"{files.name}: int8 tensor {key!r} comes without {scale!r}")
-            tensor = dequantize_int8_rows(tensor, read(scale))
-        yield key, tensor
+    yield from dequantized_int8([key for _, key in names], read, files.name,
+                                lambda keys: tqdm(keys, desc=f"Loading {files.name}", unit="tensor",
+                                                  leave=False, disable=None))
 
 
 # Weights stored in int8 (a draft checkpoint kept small, ``train_draft --weights int8``): the
@@ -351,19 +343,27 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def dequantized_int8(names: list[str], read, where: str, progress=iter):
+    """(name, tensor) for each tensor ``names`` lists, ``read(name)`` giving it: an int8
+    weight dequantised with its scales, which are not yielded themselves. ``progress``
+    wraps the walk over ``names`` (a progress bar)."""
+    present = set(names)
+    for name in progress(names):
+        if name.endswith(INT8_SCALE_SUFFIX) and name[:-len(INT8_SCALE_SUFFIX)] in present:
+            continue  # read with its weight
+        tensor = read(name)
+        if tensor.dtype == torch.int8:
+            scale = name + INT8_SCALE_SUFFIX
+            if scale not in present:
+                raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {scale!r}")
+            tensor = dequantize_int8_rows(tensor, read(scale))
+        yield name, tensor
+
+
 def dequantize_int8_state(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
     """A whole state dict read at once (``safetensors.torch.load_file``) with its int8
     weights dequantised and their scales dropped."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith(INT8_SCALE_SUFFIX) and name[:-len(INT8_SCALE_SUFFIX)] in state:
-            continue
-        if tensor.dtype == torch.int8:
-            if name + INT8_SCALE_SUFFIX not in state:
-                raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {name + INT8_SCALE_SUFFIX!r}")
-            tensor = dequantize_int8_rows(tensor, state[name + INT8_SCALE_SUFFIX])
-        out[name] = tensor
-    return out
+    return dict(dequantized_int8(list(state), state.__getitem__, where))
 
 
 def dequantize_int8_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
