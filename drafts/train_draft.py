@@ -508,10 +508,10 @@ def parse_init_layers(spec: str, num_layers: int, target_layers: int) -> list[in
     return layers
 
 
-def parse_added_layers(args, start: dict | None, target_layers: int) -> list[int]:
+def parse_added_layers(args, from_layers_draft: bool, target_layers: int) -> list[int]:
     if not args.add_layers:
         return []
-    if not start or start["specserve_draft"].get("kind") == "eagle" or args.arch == "eagle":
+    if not from_layers_draft or args.arch == "eagle":
         raise SystemExit("--add-layers grows a layers-only draft: name it with --init-from")
     try:
         added = [int(x) % target_layers for x in args.add_layers.split(",")]
@@ -574,14 +574,16 @@ def load_own_weights(draft, path: Path, layer_at: list[int] | None = None) -> No
 
 def grow_draft(target, start_layers: list[int], added: list[int], device: torch.device,
                intermediate_size: int, checkpoint: Path):
-    """A draft of target layers ``start_layers`` + ``added`` (in target order): the
-    checkpoint's layers where they were, each added layer copied from the target (MLP
+    """A draft of target layers ``start_layers`` + ``added`` (in target order; none added:
+    the checkpoint as it is): the checkpoint's layers where they were, each added layer copied from the target (MLP
     narrowed as ``build_draft``) with ``o_proj`` and ``down_proj`` at zero. Those layers
     then add nothing to the residual stream: the grown draft computes exactly what the
     checkpoint does, and training starts from there. Returns (draft, its target layers)."""
     if set(added) & set(start_layers) or len(set(added)) != len(added):
         raise SystemExit(f"--add-layers {added}: the checkpoint already has target layers {start_layers}")
-    layers = sorted(start_layers + added)
+    layers = list(start_layers)  # their order kept; each added one before the first higher one
+    for i in sorted(added):
+        layers.insert(next((at for at, j in enumerate(layers) if j > i), len(layers)), i)
     draft = build_draft(target, layers, device, intermediate_size)
     load_own_weights(draft, checkpoint, [layers.index(i) for i in start_layers])
     with torch.no_grad():
@@ -1218,15 +1220,13 @@ def main(argv=None) -> dict:
     start_is_eagle = bool(start) and start["specserve_draft"].get("kind") == "eagle"
     if args.weights != "bfloat16" and args.arch == "eagle":
         raise SystemExit("--weights int8 stores a layers-only draft; an EAGLE head is saved in bf16")
-    added = parse_added_layers(args, start, target.config.num_hidden_layers)
-    if added:
+    added = parse_added_layers(args, bool(start) and not start_is_eagle, target.config.num_hidden_layers)
+    if start and not start_is_eagle:  # a warm start, grown by the added layers if any
         draft, init_layers = grow_draft(target, init_layers, added, device, args.intermediate_size,
                                         Path(args.init_from) / "model.safetensors")
         args.num_layers = len(init_layers)
     else:
         draft = build_draft(target, init_layers, device, args.intermediate_size)
-    if start and not start_is_eagle and not added:
-        load_own_weights(draft, Path(args.init_from) / "model.safetensors")
     if args.arch == "eagle":
         from specserve.drafts.eagle_training import EagleHead, load_head_weights
 

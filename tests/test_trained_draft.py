@@ -106,6 +106,14 @@ def test_a_grown_draft_starts_as_its_checkpoint_and_int8_weights_load_lossless(t
         assert not torch.allclose(grown(ids).logits, before(ids).logits)
     with pytest.raises(SystemExit, match="already has target layers"):
         grow_draft(target, [1], [1], cpu, width, one / "model.safetensors")
+    # Nothing added: the checkpoint as it is, its layer order kept even where it is not the target's.
+    reversed_dir = layers_only_draft(tmp_path / "reversed", target_dir, [1, 0])
+    plain = build_draft(target, [1, 0], cpu)
+    load_own_weights(plain, reversed_dir / "model.safetensors")
+    same, order = grow_draft(target, [1, 0], [], cpu, width, reversed_dir / "model.safetensors")
+    assert order == [1, 0]
+    with torch.no_grad():
+        assert torch.equal(same(ids).logits, plain(ids).logits)
 
     save_draft(grown, resolve_model(str(target_dir)), layers, tmp_path / "int8", weights="int8")
     with safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt") as f:
@@ -261,7 +269,8 @@ def test_a_training_run_grows_a_draft_and_saves_it_in_int8(tmp_path, tiny_model_
                          str(tmp_path / "one"), "--add-layers", "0", "--weights", "int8"])
     assert grown["init_layers"] == [0, 1] and grown["num_layers"] == 2
     assert grown["training"]["history"]["val"][0]["kl"] == pytest.approx(one["training"]["final_val"]["kl"], rel=0.05)
-    assert grown["evaluation"]["mean_acceptance_length"]["draft_model"]["chat"] >= 1.0
+    assert "evaluation_error" not in grown  # the engine loaded and ran the int8 checkpoint
+    assert set(grown["evaluation"]["mean_acceptance_length"]["draft_model"]) == {"chat", "code"}
     config = json.loads((tmp_path / "grown" / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["specserve_draft"]["weights"] == "int8"
     card = (tmp_path / "grown" / "MODEL_CARD.md").read_text()
