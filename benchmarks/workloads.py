@@ -20,6 +20,14 @@ __all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "drafter_setting
 
 def drafter_settings(spec: str) -> dict:
     """A benchmark's drafter: a speculative method (``none`` for speculation off), or
-    ``draft_model@PATH`` for a draft checkpoint other than the built-in one."""
+    ``draft_model@PATH`` for a draft checkpoint other than the built-in one; ``:paths=N``
+    after either verifies N draft paths per request (``num_draft_paths``)."""
+    spec, _, options = spec.partition(":")
     method, _, path = spec.partition("@")
-    return {"speculative_method": method, **({"draft_model": path} if path else {})}
+    settings = {"speculative_method": method, **({"draft_model": path} if path else {})}
+    if options:
+        name, _, value = options.partition("=")
+        if name != "paths" or not value.isdigit():
+            raise SystemExit(f"unknown drafter option {options!r} (expected paths=N)")
+        settings["num_draft_paths"] = int(value)
+    return settings

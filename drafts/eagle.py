@@ -38,6 +38,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
 class EagleDrafter(ModelDrafter):
     needs_every_step = True  # the head's cache follows every pass of the target
+    max_paths = 1  # its features follow each request's pass by request id
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__("draft_model", model, config, device, dtype)
@@ -99,7 +100,7 @@ class EagleDrafter(ModelDrafter):
         self._collect(requests)
         self._seen = scheduled
         entries, features, drafting, ends = [], [], [], {}
-        for planned in scheduled:
+        for planned in scheduled:  # one entry per request: the head drafts one path
             k, start = planned.num_lookahead, planned.start_pos
             # Entries below ``fed`` are valid; a drafting request re-feeds at least its last
             # one (s - 1), whose output is the first proposal.
@@ -138,7 +139,9 @@ class EagleDrafter(ModelDrafter):
                                      meta and _head(meta, n))
             columns.append(tokens)
             q_columns.append(q)
-        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
+        index = {id(p): i for i, p in enumerate(scheduled)}
+        draft_ids, draft_probs = self._in_schedule_order(scheduled, [index[id(p)] for p in order],
+                                                         columns, q_columns)
         placeholders = [[0] * p.num_lookahead for p in scheduled]
         return DraftProposal(placeholders, draft_probs, draft_ids)
 

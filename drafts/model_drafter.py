@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
-from specserve.drafts.base import DraftProposal
+from specserve.drafts.base import DRAFT_FORKS, DraftProposal
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
@@ -41,6 +41,7 @@ class ModelDrafter:
     """
 
     needs_every_step = True  # a draft checkpoint's cache prefills and catches up every step
+    max_paths = 1 + len(DRAFT_FORKS)
 
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
@@ -97,68 +98,78 @@ class ModelDrafter:
         return "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
 
     # ------------------------------------------------------------------ the step
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        if not self.shares_target_cache:  # the shared cache is the target runner's, copied there
+            self.runner.copy_blocks(block_copies)
+
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:
-        entries, drafting, ends = [], [], {}
-        for planned in scheduled:
+        entries, drafting, ends, fed_before = [], [], {}, {}
+        for i, planned in enumerate(scheduled):
             k = planned.num_lookahead
             if k == 0 and self.shares_target_cache:
                 continue  # nothing to keep up with: the target fills the shared cache
+            req_id = planned.req_id
             end = planned.start_pos + len(planned.token_ids)
-            fed = planned.start_pos if self.shares_target_cache else min(
-                self._fed.get(planned.req_id, 0), planned.start_pos)
-            tokens = requests[planned.req_id].all_token_ids[fed:end]
-            entries.append(ScheduledRequest(planned.req_id, tokens, fed, planned.block_table,
-                                            planned.params, sample=k > 0))
+            # A request's further draft paths catch up from where the request's own does.
+            fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
+                req_id, min(self._fed.get(req_id, 0), planned.start_pos))
+            tokens = requests[req_id].all_token_ids[fed:end]
+            entries.append((i, ScheduledRequest(req_id, tokens, fed, planned.block_table,
+                                                planned.params, sample=k > 0)))
             if not self.shares_target_cache:
-                self._fed[planned.req_id] = end
+                self._fed[req_id] = end
             if k:
-                drafting.append(planned)
-                ends[planned.req_id] = end
+                drafting.append(i)
+                ends[i] = end
         if not drafting:
             if entries:
-                self._forward(entries)
+                self._forward([e for _, e in entries])
             return DraftProposal([[] for _ in scheduled])
         # Longest k first, so the requests still drafting at step j are always a prefix
         # and each step's inputs are a slice of the previous step's outputs. The catch-up
         # batch puts them first, in that order, so its logits rows are in it too.
-        order = sorted(drafting, key=lambda p: -p.num_lookahead)
-        rank = {p.req_id: i for i, p in enumerate(order)}
-        entries.sort(key=lambda e: rank.get(e.req_id, len(order)))
+        order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
+        rank = {i: r for r, i in enumerate(order)}
+        entries.sort(key=lambda e: rank.get(e[0], len(order)))
+        active = [scheduled[i] for i in order]
         meta = None
-        if any(not p.params.greedy for p in order):
-            meta = SamplingMetadata.build([p.params for p in order], self.device)
-        logits = self._forward(entries)
-        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta)
+        if any(not p.params.greedy for p in active):
+            meta = SamplingMetadata.build([p.params for p in active], self.device)
+        forking = any(p.fork for p in active)  # further draft paths take runner-up candidates
+        logits = self._forward([e for _, e in entries])
+        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, 0 if forking else None)
         columns, q_columns = [tokens], [q]
-        for j in range(1, order[0].num_lookahead):
-            active = order[:sum(p.num_lookahead > j for p in order)]
-            n = len(active)
+        for j in range(1, active[0].num_lookahead):
+            n = sum(p.num_lookahead > j for p in active)
+            active = active[:n]
             # Feed the step-(j-1) proposal d_j at position end + j - 1; its id is on the device.
-            step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 1, p.block_table, p.params)
-                    for p in active]
+            step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params)
+                    for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
-                                     meta and _head(meta, n))
+            tokens, q = self._choose(logits, active, [ends[i] + j for i in order[:n]],
+                                     meta and _head(meta, n), j if forking else None)
             columns.append(tokens)
             q_columns.append(q)
             if not self.shares_target_cache:
                 for p in active:
-                    self._fed[p.req_id] += 1
+                    if not p.path:  # a request's paths feed the same positions
+                        self._fed[p.req_id] += 1
         draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
         placeholders = [[0] * p.num_lookahead for p in scheduled]
         return DraftProposal(placeholders, draft_probs, draft_ids)
 
     def _in_schedule_order(self, scheduled, order, columns, q_columns):
         """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
-        schedule order, from the per-step ``columns`` over (a prefix of) ``order``."""
+        schedule order, from the per-step ``columns`` over (a prefix of) ``order``, the
+        drafting entries' indices in ``scheduled``."""
         sampled = q_columns[0] is not None
-        if all(p.num_lookahead == len(columns) for p in order):  # ``order`` is schedule order then
+        if all(scheduled[i].num_lookahead == len(columns) for i in order):  # ``order`` is schedule order then
             q = torch.stack(q_columns, dim=1).flatten(0, 1) if sampled else None
             return torch.stack(columns, dim=1).view(-1), q
         starts = [0, *accumulate(len(c) for c in columns)]
-        rank = {p.req_id: i for i, p in enumerate(order)}
-        (index,) = to_device([[starts[j] + rank[p.req_id] for p in scheduled for j in range(p.num_lookahead)]],
+        rank = {i: r for r, i in enumerate(order)}
+        (index,) = to_device([[starts[j] + rank[i] for i, p in enumerate(scheduled) for j in range(p.num_lookahead)]],
                              torch.int64, self.device)
         q = torch.cat(q_columns).index_select(0, index) if sampled else None
         return torch.cat(columns).index_select(0, index), q
@@ -167,13 +178,19 @@ class ModelDrafter:
         return self.runner.execute(SchedulerOutput(entries, []), self.num_layers, device_ids)
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
-                meta: SamplingMetadata | None):
+                meta: SamplingMetadata | None, depth: int | None = None):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
-        argmax, sampling ones draw from q, which is returned too (``[len(active), vocab]``,
-        else None) for the rejection sampler. ``positions``: the index of the token each
-        row drafts, which keys its random number; ``meta``: the rows' sampling settings
-        (None: all greedy)."""
-        greedy = logits.argmax(dim=-1)
+        argmax — a further draft path forking at this ``depth`` (None: no row has a fork)
+        its fork's rank-th candidate —, sampling ones draw from q, which is returned too
+        (``[len(active), vocab]``, else None) for the rejection sampler. ``positions``:
+        the index of the token each row drafts, which keys its random number; ``meta``:
+        the rows' sampling settings (None: all greedy)."""
+        ranks = [] if depth is None else [p.fork[1] if p.fork and p.fork[0] == depth else 0 for p in active]
+        if any(ranks):
+            (ranks_t,) = to_device([ranks], torch.int64, self.device)
+            greedy = logits.topk(max(ranks) + 1, dim=-1).indices.gather(1, ranks_t[:, None])[:, 0]
+        else:
+            greedy = logits.argmax(dim=-1)
         if meta is None:
             return greedy, None
         q = target_probs(logits, meta)

@@ -110,6 +110,7 @@ class NgramIndex:
 class NgramDrafter:
     name = "ngram"
     needs_every_step = False  # each request's index catches up on the tokens at its next lookup
+    max_paths = 1  # one continuation per lookup
 
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n
@@ -123,6 +124,9 @@ class NgramDrafter:
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         pass
+
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        pass  # no KV cache
 
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:

@@ -72,6 +72,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                         "--no-speculative-adaptive drafts k for every request every step)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
+    s.add_argument("--num-draft-paths", type=int, default=1,
+                   help="draft_model / layerskip: draft paths a greedy request verifies per step, "
+                        "1-4: its best guesses and up to 3 that take a runner-up candidate at one "
+                        "depth (a static draft tree); each costs 1 + k more tokens (default: 1)")
     s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched (default: 2)")
     s.add_argument("--layerskip-layers", type=int, default=None,
@@ -82,7 +86,7 @@ ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batche
                 "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
                 "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend", "enforce_eager",
                 "cuda_graph_max_tokens", "tensor_parallel_size",
-                "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "prompt_lookup_max", "prompt_lookup_min",
+                "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "num_draft_paths", "prompt_lookup_max", "prompt_lookup_min",
                 "layerskip_layers")
 
 

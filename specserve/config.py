@@ -52,6 +52,10 @@ class EngineConfig:
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
+    # draft_model / layerskip: draft paths a greedy request verifies per step — its best
+    # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
+    # draft tree; see drafts/base.py DRAFT_FORKS). Each costs 1 + k more tokens a step.
+    num_draft_paths: int = 1
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match
     layerskip_layers: int | None = None  # layerskip: target layers the draft runs (default: 1/4)
@@ -106,6 +110,12 @@ class EngineConfig:
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.layerskip_layers is not None and self.layerskip_layers < 1:
             raise SpecserveError(f"layerskip_layers must be >= 1, got {self.layerskip_layers}")
+        if not _is_int(self.num_draft_paths) or not 1 <= self.num_draft_paths <= 4:
+            raise SpecserveError(f"num_draft_paths must be in [1, 4], got {self.num_draft_paths!r}")
+        if self.num_draft_paths > 1 and self.speculative_method not in ("draft_model", "layerskip"):
+            raise SpecserveError(f"num_draft_paths {self.num_draft_paths} needs speculative_method "
+                                 f"draft_model or layerskip (a drafter that ranks candidates), "
+                                 f"not {self.speculative_method!r}")
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
         _ = self.torch_device  # raises on a bad or unavailable device

@@ -17,7 +17,7 @@ from specserve.batch import DeviceTokenIds
 from specserve.config import EngineConfig
 from specserve.drafts import build_drafter
 from specserve.distributed import init_tensor_parallel
-from specserve.drafts.base import DraftProposal
+from specserve.drafts.base import DRAFT_FORKS, DraftProposal
 from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
@@ -115,11 +115,12 @@ class LLMEngine:
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.enable_graphs()
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
+                                   self.max_model_len, self._draft_forks())
         self.sampler = RejectionSampler(self.device, config.seed)
         self.controller = None
         if self.drafter and config.speculative_adaptive:
-            self.controller = DraftLengthController(config.num_speculative_tokens)
+            self.controller = DraftLengthController(config.num_speculative_tokens,
+                                                    forks=self.scheduler.draft_forks)
             self._profile_step_cost()
             # The profile times passes alone, live steps the host work around them too: it
             # stays to tell costs apart that a steady state cannot, but weighs little.
@@ -143,6 +144,15 @@ class LLMEngine:
         self.runner.enable_graphs(1 + max_k, self.max_model_len, capture)
         if self.drafter:
             self.drafter.enable_graphs(self.max_model_len, capture)
+
+    def _draft_forks(self) -> list[tuple[int, int]]:
+        """Where further draft paths fork from a request's own (``num_draft_paths`` - 1 of
+        ``DRAFT_FORKS``); refused for a drafter that proposes one path only."""
+        paths = self.config.num_draft_paths
+        if paths > 1 and self.drafter.max_paths < paths:
+            raise SpecserveError(f"num_draft_paths {paths}: this drafter ({self.drafter.describe()}) "
+                                 f"proposes {self.drafter.max_paths} path(s) at most")
+        return list(DRAFT_FORKS[:paths - 1])
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
@@ -277,15 +287,20 @@ class LLMEngine:
         if self.controller and update.num_planned:
             self.controller.observe_acceptance(update.req.req_id, update.num_planned,
                                                update.num_draft_tokens, update.num_accepted)
-        update.req.spec_stats.record(update.num_draft_tokens, accepted)
-        self.spec_stats.record(update.num_draft_tokens, accepted)
+        path_won = update.path > 0
+        update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
+        self.spec_stats.record(update.num_draft_tokens, accepted, path_won)
 
     def _verify(self, scheduled: SchedulerOutput) -> StepResult:
         """Propose drafts, run the one ragged target pass, rejection-sample."""
         start = time.perf_counter()
         # k per sampling request (only those draft): the histogram, and whether anyone drafts.
-        lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample] if self.drafter else []
+        lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample and not p.path] \
+            if self.drafter else []
         self._drafted = any(lookahead)
+        if scheduled.block_copies:  # draft paths' first blocks, in every cache
+            self.runner.copy_blocks(scheduled.block_copies)
+            self.drafter.copy_blocks(scheduled.block_copies)
         proposal = self._propose(scheduled, self._drafted)
         drafted = time.perf_counter()
         draft_ids = proposal.draft_ids if proposal else None  # proposals still on the device

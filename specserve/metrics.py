@@ -11,6 +11,8 @@ class SpecDecodeStats:
 
     ``accepted_per_position[j]`` counts drafts whose (j+1)-th token was accepted;
     mean acceptance length = tokens emitted per draft = 1 + accepted / drafts.
+    ``num_path_wins``: drafts whose kept tokens came from a further draft path (a request
+    verifying several paths keeps the longest accepted one; its drafts count once).
     """
 
     num_drafts: int = 0
@@ -18,11 +20,13 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_per_position: list[int] = field(default_factory=list)
+    num_path_wins: int = 0
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, path_won: bool = False) -> None:
         if num_draft_tokens == 0:
             return
         self.num_drafts += 1
+        self.num_path_wins += path_won
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         for counts, upto in ((self.drafts_per_position, num_draft_tokens),
@@ -45,7 +49,8 @@ class SpecDecodeStats:
 
     def copy(self) -> "SpecDecodeStats":
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_position), list(self.drafts_per_position))
+                               list(self.accepted_per_position), list(self.drafts_per_position),
+                               self.num_path_wins)
 
     @classmethod
     def total(cls, stats: "list[SpecDecodeStats]") -> "SpecDecodeStats":
@@ -55,6 +60,7 @@ class SpecDecodeStats:
             out.num_drafts += s.num_drafts
             out.num_draft_tokens += s.num_draft_tokens
             out.num_accepted_tokens += s.num_accepted_tokens
+            out.num_path_wins += s.num_path_wins
             for mine, theirs in ((out.accepted_per_position, s.accepted_per_position),
                                  (out.drafts_per_position, s.drafts_per_position)):
                 mine.extend([0] * (len(theirs) - len(mine)))

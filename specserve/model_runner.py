@@ -193,6 +193,16 @@ class ModelRunner:
             return logits
         return self.forward(self.prepare(output, device_ids), num_layers)
 
+    @torch.inference_mode()
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) of every layer's K and V cache; under
+        tensor parallelism every rank copies its own."""
+        if self.channel is not None:
+            self.channel.send_copies(block_copies)
+        caches = [cache for layer in self.kv_caches for cache in layer]
+        torch._foreach_copy_([cache[dst] for cache in caches for _, dst in block_copies],
+                             [cache[src] for cache in caches for src, _ in block_copies])
+
     def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
         """The query rows a pass over ``output`` computes where it pads: a CUDA-graph
         replay pads every request to the longest query, and an attention backend that

@@ -27,6 +27,11 @@ class ScheduledRequest:
     # Set by the drafter before the forward pass: at most num_lookahead proposals, fed
     # after token_ids and verified in the same pass.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A further draft path of the same request (path > 0; the request's own entry is path
+    # 0): it feeds the same tokens over a block table of its own, and its drafts take the
+    # drafter's ``fork`` = (depth, rank) candidate at that depth instead of the best one.
+    path: int = 0
+    fork: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +42,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[str]
+    # (source, destination) block ids to copy in every KV cache before the step's first
+    # pass: a draft path's first own block gets its request's tokens before the fork.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -66,6 +74,7 @@ class RequestUpdate(NamedTuple):
     num_draft_tokens: int       # proposals verified this step
     num_accepted: int           # of which the target accepted (before any stop cut)
     num_planned: int = 0        # draft slots planned (k_i); a drafter may propose fewer
+    path: int = 0               # the draft path whose tokens were kept (0: the request's own)
 
 
 class Scheduler:
@@ -78,11 +87,18 @@ class Scheduler:
     admitted only when its chunk's KV blocks can be allocated. When a running request
     cannot get blocks, the newest running request is preempted (its blocks freed, its
     progress dropped) and put back at the front of the waiting queue to be recomputed.
+
+    Draft paths (``draft_forks``, one (depth, rank) per path after a request's own) come
+    last, from what the step leaves over: a greedy request drafting k tokens gets each
+    further path whose fork depth is below k — 1 + k more tokens of the budget and a
+    block table of its own from its last computed token on — while budget and free blocks
+    last, first paths of every request before second ones. A path never preempts.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, draft_forks: list[tuple[int, int]] | None = None) -> None:
         self.kv = kv
+        self.draft_forks = list(draft_forks or [])
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -185,7 +201,31 @@ class Scheduler:
             self._log_running(req, True)
             scheduled.append(self._plan(req, num_new, 0))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
+        output = SchedulerOutput(scheduled, preempted)
+        if self.draft_forks and budget > 0:
+            self._add_paths(output, budget)
+        return output
+
+    def _add_paths(self, output: SchedulerOutput, budget: int) -> None:
+        """Further draft paths for the step's greedy drafting requests, from ``budget``."""
+        drafting = [p for p in output.scheduled if p.num_lookahead and p.params.greedy]
+        for path, (depth, rank) in enumerate(self.draft_forks, start=1):
+            for p in drafting:
+                k = p.num_lookahead
+                if depth >= k:
+                    continue
+                if 1 + k > budget:
+                    return
+                # From the last computed token on: a draft cache may be a token behind the
+                # target's (after a step that accepted every draft) and write it this step.
+                copy = self.kv.fork(p.req_id, path, max(p.start_pos - 1, 0), p.start_pos + 1 + k)
+                if copy is None:
+                    return
+                output.block_copies.append(copy)
+                output.scheduled.append(ScheduledRequest(
+                    p.req_id, p.token_ids, p.start_pos, self.kv.path_block_table(p.req_id, path),
+                    p.params, num_lookahead=k, path=path, fork=(depth, rank)))
+                budget -= 1 + k
 
     def _max_drafts(self, req: Request) -> int:
         """Drafts past the request's last possible token would be wasted work: k accepted
@@ -237,12 +277,20 @@ class Scheduler:
         Returns an update for every request that sampled.
         """
         new_tokens = iter(result.new_token_ids)
+        best_paths = _best_paths(output, result) if output.block_copies else None
         updates: list[RequestUpdate] = []
         for planned in output.scheduled:
             req = self.requests.get(planned.req_id)
             sampled = next(new_tokens) if planned.sample else None
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if planned.path or req is None or req.status is not RequestStatus.RUNNING:
+                continue  # a further path (its request keeps the best), or aborted while the step ran
+            if best_paths and req.req_id in best_paths:
+                # The longest accepted path wins; a tie keeps the request's own.
+                path, path_sampled = best_paths[req.req_id]
+                won = len(path_sampled) > len(sampled)
+                self.kv.merge(req.req_id, path.path if won else None)
+                if won:
+                    planned, sampled = path, path_sampled
             num_accepted = len(sampled) - 1 if sampled else 0
             req.num_computed_tokens = planned.start_pos + len(planned.token_ids) + num_accepted
             if planned.num_lookahead:  # rollback: free blocks wholly past the accepted length
@@ -251,7 +299,7 @@ class Scheduler:
                 continue
             appended = self._append(req, sampled)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
-                                         planned.num_lookahead))
+                                         planned.num_lookahead, planned.path))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:
@@ -280,3 +328,14 @@ class Scheduler:
             self.kv.free(req.req_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _best_paths(output: SchedulerOutput, result: StepResult) -> dict[str, tuple[ScheduledRequest, list[int]]]:
+    """Per request with further draft paths, the one that emitted most tokens (the first
+    of equals) and its tokens."""
+    best: dict[str, tuple[ScheduledRequest, list[int]]] = {}
+    sampling = (planned for planned in output.scheduled if planned.sample)
+    for planned, sampled in zip(sampling, result.new_token_ids):
+        if planned.path and len(sampled) > len(best.get(planned.req_id, (None, ()))[1]):
+            best[planned.req_id] = (planned, sampled)
+    return best

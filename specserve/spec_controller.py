@@ -296,8 +296,16 @@ class DraftLengthController:
     together, in one vectorised update, when they are next needed: at 64 requests a
     step's bookkeeping is a handful of numpy operations, not a few hundred."""
 
-    def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True) -> None:
+    def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True,
+                 forks: list[tuple[int, int]] = ()) -> None:
+        """``forks``: the further draft paths' (depth, rank) (``Scheduler.draft_forks``):
+        a request drafting k tokens verifies one path more for each fork above depth k,
+        each 1 + k tokens of the pass and k of the drafter's rows (the plan counts them
+        for every request, though sampling ones draft one path: a small overestimate)."""
         self.max_k = max_k
+        # Draft paths per request at k = 0..max_k.
+        self._paths = np.array([1 + sum(depth < k for depth, _ in forks) if k else 0
+                                for k in range(max_k + 1)])
         self.min_gain = min_gain
         self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
         # [1, tokens, requests, context kilotokens, spans, padded, prefill tokens, prefill?] -> s
@@ -551,17 +559,18 @@ class DraftLengthController:
         _a, b, _q, _x, c, pad, _f, _m = self.target_cost.theta
         pad = pad if padded else 0.0
         d, e = self.draft_cost.theta
-        per_token = b + e  # each drafted token is verified and (roughly) drafted once
         fixed = self.target_cost.predict(_features(num_reqs, num_reqs + num_other_spans, context, 0,
                                                    num_reqs if padded else 0, num_other_tokens))
         depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
         # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
         # times the share of planned drafts the drafter proposes) and the cost of its
-        # verified tokens and span (a planned draft not proposed is not paid for).
+        # verified tokens and spans (a planned draft not proposed is not paid for): each
+        # drafted token is verified and (roughly) drafted once, on each of its paths.
         gain = np.zeros((num_reqs, max_k + 1))
         gain[:, 1:] = np.cumsum(rate * np.cumprod(self._alpha[rows], axis=1), axis=1)
+        ks, paths = np.arange(1, max_k + 1), self._paths[1:]
         cost_k = np.zeros((num_reqs, max_k + 1))
-        cost_k[:, 1:] = rate * (per_token * np.arange(1, max_k + 1) + c)
+        cost_k[:, 1:] = rate * (b * (paths * (1 + ks) - 1) + e * paths * ks + c * paths)
         cost_k[np.arange(max_k + 1)[None, :] > cap[:, None]] = np.inf  # over the request's cap
         every = np.arange(num_reqs)
         k = np.zeros(num_reqs, dtype=int)

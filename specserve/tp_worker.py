@@ -38,7 +38,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("specserve")
 
-STEP, GRAPHS, SHUTDOWN = 1, 2, 3
+STEP, GRAPHS, SHUTDOWN, COPY = 1, 2, 3, 4
 HEADER = 8
 FIRST = 1024  # int64s in the first broadcast: a batch-1 decode over 8k tokens fits
 _NO_PARAMS = SamplingParams()  # the runner never reads a request's sampling parameters
@@ -53,6 +53,7 @@ class Announcement:
     num_layers: int | None = None               # STEP: layer-skip drafting runs a prefix
     device_ids: DeviceTokenIds | None = None    # STEP: tokens whose values came by broadcast
     graphs: tuple[int, int, bool] | None = None  # GRAPHS: max_query_len, max_model_len, capture
+    block_copies: list[tuple[int, int]] | None = None  # COPY: (source, destination) block ids
 
 
 class StepChannel:
@@ -83,6 +84,9 @@ class StepChannel:
     def send_graphs(self, max_query_len: int, max_model_len: int, capture: bool) -> None:
         self._send([GRAPHS, max_query_len, max_model_len, int(capture)], [])
 
+    def send_copies(self, block_copies: list[tuple[int, int]]) -> None:
+        self._send([COPY], [block for pair in block_copies for block in pair])
+
     def send_shutdown(self) -> None:
         """The last message; every rank then meets at a barrier (``receive`` does its side),
         so no rank tears its process group down while another's is still mid-message —
@@ -110,12 +114,14 @@ class StepChannel:
             return Announcement(SHUTDOWN)
         if kind == GRAPHS:
             return Announcement(GRAPHS, graphs=(first[1], first[2], bool(first[3])))
-        if kind != STEP:
+        if kind not in (STEP, COPY):
             raise RuntimeError(f"unknown message kind {kind} from rank 0")
         payload = first[HEADER:HEADER + payload_len]
         if payload_len > FIRST - HEADER:
             rest = torch.empty(payload_len - (FIRST - HEADER), dtype=torch.int64, device=self.tp.device)
             payload += self.tp.broadcast(rest).tolist()
+        if kind == COPY:
+            return Announcement(COPY, block_copies=list(zip(payload[::2], payload[1::2])))
         output, counts = _unpack(payload, num_reqs, num_tokens)
         device_ids = None
         if num_device_ids:
@@ -157,6 +163,8 @@ def follow(runner, channel: StepChannel) -> None:
                 return
             if message.kind == GRAPHS:
                 runner.enable_graphs(*message.graphs)
+            elif message.kind == COPY:
+                runner.copy_blocks(message.block_copies)
             else:
                 runner.execute(message.output, message.num_layers, message.device_ids)
     finally:

@@ -11,10 +11,10 @@ MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or
 COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than the fixed part
 
 
-def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0) -> DraftLengthController:
+def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, forks=()) -> DraftLengthController:
     """``pad``: cost per token of the padded shape a graph replays (every request padded to
-    the longest query)."""
-    ctl = DraftLengthController(max_k)
+    the longest query); ``forks``: further draft paths (``Scheduler.draft_forks``)."""
+    ctl = DraftLengthController(max_k, forks=forks)
     for tokens, spans, padded, reqs in ((1, 0, 1, 1), (5, 1, 5, 1), (8, 0, 8, 8), (40, 8, 40, 8), (12, 1, 40, 8),
                                         (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),
                                         (100, 3, 128, 32)):
@@ -182,6 +182,21 @@ def test_draft_cost_lowers_k():
             ctl.observe_acceptance("r", 4, 4, 0)
     assert cheap.choose({"r": 4})["r"] >= 1
     assert dear.choose({"r": 4})["r"] == 0
+
+
+def test_draft_paths_cost_their_tokens_in_the_plan():
+    """Each further path costs 1 + k verified tokens and k drafted ones: where tokens are
+    dear enough, a request verifying 4 paths drafts less than one verifying a chain, with
+    the same acceptance."""
+    costs = dict(a=0.01, b=0.001, c=0.0)  # a token costs a tenth of a step
+    chain, tree = controller(**costs), controller(**costs, forks=[(0, 1), (1, 1), (0, 2)])
+    assert tree._paths.tolist() == [0, 3, 4, 4, 4]  # paths at k = 0..4: the fork at depth 1 needs k >= 2
+    for ctl in (chain, tree):
+        for _ in range(20):  # all 4 drafts accepted, then only the first
+            ctl.observe_acceptance("r", 4, 4, 4)
+            ctl.observe_acceptance("r", 4, 4, 1)
+    assert chain.choose({"r": 4})["r"] == 4
+    assert tree.choose({"r": 4})["r"] < 4
 
 
 def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_cheap():

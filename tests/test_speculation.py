@@ -164,14 +164,18 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
         LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", **SMALL)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, tiny_model_dir, draft_dirs):
+@pytest.mark.parametrize("seed, paths", [(0, 1), (1, 1), (2, 1), (3, 3)])
+def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, paths, tiny_model_dir, draft_dirs):
     """Many requests, drafts, aborts and a cache small enough to force preemption. After
-    every step each live request holds exactly the blocks its computed tokens need."""
+    every step each live request holds exactly the blocks its computed tokens need (with
+    draft paths: its paths' blocks were merged or freed)."""
     rng = random.Random(seed)
     engine = LLMEngine(dtype="float32", model=str(tiny_model_dir("llama")), speculative_method="draft_model",
                        draft_model=str(draft_dirs["small"]), num_speculative_tokens=3,
-                       max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36)
+                       max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36,
+                       num_draft_paths=paths)
+    forked, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda drafts=None: forked.append(schedule(drafts)) or forked[-1]
     finished, submitted = {}, []
     for step_no in range(400):
         if step_no < 120 and rng.random() < 0.3:
@@ -203,6 +207,7 @@ def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, tiny_mod
     assert set(finished.values()) <= {"stop", "length", "abort"}
     assert engine.scheduler.num_preemptions > 0
     assert engine.num_free_blocks == engine.kv.num_blocks
+    assert (sum(len(out.block_copies) for out in forked) > 0) == (paths > 1)
 
 
 @pytest.mark.parametrize("tokens, k, expected", [

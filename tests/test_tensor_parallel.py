@@ -141,7 +141,7 @@ class _Loopback(TPGroup):
 @pytest.mark.parametrize("num_reqs,context", [(3, 40), (40, 300)])  # the second needs 2 broadcasts
 def test_step_messages_rebuild_the_schedule(num_reqs, context):
     from specserve.batch import DeviceTokenIds
-    from specserve.tp_worker import GRAPHS, SHUTDOWN, STEP, StepChannel
+    from specserve.tp_worker import COPY, GRAPHS, SHUTDOWN, STEP, StepChannel
 
     queue: list = []
     send, receive = StepChannel(_Loopback(queue, 0)), StepChannel(_Loopback(queue, 1))
@@ -158,6 +158,7 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     send.send_step(step, 3)
     send.send_step(step, None, on_device)
     send.send_graphs(5, 4096, True)
+    send.send_copies([(3, 17), (4, 18)])
     send.send_shutdown()
     for num_layers, device_ids in ((None, None), (3, None), (None, on_device)):
         got = receive.receive()
@@ -171,6 +172,8 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
             assert got.device_ids.counts == device_ids.counts
             assert torch.equal(got.device_ids.ids, device_ids.ids)
     assert receive.receive().graphs == (5, 4096, True)
+    copies = receive.receive()
+    assert copies.kind == COPY and copies.block_copies == [(3, 17), (4, 18)]
     assert send.tp.barriers == 1 and receive.tp.barriers == 0  # only the shutdown meets
     assert receive.receive().kind == SHUTDOWN and not queue
     assert receive.tp.barriers == 1
@@ -258,6 +261,11 @@ ENGINE_RUNS = [
          engine=dict(block_size=4, num_kv_blocks=128, speculative_method="draft_model",
                      num_speculative_tokens=3, speculative_adaptive=False),
          params=[GREEDY, dict(temperature=0.8, seed=2, max_tokens=20, ignore_eos=True)]),
+    # draft paths: every rank copies each path's first block in its own cache
+    dict(name="draft_paths", variant="llama", draft="near",
+         engine=dict(block_size=4, num_kv_blocks=128, speculative_method="draft_model",
+                     num_speculative_tokens=3, speculative_adaptive=False, num_draft_paths=3),
+         params=[GREEDY]),
 ]
 
 
@@ -275,6 +283,14 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
         make_hf_model(variant, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
         made[name] = path
+    near = make_hf_model("llama")  # the target perturbed: its runner-up guesses are often right
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    made["near"] = tmp_path_factory.mktemp("tp-near")
+    near.save_pretrained(made["near"])
+    tiny_tokenizer.save_pretrained(made["near"])
     return made
 
 
@@ -334,9 +350,11 @@ def test_engine_output_equals_unsharded(tp_job, tp_models, run):
     want = [[o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)]
             for p in run["params"]]
     assert tp_job[0]["outputs"][run["name"]] == want
-    free, total, drafts = tp_job[0]["free_blocks"][run["name"]]
+    free, total, drafts, path_wins = tp_job[0]["free_blocks"][run["name"]]
     assert free == total  # every block back in the pool
     assert drafts > 0
+    # Kept tokens came from further paths, whose first blocks both ranks copied.
+    assert (path_wins > 0) == (run["engine"].get("num_draft_paths", 1) > 1)
 
 
 def test_a_draft_sharing_the_split_embeddings_is_refused(tmp_path, tiny_tokenizer):

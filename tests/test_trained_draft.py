@@ -423,6 +423,26 @@ def test_the_built_in_draft_is_lossless_on_the_default_model(default_model_path)
     assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
 
 
+@pytest.mark.slow
+def test_draft_paths_are_lossless_and_accept_more_on_the_default_model(default_model_path):
+    """The built-in draft's runner-up candidates (``num_draft_paths``) on held-out chat
+    prompts, float32: the same tokens as speculation off, more of them per verify step."""
+    from specserve.drafts.prompt_sets import chat_prompts, held_out_prompts
+
+    plain = LLM32(max_num_seqs=4)
+    prompts = chat_prompts(plain.tokenizer, held_out_prompts("chat", 3))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    lengths = {}
+    for paths in (1, 3):
+        spec = LLM32(max_num_seqs=4, speculative_method="draft_model", num_speculative_tokens=4,
+                     speculative_adaptive=False, num_draft_paths=paths)
+        assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+        assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+        lengths[paths] = spec.engine.spec_stats.mean_acceptance_length
+    assert lengths[3] > lengths[1] + 0.1
+
+
 # Measured 1.85 on this prompt (bf16 CPU, 64 tokens); a corrupted file or a broken loader gives ~1.0.
 ACCEPTANCE_FLOOR = 1.4
 

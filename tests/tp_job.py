@@ -66,7 +66,7 @@ def main(spec_path: str, out_dir: str) -> None:
             outputs.append([final[i].token_ids for i in ids])
         seen["outputs"][run["name"]] = outputs
         seen["free_blocks"][run["name"]] = (engine.num_free_blocks, engine.kv.num_blocks,
-                                            engine.spec_stats.num_drafts)
+                                            engine.spec_stats.num_drafts, engine.spec_stats.num_path_wins)
         seen["graph_steps"] = seen.get("graph_steps", []) + graph_steps
         engine.shutdown()
     torch.save(seen, Path(out_dir) / f"rank{tp.rank}.pt")
