@@ -66,9 +66,10 @@ class ModelRunner:
         self.num_blocks = num_blocks or tp.min(self._num_kv_blocks())
         shape = (self.num_blocks, self.block_size, self._num_kv_heads, self._head_dim)
         try:
-            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device))
-                              for _ in range(self._num_layers)]
+            # One tensor [layers, K/V, blocks, block_size, kv_heads, head_dim]; each layer's
+            # K and V caches are views of it, so a block is copied in all of them at once.
+            self.kv_storage = torch.zeros((self._num_layers, 2, *shape), dtype=dtype, device=device)
+            self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_storage]
         except (RuntimeError, MemoryError) as exc:  # out of memory: say what to change
             from specserve.errors import SpecserveError
 
@@ -195,13 +196,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (source, destination) of every layer's K and V cache; under
-        tensor parallelism every rank copies its own."""
+        """Copy whole blocks (source, destination) of every layer's K and V cache, in one
+        gather and one scatter; under tensor parallelism every rank copies its own."""
         if self.channel is not None:
             self.channel.send_copies(block_copies)
-        caches = [cache for layer in self.kv_caches for cache in layer]
-        torch._foreach_copy_([cache[dst] for cache in caches for _, dst in block_copies],
-                             [cache[src] for cache in caches for src, _ in block_copies])
+        src, dst = to_device([[s for s, _ in block_copies], [d for _, d in block_copies]],
+                             torch.int64, self.device)
+        self.kv_storage[:, :, dst] = self.kv_storage[:, :, src]
 
     def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
         """The query rows a pass over ``output`` computes where it pads: a CUDA-graph
