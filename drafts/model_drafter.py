@@ -185,12 +185,10 @@ class ModelDrafter:
         (``[len(active), vocab]``, else None) for the rejection sampler. ``positions``:
         the index of the token each row drafts, which keys its random number; ``meta``:
         the rows' sampling settings (None: all greedy)."""
+        greedy = logits.argmax(dim=-1)
         ranks = [] if depth is None else [p.fork[1] if p.fork and p.fork[0] == depth else 0 for p in active]
         if any(ranks):
-            (ranks_t,) = to_device([ranks], torch.int64, self.device)
-            greedy = logits.topk(max(ranks) + 1, dim=-1).indices.gather(1, ranks_t[:, None])[:, 0]
-        else:
-            greedy = logits.argmax(dim=-1)
+            greedy = _runner_up(logits, greedy, ranks, self.device)
         if meta is None:
             return greedy, None
         q = target_probs(logits, meta)
@@ -200,6 +198,19 @@ class ModelDrafter:
         (uniforms_t,) = to_device([uniforms], torch.float32, self.device)
         sampled = sample_from_probs(q, uniforms_t)
         return torch.where(meta.temperature > 0, sampled, greedy), q
+
+
+def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:
+    """Each row's ``ranks[i]``-th likeliest token (0: ``best``, its argmax): the best ones
+    masked out, argmax again (on a GPU a few cheap ops beat one ``topk`` over the vocabulary)."""
+    chosen, masked, candidate = best, None, best
+    (ranks_t,) = to_device([ranks], torch.int64, device)
+    for rank in range(1, max(ranks) + 1):
+        masked = logits.scatter(1, candidate[:, None], float("-inf")) if masked is None else \
+            masked.scatter_(1, candidate[:, None], float("-inf"))
+        candidate = masked.argmax(dim=-1)
+        chosen = torch.where(ranks_t == rank, candidate, chosen)
+    return chosen
 
 
 def _head(meta: SamplingMetadata, n: int) -> SamplingMetadata:

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from specserve.config import SPECULATIVE_METHODS
+from specserve.config import PATH_METHODS, SPECULATIVE_METHODS
 
 EXIT_USAGE = 2
 
@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _tune_parser(sub) -> None:
     tune = sub.add_parser(
         "tune", help="find the best draft length and token budget for a workload",
-        description="Sweep --num-speculative-tokens x --max-num-batched-tokens (x drafter) on the "
+        description="Sweep --num-speculative-tokens x --max-num-batched-tokens (x drafter x draft "
+                    "paths) on the "
                     "engine in this process, with requests arriving at --request-rate or held at "
                     "--max-concurrency; print a table and write the best setting as a config file "
                     "for 'specserve serve --config'. Settings clearly worse after a quick round on "
@@ -170,6 +171,9 @@ def _tune_parser(sub) -> None:
                    help="k values to try; 0 is speculation off (default: 0,1,2,4,6)")
     g.add_argument("--max-num-batched-tokens-list", default="128,256,512", metavar="LIST",
                    help="token budgets to try (default: 128,256,512)")
+    g.add_argument("--num-draft-paths-list", default="1", metavar="LIST",
+                   help="draft paths per greedy request to try, 1-4, with draft_model and layerskip "
+                        "(default: 1)")
     g.add_argument("--ttft-slo-ms", type=float, default=None, help="objective: p99 TTFT at most this")
     g.add_argument("--tpot-slo-ms", type=float, default=None, help="objective: p99 TPOT at most this")
     g.add_argument("--output", default="specserve-tuned.yaml",
@@ -403,11 +407,17 @@ def _tune(args) -> int:
 
     ks = _int_list(args.num_speculative_tokens_list, "--num-speculative-tokens-list", 0)
     budgets = _int_list(args.max_num_batched_tokens_list, "--max-num-batched-tokens-list", 1)
+    path_counts = _int_list(args.num_draft_paths_list, "--num-draft-paths-list", 1)
     methods = (args.speculative_methods or (args.speculative_method if args.speculative_method != "none"
                                             else "ngram")).split(",")
     for method in methods:
         if method not in SPECULATIVE_METHODS or method == "none":
             raise ValueError(f"--speculative-methods: unknown drafter {method!r}")
+    # Draft paths need a drafter that ranks candidates; the others run a chain.
+    paths = {m: path_counts if m in PATH_METHODS else [1] for m in methods}
+    if max(path_counts) > 1 and not any(m in PATH_METHODS for m in methods):
+        raise ValueError(f"--num-draft-paths-list {args.num_draft_paths_list}: draft paths need "
+                         f"{' or '.join(PATH_METHODS)} among --speculative-methods")
     if not (args.request_rate > 0):
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -426,6 +436,7 @@ def _tune(args) -> int:
     for method in methods if any(k > 0 for k in ks) else []:
         engines[method] = LLMEngine(EngineConfig(**{**base, "speculative_method": method,
                                                     "num_speculative_tokens": max(ks),
+                                                    "num_draft_paths": max(paths[method]),
                                                     "speculative_adaptive": False}))
     if 0 in ks:
         engines["none"] = engines.get("ngram") or LLMEngine(
@@ -434,7 +445,7 @@ def _tune(args) -> int:
     requests = load_workload(args.workload, args.num_prompts, output_len=args.output_len,
                              input_len=args.input_len, seed=args.seed, tokenizer=any_engine.tokenizer)
     objectives = Objectives(args.ttft_slo_ms, args.tpot_slo_ms)
-    rows = tune(engines, requests, settings_grid(methods, ks, budgets), objectives,
+    rows = tune(engines, requests, settings_grid(methods, ks, budgets, paths), objectives,
                 request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
                 progress=not args.quiet)
     load = (f"{args.request_rate:g} requests/s" if not math.isinf(args.request_rate) else "all at once") + (

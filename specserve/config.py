@@ -9,6 +9,7 @@ import torch
 from specserve.errors import SpecserveError
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip")
+PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -112,7 +113,7 @@ class EngineConfig:
             raise SpecserveError(f"layerskip_layers must be >= 1, got {self.layerskip_layers}")
         if not _is_int(self.num_draft_paths) or not 1 <= self.num_draft_paths <= 4:
             raise SpecserveError(f"num_draft_paths must be in [1, 4], got {self.num_draft_paths!r}")
-        if self.num_draft_paths > 1 and self.speculative_method not in ("draft_model", "layerskip"):
+        if self.num_draft_paths > 1 and self.speculative_method not in PATH_METHODS:
             raise SpecserveError(f"num_draft_paths {self.num_draft_paths} needs speculative_method "
                                  f"draft_model or layerskip (a drafter that ranks candidates), "
                                  f"not {self.speculative_method!r}")

@@ -196,13 +196,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (source, destination) of every layer's K and V cache, in one
-        gather and one scatter; under tensor parallelism every rank copies its own."""
+        """Copy whole blocks (source, destination) of every layer's K and V cache; under
+        tensor parallelism every rank copies its own. A few pairs are one strided copy
+        each (a GPU host spends ~30 µs on any op, ~90 on an index gather and scatter)."""
         if self.channel is not None:
             self.channel.send_copies(block_copies)
+        blocks = self.kv_storage.view(-1, self.num_blocks, self.kv_storage[0, 0, 0].numel())
+        if len(block_copies) <= 4:
+            for src, dst in block_copies:
+                blocks[:, dst].copy_(blocks[:, src])
+            return
         src, dst = to_device([[s for s, _ in block_copies], [d for _, d in block_copies]],
                              torch.int64, self.device)
-        self.kv_storage[:, :, dst] = self.kv_storage[:, :, src]
+        blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
     def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
         """The query rows a pass over ``output`` computes where it pads: a CUDA-graph

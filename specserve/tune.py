@@ -1,12 +1,12 @@
 """``specserve tune``: the draft length and token budget that serve a workload best.
 
 Sweeps ``num_speculative_tokens`` x ``max_num_batched_tokens`` (x drafter, when several
-are asked for) on the engine in this process, with requests arriving at a rate or held
+are asked for; x ``num_draft_paths``, for a drafter that ranks candidates) on the engine in this process, with requests arriving at a rate or held
 at a concurrency, and scores each setting by output throughput among those that meet the
 latency objectives (p99 TTFT / TPOT), else by how far they miss them.
 
 It does not take longer than it must: one engine per drafter is loaded once and every
-setting reuses it (k is set per request, the budget on the scheduler); k = 0 is run once,
+setting reuses it (k is set per request, the budget and the draft paths on the scheduler); k = 0 is run once,
 as plain decoding; a first round on a quarter of the prompts drops settings that are
 clearly worse (below ``prune_ratio`` of the best throughput, or missing objectives the best
 meets) before the full round. The winner is written as a config file that ``specserve
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from specserve.bench.arrivals import arrival_times
+from specserve.drafts.base import DRAFT_FORKS
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
 
 
@@ -26,10 +27,13 @@ class Setting:
     method: str          # the drafter; "none" for k = 0
     k: int
     budget: int          # max_num_batched_tokens
+    paths: int = 1       # num_draft_paths
 
     @property
     def label(self) -> str:
         spec = "off" if self.k == 0 else f"{self.method} k={self.k}"
+        if self.k and self.paths > 1:
+            spec += f" x {self.paths} paths"
         return f"{spec}, budget {self.budget}"
 
 
@@ -47,9 +51,12 @@ class Objectives:
         return total
 
 
-def settings_grid(methods: list[str], ks: list[int], budgets: list[int]) -> list[Setting]:
+def settings_grid(methods: list[str], ks: list[int], budgets: list[int],
+                  paths: dict[str, list[int]] | None = None) -> list[Setting]:
+    """``paths``: the draft path counts to try per drafter (default: 1, a chain)."""
     grid = [Setting("none", 0, b) for b in budgets] if 0 in ks else []
-    grid += [Setting(m, k, b) for m in methods for k in ks if k > 0 for b in budgets]
+    grid += [Setting(m, k, b, n) for m in methods for k in ks if k > 0 for n in (paths or {}).get(m, [1])
+             for b in budgets]
     return grid
 
 
@@ -110,6 +117,7 @@ def _run(engines, token_ids, requests, setting: Setting, request_rate, max_concu
     name = "none" if setting.k == 0 else setting.method
     engine = engines[name]
     engine.scheduler.max_num_batched_tokens = setting.budget
+    engine.scheduler.draft_forks = list(DRAFT_FORKS[:setting.paths - 1])
     arrivals = None if math.isinf(request_rate) else arrival_times(len(requests), request_rate, seed=seed)
     result = run_offline(engine, requests, max_concurrency=max_concurrency, ignore_eos=True,
                          num_speculative_tokens=setting.k, seed=seed,
@@ -125,8 +133,11 @@ def best_config(base: dict, setting: Setting) -> dict:
     config = {k: v for k, v in base.items() if v is not None}
     config.update(max_num_batched_tokens=setting.budget,
                   speculative_method=setting.method if setting.k else "none")
+    config.pop("num_draft_paths", None)
     if setting.k:
         config["num_speculative_tokens"] = setting.k
+        if setting.paths > 1:
+            config["num_draft_paths"] = setting.paths
     else:
         config.pop("num_speculative_tokens", None)
     return config

@@ -224,3 +224,18 @@ def test_each_path_drafts_what_the_draft_model_predicts_along_it(tiny_model_dir,
             assert p.draft_token_ids == want
             checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("pairs", [[(3, 7)], [(1, 2), (3, 4), (5, 6), (8, 9), (10, 11), (12, 0)]])
+def test_block_copies_reach_every_layers_k_and_v_and_nothing_else(tiny_model_dir, pairs):
+    """A few pairs are copied one by one, more in one gather and scatter: the same blocks."""
+    runner = LLM32(str(tiny_model_dir("llama")), **ENGINE).engine.runner
+    torch.manual_seed(0)
+    runner.kv_storage.copy_(torch.randn_like(runner.kv_storage))
+    before = runner.kv_storage.clone()
+    runner.copy_blocks(pairs)
+    want = before.clone()
+    for src, dst in pairs:
+        want[:, :, dst] = before[:, :, src]
+    assert torch.equal(runner.kv_storage, want)
+    assert all(k.data_ptr() == runner.kv_storage[i, 0].data_ptr() for i, (k, _) in enumerate(runner.kv_caches))

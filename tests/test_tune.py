@@ -22,6 +22,17 @@ def test_grid_runs_k0_once_per_budget():
     assert len(grid) == 2 + 2 * 2 * 2
 
 
+def test_grid_tries_draft_paths_only_where_asked():
+    grid = settings_grid(["ngram", "draft_model"], [0, 4], [64], {"ngram": [1], "draft_model": [1, 2]})
+    assert grid == [Setting("none", 0, 64), Setting("ngram", 4, 64), Setting("draft_model", 4, 64),
+                    Setting("draft_model", 4, 64, 2)]
+    assert grid[-1].label == "draft_model k=4 x 2 paths, budget 64"
+    base = {"model": "m", "speculative_method": "draft_model", "num_draft_paths": 2}
+    assert best_config(base, grid[-1])["num_draft_paths"] == 2
+    assert "num_draft_paths" not in best_config(base, grid[2])
+    assert "num_draft_paths" not in best_config(base, grid[0])
+
+
 def test_objectives_and_score():
     objectives = Objectives(ttft_ms=100, tpot_ms=10)
     fast_but_late = row(Setting("ngram", 4, 512), 300, ttft=250)
@@ -77,9 +88,38 @@ def test_tune_end_to_end_writes_a_config_serve_loads(tiny_model_dir, tmp_path, c
     (["--speculative-methods", "magic"], "unknown drafter"),
     (["--request-rate", "0"], "--request-rate"),
     (["--workload", "nope"], "unknown workload"),
+    (["--num-draft-paths-list", "1,3"], "draft paths need draft_model or layerskip"),
 ])
 def test_tune_bad_flags_are_usage_errors(tiny_model_dir, capsys, flags, message):
     code = cli.main(["tune", "--model", str(tiny_model_dir("llama")), "-q", "--num-kv-blocks", "64",
                      "--block-size", "4", *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err
+
+
+def test_tune_tries_draft_paths_on_the_scheduler_and_saves_the_winner(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Draft paths vary on one loaded engine (the scheduler's forks) like the budget; the
+    winner's count is what the config file says."""
+    from specserve import tune as tune_module
+
+    seen, run = [], tune_module._run
+
+    def spy(engines, token_ids, requests, setting, *args):
+        result = run(engines, token_ids, requests, setting, *args)
+        seen.append((setting.paths, len(engines[setting.method].scheduler.draft_forks)))
+        return result
+
+    monkeypatch.setattr(tune_module, "_run", spy)
+    out = tmp_path / "best.yaml"
+    code = cli.main(["tune", "--model", str(tiny_model_dir("llama")), "--workload", "random",
+                     "--input-len", "12", "--num-prompts", "4", "--output-len", "6",
+                     "--speculative-methods", "layerskip", "--layerskip-layers", "1",
+                     "--num-speculative-tokens-list", "2", "--max-num-batched-tokens-list", "64",
+                     "--num-draft-paths-list", "1,3", "--dtype", "float32", "--num-kv-blocks", "128",
+                     "--block-size", "4", "-q", "--output", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "layerskip k=2 x 3 paths, budget 64" in printed
+    assert {paths for paths, _ in seen} == {1, 3}
+    assert all(forks == paths - 1 for paths, forks in seen)
+    saved = yaml.safe_load(out.read_text())
+    assert saved.get("num_draft_paths", 1) in (1, 3) and saved["speculative_method"] == "layerskip"
