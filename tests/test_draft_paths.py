@@ -12,7 +12,7 @@ from specserve.errors import KVCacheError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.request import FinishReason, Request
 from specserve.scheduler import Scheduler, StepResult
-from tiny_models import LLM32, make_tokenizer
+from tiny_models import LLM32, save_perturbed
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
            "import os\nimport sys\nimport os\n"]
@@ -115,17 +115,7 @@ def test_a_request_aborted_during_the_step_frees_its_paths():
 def near_draft(tmp_path_factory, tiny_model_dir):
     """The tiny target with perturbed weights: its best guess is often wrong, its runner-up
     often right."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    path = tmp_path_factory.mktemp("draft-paths")
-    model.save_pretrained(path)
-    make_tokenizer(512).save_pretrained(path)
-    return str(path)
+    return save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("draft-paths"), 0.01)
 
 
 def _greedy(k: int, max_tokens: int = 40) -> SamplingParams:

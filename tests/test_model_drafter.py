@@ -9,7 +9,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.cuda_graphs import batch_buckets
-from tiny_models import LLM32, make_eagle_head, make_tokenizer
+from tiny_models import LLM32, make_eagle_head, save_perturbed
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
            "import os\nimport sys\nimport os\n"]
@@ -22,17 +22,7 @@ KS = (4, 2, 4, 0, 3)
 @pytest.fixture(scope="module")
 def near_draft(tmp_path_factory, tiny_model_dir):
     """The tiny target with slightly perturbed weights: it agrees often, not always."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.004)
-    path = tmp_path_factory.mktemp("draft-near")
-    model.save_pretrained(path)
-    make_tokenizer(512).save_pretrained(path)
-    return str(path)
+    return save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("draft-near"), 0.004)
 
 
 def draft_engine(tiny_model_dir, draft: str, graphs: bool, **kwargs):

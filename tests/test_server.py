@@ -348,7 +348,7 @@ def test_models_health_and_metrics(server):
                      "specserve:spec_decode_num_draft_tokens",
                      "specserve:spec_decode_num_accepted_tokens",
                      "specserve:spec_decode_num_accepted_tokens_per_pos",
-                     "specserve:spec_decode_draft_length"):
+                     "specserve:spec_decode_num_path_wins", "specserve:spec_decode_draft_length"):
         assert expected in names, expected
 
 

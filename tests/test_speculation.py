@@ -9,7 +9,7 @@ import torch
 from specserve import LLMEngine, SamplingParams
 from specserve.drafts.ngram import lookup
 from specserve.errors import SpecserveError
-from tiny_models import LLM32, make_hf_model, make_tokenizer
+from tiny_models import LLM32, make_hf_model, make_tokenizer, save_perturbed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=200)
@@ -25,18 +25,8 @@ def prompts_with_repeats() -> list[list[int]]:
 def draft_dirs(tmp_path_factory, tiny_model_dir):
     """Tiny drafts sharing the tiny target's vocabulary: a 1-layer llama, a qwen3, and
     "near": the target with slightly perturbed weights (often but not always agreeing)."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, noise in (("near", 0.004), ("perturbed", 0.006)):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * noise)
-        out[name] = tmp_path_factory.mktemp(f"draft-{name}")
-        model.save_pretrained(out[name])
-        make_tokenizer(512).save_pretrained(out[name])
+    out = {name: save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp(f"draft-{name}"), noise)
+           for name, noise in (("near", 0.004), ("perturbed", 0.006))}
     for name, variant, kwargs in (("small", "llama", dict(seed=1, num_hidden_layers=1)),
                                   ("qwen3", "qwen3_qknorm", dict(seed=2))):
         path = tmp_path_factory.mktemp(f"draft-{name}")

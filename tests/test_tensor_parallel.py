@@ -17,7 +17,7 @@ from specserve.distributed import MULTICAST_OFF, TPGroup
 from specserve.models.parallel import ShardLayout, check_tensor_parallel
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from test_model import load_ours, ragged_logits
-from tiny_models import LLM32, make_hf_model
+from tiny_models import LLM32, make_hf_model, save_perturbed
 
 TESTS = Path(__file__).resolve().parent
 
@@ -283,14 +283,8 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
         make_hf_model(variant, **overrides).save_pretrained(path)
         tiny_tokenizer.save_pretrained(path)
         made[name] = path
-    near = make_hf_model("llama")  # the target perturbed: its runner-up guesses are often right
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    made["near"] = tmp_path_factory.mktemp("tp-near")
-    near.save_pretrained(made["near"])
-    tiny_tokenizer.save_pretrained(made["near"])
+    # the target perturbed: a draft whose runner-up guesses are often right
+    made["near"] = save_perturbed(made["llama"], tmp_path_factory.mktemp("tp-near"), 0.01)
     return made
 
 

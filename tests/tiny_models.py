@@ -61,6 +61,22 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
     return model
 
 
+def save_perturbed(target_dir, path, noise: float, seed: int = 7) -> str:
+    """The checkpoint at ``target_dir`` with Gaussian noise of std ``noise`` added to every
+    weight, saved with the tiny tokenizer at ``path``: a draft that agrees with its
+    target often, not always (more often the smaller the noise). Returns ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    model.save_pretrained(path)
+    make_tokenizer(512).save_pretrained(path)
+    return str(path)
+
+
 def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
     """``LLM`` in float32: exact comparisons with transformers need it, and ``auto`` picks
     bfloat16 on CPUs with native bf16 GEMM."""

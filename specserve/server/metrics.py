@@ -83,7 +83,10 @@ class _EngineCollector:
                  spec.num_drafts),
                 ("specserve:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
                 ("specserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 spec.num_accepted_tokens)):
+                 spec.num_accepted_tokens),
+                ("specserve:spec_decode_num_path_wins",
+                 "Verify steps whose kept tokens came from a further draft path (num_draft_paths > 1).",
+                 spec.num_path_wins)):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self.labels, value)
             yield counter
