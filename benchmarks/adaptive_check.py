@@ -31,9 +31,10 @@ SETTINGS = {  # name -> (engine kwargs, controller attributes)
 }
 
 
-def eager_plan(caps: dict[str, int], *_args) -> np.ndarray:
-    """Every request drafts its cap: the plan of a cost model that takes drafts for free."""
-    return np.fromiter(caps.values(), dtype=int, count=len(caps))
+def eager_plan(caps: dict[str, int], *_args) -> tuple[np.ndarray, set[str]]:
+    """Every request drafts its cap (and verifies every draft path it may): the plan of a
+    cost model that takes drafts for free."""
+    return np.fromiter(caps.values(), dtype=int, count=len(caps)), set()
 
 
 def main(argv: list[str] | None = None) -> int:

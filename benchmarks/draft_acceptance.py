@@ -6,10 +6,13 @@ chat template applied, greedy, k = 4, up to ``--max-tokens`` new tokens (EOS end
 request). Batch 1 runs the prompts one after another; a larger batch runs them together.
 The methods take turns chunk by chunk, so load from elsewhere falls on all of them alike.
 Reports mean acceptance length (tokens per verify step, as ``spec_stats`` counts it),
-tokens/s, speed-up over speculation off, and how many outputs equal speculation off's
-(all in float32; bf16 batched numerics may differ). Works on CPU and CUDA.
+tokens/s, speed-up over speculation off, how many verify steps kept a further draft
+path's tokens (``draft_model:paths=N``), and how many outputs equal speculation off's
+(all in float32; bf16 batched numerics may differ). ``--adaptive`` lets each engine choose
+k (up to ``--k``) and whether to verify further paths, as it does by default. Works on CPU
+and CUDA.
 
-    python benchmarks/draft_acceptance.py [--prompts 8] [--batch 1,8] [--json out.json]
+    python benchmarks/draft_acceptance.py [--prompts 8] [--batch 1,8] [--adaptive] [--json out.json]
 """
 from __future__ import annotations
 
@@ -34,12 +37,13 @@ def machine_name(device: torch.device) -> str:
     return f"{platform.machine()} CPU {model}, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
-def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: int) -> dict:
+def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: int | None) -> dict:
     """Every method on the same prompts, interleaved chunk by chunk so that a burst of load
-    elsewhere on a shared machine hits all of them alike."""
+    elsewhere on a shared machine hits all of them alike. ``k`` None: the engines choose."""
     from specserve import SamplingParams
 
-    acc = {m: {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "token_ids": []} for m in engines}
+    acc = {m: {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "path_wins": 0, "token_ids": []}
+           for m in engines}
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
         for method, llm in engines.items():
@@ -55,11 +59,13 @@ def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: i
             a["tokens"] += sum(len(o.token_ids) for o in outs)
             a["drafts"] += llm.engine.spec_stats.num_drafts - before.num_drafts
             a["accepted"] += llm.engine.spec_stats.num_accepted_tokens - before.num_accepted_tokens
+            a["path_wins"] += llm.engine.spec_stats.num_path_wins - before.num_path_wins
             a["token_ids"] += [o.token_ids for o in outs]
     return {m: {"tokens": a["tokens"], "seconds": round(a["seconds"], 3),
                 "tokens_per_s": round(a["tokens"] / a["seconds"], 2),
                 "acceptance_length": round(1 + a["accepted"] / a["drafts"], 3) if a["drafts"] else None,
-                "num_drafts": a["drafts"], "token_ids": a["token_ids"]} for m, a in acc.items()}
+                "num_drafts": a["drafts"], "num_path_wins": a["path_wins"], "token_ids": a["token_ids"]}
+            for m, a in acc.items()}
 
 
 def main() -> None:
@@ -67,6 +73,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--adaptive", action="store_true",
+                        help="each engine chooses k up to --k (and draft paths) per request and step")
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
     parser.add_argument("--methods", default="none,ngram,layerskip,draft_model",
                         help="comma-separated; draft_model@PATH for a draft other than the built-in one")
@@ -82,19 +90,20 @@ def main() -> None:
     methods = args.methods.split(",")
     engines = {}
     for method in methods:
-        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=False,
+        engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=args.adaptive,
                               num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096,
                               **drafter_settings(method))
     first = engines[methods[0]].engine
     tok, device = first.tokenizer, first.device
     machine, dtype = machine_name(device), str(first.dtype).removeprefix("torch.")
     workloads = {kind: chat_prompts(tok, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
-    run_all(engines, workloads["chat"][:1], 1, 8, args.k)  # warm-up
+    k = None if args.adaptive else args.k
+    run_all(engines, workloads["chat"][:1], 1, 8, k)  # warm-up
 
     rows = []
     for kind, prompts in workloads.items():
         for batch in (int(b) for b in args.batch.split(",")):
-            results = run_all(engines, prompts, batch, args.max_tokens, args.k)
+            results = run_all(engines, prompts, batch, args.max_tokens, k)
             base = results[methods[0]]
             base_ids = base["token_ids"]
             for method, r in results.items():
@@ -108,17 +117,18 @@ def main() -> None:
     described = "; ".join(f"{m}: {e.engine.drafter.describe()}" for m, e in engines.items()
                           if m.startswith("draft_model"))
     print(f"\nSmolLM2-135M-Instruct on {machine}, {dtype}; held-out prompts ({args.prompts} chat, "
-          f"{args.prompts} code), greedy, k = {args.k}, up to {args.max_tokens} new tokens\n"
+          f"{args.prompts} code), greedy, k = {f'adaptive, at most {args.k}' if args.adaptive else args.k}, "
+          f"up to {args.max_tokens} new tokens\n"
           f"{described}\n")
-    print("| workload | batch | method | tokens/s | vs off | acceptance length | same as off |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| workload | batch | method | tokens/s | vs off | acceptance length | path wins | same as off |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else ""
         method = "speculation off" if r["method"] == "none" else r["method"]
         print(f"| {r['workload']} | {r['batch']} | {method} | {r['tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {al} | {r['same_as_spec_off']} |")
+              f"{r['speedup']:.2f}x | {al} | {r['num_path_wins'] or ''} | {r['same_as_spec_off']} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "dtype": dtype, "k": args.k,
+        Path(args.json).write_text(json.dumps({"machine": machine, "dtype": dtype, "k": args.k, "adaptive": args.adaptive,
                                                "max_tokens": args.max_tokens, "draft": described,
                                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
 

@@ -244,7 +244,8 @@ class LLMEngine:
         that produced tokens or finished in this step."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule(self._draft_lengths())
+        drafts = self._draft_lengths()
+        scheduled = self.scheduler.schedule(drafts, self.controller.unforked if self.controller else ())
         if scheduled.is_empty:
             return outputs
         try:
@@ -285,8 +286,9 @@ class LLMEngine:
         kept = len(update.new_token_ids) if kept is None else kept
         accepted = min(update.num_accepted, kept)
         if self.controller and update.num_planned:
-            self.controller.observe_acceptance(update.req.req_id, update.num_planned,
-                                               update.num_draft_tokens, update.num_accepted)
+            self.controller.observe_acceptance(update.req.req_id, update.num_planned, update.num_draft_tokens,
+                                               update.num_accepted_own, update.num_paths,
+                                               update.num_accepted - update.num_accepted_own)
         path_won = update.path > 0
         update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
         self.spec_stats.record(update.num_draft_tokens, accepted, path_won)
@@ -413,7 +415,8 @@ class LLMEngine:
         padded = self.runner.pads_short_spans(with_prefill=other_tokens > 0)
         running = sched.running
         chosen = self.controller.choose(self._sorted.free, other_tokens, other_spans, padded,
-                                        lambda: sum([len(r.all_token_ids) for r in running]))
+                                        lambda: sum([len(r.all_token_ids) for r in running]),
+                                        self._sorted.greedy)
         if self._sorted.pinned:
             chosen.update(self._sorted.pinned)
         return chosen
@@ -469,6 +472,7 @@ class _SortedRunning:
         self.k = k
         self.version = -1
         self.free: dict[str, int] = {}
+        self.greedy: set[str] = set()  # of ``free``: greedy requests (they may verify draft paths)
         self.pinned: dict[str, int] = {}
         self.prefilling: dict[str, Request] = {}
 
@@ -479,6 +483,7 @@ class _SortedRunning:
             changes = scheduler.running_changes(self.version)
             if changes is None:  # the first look, or too far behind the log: sort them all
                 self.free.clear()
+                self.greedy.clear()
                 self.pinned.clear()
                 self.prefilling = {r.req_id: r for r in scheduler.running}
             else:  # the joins and leaves since the last look, in order: an id is reused
@@ -487,6 +492,7 @@ class _SortedRunning:
                         self.prefilling[req.req_id] = req
                     else:
                         self.free.pop(req.req_id, None)
+                        self.greedy.discard(req.req_id)
                         self.pinned.pop(req.req_id, None)
                         self.prefilling.pop(req.req_id, None)
             self.version = scheduler.running_version
@@ -504,6 +510,8 @@ class _SortedRunning:
                 self.pinned[req_id] = self.k
             else:
                 self.free[req_id] = self.k
+                if params.greedy:
+                    self.greedy.add(req_id)
         return tokens, spans
 
 

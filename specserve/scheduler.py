@@ -3,6 +3,7 @@ prefill, preemption by recompute. Python lists in, python lists out — no tenso
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -75,6 +76,8 @@ class RequestUpdate(NamedTuple):
     num_accepted: int           # of which the target accepted (before any stop cut)
     num_planned: int = 0        # draft slots planned (k_i); a drafter may propose fewer
     path: int = 0               # the draft path whose tokens were kept (0: the request's own)
+    num_paths: int = 1          # draft paths verified (1: the request's own only)
+    num_accepted_own: int = 0   # of num_accepted, those its own path had
 
 
 class Scheduler:
@@ -169,8 +172,10 @@ class Scheduler:
         return len(self.running)
 
     # ------------------------------------------------------------------ the step
-    def schedule(self, num_draft_tokens: dict[str, int] | None = None) -> SchedulerOutput:
-        """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i."""
+    def schedule(self, num_draft_tokens: dict[str, int] | None = None,
+                 unforked: Container[str] = ()) -> SchedulerOutput:
+        """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i;
+        ``unforked`` requests verify their own draft path only."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -203,12 +208,13 @@ class Scheduler:
             budget -= num_new
         output = SchedulerOutput(scheduled, preempted)
         if self.draft_forks and budget > 0:
-            self._add_paths(output, budget)
+            self._add_paths(output, budget, unforked)
         return output
 
-    def _add_paths(self, output: SchedulerOutput, budget: int) -> None:
+    def _add_paths(self, output: SchedulerOutput, budget: int, unforked: Container[str]) -> None:
         """Further draft paths for the step's greedy drafting requests, from ``budget``."""
-        drafting = [p for p in output.scheduled if p.num_lookahead and p.params.greedy]
+        drafting = [p for p in output.scheduled
+                    if p.num_lookahead and p.params.greedy and p.req_id not in unforked]
         for path, (depth, rank) in enumerate(self.draft_forks, start=1):
             for p in drafting:
                 k = p.num_lookahead
@@ -284,9 +290,10 @@ class Scheduler:
             sampled = next(new_tokens) if planned.sample else None
             if planned.path or req is None or req.status is not RequestStatus.RUNNING:
                 continue  # a further path (its request keeps the best), or aborted while the step ran
+            num_paths, own_accepted = 1, len(sampled) - 1 if sampled else 0
             if best_paths and req.req_id in best_paths:
                 # The longest accepted path wins; a tie keeps the request's own.
-                path, path_sampled = best_paths[req.req_id]
+                path, path_sampled, num_paths = best_paths[req.req_id]
                 won = len(path_sampled) > len(sampled)
                 self.kv.merge(req.req_id, path.path if won else None)
                 if won:
@@ -299,7 +306,7 @@ class Scheduler:
                 continue
             appended = self._append(req, sampled)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
-                                         planned.num_lookahead, planned.path))
+                                         planned.num_lookahead, planned.path, num_paths, own_accepted))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:
@@ -330,12 +337,16 @@ class Scheduler:
         req.finish_reason = reason
 
 
-def _best_paths(output: SchedulerOutput, result: StepResult) -> dict[str, tuple[ScheduledRequest, list[int]]]:
+def _best_paths(output: SchedulerOutput,
+                result: StepResult) -> dict[str, tuple[ScheduledRequest, list[int], int]]:
     """Per request with further draft paths, the one that emitted most tokens (the first
-    of equals) and its tokens."""
-    best: dict[str, tuple[ScheduledRequest, list[int]]] = {}
+    of equals), its tokens, and how many paths the request verified (its own included)."""
+    best: dict[str, tuple[ScheduledRequest, list[int], int]] = {}
     sampling = (planned for planned in output.scheduled if planned.sample)
     for planned, sampled in zip(sampling, result.new_token_ids):
-        if planned.path and len(sampled) > len(best.get(planned.req_id, (None, ()))[1]):
-            best[planned.req_id] = (planned, sampled)
+        if planned.path:
+            previous, tokens, count = best.get(planned.req_id, (None, (), 1))
+            if len(sampled) > len(tokens):
+                previous, tokens = planned, sampled
+            best[planned.req_id] = (previous, tokens, count + 1)
     return best

@@ -34,10 +34,21 @@ Two online estimates feed the choice:
   cannot poison the fit, while a cost that really changed is still learned, clip after
   clip.
 
+Draft paths (``num_draft_paths`` > 1) are a choice of the same plan. A request's acceptance
+per position is learned from its own path only — what a chain of k would get — and, apart,
+engine-wide, how many tokens more the best of m verified paths kept (``path_gain[m]``,
+smoothed like the priors, drifting back to ``PATH_GAIN_START`` a path while no request
+verifies any). A greedy request may then take, at each k, its further paths for their
+expected extra tokens at their cost — 1 + k verified tokens, k drafted ones and a span each
+— and ``unforked`` names those whose plan is better without them: on the CPU machine and an
+H200 the built-in draft's second path added ~0.3 tokens a step on chat for ~5 tokens more,
+which the plan declines where tokens are not nearly free.
+
 The choice is a ratio maximisation, max (sum of gains) / (fixed cost + sum of costs),
 solved exactly with Dinkelbach's method: with the current ratio lambda, each request's
 net value of k drafts is ``r_i * (sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0])`` (``r_i``
-its proposal rate); the best plan for every draft depth D at once is each request's best
+its proposal rate; with further paths, the better of that and it plus what they add less
+lambda times what they cost); the best plan for every draft depth D at once is each request's best
 k <= D (a running maximum over k) less ``lambda * (d + p * num_reqs) * D``; the best
 depth's plan gives the next lambda, which converges in a few rounds (a handful of numpy
 operations each, cheap next to a step). So k falls to 0 when tokens are expensive (a
@@ -86,13 +97,14 @@ bookkeeping cost up to ~0.4 ms a step at 64 drafting requests when it planned ev
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import numpy as np
 
 ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
 PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
+PATH_GAIN_START = 0.3       # extra accepted tokens a further draft path adds, before any is observed
 DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
 PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
 IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice after this many steps
@@ -303,9 +315,14 @@ class DraftLengthController:
         each 1 + k tokens of the pass and k of the drafter's rows (the plan counts them
         for every request, though sampling ones draft one path: a small overestimate)."""
         self.max_k = max_k
-        # Draft paths per request at k = 0..max_k.
-        self._paths = np.array([1 + sum(depth < k for depth, _ in forks) if k else 0
-                                for k in range(max_k + 1)])
+        # Draft paths per request at k = 0..max_k (1 at k = 0: none but its own).
+        self._paths = np.array([1 + sum(depth < k for depth, _ in forks) for k in range(max_k + 1)])
+        # Engine-wide: extra accepted tokens per request-step that verified m paths
+        # (index m), over its own path's; and whether any was observed since the last plan.
+        self._path_gain_start = PATH_GAIN_START * np.maximum(np.arange(len(forks) + 2) - 1, 0)
+        self.path_gain = self._path_gain_start.copy()
+        self._path_observed = False
+        self.unforked: set[str] = set()  # the last choice's requests to verify their own path only
         self.min_gain = min_gain
         self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
         # [1, tokens, requests, context kilotokens, spans, padded, prefill tokens, prefill?] -> s
@@ -318,7 +335,8 @@ class DraftLengthController:
         self._alpha = np.zeros((0, max_k))          # per row: P(position j accepted | all before were)
         self._rate = np.zeros(0)                    # per row: share of planned drafts proposed
         self._idle = np.zeros(0, dtype=bool)        # per row: chosen k = 0 (could draft) last step
-        self._pending: list[tuple[int, int, int, int]] = []  # (row, planned, proposed, accepted)
+        # (row, planned, proposed, accepted, paths, extra accepted)
+        self._pending: list[tuple[int, int, int, int, int, int]] = []
         self._pending_rows: set[int] = set()
         self._releasing: list[int] = []  # rows of freed requests, reusable once their observation is applied
         self._observed = False  # any acceptance observed since the last choice
@@ -371,16 +389,18 @@ class DraftLengthController:
             check.observe(drafted, checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, num_planned: int, num_proposed: int,
-                           num_accepted: int) -> None:
+                           num_accepted: int, num_paths: int = 1, num_extra: int = 0) -> None:
         """A request was planned ``num_planned`` drafts, the drafter proposed
-        ``num_proposed`` of them and the target accepted the first ``num_accepted``.
-        Queued; applied with the rest of the step's observations."""
+        ``num_proposed`` of them and the target accepted the first ``num_accepted`` of its
+        own path; with ``num_paths`` > 1 draft paths verified, the best of them kept
+        ``num_extra`` tokens more. Queued; applied with the rest of the step's observations."""
         if num_planned == 0:
             return
         row = self._row(req_id)
         if row in self._pending_rows:  # a second observation before the first was applied
             self._apply_pending()
-        self._pending.append((row, num_planned, min(num_proposed, num_planned), num_accepted))
+        self._pending.append((row, num_planned, min(num_proposed, num_planned), num_accepted,
+                              num_paths, num_extra))
         self._pending_rows.add(row)
 
     def _apply_pending(self) -> None:
@@ -390,8 +410,12 @@ class DraftLengthController:
         engine-wide priors move by the batch's mean, weighted as that many observations."""
         if not self._pending:
             return
-        rows, planned, proposed, accepted = np.array(self._pending, dtype=int).T
+        rows, planned, proposed, accepted, paths, extra = np.array(self._pending, dtype=int).T
         self._observed = True
+        for m in np.unique(paths[paths > 1]):  # what further paths added, per number of paths
+            self._path_observed = True
+            seen = paths == m
+            self.path_gain[m] += _batch_weight(int(seen.sum())) * (extra[seen].mean() - self.path_gain[m])
         self._pending.clear()
         self._pending_rows.clear()
         if self._releasing:  # freed requests' rows: their last observation is read above
@@ -458,8 +482,10 @@ class DraftLengthController:
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
                num_other_spans: int = 0, padded: bool = False,
-               context: int | Callable[[], int] = 0) -> dict[str, int]:
-        """k_i for each decoding request (``caps``: req_id -> most drafts it may take).
+               context: int | Callable[[], int] = 0, forkable: Container[str] = ()) -> dict[str, int]:
+        """k_i for each decoding request (``caps``: req_id -> most drafts it may take), and
+        in ``unforked`` those of ``forkable`` (requests that may verify further draft
+        paths: greedy ones) whose drafts pay more without them.
         ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway.
         ``context``: the tokens in the KV cache of every request in the step, all together,
         or a function that counts them, called only if a plan is made (most steps repeat
@@ -468,6 +494,7 @@ class DraftLengthController:
         replay; the CPU attention), so a draft depth D costs every request D tokens."""
         self._last = None
         self._planned = False
+        self.unforked = set()
         if not caps or self.target_cost.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
@@ -498,10 +525,12 @@ class DraftLengthController:
             standing[0] += 1
             get = standing[1].get
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
+            self.unforked = standing[4]
         else:
-            k = self._plan(caps, num_other_tokens, num_other_spans, padded, context)
+            k, self.unforked = self._plan(caps, num_other_tokens, num_other_spans, padded, context, forkable)
             self._planned = True
-            self._plans[regime] = [1, {r: kr for r, kr in zip(caps, k.tolist()) if kr}, self._choices, self._clock]
+            self._plans[regime] = [1, {r: kr for r, kr in zip(caps, k.tolist()) if kr}, self._choices, self._clock,
+                                   self.unforked]
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
@@ -522,7 +551,7 @@ class DraftLengthController:
         64 requests in a host-only run on the CPU machine (forward stubbed, ~1.3 ms steps)
         a plan took ~0.26 ms inside the step (0.06 ms warm, in a loop), 16 µs a step;
         where steps are long (a CPU forward) a plan stays every 16."""
-        served, last_k, made, made_s = standing
+        served, last_k, made, made_s, _ = standing
         age = self._choices - made
         if last_k:
             return served >= self.draft_replan or age >= 2 * self.draft_replan
@@ -532,8 +561,10 @@ class DraftLengthController:
             (not large or self._clock - made_s >= self.idle_replan_s)
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
-              padded: bool, context: int | Callable[[], int]) -> np.ndarray:
-        """The goodput-maximising k per request (in ``caps``' order), from the estimates."""
+              padded: bool, context: int | Callable[[], int],
+              forkable: Container[str] = ()) -> tuple[np.ndarray, set[str]]:
+        """The goodput-maximising k per request (in ``caps``' order), from the estimates,
+        and the forkable requests that should verify their own draft path only."""
         if callable(context):
             context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
@@ -543,6 +574,10 @@ class DraftLengthController:
             self.prior += drift * (INITIAL_ACCEPTANCE - self.prior)
             self.prior_rate += drift * (1.0 - self.prior_rate)
         self._observed = False
+        if not self._path_observed:  # nobody verified further paths: try them again in time
+            drift = 1.0 - (1.0 - PRIOR_DRIFT) ** steps
+            self.path_gain += drift * (self._path_gain_start - self.path_gain)
+        self._path_observed = False
         req_ids = list(caps)
         get = self._rows.get
         rows = [get(r) for r in req_ids]
@@ -564,30 +599,45 @@ class DraftLengthController:
         depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
         # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
         # times the share of planned drafts the drafter proposes) and the cost of its
-        # verified tokens and spans (a planned draft not proposed is not paid for): each
-        # drafted token is verified and (roughly) drafted once, on each of its paths.
+        # verified tokens and span (a planned draft not proposed is not paid for): each
+        # drafted token is verified and (roughly) drafted once.
         gain = np.zeros((num_reqs, max_k + 1))
         gain[:, 1:] = np.cumsum(rate * np.cumprod(self._alpha[rows], axis=1), axis=1)
-        ks, paths = np.arange(1, max_k + 1), self._paths[1:]
+        ks = np.arange(1, max_k + 1)
         cost_k = np.zeros((num_reqs, max_k + 1))
-        cost_k[:, 1:] = rate * (b * (paths * (1 + ks) - 1) + e * paths * ks + c * paths)
+        cost_k[:, 1:] = rate * ((b + e) * ks + c)
         cost_k[np.arange(max_k + 1)[None, :] > cap[:, None]] = np.inf  # over the request's cap
+        # A forkable request's further paths at k: what they were seen to add, for 1 + k
+        # more verified tokens, k more drafted and a span each.
+        can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
+            if forkable and self._paths[-1] > 1 else np.zeros(num_reqs, dtype=bool)
+        path_gain = np.zeros((num_reqs, max_k + 1))
+        path_cost = np.zeros((num_reqs, max_k + 1))
+        if can_fork.any():
+            more = self._paths[1:] - 1
+            path_gain[can_fork, 1:] = (rate * self.path_gain[self._paths[1:]])[can_fork]
+            path_cost[can_fork, 1:] = (rate * (b * more * (1 + ks) + e * more * ks + c * more))[can_fork]
         every = np.arange(num_reqs)
         k = np.zeros(num_reqs, dtype=int)
+        fork = np.zeros((num_reqs, max_k + 1), dtype=bool)
         # Start from the plan without drafts, raised by the margin a plan must beat.
         ratio = (1.0 + self.min_gain) * num_reqs / max(fixed, 1e-9)
         for _ in range(10):
-            net = gain - ratio * cost_k                                # value of k = 0..max_k drafts
+            new_fork = path_gain - ratio * path_cost > 0               # paths pay at this ratio
+            total_gain = gain + new_fork * path_gain
+            total_cost = cost_k + new_fork * path_cost
+            net = total_gain - ratio * total_cost                      # value of k = 0..max_k drafts
             best_upto = np.maximum.accumulate(net, axis=1)             # best k <= D, per request
             depth = int(np.argmax(best_upto.sum(axis=0) - ratio * depth_cost))
             new_k = np.argmax(net[:, :depth + 1], axis=1)              # ties: the smaller k
-            cost = fixed + depth_cost[new_k.max()] + cost_k[every, new_k].sum()
-            new_ratio = (num_reqs + gain[every, new_k].sum()) / max(cost, 1e-9)
+            cost = fixed + depth_cost[new_k.max()] + total_cost[every, new_k].sum()
+            new_ratio = (num_reqs + total_gain[every, new_k].sum()) / max(cost, 1e-9)
             if np.array_equal(new_k, k) or new_ratio <= ratio:
                 break
-            k, ratio = new_k, new_ratio
+            k, ratio, fork = new_k, new_ratio, new_fork
         self._idle[rows] = (k == 0) & (cap > 0)
-        return k
+        unforked = {req_ids[i] for i in np.flatnonzero(can_fork & (k > 0) & ~fork[every, k])}
+        return k, unforked
 
 
 def _features(tokens: int, reqs: int, context: int, spans: int, padded: int, prefill: int = 0) -> list[float]:

@@ -3,6 +3,7 @@ paths that take a runner-up candidate at one depth, each over a block table of i
 forked for the step; the longest accepted path's blocks are kept, the others freed."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from specserve.errors import KVCacheError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.request import FinishReason, Request
 from specserve.scheduler import Scheduler, StepResult
+from specserve.spec_controller import PATH_GAIN_START
 from tiny_models import LLM32, save_perturbed
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
@@ -229,3 +231,31 @@ def test_block_copies_reach_every_layers_k_and_v_and_nothing_else(tiny_model_dir
         want[:, :, dst] = before[:, :, src]
     assert torch.equal(runner.kv_storage, want)
     assert all(k.data_ptr() == runner.kv_storage[i, 0].data_ptr() for i, (k, _) in enumerate(runner.kv_caches))
+
+
+def test_the_controller_learns_what_paths_add_and_chooses_who_forks(tiny_model_dir, near_draft, plain_outputs):
+    """With adaptive speculation (the default) the controller's plan says which requests
+    verify further paths (here: all but request "0", every request drafting its cap), and
+    learns from each request-step what its own path accepted and what the paths added."""
+    engine = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
+                   num_speculative_tokens=4, num_draft_paths=4, **ENGINE).engine
+    ctl = engine.controller
+    ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps))
+    seen, observe = [], ctl.observe_acceptance
+    ctl.observe_acceptance = lambda *args: seen.append(args) or observe(*args)
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *args: steps.append(schedule(*args)) or steps[-1]
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.req_id: o.token_ids for o in engine.step() if o.finished})
+    assert [done[i] for i in ids] == plain_outputs
+    forked = {p.req_id for out in steps for p in out.scheduled if p.path}
+    assert "0" not in forked and forked == set(ids) - {"0"}
+    paths_of = {req_id: {paths for r, *_, paths, _ in seen if r == req_id} for req_id in ids}
+    assert paths_of["0"] == {1} and all(4 in paths_of[r] for r in ids[1:])
+    assert all(extra == 0 for *_, paths, extra in seen if paths == 1)
+    extra_total = sum(extra for *_, extra in seen)
+    assert extra_total > 0 and ctl.path_gain[4] != PATH_GAIN_START * 3
+    own_total = sum(accepted for _, _, _, accepted, _, _ in seen)
+    assert own_total + extra_total >= engine.spec_stats.num_accepted_tokens  # a stop may cut some

@@ -184,19 +184,60 @@ def test_draft_cost_lowers_k():
     assert dear.choose({"r": 4})["r"] == 0
 
 
-def test_draft_paths_cost_their_tokens_in_the_plan():
-    """Each further path costs 1 + k verified tokens and k drafted ones: where tokens are
-    dear enough, a request verifying 4 paths drafts less than one verifying a chain, with
-    the same acceptance."""
-    costs = dict(a=0.01, b=0.001, c=0.0)  # a token costs a tenth of a step
-    chain, tree = controller(**costs), controller(**costs, forks=[(0, 1), (1, 1), (0, 2)])
-    assert tree._paths.tolist() == [0, 3, 4, 4, 4]  # paths at k = 0..4: the fork at depth 1 needs k >= 2
-    for ctl in (chain, tree):
-        for _ in range(20):  # all 4 drafts accepted, then only the first
-            ctl.observe_acceptance("r", 4, 4, 4)
-            ctl.observe_acceptance("r", 4, 4, 1)
-    assert chain.choose({"r": 4})["r"] == 4
-    assert tree.choose({"r": 4})["r"] < 4
+FORKS = [(0, 1), (1, 1), (0, 2)]
+
+
+def _observe_paths(ctl, req_id, own_accepted: int, extra: int, times: int = 40, k: int = 4):
+    for _ in range(times):
+        ctl.observe_acceptance(req_id, k, k, own_accepted, 4, extra)
+
+
+def test_draft_paths_are_planned_where_what_they_add_pays_for_their_tokens():
+    """A forkable request verifies further draft paths when the extra tokens they were
+    seen to accept pay for their 1 + k tokens each, and its own path only when not; a
+    request that cannot fork (a sampling one) is never told either way."""
+    cheap = dict(a=0.03, b=0.0001, c=0.0)  # a token costs a three-hundredth of a step
+    dear = dict(a=0.01, b=0.001, c=0.0)    # a tenth
+    ctl = controller(**cheap, forks=FORKS)
+    assert ctl._paths.tolist() == [1, 3, 4, 4, 4]  # paths at k = 0..4: the fork at depth 1 needs k >= 2
+    _observe_paths(ctl, "r", own_accepted=2, extra=1)
+    assert ctl.path_gain[4] == pytest.approx(1.0, abs=0.05)
+    assert ctl.choose({"r": 4}, forkable={"r"})["r"] == 2 and ctl.unforked == set()  # 2 drafts of its own accepted
+    ctl = controller(**dear, forks=FORKS)  # the same gain does not pay for dear tokens
+    _observe_paths(ctl, "r", own_accepted=2, extra=1)
+    assert ctl.choose({"r": 4, "s": 4}, forkable={"r"})["r"] > 0
+    assert ctl.unforked == {"r"}
+    ctl = controller(**cheap, forks=FORKS)
+    _observe_paths(ctl, "r", own_accepted=2, extra=0, times=200)  # paths never add anything
+    assert ctl.choose({"r": 4}, forkable={"r"})["r"] > 0 and ctl.unforked == {"r"}
+
+
+def test_acceptance_is_learned_from_the_requests_own_path():
+    """What further paths add is learned apart: a request's acceptance per position stays
+    that of its own drafts, which is what a chain of k would get."""
+    with_paths, chain = DraftLengthController(4, forks=FORKS), DraftLengthController(4)
+    for _ in range(100):
+        with_paths.observe_acceptance("r", 4, 4, 1, 4, 2)
+        chain.observe_acceptance("r", 4, 4, 1)
+    assert with_paths.acceptance("r") == pytest.approx(chain.acceptance("r"))
+    assert with_paths.path_gain[4] == pytest.approx(2.0, abs=0.1)
+
+
+def test_paths_that_stopped_paying_are_tried_again_in_time():
+    """While no request verifies further paths their estimate drifts back to where it
+    started, so paths are tried again (the draft or the workload may have changed) — soon
+    where they cost little."""
+    ctl = controller(a=0.03, b=0.0001, forks=FORKS)
+    _observe_paths(ctl, "r", own_accepted=2, extra=0, times=200)
+    ctl.choose({"r": 4}, forkable={"r"})
+    assert ctl.unforked == {"r"} and ctl.path_gain[4] < 0.01
+    retried = None
+    for step in range(2000):
+        ctl.choose({"r": 4}, forkable={"r"})
+        if retried is None and not ctl.unforked:
+            retried = step
+    assert retried is not None and retried < 100
+    assert ctl.path_gain[4] == pytest.approx(0.9, abs=0.05)  # 3 further paths x PATH_GAIN_START
 
 
 def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_cheap():
@@ -337,8 +378,8 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
 
 @pytest.mark.parametrize("log_max", [1024, 2])
 def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_dir, monkeypatch, log_max):
-    """``_draft_lengths`` keeps its sorting of the running requests (free, pinned, in
-    prefill) from step to step, looking only at those that joined or left (the scheduler's
+    """``_draft_lengths`` keeps its sorting of the running requests (free — greedy or not —,
+    pinned, in prefill) from step to step, looking only at those that joined or left (the scheduler's
     log) and those still in prefill: what it hands the controller (caps, pinned k,
     prefill, context) equals what a fresh sorting gives, step by step, through admissions,
     finishes, aborts, preemptions (a small cache) and requests with their own k. A log of
@@ -354,8 +395,9 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
     engine, rng = llm.engine, random.Random(0)
     calls = []
 
-    def choose(caps, tokens, spans, padded, context):
-        calls.append((dict(caps), tokens, spans, padded, context() if callable(context) else context))
+    def choose(caps, tokens, spans, padded, context, greedy):
+        calls.append((dict(caps), tokens, spans, padded, context() if callable(context) else context,
+                      set(greedy)))
         return dict.fromkeys(caps, 0)
 
     engine.controller.choose = choose
@@ -381,7 +423,9 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
             tokens, admitted = tokens + len(r.all_token_ids) - r.num_computed_tokens, admitted + 1
         tokens = min(tokens, room)
         context = sum(len(r.all_token_ids) for r in sched.running)
-        return free, pinned, (free, tokens, spans + admitted, engine.runner.pads_short_spans(tokens > 0), context)
+        greedy = {r.req_id for r in sched.running if r.req_id in free and r.params.greedy}
+        return free, pinned, (free, tokens, spans + admitted, engine.runner.pads_short_spans(tokens > 0), context,
+                              greedy)
 
     def checked():
         kept.append(engine._sorted.version == engine.scheduler.running_version)
@@ -402,7 +446,8 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
         if rng.random() < 0.15:
             own = rng.choice([None, None, 0, 2])
             ids.append(engine.add_request([rng.randrange(3, 60) for _ in range(rng.randint(2, 20))],
-                                          SamplingParams(temperature=0, max_tokens=rng.randint(4, 40),
+                                          SamplingParams(temperature=rng.choice([0, 0, 0.7]),
+                                                         max_tokens=rng.randint(4, 40),
                                                          ignore_eos=True, num_speculative_tokens=own)))
         if ids and rng.random() < 0.03:
             engine.abort(rng.choice(ids))

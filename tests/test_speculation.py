@@ -165,7 +165,7 @@ def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, paths, t
                        max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36,
                        num_draft_paths=paths)
     forked, schedule = [], engine.scheduler.schedule
-    engine.scheduler.schedule = lambda drafts=None: forked.append(schedule(drafts)) or forked[-1]
+    engine.scheduler.schedule = lambda *args: forked.append(schedule(*args)) or forked[-1]
     finished, submitted = {}, []
     for step_no in range(400):
         if step_no < 120 and rng.random() < 0.3:
