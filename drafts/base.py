@@ -54,6 +54,10 @@ class Drafter(Protocol):
     # The most draft paths it proposes per request: 1, or more for a drafter that ranks
     # candidates and follows a further path's ``fork`` (see ``DRAFT_FORKS``).
     max_paths: int
+    # Seconds the last ``propose`` spent catching its cache up (a drafter that sees every
+    # step): work that runs whatever k is, so the step's cost model counts it with the
+    # target's pass, not with the drafts (0 for a drafter without a cache).
+    last_catch_up_s: float
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of the drafter's own KV cache per block (0 when it has none)."""

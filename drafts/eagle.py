@@ -23,6 +23,7 @@ eagerly.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import torch
@@ -97,6 +98,7 @@ class EagleDrafter(ModelDrafter):
     # ------------------------------------------------------------------ the step
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:
+        began = time.perf_counter()
         self._collect(requests)
         self._seen = scheduled
         entries, features, drafting, ends = [], [], [], {}
@@ -117,6 +119,7 @@ class EagleDrafter(ModelDrafter):
         if not drafting:
             if entries:
                 self._forward(entries, features)
+            self.last_catch_up_s = time.perf_counter() - began
             return DraftProposal([[] for _ in scheduled])
         # As ModelDrafter: longest k first, so each step's inputs are a prefix of the last's outputs.
         order = sorted(drafting, key=lambda p: -p.num_lookahead)
@@ -126,6 +129,7 @@ class EagleDrafter(ModelDrafter):
         if any(not p.params.greedy for p in order):
             meta = SamplingMetadata.build([p.params for p in order], self.device)
         logits, outputs = self._forward([e for e, _ in paired], [f for _, f in paired])
+        self.last_catch_up_s = time.perf_counter() - began  # as ModelDrafter: runs whatever k is
         tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta)
         columns, q_columns = [tokens], [q]
         for j in range(1, order[0].num_lookahead):

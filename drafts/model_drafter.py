@@ -15,6 +15,7 @@ are graph replays.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from itertools import accumulate
 
@@ -54,6 +55,7 @@ class ModelDrafter:
         self.uniforms = Uniforms(config.seed)
         self.runner: ModelRunner | None = None
         self._fed: dict[str, int] = {}   # draft-cache length per request (own cache only)
+        self.last_catch_up_s = 0.0
 
     # ------------------------------------------------------------------ set-up
     def kv_bytes_per_block(self) -> int:
@@ -104,6 +106,7 @@ class ModelDrafter:
 
     def propose(self, scheduled: list[ScheduledRequest],
                 requests: Mapping[str, Request]) -> DraftProposal:
+        began = time.perf_counter()
         entries, drafting, ends, fed_before = [], [], {}, {}
         for i, planned in enumerate(scheduled):
             k = planned.num_lookahead
@@ -125,6 +128,7 @@ class ModelDrafter:
         if not drafting:
             if entries:
                 self._forward([e for _, e in entries])
+            self.last_catch_up_s = time.perf_counter() - began
             return DraftProposal([[] for _ in scheduled])
         # Longest k first, so the requests still drafting at step j are always a prefix
         # and each step's inputs are a slice of the previous step's outputs. The catch-up
@@ -138,6 +142,9 @@ class ModelDrafter:
             meta = SamplingMetadata.build([p.params for p in active], self.device)
         forking = any(p.fork for p in active)  # further draft paths take runner-up candidates
         logits = self._forward([e for _, e in entries])
+        # The catch-up runs whatever k is (it yields the first proposals too): the cost of
+        # drafting is what comes after it.
+        self.last_catch_up_s = time.perf_counter() - began
         tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, 0 if forking else None)
         columns, q_columns = [tokens], [q]
         for j in range(1, active[0].num_lookahead):

@@ -111,6 +111,7 @@ class NgramDrafter:
     name = "ngram"
     needs_every_step = False  # each request's index catches up on the tokens at its next lookup
     max_paths = 1  # one continuation per lookup
+    last_catch_up_s = 0.0  # no cache to keep up
 
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n

@@ -120,7 +120,8 @@ class LLMEngine:
         self.controller = None
         if self.drafter and config.speculative_adaptive:
             self.controller = DraftLengthController(config.num_speculative_tokens,
-                                                    forks=self.scheduler.draft_forks)
+                                                    forks=self.scheduler.draft_forks,
+                                                    first_draft_in_catch_up=self.drafter.needs_every_step)
             self._profile_step_cost()
             # The profile times passes alone, live steps the host work around them too: it
             # stays to tell costs apart that a steady state cannot, but weighs little.
@@ -320,7 +321,8 @@ class LLMEngine:
                 self.draft_length_counts.update(lookahead)
             else:  # most steps under load when drafting does not pay: one count
                 self.draft_length_counts[0] += len(lookahead)
-        self._draft_s = drafted - start
+        # What drafting cost: the drafter's time less its catch-up, which runs whatever k is.
+        self._draft_s = drafted - start - (self.drafter.last_catch_up_s if proposal else 0.0)
         return result
 
     def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:

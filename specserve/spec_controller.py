@@ -23,7 +23,12 @@ Two online estimates feed the choice:
   any its own fixed cost (on a GPU such a step replays a ragged graph, not a padded one,
   or runs eagerly past the largest token bucket; and at high load most steps admit a new
   request), plus
-  ``draft = depth * (d + e * drafting_requests)`` for the drafter's sequential passes.
+  ``draft = passes * (d + e * drafting_requests)`` for the drafter's sequential passes: D
+  for a draft depth D, or D - 1 for a draft model, whose catch-up on the tokens the target
+  accepted runs at every step whatever k is and yields the first proposals — its time is
+  the target's (planning D passes for it, charging the catch-up to drafting, made a draft
+  model look dear: with the built-in draft on chat, batch 1, CPU, adaptive speculation
+  drafted a third of the steps and ran 46.6 tokens/s where a fixed k = 4 ran ~59).
   The target cost is the whole engine step's wall time less the drafter's: the host
   work around the pass (verify lists, rollback, detokenising the extra tokens) is part
   of what drafts cost, and on a GPU most of it. Both are least-squares fits with
@@ -309,12 +314,15 @@ class DraftLengthController:
     step's bookkeeping is a handful of numpy operations, not a few hundred."""
 
     def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True,
-                 forks: list[tuple[int, int]] = ()) -> None:
+                 forks: list[tuple[int, int]] = (), first_draft_in_catch_up: bool = False) -> None:
         """``forks``: the further draft paths' (depth, rank) (``Scheduler.draft_forks``):
-        a request drafting k tokens verifies one path more for each fork above depth k,
-        each 1 + k tokens of the pass and k of the drafter's rows (the plan counts them
-        for every request, though sampling ones draft one path: a small overestimate)."""
+        a request drafting k tokens may verify one path more for each fork above depth k.
+        ``first_draft_in_catch_up``: the drafter catches its cache up every step, whatever
+        k is, and that pass yields the first proposals (a draft model); its time is then
+        the target's (the engine measures drafting without it), and a draft depth D costs
+        D - 1 passes of the drafter, not D."""
         self.max_k = max_k
+        self._first_free = int(first_draft_in_catch_up)
         # Draft paths per request at k = 0..max_k (1 at k = 0: none but its own).
         self._paths = np.array([1 + sum(depth < k for depth, _ in forks) for k in range(max_k + 1)])
         # Engine-wide: extra accepted tokens per request-step that verified m paths
@@ -376,8 +384,9 @@ class DraftLengthController:
         if target_s is not None:
             self.target_cost.observe(
                 _features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill), target_s)
-        if depth:
-            self.draft_cost.observe([depth, depth * num_drafting], draft_s)
+        passes = depth - self._first_free
+        if passes > 0:
+            self.draft_cost.observe([passes, passes * num_drafting], draft_s)
 
     def observe_goodput(self, num_tokens: int, seconds: float) -> None:
         """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
@@ -596,16 +605,18 @@ class DraftLengthController:
         d, e = self.draft_cost.theta
         fixed = self.target_cost.predict(_features(num_reqs, num_reqs + num_other_spans, context, 0,
                                                    num_reqs if padded else 0, num_other_tokens))
-        depth_cost = (d + pad * num_reqs) * np.arange(max_k + 1)
+        depths = np.arange(max_k + 1)
+        passes = np.maximum(depths - self._first_free, 0)  # the drafter's passes a depth costs
+        depth_cost = d * passes + pad * num_reqs * depths
         # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
         # times the share of planned drafts the drafter proposes) and the cost of its
         # verified tokens and span (a planned draft not proposed is not paid for): each
         # drafted token is verified and (roughly) drafted once.
         gain = np.zeros((num_reqs, max_k + 1))
         gain[:, 1:] = np.cumsum(rate * np.cumprod(self._alpha[rows], axis=1), axis=1)
-        ks = np.arange(1, max_k + 1)
+        ks = depths[1:]
         cost_k = np.zeros((num_reqs, max_k + 1))
-        cost_k[:, 1:] = rate * ((b + e) * ks + c)
+        cost_k[:, 1:] = rate * (b * ks + e * passes[1:] + c)
         cost_k[np.arange(max_k + 1)[None, :] > cap[:, None]] = np.inf  # over the request's cap
         # A forkable request's further paths at k: what they were seen to add, for 1 + k
         # more verified tokens, k more drafted and a span each.
@@ -616,7 +627,7 @@ class DraftLengthController:
         if can_fork.any():
             more = self._paths[1:] - 1
             path_gain[can_fork, 1:] = (rate * self.path_gain[self._paths[1:]])[can_fork]
-            path_cost[can_fork, 1:] = (rate * (b * more * (1 + ks) + e * more * ks + c * more))[can_fork]
+            path_cost[can_fork, 1:] = (rate * (b * more * (1 + ks) + e * more * passes[1:] + c * more))[can_fork]
         every = np.arange(num_reqs)
         k = np.zeros(num_reqs, dtype=int)
         fork = np.zeros((num_reqs, max_k + 1), dtype=bool)
