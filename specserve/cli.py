@@ -147,12 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _tune_parser(sub) -> None:
     tune = sub.add_parser(
         "tune", help="find the best draft length and token budget for a workload",
-        description="Sweep --num-speculative-tokens x --max-num-batched-tokens (x drafter x draft "
-                    "paths) on the "
-                    "engine in this process, with requests arriving at --request-rate or held at "
-                    "--max-concurrency; print a table and write the best setting as a config file "
-                    "for 'specserve serve --config'. Settings clearly worse after a quick round on "
-                    "a quarter of the prompts are dropped before the full round.")
+        description="Sweep --num-speculative-tokens x --max-num-batched-tokens (x drafter x "
+                    "--num-draft-paths-list) on the engine in this process, with requests "
+                    "arriving at --request-rate or held at --max-concurrency; print a table and "
+                    "write the best setting as a config file for 'specserve serve --config'. "
+                    "Settings clearly worse after a quick round on a quarter of the prompts are "
+                    "dropped before the full round.")
     w = tune.add_argument_group("workload")
     w.add_argument("--workload", default="chat",
                    help="code-edit, summarize, chat, random, or a .jsonl file (one object per line: "

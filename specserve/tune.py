@@ -1,15 +1,16 @@
 """``specserve tune``: the draft length and token budget that serve a workload best.
 
 Sweeps ``num_speculative_tokens`` x ``max_num_batched_tokens`` (x drafter, when several
-are asked for; x ``num_draft_paths``, for a drafter that ranks candidates) on the engine in this process, with requests arriving at a rate or held
-at a concurrency, and scores each setting by output throughput among those that meet the
-latency objectives (p99 TTFT / TPOT), else by how far they miss them.
+are asked for; x ``num_draft_paths``, for a drafter that ranks candidates) on the engine
+in this process, with requests arriving at a rate or held at a concurrency, and scores
+each setting by output throughput among those that meet the latency objectives (p99 TTFT
+/ TPOT), else by how far they miss them.
 
 It does not take longer than it must: one engine per drafter is loaded once and every
-setting reuses it (k is set per request, the budget and the draft paths on the scheduler); k = 0 is run once,
-as plain decoding; a first round on a quarter of the prompts drops settings that are
-clearly worse (below ``prune_ratio`` of the best throughput, or missing objectives the best
-meets) before the full round. The winner is written as a config file that ``specserve
+setting reuses it (k is set per request, the budget and the draft paths on the
+scheduler); k = 0 is run once, as plain decoding; a first round on a quarter of the
+prompts drops settings that are clearly worse (below ``prune_ratio`` of the best
+throughput, or missing objectives the best meets) before the full round. The winner is written as a config file that ``specserve
 serve --config`` loads.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import math
 from dataclasses import dataclass
 
 from specserve.bench.arrivals import arrival_times
-from specserve.drafts.base import DRAFT_FORKS
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
+from specserve.drafts.base import DRAFT_FORKS
 
 
 @dataclass(frozen=True)
