@@ -150,6 +150,8 @@ class LLMEngine:
         """Where further draft paths fork from a request's own (``num_draft_paths`` - 1 of
         ``DRAFT_FORKS``); refused for a drafter that proposes one path only."""
         paths = self.config.num_draft_paths
+        if self.drafter is None:  # speculation off (k = 0): nothing to fork
+            return []
         if paths > 1 and self.drafter.max_paths < paths:
             raise SpecserveError(f"num_draft_paths {paths}: this drafter ({self.drafter.describe()}) "
                                  f"proposes {self.drafter.max_paths} path(s) at most")

@@ -283,6 +283,7 @@ class Scheduler:
         Returns an update for every request that sampled.
         """
         new_tokens = iter(result.new_token_ids)
+        # Every further path forks with a block copy: a step without copies has none.
         best_paths = _best_paths(output, result) if output.block_copies else None
         updates: list[RequestUpdate] = []
         for planned in output.scheduled:

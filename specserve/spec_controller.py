@@ -624,23 +624,27 @@ class DraftLengthController:
         # A forkable request's further paths at k: what they were seen to add, for 1 + k
         # more verified tokens, k more drafted and a span each.
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
-            if forkable and self._paths[-1] > 1 else np.zeros(num_reqs, dtype=bool)
-        path_gain = np.zeros((num_reqs, max_k + 1))
-        path_cost = np.zeros((num_reqs, max_k + 1))
-        if can_fork.any():
+            if forkable and self._paths[-1] > 1 else None
+        if can_fork is not None and can_fork.any():
             more = self._paths[1:] - 1
+            path_gain = np.zeros((num_reqs, max_k + 1))
+            path_cost = np.zeros((num_reqs, max_k + 1))
             path_gain[can_fork, 1:] = (rate * self.path_gain[self._paths[1:]])[can_fork]
             path_cost[can_fork, 1:] = (rate * (b * more * (1 + ks) + e * more * passes[1:]
                                                + c * more))[can_fork]
+        else:  # nobody may fork: the plan is over k alone
+            can_fork = None
         every = np.arange(num_reqs)
         k = np.zeros(num_reqs, dtype=int)
-        fork = np.zeros((num_reqs, max_k + 1), dtype=bool)
+        fork = new_fork = None
+        total_gain, total_cost = gain, cost_k
         # Start from the plan without drafts, raised by the margin a plan must beat.
         ratio = (1.0 + self.min_gain) * num_reqs / max(fixed, 1e-9)
         for _ in range(10):
-            new_fork = path_gain - ratio * path_cost > 0               # paths pay at this ratio
-            total_gain = gain + new_fork * path_gain
-            total_cost = cost_k + new_fork * path_cost
+            if can_fork is not None:
+                new_fork = path_gain - ratio * path_cost > 0           # paths pay at this ratio
+                total_gain = gain + new_fork * path_gain
+                total_cost = cost_k + new_fork * path_cost
             net = total_gain - ratio * total_cost                      # value of k = 0..max_k drafts
             best_upto = np.maximum.accumulate(net, axis=1)             # best k <= D, per request
             depth = int(np.argmax(best_upto.sum(axis=0) - ratio * depth_cost))
@@ -651,8 +655,10 @@ class DraftLengthController:
                 break
             k, ratio, fork = new_k, new_ratio, new_fork
         self._idle[rows] = (k == 0) & (cap > 0)
-        unforked = {req_ids[i] for i in np.flatnonzero(can_fork & (k > 0) & ~fork[every, k])}
-        return k, unforked
+        if can_fork is None:
+            return k, set()
+        chose_chain = can_fork & (k > 0) if fork is None else can_fork & (k > 0) & ~fork[every, k]
+        return k, {req_ids[i] for i in np.flatnonzero(chose_chain)}
 
 
 def _features(tokens: int, reqs: int, context: int, spans: int, padded: int, prefill: int = 0) -> list[float]:

@@ -173,6 +173,10 @@ def test_paths_are_refused_where_the_drafter_ranks_no_candidates(tiny_model_dir,
         LLM32(target, speculative_method="ngram", num_draft_paths=2, **ENGINE)
     with pytest.raises(SpecserveError, match=r"num_draft_paths must be in \[1, 4\], got 5"):
         LLM32(target, speculative_method="layerskip", num_draft_paths=5, **ENGINE)
+    # Speculation off (k = 0): nothing drafts, so nothing forks; the engine still serves.
+    llm = LLM32(target, speculative_method="layerskip", num_speculative_tokens=0, num_draft_paths=2, **ENGINE)
+    assert llm.engine.scheduler.draft_forks == []
+    assert len(llm.generate(["hi"], _greedy(0, 4), use_tqdm=False)[0].token_ids) == 4
     head = make_eagle_head(target, [1], tmp_path)[0]
     with pytest.raises(SpecserveError, match="proposes 1 path"):
         LLM32(target, speculative_method="draft_model", draft_model=head, num_draft_paths=2, **ENGINE)
