@@ -178,7 +178,8 @@ def time_shape(args, tp: TPGroup, rows: list, bandwidth: float) -> None:
     """Time the decode step on this group (TP=1: ``tp`` is SINGLE on rank 0 only)."""
     from specserve.config import EngineConfig
     from specserve.model_runner import ModelRunner
-    from specserve.tp_worker import StepChannel, follow
+    from specserve.step_channel import StepChannel
+    from specserve.tp_worker import follow
 
     config, label = shape_config(args)
     device = tp.device if tp.size > 1 else torch.device(args.device)

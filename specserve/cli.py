@@ -9,7 +9,9 @@ import os
 import sys
 import time
 
+from specserve.bench.cli import add_bench_parser, run_bench
 from specserve.config import PATH_METHODS, SPECULATIVE_METHODS
+from specserve.engine_flags import ENGINE_FLAGS, add_engine_flags
 
 EXIT_USAGE = 2
 
@@ -19,75 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"specserve: error: {message} (see '{self.prog} --help')\n")
-
-
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="local checkpoint directory, .gguf file or hub id "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA and on CPUs with native bf16 GEMM such as AMX, "
-                        "else float32), float32, bfloat16, float16; float32 for bit-exact output")
-    g.add_argument("--seed", type=int, default=0,
-                   help="random seed; the same seed gives the same sampled output (default: 0)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget per engine step, shared by decoding and prefill chunks")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="maximum requests per step")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="maximum prompt + output tokens (default: the model's maximum)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV-cache blocks (default: sized from the memory budget)")
-    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
-                   help="KV-cache memory on CPU, in GiB (default: 1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                   help="fraction of GPU memory the engine may use (default: 0.9)")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
-                   help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="CUDA: run every step eagerly, no CUDA graphs (default: graphs for "
-                        "decode/verify steps and for steps with prefill chunks)")
-    g.add_argument("--cuda-graph-max-tokens", type=int, default=2048, metavar="N",
-                   help="CUDA: steps with prefill chunks of up to N tokens in all replay ragged "
-                        "CUDA graphs; longer ones, or all with 0, run eagerly (default: 2048)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N GPUs of this host, one process each (generate "
-                        "and serve; the command starts them under torchrun itself; default: 1)")
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help="YAML or JSON file of settings (any flag of this command, named as the "
-                        "flag or with underscores); flags given on the command line win")
-    g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
-    s = parser.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
-                   help="how draft tokens are proposed: ngram (prompt lookup), layerskip (the "
-                        "target's first layers), draft_model (a separate checkpoint); default: none")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="k, the most draft tokens per request per step (default: 4)")
-    s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose each request's k (up to --num-speculative-tokens) every step from "
-                        "its measured acceptance and the measured step cost (default: on; "
-                        "--no-speculative-adaptive drafts k for every request every step)")
-    s.add_argument("--draft-model", default=None,
-                   help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
-    s.add_argument("--num-draft-paths", type=int, default=1,
-                   help="draft_model / layerskip: draft paths a greedy request verifies per step, "
-                        "1-4: its best guesses and up to 3 that take a runner-up candidate at one "
-                        "depth (a static draft tree); each costs 1 + k more tokens (default: 1)")
-    s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
-    s.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched (default: 2)")
-    s.add_argument("--layerskip-layers", type=int, default=None,
-                   help="layerskip: target layers the draft runs (default: a quarter)")
-
-
-ENGINE_FLAGS = ("model", "tokenizer", "device", "dtype", "seed", "max_num_batched_tokens",
-                "max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
-                "kv_cache_memory_gib", "gpu_memory_utilization", "attention_backend", "enforce_eager",
-                "cuda_graph_max_tokens", "tensor_parallel_size",
-                "speculative_method", "num_speculative_tokens", "speculative_adaptive", "draft_model", "num_draft_paths", "prompt_lookup_max", "prompt_lookup_min",
-                "layerskip_layers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with the text and statistics instead of streaming")
-    _engine_flags(gen)
+    add_engine_flags(gen)
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                          description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
@@ -138,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "aborted (default: 30)")
     srv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                      help="uvicorn's log level (default: info)")
-    _engine_flags(srv)
-    _bench_parser(sub)
+    add_engine_flags(srv)
+    add_bench_parser(sub)
     _tune_parser(sub)
     return parser
 
@@ -179,14 +112,7 @@ def _tune_parser(sub) -> None:
     g.add_argument("--output", default="specserve-tuned.yaml",
                    help="where to write the best setting (default: specserve-tuned.yaml)")
     g.add_argument("--result-json", default=None, help="also write every run's metrics here")
-    _engine_flags(tune)
-
-
-def _bench_parser(sub) -> None:
-    """``specserve bench serve|offline|spec-sweep`` (arguments in specserve/bench/cli.py)."""
-    from specserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub, _engine_flags)
+    add_engine_flags(tune)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,8 +403,6 @@ def _int_list(text: str, flag: str, minimum: int) -> list[int]:
 
 
 def _bench(args) -> int:
-    from specserve.bench.cli import run_bench
-
     return run_bench(args, {k: getattr(args, k) for k in ENGINE_FLAGS})
 
 

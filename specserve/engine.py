@@ -1,8 +1,6 @@
 """LLMEngine (add_request / step / abort) and the offline ``LLM`` API on top of it."""
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import time
@@ -18,6 +16,7 @@ from specserve.config import EngineConfig
 from specserve.drafts import build_drafter
 from specserve.distributed import init_tensor_parallel
 from specserve.drafts.base import DRAFT_FORKS, DraftProposal
+from specserve.heap import freeze_heap
 from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
@@ -33,39 +32,6 @@ from specserve.scheduler import (RequestUpdate, ScheduledRequest, Scheduler, Sch
 from specserve.spec_controller import DraftLengthController
 
 logger = logging.getLogger("specserve")
-
-
-def freeze_heap() -> None:
-    """Move every object the process holds now — the loaded engine with it — out of the
-    cyclic garbage collector's reach (``gc.freeze``), so its collections walk only what
-    steps create. After loading a model a process holds ~400k objects, and a full
-    collection of them ran every ~100 steps at 256 requests, for ~175 ms: a third of the
-    host time of a step, and a stall. Unfrozen first, so the garbage of an engine dropped
-    since the last freeze is collected now instead of never; and unfrozen at exit, so
-    the interpreter's last collection still finalises everything (extension modules
-    report what it does not as leaks).
-
-    And the youngest generation is collected after ``GC_YOUNG_THRESHOLD`` net new objects
-    instead of CPython's 700: a step at 64 requests leaves thousands alive until it ends
-    (token lists, scheduled requests, outputs), so at 700 several collections ran in every
-    step, 0.07-0.27 ms of a 2.3-3.4 ms step on an H200 host (timed per step with
-    ``gc.callbacks``). Objects that die by reference count never wait for a collection;
-    only cycles live a little longer. A threshold the process set lower than the default
-    (0: collections off) is left as it is."""
-    global _unfreeze_at_exit
-    if _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = False
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-    young, *older = gc.get_threshold()
-    if young >= 700:
-        gc.set_threshold(max(young, GC_YOUNG_THRESHOLD), *older)
-
-
-_unfreeze_at_exit = True
-GC_YOUNG_THRESHOLD = 50_000
 
 
 class LLMEngine:

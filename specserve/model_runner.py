@@ -11,6 +11,7 @@ from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, rag
 from specserve.config import EngineConfig
 from specserve.distributed import SINGLE, TPGroup
 from specserve.scheduler import SchedulerOutput
+from specserve.step_channel import StepChannel
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
@@ -45,8 +46,6 @@ class ModelRunner:
         self.tp = tp
         self.channel = None
         if tp.size > 1 and tp.is_driver:
-            from specserve.tp_worker import StepChannel
-
             self.channel = StepChannel(tp)
         self.max_useful_blocks = max_useful_blocks
         self.model = model

@@ -282,7 +282,7 @@ def test_the_engine_collects_young_objects_rarely_unless_told_otherwise(tiny_mod
     that lowered the threshold itself (or turned collection off) keeps its own."""
     import gc
 
-    from specserve.engine import GC_YOUNG_THRESHOLD
+    from specserve.heap import GC_YOUNG_THRESHOLD
 
     path = str(tiny_model_dir("llama"))
     before = gc.get_threshold()

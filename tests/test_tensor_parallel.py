@@ -141,7 +141,7 @@ class _Loopback(TPGroup):
 @pytest.mark.parametrize("num_reqs,context", [(3, 40), (40, 300)])  # the second needs 2 broadcasts
 def test_step_messages_rebuild_the_schedule(num_reqs, context):
     from specserve.batch import DeviceTokenIds
-    from specserve.tp_worker import COPY, GRAPHS, SHUTDOWN, STEP, StepChannel
+    from specserve.step_channel import COPY, GRAPHS, SHUTDOWN, STEP, StepChannel
 
     queue: list = []
     send, receive = StepChannel(_Loopback(queue, 0)), StepChannel(_Loopback(queue, 1))

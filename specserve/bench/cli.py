@@ -1,8 +1,5 @@
-"""``specserve bench serve | offline | spec-sweep``: arguments and what each runs.
-
-Kept apart from ``specserve/cli.py`` (which only hooks it in) and free of heavy imports at
-module level, so ``specserve --help`` stays fast.
-"""
+"""``specserve bench serve | offline | spec-sweep``: arguments and what each runs
+(``specserve/cli.py`` hooks them in)."""
 from __future__ import annotations
 
 import json
@@ -13,15 +10,29 @@ import platform
 import sys
 from pathlib import Path
 
+import torch
+
+from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
+from specserve.bench.offline import format_offline, prompt_ids, run_offline, warm_up
+from specserve.bench.plots import plot_serving, spec_sweep_plot
+from specserve.bench.serve_bench import (ServeOptions, config_label, format_run, parse_speculation,
+                                         run_serve, summary_table)
+from specserve.bench.spec_sweep import run_spec_sweep, sweep_table
+from specserve.bench.stats import parse_goodput, parse_percentiles
+from specserve.bench.workloads import load_workload
+from specserve.config import SPECULATIVE_METHODS, EngineConfig
+from specserve.engine import LLMEngine
+from specserve.engine_flags import add_engine_flags
+from specserve.loader import load_tokenizer, resolve_model
+
 _WORKLOAD_HELP = ("code-edit (edit standard-library functions, return the full code), summarize "
                   "(standard-library documentation), chat (questions written for the project), random "
                   "(random token ids, --input-len long), or a .jsonl file: one object per line, "
                   '{"prompt": "..."} or {"messages": [...]}, optional "max_tokens" (default: code-edit)')
 
 
-def add_bench_parser(sub, engine_flags) -> None:
-    """Add ``bench`` and its three subcommands to the top-level subparsers ``sub``;
-    ``engine_flags(parser)`` adds the engine's own flags."""
+def add_bench_parser(sub) -> None:
+    """Add ``bench`` and its three subcommands to the top-level subparsers ``sub``."""
     bench = sub.add_parser("bench", help="latency and throughput benchmarks",
                            description="Benchmarks: serve (HTTP serving, comparable with vllm bench "
                                        "serve), offline (engine in-process), spec-sweep (drafters x k).")
@@ -63,7 +74,7 @@ def add_bench_parser(sub, engine_flags) -> None:
                      help="write PNG plots here (latency CDFs, rate sweep, acceptance per position)")
     out.add_argument("--save-detailed", action="store_true",
                      help="keep per-request lists (ttfts, itls, latencies, texts) in the JSON")
-    engine_flags(serve)
+    add_engine_flags(serve)
 
     offline = kinds.add_parser(
         "offline", help="offline benchmark: the engine in-process, no HTTP",
@@ -85,7 +96,7 @@ def add_bench_parser(sub, engine_flags) -> None:
     _result_flags(out)
     out.add_argument("--plot-dir", default=None,
                      help="write PNG plots here (latency CDFs, rate sweep, acceptance per position)")
-    engine_flags(offline)
+    add_engine_flags(offline)
 
     sweep = kinds.add_parser(
         "spec-sweep", help="speculation sweep: each drafter and k against speculation off",
@@ -99,7 +110,7 @@ def add_bench_parser(sub, engine_flags) -> None:
     _workload_flags(sweep, num_prompts=8, output_len=64)
     _result_flags(sweep)
     sweep.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
-    engine_flags(sweep)
+    add_engine_flags(sweep)
 
 
 def _load_flags(parser):
@@ -141,8 +152,6 @@ def _result_flags(group) -> None:
 # ---------------------------------------------------------------------- running
 def run_bench(args, engine_kwargs: dict) -> int:
     """Run the benchmark ``args.bench_command`` names; ValueError on bad input."""
-    from specserve.bench.stats import parse_percentiles
-
     for name in ("num_prompts", "max_concurrency", "output_len", "input_len"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -158,27 +167,14 @@ def run_bench(args, engine_kwargs: dict) -> int:
 
 
 def _requests(args, engine_kwargs: dict):
-    from specserve.bench.workloads import load_workload
-
     tokenizer = None
     if args.workload == "random":
-        from specserve.loader import load_tokenizer, resolve_model
-
         tokenizer = load_tokenizer(resolve_model(engine_kwargs["model"]), engine_kwargs["tokenizer"])
     return load_workload(args.workload, args.num_prompts, output_len=args.output_len,
                          input_len=args.input_len, seed=engine_kwargs["seed"], tokenizer=tokenizer)
 
 
 def _serve(args, engine_kwargs: dict, percentiles) -> int:
-    from specserve.bench.arrivals import arrival_times
-    from specserve.bench.serve_bench import (
-        ServeOptions,
-        format_run,
-        parse_speculation,
-        run_serve,
-    )
-    from specserve.bench.stats import parse_goodput
-
     rates = _rates(args)
     speculation = parse_speculation(args.speculation) if args.speculation else None
     if speculation and args.base_url:
@@ -194,8 +190,6 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
     requests = _requests(args, engine_kwargs)
     config = None
     if args.base_url is None:
-        from specserve import EngineConfig
-
         config = EngineConfig(**engine_kwargs)
     runs = run_serve(requests, opts, rates, base_url=args.base_url, engine_config=config,
                      speculation=speculation, server_mode=args.server_mode)
@@ -207,14 +201,10 @@ def _serve(args, engine_kwargs: dict, percentiles) -> int:
 
 def _report(args, runs: list[dict]) -> int:
     """The runs' summary table, plots and JSON; exit code 1 unless every run completed."""
-    from specserve.bench.serve_bench import summary_table
-
     if len(runs) > 1:
         print()
         print(summary_table(runs))
     if args.plot_dir:
-        from specserve.bench.plots import plot_serving
-
         for path in plot_serving(runs, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     _write_json(args.result_json, runs)
@@ -223,8 +213,6 @@ def _report(args, runs: list[dict]) -> int:
 
 def _rates(args) -> list[float]:
     """The request rates to run; also checks the other load flags, before any model loads."""
-    from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
-
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.request_rate is not None and args.request_rate_sweep is not None:
@@ -239,12 +227,6 @@ def _rates(args) -> list[float]:
 
 
 def _offline(args, engine_kwargs: dict, percentiles) -> int:
-    from specserve import EngineConfig
-    from specserve.bench.arrivals import arrival_times
-    from specserve.bench.offline import format_offline, prompt_ids, run_offline, warm_up
-    from specserve.bench.serve_bench import config_label, parse_speculation
-    from specserve.engine import LLMEngine
-
     rates = _rates(args)
     settings = parse_speculation(args.speculation) if args.speculation else [None]
     requests = _requests(args, engine_kwargs)
@@ -286,10 +268,6 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
 
 
 def _spec_sweep(args, engine_kwargs: dict, _percentiles) -> int:
-    from specserve import EngineConfig
-    from specserve.bench.spec_sweep import run_spec_sweep, sweep_table
-    from specserve.config import SPECULATIVE_METHODS
-
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
         if d not in SPECULATIVE_METHODS or d == "none":
@@ -301,8 +279,6 @@ def _spec_sweep(args, engine_kwargs: dict, _percentiles) -> int:
                           ignore_eos=args.ignore_eos, progress=not args.quiet)
     print(sweep_table(rows))
     if args.plot:
-        from specserve.bench.plots import spec_sweep_plot
-
         print(f"wrote {spec_sweep_plot(rows, args.plot)}", file=sys.stderr)
     _write_json(args.result_json, [{"workload": args.workload, "rows": rows}])
     return 0
@@ -321,8 +297,6 @@ def _int_list(text: str, flag: str) -> list[int]:
 # ---------------------------------------------------------------------- output
 def describe_machine() -> dict:
     """Where the benchmark ran: CPU model, cores, torch threads, GPU if any."""
-    import torch
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -349,15 +323,3 @@ def _write_json(path: str | None, runs: list[dict]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m specserve.bench.cli serve ...``: the same as ``specserve bench ...``."""
-    from specserve.cli import main as specserve_main
-
-    return specserve_main(["bench", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

@@ -27,6 +27,7 @@ from datetime import datetime
 import httpx
 from tqdm.auto import tqdm
 
+from specserve.async_engine import AsyncLLMEngine
 from specserve.bench.arrivals import arrival_times
 from specserve.bench.client import (
     RequestResult,
@@ -43,6 +44,10 @@ from specserve.bench.stats import (
     spec_decode_metrics,
 )
 from specserve.bench.workloads import BenchRequest
+from specserve.config import SPECULATIVE_METHODS
+from specserve.engine import LLMEngine
+from specserve.engine_flags import ENGINE_FLAGS
+from specserve.server import ThreadedServer
 
 logger = logging.getLogger("specserve")
 
@@ -222,8 +227,6 @@ class ServerProcess:
 
 def engine_args(config) -> list[str]:
     """The ``specserve serve`` flags that rebuild ``config``."""
-    from specserve.cli import ENGINE_FLAGS
-
     args = []
     for name in ENGINE_FLAGS:
         value, flag = getattr(config, name), name.replace("_", "-")
@@ -243,10 +246,7 @@ class InProcessServer:
         self.config = config
 
     def __enter__(self) -> InProcessServer:
-        from specserve.async_engine import AsyncLLMEngine
-        from specserve.engine import LLMEngine
-        from specserve.server import ThreadedServer
-        from specserve.server.app import create_app
+        from specserve.server.app import create_app  # lazy: fastapi, only to serve in this process
 
         self.engine = AsyncLLMEngine(LLMEngine(self.config))
         self.http = ThreadedServer(create_app(self.engine)).__enter__()
@@ -295,8 +295,6 @@ class Speculation:
 def parse_speculation(text: str) -> list[Speculation]:
     """``"none,ngram:4,ngram:4:adaptive,layerskip:2"`` -> settings; ValueError on an
     unknown method or bad k."""
-    from specserve.config import SPECULATIVE_METHODS
-
     out = []
     for part in text.split(","):
         adaptive = part.strip().endswith(":adaptive")
