@@ -56,14 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         kwargs, attributes = SETTINGS[name]
         engine = LLMEngine(**{**common, **kwargs})
         for attribute, value in attributes.items():
-            setattr(engine.controller, attribute, value)
+            setattr(engine.speculator.controller, attribute, value)
         if name.startswith("eager"):
-            engine.controller._plan = eager_plan  # the planner's one seam: a wrong model's plan
+            engine.speculator.controller._plan = eager_plan  # the planner's one seam: a wrong model's plan
         engines[name] = engine
     results = {"machine": describe_machine(), "args": vars(args), "runs": []}
     for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
                                                   args.output_len, args.rounds, args.num_warmups):
-        controller = engines[name].controller
+        controller = engines[name].speculator.controller
         checks = controller.checks if controller else {}
         row = {"workload": workload, "setting": name, "round": round_,
                "output_throughput": run["output_throughput"],

@@ -114,7 +114,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
-    described = "; ".join(f"{m}: {e.engine.drafter.describe()}" for m, e in engines.items()
+    described = "; ".join(f"{m}: {e.engine.speculator.drafter.describe()}" for m, e in engines.items()
                           if m.startswith("draft_model"))
     print(f"\nSmolLM2-135M-Instruct on {machine}, {dtype}; held-out prompts ({args.prompts} chat, "
           f"{args.prompts} code), greedy, k = {f'adaptive, at most {args.k}' if args.adaptive else args.k}, "

@@ -199,7 +199,7 @@ def host_section(args, llm, engines: dict, record: dict) -> None:
     log("host time per engine step, batch 1")
     # Layer-skip drafts through the target's own runner, whose phases would absorb its work.
     targets = [("off", llm, 0)] + [(f"{method} k={args.k}", eng, args.k) for method, eng in engines.items()
-                                   if not getattr(eng.engine.drafter, "shares_target_cache", False)]
+                                   if not getattr(eng.engine.speculator.drafter, "shares_target_cache", False)]
     results = []
     for label, eng, k in targets:
         runs = [measure(eng.engine, 1, args.host_steps, 8, sync=False, k=k) for _ in range(args.host_repeats)]

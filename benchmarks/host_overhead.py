@@ -175,10 +175,16 @@ def instrument_gpu(engine) -> GpuSpans:
         for attr in ("prepare", "_write"):  # inputs written: the forward starts here
             spans.wrap(obj, attr, after=lambda: spans.start("forward"))
     spans.wrap(runner, "execute", after=lambda: spans.stop("forward"))
-    if engine.drafter is not None:
-        spans.wrap(engine.drafter, "propose", before=lambda: spans.start("propose"),
+    if drafter_of(engine) is not None:
+        spans.wrap(drafter_of(engine), "propose", before=lambda: spans.start("propose"),
                    after=lambda: spans.stop("propose"))
     return spans
+
+
+def drafter_of(engine):
+    """The engine's drafter (behind its speculator, or on the engine in earlier versions)."""
+    speculator = getattr(engine, "speculator", None)
+    return speculator.drafter if speculator is not None else engine.drafter
 
 
 def instrument(engine, sync: bool = False) -> PhaseTimer:
@@ -190,9 +196,11 @@ def instrument(engine, sync: bool = False) -> PhaseTimer:
     """
     timer = PhaseTimer(sync)
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine, "_draft_lengths", "schedule")
-    if engine.drafter is not None:
-        timer.wrap(engine.drafter, "propose", "propose")
+    timer.wrap(engine, "_draft_lengths", "schedule")  # choosing k: before the speculator
+    if getattr(engine, "speculator", None) is not None:
+        timer.wrap(engine.speculator, "plan", "schedule")
+    if drafter_of(engine) is not None:
+        timer.wrap(drafter_of(engine), "propose", "propose")
     runner = engine.runner
     timer.wrap(runner, "execute", "forward")     # minus what prepare takes, as phases nest
     timer.wrap(runner, "prepare", "prepare")
@@ -202,7 +210,8 @@ def instrument(engine, sync: bool = False) -> PhaseTimer:
             timer.wrap(runner.graphs, attr, "prepare")
     engine.sampler = _TimedCall(engine.sampler, timer, "sample")
     timer.wrap(engine.scheduler, "update", "update")
-    timer.wrap(engine, "_postprocess", "postprocess")
+    for attr in ("_postprocess", "_apply_stop_strings", "_output"):  # before / after the speculator
+        timer.wrap(engine, attr, "postprocess")
     return timer
 
 
@@ -254,7 +263,7 @@ def build_engine(args, method: str, target: str | None, draft: str | None, graph
         if enable is not None:
             enable(capture=False)
         else:  # the engine before it had enable_graphs: the target runner only
-            max_k = args.k if engine.drafter else 0
+            max_k = args.k if drafter_of(engine) else 0
             engine.runner.enable_graphs(1 + max_k, engine.max_model_len, capture=False)
     return engine
 
@@ -276,7 +285,7 @@ def stub_forward(engine) -> None:
         tokens = table[(hidden_states[:, 0].long() * 7 + 13) % len(printable)]
         return torch.nn.functional.one_hot(tokens, 1024).float()
 
-    for model in (engine.runner.model, getattr(engine.drafter, "model", None)):
+    for model in (engine.runner.model, getattr(drafter_of(engine), "model", None)):
         if model is not None:
             model.forward, model.compute_logits = hidden, logits
 

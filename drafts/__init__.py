@@ -1,6 +1,6 @@
 """Drafters, installed as ``specserve.drafts``: one class per way of proposing draft
-tokens, all behind the ``Drafter`` protocol (``base.py``); ``build_drafter`` maps the
-configured method to one.
+tokens, all behind the ``Drafter`` protocol (``specserve/spec/drafter.py``);
+``build_drafter`` maps the configured method to one.
 
 Under tensor parallelism every drafter runs on rank 0, beside the scheduler. n-gram
 lookup is host-only. A draft checkpoint is loaded whole (replicated, not split) on rank
@@ -17,7 +17,14 @@ import logging
 
 import torch
 
+from specserve.attention import get_backend
+from specserve.drafts.eagle import EagleDrafter
+from specserve.drafts.model_drafter import ModelDrafter
+from specserve.drafts.ngram import NgramDrafter
+from specserve.drafts.shipped import is_eagle_head, shares_target_embeddings, shipped_draft_for
 from specserve.errors import SpecserveError
+from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
+from specserve.models.eagle import EagleForCausalLM
 
 logger = logging.getLogger("specserve")
 
@@ -32,14 +39,10 @@ def build_drafter(config, target_model, target_hf_config, target_tokenizer,
 
 
 def _ngram(config, *_):
-    from specserve.drafts.ngram import NgramDrafter
-
     return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
 
 
 def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype):
-    from specserve.drafts.model_drafter import ModelDrafter
-
     total = target_hf_config.num_hidden_layers
     layers = config.layerskip_layers or max(1, total // 4)
     if layers >= total:
@@ -50,10 +53,6 @@ def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype
 
 def _draft_model(config, target, target_hf_config, target_tokenizer, device, dtype):
     """A draft checkpoint: the one named, else the draft shipped for this target."""
-    from specserve.drafts.model_drafter import ModelDrafter
-    from specserve.drafts.shipped import is_eagle_head, shipped_draft_for, shares_target_embeddings
-    from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
-
     if config.draft_model is not None:
         files = resolve_model(config.draft_model)
     else:
@@ -80,13 +79,8 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                                  f"hidden size {draft_config.hidden_size}, the target "
                                  f"{target_hf_config.hidden_size}: it was trained for another model")
         shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
-    from specserve.attention import get_backend
-
     backend = get_backend(config.attention_backend, device)
     if is_eagle_head(draft_config):
-        from specserve.drafts.eagle import EagleDrafter
-        from specserve.models.eagle import EagleForCausalLM
-
         if shared is None:
             raise SpecserveError(f"draft model {files.name} is an EAGLE head without "
                                  "shares_target_embeddings: it must use the target's embeddings")
@@ -100,8 +94,8 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
 
 
 def _restrict_vocab(model, files) -> None:
-    """A checkpoint's ``draft_vocab.json`` (token ids, written by ``train_draft
-    --draft-vocab``): the draft proposes among those only."""
+    """A checkpoint's ``draft_vocab.json`` (token ids, written by ``python -m
+    specserve.training --draft-vocab``): the draft proposes among those only."""
     path = files.path / "draft_vocab.json"
     if not path.is_file():
         return

@@ -29,12 +29,12 @@ from collections.abc import Mapping
 import torch
 
 from specserve.batch import DeviceTokenIds
-from specserve.drafts.base import DraftProposal
 from specserve.drafts.model_drafter import ModelDrafter, _head
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.spec.drafter import DraftProposal
 
 
 class EagleDrafter(ModelDrafter):

@@ -22,11 +22,12 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
-from specserve.drafts.base import DRAFT_FORKS, DraftProposal
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.spec.drafter import DraftProposal
+from specserve.spec.paths import DRAFT_FORKS, PathEntry
 from specserve.transfer import to_device
 
 class ModelDrafter:
@@ -140,7 +141,7 @@ class ModelDrafter:
         meta = None
         if any(not p.params.greedy for p in active):
             meta = SamplingMetadata.build([p.params for p in active], self.device)
-        forking = any(p.fork for p in active)  # further draft paths take runner-up candidates
+        forking = any(isinstance(p, PathEntry) for p in active)  # further paths take runner-up candidates
         logits = self._forward([e for _, e in entries])
         # The catch-up runs whatever k is (it yields the first proposals too): the cost of
         # drafting is what comes after it.
@@ -160,7 +161,7 @@ class ModelDrafter:
             q_columns.append(q)
             if not self.shares_target_cache:
                 for p in active:
-                    if not p.path:  # a request's paths feed the same positions
+                    if not isinstance(p, PathEntry):  # a request's paths feed the same positions
                         self._fed[p.req_id] += 1
         draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
         placeholders = [[0] * p.num_lookahead for p in scheduled]
@@ -193,7 +194,8 @@ class ModelDrafter:
         the index of the token each row drafts, which keys its random number; ``meta``:
         the rows' sampling settings (None: all greedy)."""
         greedy = logits.argmax(dim=-1)
-        ranks = [] if depth is None else [p.fork[1] if p.fork and p.fork[0] == depth else 0 for p in active]
+        ranks = [] if depth is None else [p.fork[1] if isinstance(p, PathEntry) and p.fork[0] == depth else 0
+                                          for p in active]
         if any(ranks):
             greedy = _runner_up(logits, greedy, ranks, self.device)
         if meta is None:

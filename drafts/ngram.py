@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 
-from specserve.drafts.base import DraftProposal
 from specserve.request import Request
 from specserve.scheduler import ScheduledRequest
+from specserve.spec.drafter import DraftProposal
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:

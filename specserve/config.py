@@ -55,7 +55,7 @@ class EngineConfig:
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
     # draft_model / layerskip: draft paths a greedy request verifies per step — its best
     # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
-    # draft tree; see drafts/base.py DRAFT_FORKS). Each costs 1 + k more tokens a step.
+    # draft tree; see spec/paths.py). Each costs 1 + k more tokens a step.
     num_draft_paths: int = 1
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match

@@ -11,25 +11,22 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
-from specserve.batch import DeviceTokenIds
 from specserve.config import EngineConfig
-from specserve.drafts import build_drafter
 from specserve.distributed import init_tensor_parallel
-from specserve.drafts.base import DRAFT_FORKS, DraftProposal
-from specserve.heap import freeze_heap
+from specserve.drafts import build_drafter
 from specserve.errors import RanksOutOfStepError, SpecserveError
+from specserve.heap import freeze_heap
 from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
-from specserve.model_runner import ModelRunner
-from specserve.prompts import chat_prompt_ids, tokenize_prompt
-from specserve.outputs import OutputProcessor, RequestOutput
-from specserve.request import FinishReason, Request
 from specserve.metrics import SpecDecodeStats
-from specserve.rejection_sampler import RejectionSampler, VerifyRequest
+from specserve.model_runner import ModelRunner
+from specserve.outputs import OutputProcessor, RequestOutput
+from specserve.prompts import chat_prompt_ids, tokenize_prompt
+from specserve.request import FinishReason, Request
 from specserve.sampling_params import SamplingParams
-from specserve.scheduler import (RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput,
-                                 StepResult)
-from specserve.spec_controller import DraftLengthController
+from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
+from specserve.spec.rejection_sampler import RejectionSampler, VerifyRequest
+from specserve.spec.speculator import Drafts, Speculator
 
 logger = logging.getLogger("specserve")
 
@@ -37,8 +34,9 @@ logger = logging.getLogger("specserve")
 class LLMEngine:
     """One model on one device, stepping a continuous batch.
 
-    ``step()`` is the whole engine: schedule, propose drafts, verify them (and every
-    prefill chunk) in one ragged forward pass, rejection-sample, update.
+    ``step()`` is the whole engine: plan each request's draft length, schedule, propose
+    drafts, verify them (and every prefill chunk) in one ragged forward pass with
+    rejection sampling, update, and let the speculator observe what the step came to.
 
     With ``tensor_parallel_size`` N > 1 the engine is rank 0 of N processes started by
     torchrun: it holds its shard of the target model, and its runner has the other ranks
@@ -63,10 +61,9 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         backend = get_backend(config.attention_backend, self.device)
         model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp)
-        self.drafter = build_drafter(config, model, self.hf_config, self.tokenizer,
-                                     self.device, self.dtype)
-        self.max_model_len = self._max_model_len()
-        extra = self.drafter.kv_bytes_per_block() if self.drafter else 0
+        drafter = build_drafter(config, model, self.hf_config, self.tokenizer, self.device, self.dtype)
+        self.max_model_len = self._max_model_len(drafter)
+        extra = drafter.kv_bytes_per_block() if drafter else 0
         useful = config.max_num_seqs * -(-(self.max_model_len + config.num_speculative_tokens)
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
@@ -76,30 +73,15 @@ class LLMEngine:
         self._release_ranks = weakref.finalize(self, self.runner.close) if self.tp.size > 1 else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self._fit_max_model_len_to_cache()
-        if self.drafter:
-            self.drafter.bind(self.runner)
+        self.speculator = Speculator(config, drafter, self.runner, self.kv)
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.enable_graphs()
+        self.speculator.profile_step_cost()  # over the passes as they will run: graphs included
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len, self._draft_forks())
+                                   self.max_model_len)
         self.sampler = RejectionSampler(self.device, config.seed)
-        self.controller = None
-        if self.drafter and config.speculative_adaptive:
-            self.controller = DraftLengthController(config.num_speculative_tokens,
-                                                    forks=self.scheduler.draft_forks,
-                                                    first_draft_in_catch_up=self.drafter.needs_every_step)
-            self._profile_step_cost()
-            # The profile times passes alone, live steps the host work around them too: it
-            # stays to tell costs apart that a steady state cannot, but weighs little.
-            self.controller.target_cost.anchor(weight=0.1)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
-        self.spec_stats = SpecDecodeStats()        # over the engine's lifetime
-        self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
-        self._draft_s = 0.0  # the last step's drafting time (the controller's cost model)
-        self._drafted = False  # whether the last step planned any drafts
-        # The running requests sorted for the controller, kept up to date step by step.
-        self._sorted = _SortedRunning(config.num_speculative_tokens)
         self._ids = itertools.count()
         self._log_startup(backend.name)
         freeze_heap()
@@ -107,25 +89,12 @@ class LLMEngine:
     def enable_graphs(self, capture: bool = True) -> None:
         """CUDA graphs for the target's decode/verify steps and the drafter's steps
         (``capture=False``: the same padded path run eagerly, which the CPU tests use)."""
-        max_k = self.config.num_speculative_tokens if self.drafter else 0
-        self.runner.enable_graphs(1 + max_k, self.max_model_len, capture)
-        if self.drafter:
-            self.drafter.enable_graphs(self.max_model_len, capture)
+        self.runner.enable_graphs(1 + self.speculator.max_k, self.max_model_len, capture)
+        self.speculator.enable_graphs(self.max_model_len, capture)
 
-    def _draft_forks(self) -> list[tuple[int, int]]:
-        """Where further draft paths fork from a request's own (``num_draft_paths`` - 1 of
-        ``DRAFT_FORKS``); refused for a drafter that proposes one path only."""
-        paths = self.config.num_draft_paths
-        if self.drafter is None:  # speculation off (k = 0): nothing to fork
-            return []
-        if paths > 1 and self.drafter.max_paths < paths:
-            raise SpecserveError(f"num_draft_paths {paths}: this drafter ({self.drafter.describe()}) "
-                                 f"proposes {self.drafter.max_paths} path(s) at most")
-        return list(DRAFT_FORKS[:paths - 1])
-
-    def _max_model_len(self) -> int:
+    def _max_model_len(self, drafter) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
-        draft_limit = getattr(self.drafter, "max_positions", None)
+        draft_limit = getattr(drafter, "max_positions", None)
         if draft_limit and draft_limit < limit:
             limit = draft_limit  # the draft must be able to run every position too
         wanted = self.config.max_model_len or limit
@@ -162,9 +131,7 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch."), backend,
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block / 2**30, per_rank,
-            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len,
-            f"{self.drafter.describe()}, k {'adaptive, at most ' if self.controller else '= '}"
-            f"{c.num_speculative_tokens}" if self.drafter else "off")
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, self.speculator.describe())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -201,6 +168,7 @@ class LLMEngine:
         req = self.scheduler.finish_request(req_id, FinishReason.ABORT)
         if req is None:
             return False
+        self.speculator.free(req_id)
         self._pending.append(self._finish_output(req))
         return True
 
@@ -209,143 +177,55 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule -> propose -> verify -> update. Returns an output for every request
-        that produced tokens or finished in this step."""
-        start = time.perf_counter()
+        """Plan -> schedule -> propose -> verify -> update -> observe. Returns an output
+        for every request that produced tokens or finished in this step."""
+        started = time.perf_counter()
         outputs, self._pending = self._pending, []
-        drafts = self._draft_lengths()
-        scheduled = self.scheduler.schedule(drafts, self.controller.unforked if self.controller else ())
+        draft_lengths = self.speculator.plan(self.scheduler)
+        scheduled = self.scheduler.schedule(draft_lengths)
         if scheduled.is_empty:
             return outputs
         try:
-            result = self._verify(scheduled)
+            drafts = self.speculator.propose(scheduled, self.scheduler)
+            result = self._verify(drafts)
         except RanksOutOfStepError:
             raise  # the ranks cannot go on together: end the engine, not just the step
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
-        updates = self.scheduler.update(scheduled, result)
-        outputs += [self._postprocess(u) for u in updates]
-        if self.controller:
-            # The whole step: the host work around the pass (verify lists, rollback,
-            # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
-            elapsed = time.perf_counter() - start
-            # Without drafts each update is one token (the usual step where drafting does not pay).
-            emitted = sum([len(u.new_token_ids) for u in updates]) if self._drafted else len(updates)
-            self.controller.observe_goodput(emitted, elapsed)
-            if self.controller.wants_step_cost:
-                self._observe_cost(scheduled, self._draft_s, elapsed - self._draft_s)
-        return outputs
+        updates = self.scheduler.update(*self.speculator.keep_best_paths(drafts, result))
+        for update in updates:
+            self._apply_stop_strings(update)
+        self.speculator.observe(drafts, updates, time.perf_counter() - started)
+        return outputs + [self._output(update.req) for update in updates]
 
-    def _postprocess(self, update: RequestUpdate) -> RequestOutput:
-        """Detokenise, apply stop strings, count speculation, make the caller's output."""
-        req = update.req
-        kept = self.outputs.process(req, update.new_token_ids)
-        if kept is not None:  # a stop string: tokens after it never happened
-            req.drop_last(len(update.new_token_ids) - kept)
-            if req.is_finished:
-                req.finish_reason = FinishReason.STOP
-            else:
-                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
-        self._record_speculation(update, kept)
-        return self._finish_output(req) if req.is_finished else self.outputs.make_output(req)
-
-    def _record_speculation(self, update: RequestUpdate, kept: int | None) -> None:
-        """Count drafts and the accepted tokens the request kept (a stop cuts them)."""
-        kept = len(update.new_token_ids) if kept is None else kept
-        accepted = min(update.num_accepted, kept)
-        if self.controller and update.num_planned:
-            self.controller.observe_acceptance(update.req.req_id, update.num_planned, update.num_draft_tokens,
-                                               update.num_accepted_own, update.num_paths,
-                                               update.num_accepted - update.num_accepted_own)
-        path_won = update.path > 0
-        update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
-        self.spec_stats.record(update.num_draft_tokens, accepted, path_won)
-
-    def _verify(self, scheduled: SchedulerOutput) -> StepResult:
-        """Propose drafts, run the one ragged target pass, rejection-sample."""
-        start = time.perf_counter()
-        # k per sampling request (only those draft): the histogram, and whether anyone drafts.
-        lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample and not p.path] \
-            if self.drafter else []
-        self._drafted = any(lookahead)
-        if scheduled.block_copies:  # draft paths' first blocks, in every cache
-            self.runner.copy_blocks(scheduled.block_copies)
-            self.drafter.copy_blocks(scheduled.block_copies)
-        proposal = self._propose(scheduled, self._drafted)
-        drafted = time.perf_counter()
-        draft_ids = proposal.draft_ids if proposal else None  # proposals still on the device
-        device_ids = draft_ids if draft_ids is None else DeviceTokenIds(
-            draft_ids, [len(p.draft_token_ids) for p in scheduled.scheduled])
-        logits = self.runner.execute(scheduled, device_ids=device_ids)
+    def _verify(self, drafts: Drafts) -> StepResult:
+        """The one ragged target pass over every request's tokens and drafts (prefill
+        chunks included), then rejection sampling: one device-to-host copy."""
+        planned = drafts.scheduled.scheduled
+        logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
                                 first_position=p.start_pos + len(p.token_ids))
-                  for p in scheduled.scheduled if p.sample]
-        draft_probs = proposal.draft_probs if proposal else None
-        # The step's one sync; device drafts come back in it, filling draft_token_ids.
-        result = StepResult(self.sampler(logits, verify, draft_probs, draft_ids))
-        if self.drafter:
-            if self._drafted:
-                self.draft_length_counts.update(lookahead)
-            else:  # most steps under load when drafting does not pay: one count
-                self.draft_length_counts[0] += len(lookahead)
-        # What drafting cost: the drafter's time less its catch-up, which runs whatever k is.
-        self._draft_s = drafted - start - (self.drafter.last_catch_up_s if proposal else 0.0)
-        return result
+                  for p in planned if p.sample]
+        # Drafts still on the device come back in the sampler's copy, filling draft_token_ids.
+        return StepResult(self.sampler(logits, verify, drafts.probs, drafts.draft_ids))
 
-    def _observe_cost(self, scheduled: SchedulerOutput, draft_s: float, target_s: float) -> None:
-        planned = scheduled.scheduled
-        fed = [len(p.token_ids) for p in planned]
-        drafted = [len(p.draft_token_ids) for p in planned]
-        lengths = [n + d for n, d in zip(fed, drafted)]
-        lookahead = [p.num_lookahead for p in planned]
-        tokens = sum(lengths)
-        prefill = tokens - sum(drafted) - fed.count(1)  # the chunks' tokens (fed > 1)
-        context = sum([p.start_pos for p in planned]) + tokens
-        self.controller.observe_step(tokens - prefill, len(drafted) - drafted.count(0), target_s,
-                                     max(lookahead), len(lookahead) - lookahead.count(0), draft_s,
-                                     self.runner.padded_tokens(scheduled, lengths), len(planned), context,
-                                     prefill)
+    def _apply_stop_strings(self, update: RequestUpdate) -> None:
+        """Detokenise the update's tokens; a stop string ends the request, and the tokens
+        after it never happened: they leave the request and the update."""
+        req = update.req
+        kept = self.outputs.process(req, update.new_token_ids)
+        if kept is None:
+            return
+        req.drop_last(len(update.new_token_ids) - kept)
+        del update.new_token_ids[kept:]
+        if req.is_finished:
+            req.finish_reason = FinishReason.STOP
+        else:
+            self.scheduler.finish_request(req.req_id, FinishReason.STOP)
 
-    def _profile_step_cost(self) -> None:
-        """Seed the controller's cost model: time a few verify passes of dummy requests
-        (batch sizes x how many of them draft k tokens: none, one, all; two context
-        lengths) over scratch KV blocks, freed afterwards. One drafter in a batch
-        separates what padding costs (every request padded to 1 + k on a CUDA graph) from
-        what real tokens cost."""
-        c = self.config
-        k = c.num_speculative_tokens
-        greedy = SamplingParams(temperature=0)
-        batches = sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)})
-        # A longer context for the undrafted batches, so the fit can tell what a request
-        # costs from what the tokens of its context cost, and one draft each besides k,
-        # so it can tell a verify span's cost from its tokens'.
-        plans = [(batch, num_drafting, 4 * c.block_size, k)
-                 for batch in batches for num_drafting in sorted({0, 1, batch})]
-        plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
-        plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
-        for batch, num_drafting, context, each in plans:
-            drafts = [each if i < num_drafting else 0 for i in range(batch)]
-            if batch + sum(drafts) > c.max_num_batched_tokens:
-                continue
-            ids = [f"__profile_{i}" for i in range(batch)]
-            if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
-                for i in ids:
-                    if self.kv.holds(i):
-                        self.kv.free(i)
-                continue
-            step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
-                                                     greedy, num_lookahead=d, draft_token_ids=[0] * d)
-                                    for i, d in zip(ids, drafts)], [])
-            for _ in range(2):  # the first run warms up
-                start = time.perf_counter()
-                self.runner.execute(step).argmax(-1).tolist()
-                elapsed = time.perf_counter() - start
-            padded = self.runner.padded_tokens(step)
-            self.controller.observe_step(batch + sum(drafts), num_drafting if k else 0, elapsed,
-                                         0, 0, 0.0, padded, batch, batch * (context + 1) + sum(drafts))
-            for i in ids:
-                self.kv.free(i)
+    def _output(self, req: Request) -> RequestOutput:
+        return self._finish_output(req) if req.is_finished else self.outputs.make_output(req)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
@@ -353,66 +233,13 @@ class LLMEngine:
         for planned in scheduled.scheduled:
             req = self.scheduler.finish_request(planned.req_id, FinishReason.ERROR)
             if req is not None:
+                self.speculator.free(req.req_id)
                 failed.append(self._finish_output(req, error=message))
         return failed
 
-    def _draft_lengths(self) -> dict[str, int] | None:
-        """k_i for the running requests: the engine's k, lowered by the request's own cap;
-        with adaptive speculation the controller chooses below that for every decoding
-        request that did not set its own k (the API's override wins) or a seed: a seeded
-        request's sampled tokens depend on where drafts were verified, and the controller's
-        choice on measured step times, so it keeps the fixed k to stay reproducible. Only
-        decoding requests draft: the scheduler gives a request in prefill none."""
-        if self.drafter is None:
-            return None
-        k = self.config.num_speculative_tokens
-        if self.controller is None:
-            return {r.req_id: k if (own := r.params.num_speculative_tokens) is None else min(k, own)
-                    for r in self.scheduler.running}
-        sched = self.scheduler
-        other_tokens, other_spans = self._sorted.refresh(sched)
-        num_running = len(sched.running)
-        room = max(self.config.max_num_batched_tokens - num_running, 0)
-        seats = self.config.max_num_seqs - num_running
-        admitted = 0
-        for r in sched.waiting:  # only those that can be admitted: the queue may be long
-            if other_tokens >= room or admitted >= seats:
-                break
-            other_tokens += r.num_tokens - r.num_computed_tokens
-            admitted += 1
-        other_tokens = min(other_tokens, room)
-        other_spans += admitted
-        padded = self.runner.pads_short_spans(with_prefill=other_tokens > 0)
-        running = sched.running
-        chosen = self.controller.choose(self._sorted.free, other_tokens, other_spans, padded,
-                                        lambda: sum([len(r.all_token_ids) for r in running]),
-                                        self._sorted.greedy)
-        if self._sorted.pinned:
-            chosen.update(self._sorted.pinned)
-        return chosen
-
-    def _propose(self, scheduled: SchedulerOutput, drafting: bool) -> DraftProposal | None:
-        """Fill each planned request's draft tokens (placeholders when the proposals are
-        still on the device); None without a drafter, or when no request drafts and the
-        drafter need not see the step."""
-        if self.drafter is None:
-            return None
-        if not drafting and not self.drafter.needs_every_step:
-            return None  # nobody drafts: the step is speculation off's
-        proposal = self.drafter.propose(scheduled.scheduled, self.scheduler.requests)
-        for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
-            planned.draft_token_ids = draft
-        return proposal
-
     def _finish_output(self, req: Request, error: str | None = None) -> RequestOutput:
         self.sampler.free(req.req_id)
-        if self.drafter:
-            self.drafter.free(req.req_id)
-        if self.controller:
-            self.controller.free(req.req_id)
         return self.outputs.make_output(req, error=error)
-
-
 
     def shutdown(self) -> None:
         """Release the other ranks of a tensor-parallel engine (they return from
@@ -427,62 +254,15 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
 
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculation's counts over the engine's lifetime."""
+        return self.speculator.stats
 
-class _SortedRunning:
-    """The running requests as adaptive speculation needs them: decoding with k for the
-    controller to choose (``free``, each with its cap), decoding with a k of their own
-    (``pinned``: the API's per-request k, or a seeded sampling request's fixed k), and
-    still in prefill. Kept up to date from step to step: only requests that joined or
-    left ``running`` since the last look (the scheduler logs them, ``running_changes``),
-    and those still in prefill, are looked at. A decoding request only returns to prefill
-    by leaving ``running`` (preemption), so the rest keep their place; a pass over all of
-    them cost 40-80 µs of a ~2.4 ms step at 64 requests on an H200 host."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.version = -1
-        self.free: dict[str, int] = {}
-        self.greedy: set[str] = set()  # of ``free``: greedy requests (they may verify draft paths)
-        self.pinned: dict[str, int] = {}
-        self.prefilling: dict[str, Request] = {}
-
-    def refresh(self, scheduler: Scheduler) -> tuple[int, int]:
-        """Bring the sorting up to date; returns the prefilling requests' tokens still to
-        compute and their number."""
-        if self.version != scheduler.running_version:
-            changes = scheduler.running_changes(self.version)
-            if changes is None:  # the first look, or too far behind the log: sort them all
-                self.free.clear()
-                self.greedy.clear()
-                self.pinned.clear()
-                self.prefilling = {r.req_id: r for r in scheduler.running}
-            else:  # the joins and leaves since the last look, in order: an id is reused
-                for req, joined in changes:  # only after its request left
-                    if joined:  # sorted below
-                        self.prefilling[req.req_id] = req
-                    else:
-                        self.free.pop(req.req_id, None)
-                        self.greedy.discard(req.req_id)
-                        self.pinned.pop(req.req_id, None)
-                        self.prefilling.pop(req.req_id, None)
-            self.version = scheduler.running_version
-        tokens = spans = 0
-        for req_id, req in list(self.prefilling.items()):
-            remaining = len(req.all_token_ids) - req.num_computed_tokens
-            if remaining > 1:
-                tokens, spans = tokens + remaining, spans + 1
-                continue
-            del self.prefilling[req_id]
-            params = req.params
-            if params.num_speculative_tokens is not None:
-                self.pinned[req_id] = min(self.k, params.num_speculative_tokens)
-            elif params.seed is not None and params.temperature > 0:
-                self.pinned[req_id] = self.k
-            else:
-                self.free[req_id] = self.k
-                if params.greedy:
-                    self.greedy.add(req_id)
-        return tokens, spans
+    @property
+    def draft_length_counts(self) -> Counter[int]:
+        """How many request-steps verified each draft length k."""
+        return self.speculator.draft_length_counts
 
 
 class LLM:

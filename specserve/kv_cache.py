@@ -1,8 +1,8 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size blocks and one block table per request.
 
-Only block ids live here; the KV tensors belong to the model runner. A block id indexes the
-same block in every cache the runner holds (target model and, later, the draft model), so
-one block table serves them all and both are accounted in one memory budget.
+Only block ids live here; the KV tensors belong to the model runners. A block id indexes the
+same block in every cache (the target model's and a draft model's), so one block table
+serves them all and both are accounted in one memory budget.
 """
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self._block_tables: dict[str, list[int]] = {}
-        # req_id -> (blocks shared with the request, {path: the path's own blocks after them})
-        self._forks: dict[str, tuple[int, dict[int, list[int]]]] = {}
+        # req_id -> (blocks shared with the request, {branch: the branch's own blocks after them})
+        self._branches: dict[str, tuple[int, dict[int, list[int]]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -117,7 +117,7 @@ class KVCacheManager:
         return freed
 
     def free(self, req_id: str) -> list[int]:
-        """Release every block of ``req_id`` (its paths' too). Freeing a request twice is an error."""
+        """Release every block of ``req_id`` (its branches' too). Freeing a request twice is an error."""
         table = self._block_tables.pop(req_id, None)
         if table is None:
             raise KVCacheError(f"request {req_id!r} holds no KV blocks (freed twice?)")
@@ -125,50 +125,50 @@ class KVCacheManager:
         self.merge(req_id, None)
         return table
 
-    # ------------------------------------------------------------------ draft paths
-    # A request verifying several draft paths in one step gives each path but its own
-    # entry a block table of its own for that step: the blocks before the first position
-    # any pass of the step writes are shared with the request, the rest are the path's.
-    # After verification ``merge`` keeps the winning path's blocks and frees the others.
+    # ------------------------------------------------------------------ branches
+    # A request may branch for one step (a draft path, spec/paths.py): each branch gets a
+    # block table of its own, whose blocks before the first position any pass of the step
+    # writes are shared with the request and the rest are the branch's. ``merge`` then
+    # keeps the winning branch's blocks and frees the others.
 
-    def fork(self, req_id: str, path: int, first_written: int, num_tokens: int) -> tuple[int, int] | None:
-        """A block table for ``req_id``'s draft ``path`` (1, 2, ...) holding ``num_tokens``
+    def fork(self, req_id: str, branch: int, first_written: int, num_tokens: int) -> tuple[int, int] | None:
+        """A block table for ``req_id``'s ``branch`` (1, 2, ...) holding ``num_tokens``
         slots: the request's blocks wholly before position ``first_written`` are shared,
-        the rest are the path's own. Returns the block copy (source, destination) that
-        gives the path's first own block the request's tokens — all of them, since a cache
-        may hold the token at ``first_written`` already (one the target computed, which a
-        draft cache still lacks) — for the caller to make in every cache; or None,
+        the rest are the branch's own. Returns the block copy (source, destination) that
+        gives the branch's first own block the request's tokens (all of them, since a cache
+        may hold the token at ``first_written`` already: one the target computed, which a
+        draft cache still lacks) for the caller to make in every cache; or None,
         allocating nothing, when the pool is short."""
         table = self._block_tables[req_id]
         shared = first_written // self.block_size
         missing = self.num_blocks_for(num_tokens) - shared
         if missing > self.pool.num_free_blocks:
             return None
-        shared_before, forks = self._forks.setdefault(req_id, (shared, {}))
-        if path in forks or shared_before != shared:
-            raise KVCacheError(f"request {req_id!r}: path {path} forked twice, or at another position")
-        own = forks[path] = self.pool.allocate(missing)
+        shared_before, branches = self._branches.setdefault(req_id, (shared, {}))
+        if branch in branches or shared_before != shared:
+            raise KVCacheError(f"request {req_id!r}: branch {branch} forked twice, or at another position")
+        own = branches[branch] = self.pool.allocate(missing)
         return table[shared], own[0]
 
-    def path_block_table(self, req_id: str, path: int) -> list[int]:
-        shared, forks = self._forks[req_id]
-        return self._block_tables[req_id][:shared] + forks[path]
+    def branch_block_table(self, req_id: str, branch: int) -> list[int]:
+        shared, branches = self._branches[req_id]
+        return self._block_tables[req_id][:shared] + branches[branch]
 
     def merge(self, req_id: str, winner: int | None) -> None:
-        """End ``req_id``'s paths: ``winner``'s blocks (a path forked this step) replace
-        the request's own from the fork on; every other path's are freed (all of them
-        when ``winner`` is None, the request's own path won)."""
-        shared, forks = self._forks.pop(req_id, (0, {}))
+        """End ``req_id``'s branches: ``winner``'s blocks (a branch forked this step)
+        replace the request's own from the fork on; every other branch's are freed (all of
+        them when ``winner`` is None: the request's own table won)."""
+        shared, branches = self._branches.pop(req_id, (0, {}))
         if winner is not None:
             table = self._block_tables[req_id]
             self.pool.free(table[shared:])
-            table[shared:] = forks.pop(winner)
-        for own in forks.values():
+            table[shared:] = branches.pop(winner)
+        for own in branches.values():
             self.pool.free(own)
 
-    def num_paths(self, req_id: str) -> int:
-        """Paths forked for ``req_id`` and not merged yet."""
-        return len(self._forks.get(req_id, (0, {}))[1])
+    def num_branches(self, req_id: str) -> int:
+        """Branches forked for ``req_id`` and not merged yet."""
+        return len(self._branches.get(req_id, (0, {}))[1])
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._block_tables

@@ -3,7 +3,6 @@ prefill, preemption by recompute. Python lists in, python lists out — no tenso
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,14 +24,9 @@ class ScheduledRequest:
     params: SamplingParams
     sample: bool = True           # True when the chunk reaches the end of the known tokens
     num_lookahead: int = 0        # k_i: draft slots reserved in the budget and the KV cache
-    # Set by the drafter before the forward pass: at most num_lookahead proposals, fed
+    # Set by the speculator before the forward pass: at most num_lookahead proposals, fed
     # after token_ids and verified in the same pass.
     draft_token_ids: list[int] = field(default_factory=list)
-    # A further draft path of the same request (path > 0; the request's own entry is path
-    # 0): it feeds the same tokens over a block table of its own, and its drafts take the
-    # drafter's ``fork`` = (depth, rank) candidate at that depth instead of the best one.
-    path: int = 0
-    fork: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +38,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[str]
     # (source, destination) block ids to copy in every KV cache before the step's first
-    # pass: a draft path's first own block gets its request's tokens before the fork.
+    # pass (a branch's first own block gets its request's tokens: KVCacheManager.fork).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -75,9 +69,6 @@ class RequestUpdate(NamedTuple):
     num_draft_tokens: int       # proposals verified this step
     num_accepted: int           # of which the target accepted (before any stop cut)
     num_planned: int = 0        # draft slots planned (k_i); a drafter may propose fewer
-    path: int = 0               # the draft path whose tokens were kept (0: the request's own)
-    num_paths: int = 1          # draft paths verified (1: the request's own only)
-    num_accepted_own: int = 0   # of num_accepted, those its own path had
 
 
 class Scheduler:
@@ -90,18 +81,11 @@ class Scheduler:
     admitted only when its chunk's KV blocks can be allocated. When a running request
     cannot get blocks, the newest running request is preempted (its blocks freed, its
     progress dropped) and put back at the front of the waiting queue to be recomputed.
-
-    Draft paths (``draft_forks``, one (depth, rank) per path after a request's own) come
-    last, from what the step leaves over: a greedy request drafting k tokens gets each
-    further path whose fork depth is below k — 1 + k more tokens of the budget and a
-    block table of its own from its last computed token on — while budget and free blocks
-    last, first paths of every request before second ones. A path never preempts.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, draft_forks: list[tuple[int, int]] | None = None) -> None:
+                 max_model_len: int) -> None:
         self.kv = kv
-        self.draft_forks = list(draft_forks or [])
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -172,10 +156,8 @@ class Scheduler:
         return len(self.running)
 
     # ------------------------------------------------------------------ the step
-    def schedule(self, num_draft_tokens: dict[str, int] | None = None,
-                 unforked: Container[str] = ()) -> SchedulerOutput:
-        """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i;
-        ``unforked`` requests verify their own draft path only."""
+    def schedule(self, num_draft_tokens: dict[str, int] | None = None) -> SchedulerOutput:
+        """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -206,32 +188,24 @@ class Scheduler:
             self._log_running(req, True)
             scheduled.append(self._plan(req, num_new, 0))
             budget -= num_new
-        output = SchedulerOutput(scheduled, preempted)
-        if self.draft_forks and budget > 0:
-            self._add_paths(output, budget, unforked)
-        return output
+        return SchedulerOutput(scheduled, preempted)
 
-    def _add_paths(self, output: SchedulerOutput, budget: int, unforked: Container[str]) -> None:
-        """Further draft paths for the step's greedy drafting requests, from ``budget``."""
-        drafting = [p for p in output.scheduled
-                    if p.num_lookahead and p.params.greedy and p.req_id not in unforked]
-        for path, (depth, rank) in enumerate(self.draft_forks, start=1):
-            for p in drafting:
-                k = p.num_lookahead
-                if depth >= k:
-                    continue
-                if 1 + k > budget:
-                    return
-                # From the last computed token on: a draft cache may be a token behind the
-                # target's (after a step that accepted every draft) and write it this step.
-                copy = self.kv.fork(p.req_id, path, max(p.start_pos - 1, 0), p.start_pos + 1 + k)
-                if copy is None:
-                    return
-                output.block_copies.append(copy)
-                output.scheduled.append(ScheduledRequest(
-                    p.req_id, p.token_ids, p.start_pos, self.kv.path_block_table(p.req_id, path),
-                    p.params, num_lookahead=k, path=path, fork=(depth, rank)))
-                budget -= 1 + k
+    def prefill_estimate(self, running_prefill: int) -> tuple[int, int]:
+        """The prefill tokens the next step will run beside its decoding requests, and the
+        waiting requests it will admit, by ``schedule``'s rule (each running request takes
+        a token first; admission stops at the budget or the sequence limit), given
+        ``running_prefill`` tokens still to compute for running requests in prefill. An
+        estimate: blocks may run short first."""
+        num_running = len(self.running)
+        room = max(self.max_num_batched_tokens - num_running, 0)
+        seats = self.max_num_seqs - num_running
+        tokens, admitted = running_prefill, 0
+        for req in self.waiting:  # only those that can be admitted: the queue may be long
+            if tokens >= room or admitted >= seats:
+                break
+            tokens += req.num_tokens - req.num_computed_tokens
+            admitted += 1
+        return min(tokens, room), admitted
 
     def _max_drafts(self, req: Request) -> int:
         """Drafts past the request's last possible token would be wasted work: k accepted
@@ -283,22 +257,12 @@ class Scheduler:
         Returns an update for every request that sampled.
         """
         new_tokens = iter(result.new_token_ids)
-        # Every further path forks with a block copy: a step without copies has none.
-        best_paths = _best_paths(output, result) if output.block_copies else None
         updates: list[RequestUpdate] = []
         for planned in output.scheduled:
             req = self.requests.get(planned.req_id)
             sampled = next(new_tokens) if planned.sample else None
-            if planned.path or req is None or req.status is not RequestStatus.RUNNING:
-                continue  # a further path (its request keeps the best), or aborted while the step ran
-            num_paths, own_accepted = 1, len(sampled) - 1 if sampled else 0
-            if best_paths and req.req_id in best_paths:
-                # The longest accepted path wins; a tie keeps the request's own.
-                path, path_sampled, num_paths = best_paths[req.req_id]
-                won = len(path_sampled) > len(sampled)
-                self.kv.merge(req.req_id, path.path if won else None)
-                if won:
-                    planned, sampled = path, path_sampled
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
             num_accepted = len(sampled) - 1 if sampled else 0
             req.num_computed_tokens = planned.start_pos + len(planned.token_ids) + num_accepted
             if planned.num_lookahead:  # rollback: free blocks wholly past the accepted length
@@ -307,7 +271,7 @@ class Scheduler:
                 continue
             appended = self._append(req, sampled)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
-                                         planned.num_lookahead, planned.path, num_paths, own_accepted))
+                                         planned.num_lookahead))
         return updates
 
     def _append(self, req: Request, token_ids: list[int]) -> list[int]:
@@ -337,17 +301,3 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
-
-def _best_paths(output: SchedulerOutput,
-                result: StepResult) -> dict[str, tuple[ScheduledRequest, list[int], int]]:
-    """Per request with further draft paths, the one that emitted most tokens (the first
-    of equals), its tokens, and how many paths the request verified (its own included)."""
-    best: dict[str, tuple[ScheduledRequest, list[int], int]] = {}
-    sampling = (planned for planned in output.scheduled if planned.sample)
-    for planned, sampled in zip(sampling, result.new_token_ids):
-        if planned.path:
-            previous, tokens, count = best.get(planned.req_id, (None, (), 1))
-            if len(sampled) > len(tokens):
-                previous, tokens = planned, sampled
-            best[planned.req_id] = (previous, tokens, count + 1)
-    return best

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from specserve.bench.arrivals import arrival_times
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
-from specserve.drafts.base import DRAFT_FORKS
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _run(engines, token_ids, requests, setting: Setting, request_rate, max_concu
     name = "none" if setting.k == 0 else setting.method
     engine = engines[name]
     engine.scheduler.max_num_batched_tokens = setting.budget
-    engine.scheduler.draft_forks = list(DRAFT_FORKS[:setting.paths - 1])
+    engine.speculator.set_num_draft_paths(setting.paths)
     arrivals = None if math.isinf(request_rate) else arrival_times(len(requests), request_rate, seed=seed)
     result = run_offline(engine, requests, max_concurrency=max_concurrency, ignore_eos=True,
                          num_speculative_tokens=setting.k, seed=seed,

@@ -1,6 +1,7 @@
 """Draft paths (``num_draft_paths``): a greedy request verifies its best draft and further
 paths that take a runner-up candidate at one depth, each over a block table of its own
-forked for the step; the longest accepted path's blocks are kept, the others freed."""
+forked for the step (``KVCacheManager.fork``); the longest accepted path's blocks are
+kept, the others freed (``spec.paths.DraftPaths``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 from specserve import SamplingParams
-from specserve.drafts.base import DRAFT_FORKS
 from specserve.errors import KVCacheError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.request import FinishReason, Request
 from specserve.scheduler import Scheduler, StepResult
-from specserve.spec_controller import PATH_GAIN_START
+from specserve.spec.acceptance import PATH_GAIN_START
+from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry
 from tiny_models import LLM32, save_perturbed
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
@@ -28,55 +29,56 @@ def test_a_path_shares_the_blocks_before_its_fork_and_owns_a_copy_of_the_next():
     assert kv.allocate_slots("a", 15) and kv.block_table("a") == [0, 1, 2, 3]
     # Fork at position 9 (block 2): blocks 0-1 shared, block 2 copied into the path's first.
     assert kv.fork("a", 1, 9, 15) == (2, 4)
-    assert kv.path_block_table("a", 1) == [0, 1, 4, 5]
+    assert kv.branch_block_table("a", 1) == [0, 1, 4, 5]
     assert kv.fork("a", 2, 9, 15) == (2, 6)
-    assert kv.num_paths("a") == 2 and kv.num_free_blocks == 16 - 8
+    assert kv.num_branches("a") == 2 and kv.num_free_blocks == 16 - 8
     with pytest.raises(KVCacheError, match="forked twice"):
         kv.fork("a", 1, 9, 15)
     # Path 2 wins: its blocks replace the request's from the fork on; the rest go back.
     kv.merge("a", 2)
     assert kv.block_table("a") == [0, 1, 6, 7]
-    assert kv.num_paths("a") == 0
+    assert kv.num_branches("a") == 0
     assert sorted(kv.pool.free_block_ids()) == [2, 3, 4, 5] + list(range(8, 16))
     # The request's own path wins: every path's blocks go back.
     assert kv.fork("a", 1, 8, 15) is not None  # a block boundary: block 2 is still copied
-    assert kv.path_block_table("a", 1)[:2] == [0, 1]
+    assert kv.branch_block_table("a", 1)[:2] == [0, 1]
     kv.merge("a", None)
     assert kv.block_table("a") == [0, 1, 6, 7] and kv.num_free_blocks == 12
     # Freeing the request frees its paths too.
     kv.fork("a", 1, 9, 15)
     kv.free("a")
-    assert kv.num_free_blocks == 16 and kv.num_paths("a") == 0
+    assert kv.num_free_blocks == 16 and kv.num_branches("a") == 0
 
 
 def test_a_fork_the_pool_cannot_hold_allocates_nothing():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     kv.allocate_slots("a", 15)
     assert kv.fork("a", 1, 4, 15) is None  # needs 3 blocks, 1 free
-    assert kv.num_free_blocks == 1 and kv.num_paths("a") == 0
+    assert kv.num_free_blocks == 1 and kv.num_branches("a") == 0
 
 
-# ---------------------------------------------------------------------- the scheduler
+# ---------------------------------------------------------------------- the paths
 def _request(req_id: str, n: int, **params) -> Request:
     return Request(req_id, list(range(100, 100 + n)), SamplingParams(**params), frozenset({2}))
 
 
 def test_paths_come_from_the_budget_left_first_paths_first_greedy_only():
     kv = KVCacheManager(64, 4)
-    sched = Scheduler(kv, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=512,
-                      draft_forks=list(DRAFT_FORKS))
+    sched = Scheduler(kv, max_num_batched_tokens=40, max_num_seqs=8, max_model_len=512)
+    paths = DraftPaths(kv, DRAFT_FORKS)
     reqs = [_request("g1", 6, temperature=0), _request("g2", 9, temperature=0),
             _request("s", 5, temperature=0.8, seed=1)]
     for r in reqs:
         sched.add_request(r)
-    out = sched.schedule()  # prefill: no paths
-    assert all(p.path == 0 for p in out.scheduled) and not out.block_copies
+    out = sched.schedule()  # prefill: nothing drafts, so no paths
+    assert not paths.add(out, 40 - out.num_scheduled_tokens) and not out.block_copies
     sched.update(out, StepResult([[7], [7], [7]]))
     out = sched.schedule({"g1": 3, "g2": 1, "s": 3})
     # 4 + 2 + 4 tokens for the requests, 30 left for paths of 1 + k tokens each, first
     # paths first; g2 (k = 1) forks only at depth 0, the sampling request never.
-    paths = [(p.req_id, p.path, p.fork, p.num_lookahead) for p in out.scheduled if p.path]
-    assert paths == [("g1", 1, (0, 1), 3), ("g2", 1, (0, 1), 1), ("g1", 2, (1, 1), 3),
+    assert paths.add(out, 40 - out.num_scheduled_tokens)
+    added = [(p.req_id, p.path, p.fork, p.num_lookahead) for p in out.scheduled if isinstance(p, PathEntry)]
+    assert added == [("g1", 1, (0, 1), 3), ("g2", 1, (0, 1), 1), ("g1", 2, (1, 1), 3),
                      ("g1", 3, (0, 2), 3), ("g2", 3, (0, 2), 1)]
     assert out.num_scheduled_tokens == 10 + 16
     g1 = [p for p in out.scheduled if p.req_id == "g1"]
@@ -90,25 +92,31 @@ def test_paths_come_from_the_budget_left_first_paths_first_greedy_only():
     tokens = {("g1", 0): [9], ("g1", 1): [8, 9], ("g1", 2): [8, 8, 9], ("g1", 3): [9],
               ("g2", 0): [5, 6], ("g2", 1): [5, 6], ("g2", 3): [5], ("s", 0): [4]}
     kept = g1[2].block_table[:kv.num_blocks_for(6 + 3)]
-    updates = sched.update(out, StepResult([tokens[p.req_id, p.path] for p in out.scheduled if p.sample]))
+    result = StepResult([tokens[p.req_id, getattr(p, "path", 0)] for p in out.scheduled if p.sample])
+    own_out, own_result, outcomes = paths.keep_best(out, result)
+    # The scheduler sees one entry per request: the winner in its own entry's place.
+    assert [(p.req_id, getattr(p, "path", 0)) for p in own_out.scheduled] == [("g1", 2), ("g2", 0), ("s", 0)]
+    assert outcomes == {"g1": (True, 4, 0), "g2": (False, 3, 1)}  # a tie keeps the request's own
+    updates = sched.update(own_out, own_result)
     by_id = {u.req.req_id: u for u in updates}
-    assert by_id["g1"].new_token_ids == [8, 8, 9] and by_id["g1"].path == 2
-    assert by_id["g2"].path == 0  # a tie keeps the request's own
+    assert by_id["g1"].new_token_ids == [8, 8, 9] and by_id["g2"].new_token_ids == [5, 6]
     assert kv.block_table("g1") == kept and reqs[0].num_computed_tokens == 9
-    assert kv.num_paths("g1") == kv.num_paths("g2") == 0
+    assert kv.num_branches("g1") == kv.num_branches("g2") == 0
     used = sum(len(kv.block_table(r.req_id)) for r in reqs)
     assert kv.num_free_blocks == kv.num_blocks - used
 
 
 def test_a_request_aborted_during_the_step_frees_its_paths():
     kv = KVCacheManager(64, 4)
-    sched = Scheduler(kv, 64, 8, 512, draft_forks=list(DRAFT_FORKS))
+    sched = Scheduler(kv, 64, 8, 512)
+    paths = DraftPaths(kv, DRAFT_FORKS)
     sched.add_request(_request("g", 6, temperature=0))
     sched.update(sched.schedule(), StepResult([[7]]))
     out = sched.schedule({"g": 4})
-    assert kv.num_paths("g") == 3
+    paths.add(out, 64 - out.num_scheduled_tokens)
+    assert kv.num_branches("g") == 3
     sched.finish_request("g", FinishReason.ABORT)
-    sched.update(out, StepResult([[1]] * 4))
+    sched.update(*paths.keep_best(out, StepResult([[1]] * 4))[:2])
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -175,7 +183,7 @@ def test_paths_are_refused_where_the_drafter_ranks_no_candidates(tiny_model_dir,
         LLM32(target, speculative_method="layerskip", num_draft_paths=5, **ENGINE)
     # Speculation off (k = 0): nothing drafts, so nothing forks; the engine still serves.
     llm = LLM32(target, speculative_method="layerskip", num_speculative_tokens=0, num_draft_paths=2, **ENGINE)
-    assert llm.engine.scheduler.draft_forks == []
+    assert llm.engine.speculator.paths.forks == []
     assert len(llm.generate(["hi"], _greedy(0, 4), use_tqdm=False)[0].token_ids) == 4
     head = make_eagle_head(target, [1], tmp_path)[0]
     with pytest.raises(SpecserveError, match="proposes 1 path"):
@@ -203,9 +211,10 @@ def test_each_path_drafts_what_the_draft_model_predicts_along_it(tiny_model_dir,
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                 num_speculative_tokens=4, speculative_adaptive=False, num_draft_paths=4, **ENGINE)
     engine = llm.engine
-    steps, propose = [], engine.drafter.propose
-    engine.drafter.propose = lambda scheduled, requests: steps.append(
-        [(p, list(requests[p.req_id].all_token_ids[:p.start_pos + 1])) for p in scheduled if p.path]) \
+    steps, propose = [], engine.speculator.drafter.propose
+    engine.speculator.drafter.propose = lambda scheduled, requests: steps.append(
+        [(p, list(requests[p.req_id].all_token_ids[:p.start_pos + 1])) for p in scheduled
+         if isinstance(p, PathEntry)]) \
         or propose(scheduled, requests)
     llm.generate(PROMPTS[:3], [_greedy(4, 24)] * 3, use_tqdm=False)
     checked = 0
@@ -243,10 +252,10 @@ def test_the_controller_learns_what_paths_add_and_chooses_who_forks(tiny_model_d
     learns from each request-step what its own path accepted and what the paths added."""
     engine = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                    num_speculative_tokens=4, num_draft_paths=4, **ENGINE).engine
-    ctl = engine.controller
+    ctl = engine.speculator.controller
     ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps))
     seen, observe = [], ctl.observe_acceptance
-    ctl.observe_acceptance = lambda *args: seen.append(args) or observe(*args)
+    ctl.observe_acceptance = lambda req_id, outcome: seen.append((req_id, *outcome)) or observe(req_id, outcome)
     steps, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda *args: steps.append(schedule(*args)) or steps[-1]
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in PROMPTS]
@@ -254,12 +263,12 @@ def test_the_controller_learns_what_paths_add_and_chooses_who_forks(tiny_model_d
     while engine.has_unfinished_requests():
         done.update({o.req_id: o.token_ids for o in engine.step() if o.finished})
     assert [done[i] for i in ids] == plain_outputs
-    forked = {p.req_id for out in steps for p in out.scheduled if p.path}
+    forked = {p.req_id for out in steps for p in out.scheduled if isinstance(p, PathEntry)}
     assert "0" not in forked and forked == set(ids) - {"0"}
     paths_of = {req_id: {paths for r, *_, paths, _ in seen if r == req_id} for req_id in ids}
     assert paths_of["0"] == {1} and all(4 in paths_of[r] for r in ids[1:])
     assert all(extra == 0 for *_, paths, extra in seen if paths == 1)
     extra_total = sum(extra for *_, extra in seen)
-    assert extra_total > 0 and ctl.path_gain[4] != PATH_GAIN_START * 3
+    assert extra_total > 0 and ctl.estimates.path_gain[4] != PATH_GAIN_START * 3
     own_total = sum(accepted for _, _, _, accepted, _, _ in seen)
     assert own_total + extra_total >= engine.spec_stats.num_accepted_tokens  # a stop may cut some

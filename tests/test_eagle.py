@@ -49,15 +49,15 @@ def test_an_eagle_head_is_lossless_with_chunked_prefill_and_mixed_k(variant, eag
     target_dir, head_dir, _ = eagle(variant)
     llm = eagle_llm(target_dir, head_dir)
     engine = llm.engine
-    assert "EAGLE head" in engine.drafter.describe()
-    assert engine.drafter.model.model.embed_tokens is engine.runner.model.model.embed_tokens
+    assert "EAGLE head" in engine.speculator.drafter.describe()
+    assert engine.speculator.drafter.model.model.embed_tokens is engine.runner.model.model.embed_tokens
     params = [greedy(k) for k in KS]
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.num_accepted_tokens > 0
     assert engine.num_free_blocks == engine.kv.num_blocks
-    assert not engine.drafter._features and not engine.drafter._fed  # finished requests forgotten
+    assert not engine.speculator.drafter._features and not engine.speculator.drafter._fed  # finished requests forgotten
 
 
 def test_an_eagle_head_is_lossless_under_preemption(eagle):
@@ -96,7 +96,7 @@ def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, inpu
     target = head.target
     k = 4
     llm = eagle_llm(target_dir, head_dir, k=k, max_num_batched_tokens=64)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculator.drafter
     proposals = []
     propose = drafter.propose
 
@@ -247,8 +247,8 @@ def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless
     vocab = list(range(0, 512, 3))
     (tmp_path / "head" / "draft_vocab.json").write_text(json.dumps(vocab))
     llm = eagle_llm(target_dir, str(tmp_path / "head"))
-    assert f"among its {len(vocab)} most written tokens" in llm.engine.drafter.describe()
-    drafter, proposed = llm.engine.drafter, []
+    assert f"among its {len(vocab)} most written tokens" in llm.engine.speculator.drafter.describe()
+    drafter, proposed = llm.engine.speculator.drafter, []
     propose = drafter.propose
     drafter.propose = lambda s, r: (out := propose(s, r)) and (
         proposed.extend(out.draft_ids.tolist()) if out.draft_ids is not None else None) or out
@@ -285,7 +285,7 @@ def test_features_the_target_never_computed_are_zeros(eagle):
     """Positions without kept target features (none in the runs above) read as zeros: the
     head drafts worse there, and verification still decides."""
     target_dir, head_dir, _ = eagle()
-    drafter = eagle_llm(target_dir, head_dir).engine.drafter
+    drafter = eagle_llm(target_dir, head_dir).engine.speculator.drafter
     rows = torch.arange(1.0, 4.0)[:, None].expand(3, drafter.model.config.hidden_size)
     drafter._features["r"] = (5, rows)
     assert drafter._feature_rows("r", 6, 8).data_ptr() == rows[1:].data_ptr()  # kept rows: no copy

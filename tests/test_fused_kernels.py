@@ -421,8 +421,8 @@ def test_draft_model_on_the_padded_graph_path_with_fused_kernels(tiny_model_dir)
     llm = LLM32(target, attention_backend="triton", enforce_eager=True, **kwargs)
     llm.engine.enable_graphs(capture=False)
     calls = []
-    run = llm.engine.drafter.runner.graphs.run
-    llm.engine.drafter.runner.graphs.run = lambda *a: calls.append(len(a[0].scheduled)) or run(*a)
+    run = llm.engine.speculator.drafter.runner.graphs.run
+    llm.engine.speculator.drafter.runner.graphs.run = lambda *a: calls.append(len(a[0].scheduled)) or run(*a)
     got = llm.generate(prompts, params, use_tqdm=False)
     want = LLM32(target, attention_backend="torch", **kwargs).generate(prompts, params, use_tqdm=False)
     assert calls and llm.engine.spec_stats.acceptance_rate == 1.0

@@ -42,7 +42,7 @@ def test_padded_graph_path_of_the_draft_model_equals_speculation_off(tiny_model_
     draft = near_draft if which == "near" else str(tiny_model_dir("llama"))
     plain = LLM32(str(tiny_model_dir("llama")), **ENGINE)
     llm = draft_engine(tiny_model_dir, draft, graphs=True)
-    graphs = llm.engine.drafter.runner.graphs
+    graphs = llm.engine.speculator.drafter.runner.graphs
     calls = []
     run = graphs.run
     graphs.run = lambda *a: calls.append(graphs._shape(a[0].scheduled)) or run(*a)
@@ -96,7 +96,7 @@ def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, tmp_pa
         engine.enable_graphs(capture=False)
     reads, in_model = [], [False]
     for model in {id(engine.runner.model): engine.runner.model,
-                  id(getattr(engine.drafter, "model", None)): getattr(engine.drafter, "model", None)}.values():
+                  id(getattr(engine.speculator.drafter, "model", None)): getattr(engine.speculator.drafter, "model", None)}.values():
         if model is not None:
             forward = model.forward
 
@@ -162,8 +162,8 @@ def test_a_step_without_drafts_skips_only_a_drafter_that_need_not_see_it(tiny_mo
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method=method, draft_model=draft,
                     num_speculative_tokens=4, **ENGINE)
         calls = []
-        propose = llm.engine.drafter.propose
-        llm.engine.drafter.propose = lambda *a, _propose=propose: calls.append(1) or _propose(*a)
+        propose = llm.engine.speculator.drafter.propose
+        llm.engine.speculator.drafter.propose = lambda *a, _propose=propose: calls.append(1) or _propose(*a)
         got = llm.generate(PROMPTS, greedy(0), use_tqdm=False)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert bool(calls) == asked and llm.engine.draft_length_counts[0] > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.rejection_sampler import RejectionSampler, VerifyRequest
+from specserve.spec.rejection_sampler import RejectionSampler, VerifyRequest
 from specserve.sampler import SamplingMetadata, target_probs
 from specserve.sampling_params import SamplingParams
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec_controller import CostModel, DraftLengthController, _features
+from specserve.spec.acceptance import DraftOutcome
+from specserve.spec.controller import DraftLengthController
+from specserve.spec.cost_model import CostModel, StepSample, target_features
 from tiny_models import LLM32
 
 MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
@@ -19,16 +21,18 @@ def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, fork
                                         (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),
                                         (100, 3, 128, 32)):
         for context in (64, 512):  # per request: costs nothing here
-            ctl.observe_step(tokens, spans, a + b * tokens + c * spans + pad * padded, 0, 0, 0.0, padded,
-                             reqs, reqs * context)
+            ctl.observe_step(StepSample(a + b * tokens + c * spans + pad * padded, num_tokens=tokens,
+                                        num_spans=spans, num_padded=padded, num_reqs=reqs,
+                                        context=reqs * context))
     for depth, reqs in ((1, 1), (4, 1), (4, 8), (2, 32)):
-        ctl.observe_step(1, 0, a + b, depth, reqs, depth * (draft[0] + draft[1] * reqs))
+        ctl.observe_step(StepSample(a + b, num_tokens=1, depth=depth, num_drafting=reqs,
+                                    draft_s=depth * (draft[0] + draft[1] * reqs)))
     return ctl
 
 
 def train_acceptance(ctl, req_id, rate_accepted: int, k: int = 4, times: int = 30):
     for _ in range(times):
-        ctl.observe_acceptance(req_id, k, k, rate_accepted)
+        ctl.observe_acceptance(req_id, DraftOutcome(k, k, rate_accepted))
 
 
 def test_cost_model_recovers_linear_costs():
@@ -53,18 +57,19 @@ def test_one_stall_does_not_poison_the_fit():
 
 def test_steps_with_prefill_teach_only_the_draft_cost():
     ctl = controller(**MEMORY_BOUND)
-    theta, samples = ctl.target_cost.theta.copy(), ctl.target_cost.num_samples
-    ctl.observe_step(600, 2, None, 4, 8, 0.004)  # a prefill step: eager on a GPU
-    assert ctl.target_cost.num_samples == samples and (ctl.target_cost.theta == theta).all()
-    assert ctl.draft_cost.num_samples == 5
+    theta, samples = ctl.costs.target.theta.copy(), ctl.costs.target.num_samples
+    ctl.observe_step(StepSample(None, num_tokens=600, num_spans=2, depth=4, num_drafting=8,
+                                draft_s=0.004))  # a prefill step: eager on a GPU
+    assert ctl.costs.target.num_samples == samples and (ctl.costs.target.theta == theta).all()
+    assert ctl.costs.draft.num_samples == 5
 
 
 def test_positions_the_drafter_could_not_propose_are_not_rejections():
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "r", 4)
     for _ in range(30):  # every other step n-gram lookup found nothing: nothing verified, nothing paid
-        ctl.observe_acceptance("r", 4, 0, 0)
-        ctl.observe_acceptance("r", 4, 4, 4)
+        ctl.observe_acceptance("r", DraftOutcome(4, 0, 0))
+        ctl.observe_acceptance("r", DraftOutcome(4, 4, 4))
     assert ctl.acceptance("r") == pytest.approx([1, 1, 1, 1], abs=1e-3)
     assert ctl.choose({"r": 4}) == {"r": 4}
 
@@ -86,14 +91,14 @@ def test_choice_is_the_best_plan_of_all():
         for r, q in zip(caps, rate):
             ctl.set_estimates(r, alpha[r], q)
         graph = trial % 2 == 1
-        (d, e) = ctl.draft_cost.theta
+        (d, e) = ctl.costs.draft.theta
 
         def ratio(plan):
             gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
             tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
             spans = sum(q for k, q in zip(plan, rate) if k)
-            cost = (ctl.target_cost.predict(_features(3 + tokens, 3, 0, spans, padded))
+            cost = (ctl.costs.target.predict(target_features(3 + tokens, 3, 0, spans, padded))
                     + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 
@@ -112,7 +117,7 @@ def test_drafts_must_promise_the_margin():
     for min_gain, drafts in ((0.0, True), (0.03, False)):
         ctl = DraftLengthController(4, min_gain=min_gain)
         for tokens in (1, 2, 5, 8, 20):  # nearly all of a step's cost is per token
-            ctl.observe_step(tokens, 0, 0.00002 + 0.001 * tokens, 0, 0, 0.0)
+            ctl.observe_step(StepSample(0.00002 + 0.001 * tokens, num_tokens=tokens))
         train_acceptance(ctl, "r", 4)  # every draft accepted: k = 4 gains 1.6 %
         assert (ctl.choose({"r": 4})["r"] > 0) == drafts
 
@@ -166,8 +171,8 @@ def test_compute_bound_batch_gets_zero_even_with_fair_acceptance():
     caps = {f"r{i}": 4 for i in range(32)}
     for r in caps:
         for _ in range(20):  # the first draft is accepted half the time
-            ctl.observe_acceptance(r, 4, 4, 1)
-            ctl.observe_acceptance(r, 4, 4, 0)
+            ctl.observe_acceptance(r, DraftOutcome(4, 4, 1))
+            ctl.observe_acceptance(r, DraftOutcome(4, 4, 0))
     assert set(ctl.choose(caps).values()) == {0}
 
 
@@ -178,8 +183,8 @@ def test_draft_cost_lowers_k():
     dear = controller(**MEMORY_BOUND, draft=(0.02, 0.0))
     for ctl in (cheap, dear):
         for _ in range(40):
-            ctl.observe_acceptance("r", 4, 4, 1)
-            ctl.observe_acceptance("r", 4, 4, 0)
+            ctl.observe_acceptance("r", DraftOutcome(4, 4, 1))
+            ctl.observe_acceptance("r", DraftOutcome(4, 4, 0))
     assert cheap.choose({"r": 4})["r"] >= 1
     assert dear.choose({"r": 4})["r"] == 0
 
@@ -189,7 +194,7 @@ FORKS = [(0, 1), (1, 1), (0, 2)]
 
 def _observe_paths(ctl, req_id, own_accepted: int, extra: int, times: int = 40, k: int = 4):
     for _ in range(times):
-        ctl.observe_acceptance(req_id, k, k, own_accepted, 4, extra)
+        ctl.observe_acceptance(req_id, DraftOutcome(k, k, own_accepted, 4, extra))
 
 
 def test_draft_paths_are_planned_where_what_they_add_pays_for_their_tokens():
@@ -201,7 +206,7 @@ def test_draft_paths_are_planned_where_what_they_add_pays_for_their_tokens():
     ctl = controller(**cheap, forks=FORKS)
     assert ctl._paths.tolist() == [1, 3, 4, 4, 4]  # paths at k = 0..4: the fork at depth 1 needs k >= 2
     _observe_paths(ctl, "r", own_accepted=2, extra=1)
-    assert ctl.path_gain[4] == pytest.approx(1.0, abs=0.05)
+    assert ctl.estimates.path_gain[4] == pytest.approx(1.0, abs=0.05)
     assert ctl.choose({"r": 4}, forkable={"r"})["r"] == 2 and ctl.unforked == set()  # 2 drafts of its own accepted
     ctl = controller(**dear, forks=FORKS)  # the same gain does not pay for dear tokens
     _observe_paths(ctl, "r", own_accepted=2, extra=1)
@@ -217,10 +222,10 @@ def test_acceptance_is_learned_from_the_requests_own_path():
     that of its own drafts, which is what a chain of k would get."""
     with_paths, chain = DraftLengthController(4, forks=FORKS), DraftLengthController(4)
     for _ in range(100):
-        with_paths.observe_acceptance("r", 4, 4, 1, 4, 2)
-        chain.observe_acceptance("r", 4, 4, 1)
+        with_paths.observe_acceptance("r", DraftOutcome(4, 4, 1, 4, 2))
+        chain.observe_acceptance("r", DraftOutcome(4, 4, 1))
     assert with_paths.acceptance("r") == pytest.approx(chain.acceptance("r"))
-    assert with_paths.path_gain[4] == pytest.approx(2.0, abs=0.1)
+    assert with_paths.estimates.path_gain[4] == pytest.approx(2.0, abs=0.1)
 
 
 def test_paths_that_stopped_paying_are_tried_again_in_time():
@@ -230,14 +235,14 @@ def test_paths_that_stopped_paying_are_tried_again_in_time():
     ctl = controller(a=0.03, b=0.0001, forks=FORKS)
     _observe_paths(ctl, "r", own_accepted=2, extra=0, times=200)
     ctl.choose({"r": 4}, forkable={"r"})
-    assert ctl.unforked == {"r"} and ctl.path_gain[4] < 0.01
+    assert ctl.unforked == {"r"} and ctl.estimates.path_gain[4] < 0.01
     retried = None
     for step in range(2000):
         ctl.choose({"r": 4}, forkable={"r"})
         if retried is None and not ctl.unforked:
             retried = step
     assert retried is not None and retried < 100
-    assert ctl.path_gain[4] == pytest.approx(0.9, abs=0.05)  # 3 further paths x PATH_GAIN_START
+    assert ctl.estimates.path_gain[4] == pytest.approx(0.9, abs=0.05)  # 3 further paths x PATH_GAIN_START
 
 
 def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_cheap():
@@ -251,20 +256,20 @@ def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_chea
     picks = [ctl.choose({"good": 4, "bad": 4})["bad"] for _ in range(40)]
     first = next(i for i, k in enumerate(picks) if k)
     assert 0 < first < 20 and picks[first:] == [picks[first]] * (40 - first)  # no news: it stays on
-    ctl.observe_acceptance("bad", picks[-1], picks[-1], 0)  # and its drafts failed again
+    ctl.observe_acceptance("bad", DraftOutcome(picks[-1], picks[-1], 0))  # and its drafts failed again
     assert ctl.choose({"bad": 4})["bad"] == 0
 
 
 def test_acceptance_tracks_the_position_of_the_first_rejection():
     ctl = DraftLengthController(4)
     for _ in range(50):
-        ctl.observe_acceptance("r", 4, 4, 2)
+        ctl.observe_acceptance("r", DraftOutcome(4, 4, 2))
     alpha = ctl.acceptance("r")
     assert alpha[0] == pytest.approx(1, abs=1e-3) and alpha[1] == pytest.approx(1, abs=1e-3)
     assert alpha[2] == pytest.approx(0, abs=1e-3)
     assert alpha[3] == pytest.approx(0.6)  # never observed: still the initial value
     ctl.free("r")
-    assert list(ctl.acceptance("r")) == list(ctl.prior)  # forgotten: back to the engine-wide one
+    assert list(ctl.acceptance("r")) == list(ctl.estimates.prior)  # forgotten: back to the engine-wide one
 
 
 def test_a_steps_observations_applied_together_equal_one_by_one():
@@ -272,7 +277,7 @@ def test_a_steps_observations_applied_together_equal_one_by_one():
     its observations one at a time gives (per request, in order)."""
     import numpy as np
 
-    from specserve.spec_controller import ACCEPT_SMOOTHING, INITIAL_ACCEPTANCE
+    from specserve.spec.acceptance import ACCEPT_SMOOTHING, INITIAL_ACCEPTANCE
 
     rng = np.random.default_rng(1)
     ctl = DraftLengthController(4)
@@ -285,9 +290,9 @@ def test_a_steps_observations_applied_together_equal_one_by_one():
             planned = int(rng.integers(1, 5))
             proposed = int(rng.integers(0, planned + 1))
             accepted = int(rng.integers(0, proposed + 1))
-            ctl.observe_acceptance(r, planned, proposed, accepted)
+            ctl.observe_acceptance(r, DraftOutcome(planned, proposed, accepted))
             if step % 3 == 0:  # now and then the same request twice before a choice
-                ctl.observe_acceptance(r, planned, proposed, accepted)
+                ctl.observe_acceptance(r, DraftOutcome(planned, proposed, accepted))
             for _ in range(2 if step % 3 == 0 else 1):
                 rate = want_rate.setdefault(r, 1.0)
                 want_rate[r] = rate + ACCEPT_SMOOTHING * (proposed / planned - rate)
@@ -299,7 +304,7 @@ def test_a_steps_observations_applied_together_equal_one_by_one():
             ctl.choose({f"r{i}": 4 for i in range(12)})
     for r in want_alpha:
         assert ctl.acceptance(r) == pytest.approx(want_alpha[r], abs=1e-12), r
-        assert ctl._rate[ctl._rows[r]] == pytest.approx(want_rate[r], abs=1e-12), r
+        assert ctl.estimates.rate[ctl.estimates.rows([r])[0]] == pytest.approx(want_rate[r], abs=1e-12), r
 
 
 def test_idle_requests_stay_idle_where_no_draft_could_pay():
@@ -309,7 +314,7 @@ def test_idle_requests_stay_idle_where_no_draft_could_pay():
     caps = {f"r{i}": 4 for i in range(32)}
     for r in caps:
         train_acceptance(ctl, r, 0)
-    ctl.prior[:] = 1.0  # even if the engine-wide estimate says every draft is accepted
+    ctl.estimates.prior[:] = 1.0  # even if the engine-wide estimate says every draft is accepted
     assert all(set(ctl.choose(caps).values()) == {0} for _ in range(200))
 
 
@@ -323,12 +328,12 @@ def test_long_contexts_make_requests_dear_not_tokens():
         for per_req in (64, 300, 600):
             for k in (0, 4):
                 tokens, context = reqs * (1 + k), reqs * (per_req + 1 + k)
-                ctl.observe_step(tokens, reqs if k else 0, cost(tokens, reqs, context), 0, 0, 0.0, 0,
-                                 reqs, context)
+                ctl.observe_step(StepSample(cost(tokens, reqs, context), num_tokens=tokens,
+                                            num_spans=reqs if k else 0, num_reqs=reqs, context=context))
     caps = {f"r{i}": 4 for i in range(24)}
     for r in caps:  # all four drafts accepted three times in four, else none
         for step in range(40):
-            ctl.observe_acceptance(r, 4, 4, 0 if step % 4 == 0 else 4)
+            ctl.observe_acceptance(r, DraftOutcome(4, 4, 0 if step % 4 == 0 else 4))
     assert set(ctl.choose(caps, context=24 * 500).values()) == {4}
 
 
@@ -340,13 +345,13 @@ def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
     for reqs in (1, 8, 32):  # the engine's profile: none, one or all draft, 4 or 1 each
         for drafting, each in ((0, 4), (1, 4), (reqs, 4), (reqs, 1)):
             tokens = reqs + each * drafting
-            ctl.observe_step(tokens, drafting, cost(tokens, reqs), 0, 0, 0.0, 0, reqs,
-                             reqs * (65 if drafting or reqs == 1 else 257) + each * drafting)
-    ctl.target_cost.anchor()
+            ctl.observe_step(StepSample(cost(tokens, reqs), num_tokens=tokens, num_spans=drafting, num_reqs=reqs,
+                                        context=reqs * (65 if drafting or reqs == 1 else 257) + each * drafting))
+    ctl.costs.target.anchor()
     for step in range(500):
         reqs = 20 + step % 5
-        ctl.observe_step(reqs, 0, cost(reqs, reqs), 0, 0, 0.0, 0, reqs, reqs * 65)
-    _a, b, q, *_ = ctl.target_cost.theta
+        ctl.observe_step(StepSample(cost(reqs, reqs), num_tokens=reqs, num_reqs=reqs, context=reqs * 65))
+    _a, b, q, *_ = ctl.costs.target.theta
     assert b == pytest.approx(0.0005, rel=0.05) and q == pytest.approx(0.002, rel=0.05)
 
 
@@ -360,11 +365,11 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     engine = llm.engine
-    assert engine.controller.target_cost.num_samples > 6  # profiled, then learned online
-    assert engine.controller.checks  # the realised-goodput checks saw steps
+    assert engine.speculator.controller.costs.target.num_samples > 6  # profiled, then learned online
+    assert engine.speculator.controller.checks  # the realised-goodput checks saw steps
     seen = []
-    observe = engine.controller.observe_goodput
-    engine.controller.observe_goodput = lambda n, s: seen.append((n, s)) or observe(n, s)
+    observe = engine.speculator.controller.observe_goodput
+    engine.speculator.controller.observe_goodput = lambda n, s: seen.append((n, s)) or observe(n, s)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert sum(n for n, _ in seen) == sum(len(o.token_ids) for o in outs)  # every step's tokens
     assert all(s > 0 for _, s in seen)
@@ -378,7 +383,7 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
 
 @pytest.mark.parametrize("log_max", [1024, 2])
 def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_dir, monkeypatch, log_max):
-    """``_draft_lengths`` keeps its sorting of the running requests (free — greedy or not —,
+    """``Speculator.plan`` keeps its sorting of the running requests (free — greedy or not —,
     pinned, in prefill) from step to step, looking only at those that joined or left (the scheduler's
     log) and those still in prefill: what it hands the controller (caps, pinned k,
     prefill, context) equals what a fresh sorting gives, step by step, through admissions,
@@ -388,7 +393,7 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
 
     monkeypatch.setattr("specserve.scheduler.RUNNING_LOG_MAX", log_max)
 
-    from specserve.engine import _SortedRunning
+    from specserve.spec.running import DecodingRequests
 
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 block_size=4, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48)
@@ -400,8 +405,9 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
                       set(greedy)))
         return dict.fromkeys(caps, 0)
 
-    engine.controller.choose = choose
-    real, kept = engine._draft_lengths, []
+    engine.speculator.controller.choose = choose
+    speculator = engine.speculator
+    real, kept = speculator.plan, []
 
     def reference():
         """What the controller should be handed, from the scheduler's state in one pass."""
@@ -428,19 +434,19 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
                               greedy)
 
     def checked():
-        kept.append(engine._sorted.version == engine.scheduler.running_version)
+        kept.append(speculator._decoding.version == engine.scheduler.running_version)
         free, pinned, want = reference()
-        got = real()
+        got = real(engine.scheduler)
         if got is None or not free and not pinned:
             return got
         assert calls[-1] == want and got == {**pinned, **dict.fromkeys(free, 0)}
-        seen, saved = calls[-1], engine._sorted
-        engine._sorted = _SortedRunning(engine.config.num_speculative_tokens)
-        assert (got, seen) == (real(), calls[-1])  # and a fresh sorting agrees
-        engine._sorted = saved
+        seen, saved = calls[-1], speculator._decoding
+        speculator._decoding = DecodingRequests(engine.config.num_speculative_tokens)
+        assert (got, seen) == (real(engine.scheduler), calls[-1])  # and a fresh sorting agrees
+        speculator._decoding = saved
         return got
 
-    engine._draft_lengths = checked
+    speculator.plan = lambda _scheduler: checked()
     ids = []
     for step in range(300):
         if rng.random() < 0.15:
@@ -477,7 +483,7 @@ def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     IDLE_REPLAN steps (steps of 50 ms: longer together than IDLE_REPLAN_S); in between
     k = 0 is repeated at the cost of a dict. A step of another kind (padding, prefill,
     batch size) gets a full choice at once."""
-    from specserve.spec_controller import IDLE_REPLAN
+    from specserve.spec.controller import IDLE_REPLAN
 
     ctl = controller(**COMPUTE_BOUND)
     caps = {f"r{i}": 4 for i in range(32)}
@@ -485,14 +491,14 @@ def test_a_plan_to_draft_nothing_stands_for_a_few_steps_of_the_same_kind():
     ctl.observe_goodput(32, 0.05)
     for step in range(1, IDLE_REPLAN):
         new = {**caps, f"new{step}": 4}
-        assert set(ctl.choose(new).values()) == {0} and f"new{step}" not in ctl._rows
+        assert set(ctl.choose(new).values()) == {0} and f"new{step}" not in ctl.estimates
         ctl.observe_goodput(32, 0.05)
-    assert set(ctl.choose({**caps, "later": 4}).values()) == {0} and "later" in ctl._rows  # a full plan
+    assert set(ctl.choose({**caps, "later": 4}).values()) == {0} and "later" in ctl.estimates  # a full plan
     assert set(ctl.choose(caps).values()) == {0}
     ctl.choose(caps, padded=True)
-    assert all(f"r{i}" in ctl._rows for i in range(32))
+    assert all(f"r{i}" in ctl.estimates for i in range(32))
     lone = ctl.choose({"alone": 4})  # batch of one: planned afresh
-    assert "alone" in ctl._rows and lone == {"alone": 0}
+    assert "alone" in ctl.estimates and lone == {"alone": 0}
 
 
 @pytest.mark.parametrize("batch, step_s, planned_at", [(32, 0.05, 16), (32, 0.004, 50), (32, 0.0005, 128),
@@ -502,7 +508,7 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     more stands IDLE_REPLAN steps and at least IDLE_REPLAN_S seconds (0.2 s: 50 steps of
     4 ms), at most IDLE_REPLAN_MAX steps; for fewer (a request that joins is much of the
     step) IDLE_REPLAN steps. One with drafts still stands DRAFT_REPLAN steps."""
-    from specserve.spec_controller import (DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_BATCH, IDLE_REPLAN_MAX,
+    from specserve.spec.controller import (DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_BATCH, IDLE_REPLAN_MAX,
                                            IDLE_REPLAN_S)
 
     assert (IDLE_REPLAN, IDLE_REPLAN_S, IDLE_REPLAN_MAX, IDLE_REPLAN_BATCH) == (16, 0.2, 128, 16)
@@ -521,7 +527,7 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     for _ in range(12):
         assert drafting.choose({"r": 4}) == {"r": 4}
         planned.append(drafting.wants_step_cost)
-        drafting.observe_acceptance("r", 4, 4, 4)
+        drafting.observe_acceptance("r", DraftOutcome(4, 4, 4))
         drafting.observe_goodput(5, 0.0005)
     assert planned == [True, False] * 6 and DRAFT_REPLAN == 2
 
@@ -530,7 +536,7 @@ def test_kinds_of_step_taking_turns_keep_their_own_plans():
     """Under load steps that admit a request and steps that do not take turns: each kind
     keeps its plan (one plan served both before, made again at every turn), but not one
     made longer ago than twice its term."""
-    from specserve.spec_controller import IDLE_REPLAN
+    from specserve.spec.controller import IDLE_REPLAN
 
     ctl = controller(**COMPUTE_BOUND)
     caps = {f"r{i}": 4 for i in range(32)}
@@ -560,7 +566,7 @@ def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, acc
         k = ctl.choose(caps)
         drafted = any(k.values())
         for req_id, n in k.items():
-            ctl.observe_acceptance(req_id, n, n, min(n, accepted))
+            ctl.observe_acceptance(req_id, DraftOutcome(n, n, min(n, accepted)))
         emitted = sum(1 + min(n, accepted) for n in k.values())
         elapsed = drafted_s if drafted else plain_s
         ctl.observe_goodput(emitted, elapsed)
@@ -583,7 +589,7 @@ def test_drafts_that_pay_on_average_are_kept_though_most_fail():
     for _ in range(3000):
         k = ctl.choose({"r": 4})["r"]
         accepted = k if k and rng.random() < 0.2 else 0
-        ctl.observe_acceptance("r", k, k, accepted)
+        ctl.observe_acceptance("r", DraftOutcome(k, k, accepted))
         ctl.set_estimates("r", [0.9] * 4, 1.0)  # the model keeps planning drafts
         emitted, elapsed = 1 + accepted, 0.013 if k else 0.010
         ctl.observe_goodput(emitted, elapsed)
@@ -609,7 +615,7 @@ def test_drafts_that_lose_realised_goodput_are_vetoed():
 def test_drafts_that_pay_are_checked_rarely():
     """Drafting truly pays 2.5x: it is never vetoed, and checks (a step without the
     plan's drafts) take at most 1 / CHECK_MAX of the time once the verdict is clear."""
-    from specserve.spec_controller import CHECK_MAX
+    from specserve.spec.goodput import CHECK_MAX
 
     ctl = controller(**MEMORY_BOUND)
     serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
@@ -624,7 +630,7 @@ def test_a_clear_verdict_is_checked_again_after_half_a_second_at_least(step_s):
     """Drafts that clearly lose are let through at a check every CHECK_MAX of their
     steps' durations, and no sooner than CHECK_MAX_S seconds of the kind's steps: short
     GPU steps (2.5 ms) would otherwise pay for a check every ~0.15 s."""
-    from specserve.spec_controller import CHECK_MAX, CHECK_MAX_S, GoodputCheck
+    from specserve.spec.goodput import CHECK_MAX, CHECK_MAX_S, GoodputCheck
 
     check = GoodputCheck(max_k=4, batch=64)
     for _ in range(8):
@@ -652,7 +658,7 @@ def test_a_vetoed_kind_weighs_its_verdict_at_drafted_steps_and_every_few_plain_o
     verdict slowly: its standard error is computed at every VERDICT_EVERY-th of them, and
     at every drafted or checked step; a veto is still lifted within that many plain steps
     once drafting pays."""
-    from specserve.spec_controller import VERDICT_EVERY, GoodputCheck
+    from specserve.spec.goodput import VERDICT_EVERY, GoodputCheck
 
     check = GoodputCheck(max_k=4, batch=64)
     for _ in range(8):
@@ -690,7 +696,7 @@ def test_a_veto_is_lifted_when_drafting_starts_to_pay():
 
 
 def test_a_stalled_check_cannot_flip_the_verdict_alone():
-    from specserve.spec_controller import GoodputCheck
+    from specserve.spec.goodput import GoodputCheck
 
     check = GoodputCheck(max_k=4)
     for _ in range(5):  # drafting pays 2x, checked five times
@@ -710,7 +716,7 @@ def test_a_sides_first_stalled_step_cannot_veto():
     where plain steps of the kind took 3.7), vetoed drafting there at once with z = -12,
     and the veto's long interval kept it for the rest of the run. A side's first steps
     never make a verdict, and one whose drafts pay wins the kind back."""
-    from specserve.spec_controller import CHECK_MIN, GoodputCheck
+    from specserve.spec.goodput import CHECK_MIN, GoodputCheck
 
     check = GoodputCheck(max_k=4, batch=32)
     for _ in range(20):

@@ -81,7 +81,7 @@ def test_greedy_with_adaptive_draft_lengths_equals_without(drafter, tiny_model_d
     output is still plain greedy decoding's, and every block comes back."""
     settings = drafter_settings(tiny_model_dir, draft_dirs)[drafter]
     llm = LLM32(str(tiny_model_dir("llama")), num_speculative_tokens=4, **SMALL, **settings)
-    assert llm.engine.controller is not None
+    assert llm.engine.speculator.controller is not None
     outs = llm.generate(prompts_with_repeats(), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == baseline
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
@@ -104,8 +104,8 @@ def test_seeded_requests_keep_the_fixed_k_and_their_tokens_under_adaptive_specul
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4), req_id="u")
     engine.step()  # prefill both
     for req_id in ("s", "u"):  # drafts that never land: the controller would choose k = 0
-        engine.controller.set_estimates(req_id, [0.0, 0.0, 0.0], 1.0)
-    chosen = engine._draft_lengths()  # noqa: SLF001 - the choice itself
+        engine.speculator.controller.set_estimates(req_id, [0.0, 0.0, 0.0], 1.0)
+    chosen = engine.speculator.plan(engine.scheduler)
     assert chosen["u"] == 0 and chosen["s"] == 3
 
 

@@ -43,7 +43,7 @@ def test_a_draft_of_all_target_layers_shares_storage_and_is_always_accepted(vari
     llm = LLM32(str(target), speculative_method="draft_model", draft_model=str(draft),
                 num_speculative_tokens=3, speculative_adaptive=False, **SMALL)
     engine = llm.engine
-    mine, theirs = engine.drafter.model, engine.runner.model
+    mine, theirs = engine.speculator.drafter.model, engine.runner.model
     assert mine.model.embed_tokens is theirs.model.embed_tokens
     assert mine.lm_head.weight.data_ptr() == theirs.lm_head.weight.data_ptr()
     assert mine.model.layers[0].self_attn.qkv_proj.weight.data_ptr() != \
@@ -51,7 +51,7 @@ def test_a_draft_of_all_target_layers_shares_storage_and_is_always_accepted(vari
     embed = theirs.model.embed_tokens.weight.numel()
     assert mine.num_parameters == theirs.num_parameters - embed - (0 if theirs.tie_word_embeddings else
                                                                     theirs.lm_head.weight.numel())
-    assert "the target's embeddings" in engine.drafter.describe()
+    assert "the target's embeddings" in engine.speculator.drafter.describe()
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert engine.spec_stats.num_drafts > 0 and engine.spec_stats.acceptance_rate == 1.0
     assert engine.num_free_blocks == engine.kv.num_blocks
@@ -125,7 +125,7 @@ def test_a_grown_draft_starts_as_its_checkpoint_and_int8_weights_load_lossless(t
     assert torch.allclose(expected, grown.model.layers[0].self_attn.q_proj.weight, atol=scale.max().item())
     spec = LLM32(str(target_dir), speculative_method="draft_model", draft_model=str(tmp_path / "int8"),
                  num_speculative_tokens=3, speculative_adaptive=False, **SMALL)
-    loaded = spec.engine.drafter.model.model.layers[0].self_attn.qkv_proj.weight
+    loaded = spec.engine.speculator.drafter.model.model.layers[0].self_attn.qkv_proj.weight
     assert torch.equal(loaded[:expected.shape[0]], expected)
     plain = LLM32(str(target_dir), **SMALL)
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
@@ -400,7 +400,7 @@ def test_the_default_model_drafts_with_its_built_in_draft(default_model_path):
 
     llm = LLM(speculative_method="draft_model", num_speculative_tokens=4, max_num_seqs=4,
               speculative_adaptive=False)
-    assert "built in" in llm.engine.drafter.describe() or llm.engine.drafter.model.shared_modules
+    assert "built in" in llm.engine.speculator.drafter.describe() or llm.engine.speculator.drafter.model.shared_modules
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Explain the difference between a process and a thread."}],
         tokenize=False, add_generation_prompt=True)
@@ -456,8 +456,8 @@ def test_a_draft_vocabulary_limits_the_proposals_and_stays_lossless(tmp_path, ti
     (draft / "draft_vocab.json").write_text(json.dumps(vocab))
     spec = LLM32(str(target), speculative_method="draft_model", draft_model=str(draft),
                  num_speculative_tokens=4, speculative_adaptive=False, **SMALL)
-    assert "among its 256 most written tokens" in spec.engine.drafter.describe()
-    drafter, proposed = spec.engine.drafter, []
+    assert "among its 256 most written tokens" in spec.engine.speculator.drafter.describe()
+    drafter, proposed = spec.engine.speculator.drafter, []
     propose = drafter.propose
 
     def spy(scheduled, requests):

@@ -106,7 +106,7 @@ def test_tune_tries_draft_paths_on_the_scheduler_and_saves_the_winner(tiny_model
 
     def spy(engines, token_ids, requests, setting, *args):
         result = run(engines, token_ids, requests, setting, *args)
-        seen.append((setting.paths, len(engines[setting.method].scheduler.draft_forks)))
+        seen.append((setting.paths, len(engines[setting.method].speculator.paths.forks)))
         return result
 
     monkeypatch.setattr(tune_module, "_run", spy)

@@ -259,8 +259,8 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
                        request_rate="inf" if math.isinf(rate) else rate, burstiness=args.burstiness,
                        device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
                        speculative_method=engine.config.speculative_method,
-                       num_speculative_tokens=engine.config.num_speculative_tokens
-                       if engine.drafter else 0, speculative_adaptive=engine.controller is not None)
+                       num_speculative_tokens=engine.speculator.max_k,
+                       speculative_adaptive=engine.speculator.controller is not None)
             print(format_offline(run))
             at_rate[name] = run
         runs += [at_rate[name] for name in names]

@@ -1,8 +1,8 @@
 """Per-step records of an engine while a benchmark runs it: what each step fed, drafted
-and emitted, its wall time and its verify pass's, and the host phases around the pass
-(choosing k, scheduling, update, postprocess, the controller's bookkeeping, garbage
-collection). ``StepRecorder`` wraps the engine's methods on the instance, only while a
-run is recorded; ``summarise`` groups a run's records by kind of step."""
+and emitted, its wall time and its drafting and verify passes', and the host phases
+around them (choosing k, scheduling, update, postprocess, the controller's bookkeeping,
+garbage collection). ``StepRecorder`` wraps the engine's methods on the instance, only
+while a run is recorded; ``summarise`` groups a run's records by kind of step."""
 from __future__ import annotations
 
 import gc
@@ -17,8 +17,9 @@ PHASES = ("choose_s", "schedule_s", "update_s", "postprocess_s", "controller_s",
 
 class StepRecorder:
     """Records every step of one engine while installed (``with recorder.recording():``):
-    wraps the engine's step, verify, draft-length, scheduler and controller methods on
-    the instance, and times collections with ``gc.callbacks``."""
+    wraps the engine's step and verify, the speculator's plan and propose, the scheduler's
+    and the controller's methods on the instance, and times collections with
+    ``gc.callbacks``."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -48,20 +49,22 @@ class StepRecorder:
         """Record the engine's steps while entered (``steps`` starts empty)."""
         self.steps = []
         e, cur = self.engine, self._cur
-        owners = [(e, "_draft_lengths", "choose_s"), (e.scheduler, "schedule", "schedule_s"),
-                  (e.scheduler, "update", "update_s"), (e, "_postprocess", "postprocess_s")]
-        if e.controller is not None:
-            owners += [(e.controller, "observe_goodput", "controller_s"),
-                       (e.controller, "observe_step", "controller_s")]
+        owners = [(e.speculator, "plan", "choose_s"), (e.scheduler, "schedule", "schedule_s"),
+                  (e.speculator, "propose", "verify_s"), (e.scheduler, "update", "update_s"),
+                  (e, "_apply_stop_strings", "postprocess_s"), (e, "_output", "postprocess_s")]
+        controller = e.speculator.controller
+        if controller is not None:
+            owners += [(controller, "observe_goodput", "controller_s"),
+                       (controller, "observe_step", "controller_s")]
         verify, step = e._verify, e.step
 
-        def recorded_verify(scheduled):
-            planned = scheduled.scheduled
+        def recorded_verify(drafts):
+            planned = drafts.scheduled.scheduled
             cur["requests"] = len(planned)
             cur["prefill_tokens"] = sum(len(p.token_ids) for p in planned if len(p.token_ids) > 1)
             start = time.perf_counter()
-            result = verify(scheduled)
-            cur["verify_s"] = time.perf_counter() - start
+            result = verify(drafts)
+            cur["verify_s"] = cur.get("verify_s", 0.0) + time.perf_counter() - start
             cur["drafts"] = sum(len(p.draft_token_ids) for p in planned)
             return result
 

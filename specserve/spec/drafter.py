@@ -1,4 +1,5 @@
-"""The drafter protocol: what the engine asks of every way of proposing draft tokens."""
+"""The drafter protocol: what the speculator asks of every way of proposing draft tokens
+(the implementations live in ``specserve.drafts``)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -9,15 +10,6 @@ import torch
 
 from specserve.request import Request
 from specserve.scheduler import ScheduledRequest
-
-
-# Where a greedy request's further draft paths leave its own (``num_draft_paths`` > 1), in
-# the order they are added: (depth, rank) — the path takes the drafter's rank-th candidate
-# (0: its best) at that depth and its best everywhere else. Chosen by replaying the shipped
-# draft along the default model's greedy answers to 16 held-out chat prompts (k = 4;
-# mean acceptance length: one path 2.18, two 2.47, three 2.64, four 2.75), where each
-# fork was the best path to add to the ones before it.
-DRAFT_FORKS = ((0, 1), (1, 1), (0, 2))
 
 
 @dataclass
@@ -42,9 +34,9 @@ class DraftProposal:
 class Drafter(Protocol):
     """Proposes up to ``planned.num_lookahead`` tokens for each scheduled request.
 
-    The engine calls ``propose`` once per step with the whole schedule (prefill chunks
-    included, so a drafter with its own KV cache can keep up in lockstep), then verifies
-    every proposal in the target's single ragged pass.
+    The speculator calls ``propose`` once per step with the whole schedule (prefill chunks
+    included, so a drafter with its own KV cache can keep up in lockstep), then the engine
+    verifies every proposal in the target's single ragged pass.
     """
 
     name: str
@@ -52,7 +44,7 @@ class Drafter(Protocol):
     # cache keeps up in lockstep); one that does not is skipped when no request drafts.
     needs_every_step: bool
     # The most draft paths it proposes per request: 1, or more for a drafter that ranks
-    # candidates and follows a further path's ``fork`` (see ``DRAFT_FORKS``).
+    # candidates and follows a further path's fork (``spec.paths.PathEntry``).
     max_paths: int
     # Seconds the last ``propose`` spent catching its cache up (a drafter that sees every
     # step): work that runs whatever k is, so the step's cost model counts it with the

@@ -1,0 +1,197 @@
+"""How often drafts are accepted, learned online per request (``AcceptanceEstimates``).
+
+Per request, ``alpha[j]`` is the probability that draft position j is accepted given that
+all before it were (exponentially smoothed; a new request starts from the engine-wide
+estimate). A request drafting k tokens then emits ``E(k) = 1 + sum_{j<k} prod_{m<=j}
+alpha[m]`` tokens in expectation. Only proposed positions teach ``alpha``; how often the
+drafter proposes at all (n-gram lookup often finds nothing) is a second smoothed rate per
+request, which scales both what its drafts gain and what their tokens cost.
+
+With draft paths, a request's acceptance is learned from its own path only (what a chain
+of k would get) and, apart and engine-wide, how many tokens more the best of m verified
+paths kept (``path_gain[m]``).
+
+What is not observed is not trusted for ever: while a request sits at k = 0 its
+estimates drift back towards the engine-wide ones (``DRIFT`` of the way each step), so
+one whose drafts failed for a stretch (a copied span ends, new text begins) drafts again
+once its stale estimate, pulled back, would pay. The engine-wide estimates in turn drift
+slowly back to their optimistic start while no request drafts at all (and the path gains
+while none verifies paths), so a workload that changes is tried again.
+
+Per-request state lives in rows of a few arrays, and a step's observations are queued and
+applied together in one vectorised update when they are next needed.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
+PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
+INITIAL_ACCEPTANCE = 0.6    # before any observation
+PATH_GAIN_START = 0.3       # extra accepted tokens a further draft path adds, before any is observed
+DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
+PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
+
+
+class DraftOutcome(NamedTuple):
+    """What one request's drafts came to in a step."""
+
+    num_planned: int    # draft slots planned (its k)
+    num_proposed: int   # of which the drafter proposed
+    num_accepted: int   # of which the target accepted, on the request's own path
+    num_paths: int = 1  # draft paths verified (1: its own only)
+    num_extra: int = 0  # tokens the best of them kept beyond its own path's
+
+
+class AcceptanceEstimates:
+    """Acceptance per position and proposal rate per request, the engine-wide priors both
+    start from and drift back to, and what further draft paths add."""
+
+    def __init__(self, max_k: int, max_paths: int = 1) -> None:
+        self.max_k = max_k
+        self.prior = np.full(max_k, INITIAL_ACCEPTANCE)
+        self.prior_rate = 1.0                     # engine-wide share of planned drafts proposed
+        # Engine-wide: extra accepted tokens per request-step that verified m paths (index m).
+        self.path_gain_start = PATH_GAIN_START * np.maximum(np.arange(max_paths + 1) - 1, 0)
+        self.path_gain = self.path_gain_start.copy()
+        self.alpha = np.zeros((0, max_k))         # per row: P(position j accepted | all before were)
+        self.rate = np.zeros(0)                   # per row: share of planned drafts proposed
+        self.idle = np.zeros(0, dtype=bool)       # per row: chosen k = 0 (could draft) last plan
+        self._rows: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._pending: list[tuple[int, ...]] = []  # (row, *DraftOutcome)
+        self._pending_rows: set[int] = set()
+        self._releasing: list[int] = []  # rows of freed requests, reusable once their observation is applied
+        self._observed = False       # any acceptance observed since the last drift
+        self._path_observed = False  # any further path verified since then
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, req_id: str, outcome: DraftOutcome) -> None:
+        """Queue one request's outcome; applied with the rest of the step's."""
+        if outcome.num_planned == 0:
+            return
+        row = self._row(req_id)
+        if row in self._pending_rows:  # a second observation before the first was applied
+            self.apply_pending()
+        planned, proposed, accepted, paths, extra = outcome
+        self._pending.append((row, planned, min(proposed, planned), accepted, paths, extra))
+        self._pending_rows.add(row)
+
+    def apply_pending(self) -> None:
+        """Exponential smoothing of the queued observations, one array operation each:
+        per request its proposal rate and, where anything was proposed, its acceptance at
+        the positions verified (the accepted ones, then the first rejection); the
+        engine-wide priors move by the batch's mean, weighted as that many observations."""
+        if not self._pending:
+            return
+        rows, planned, proposed, accepted, paths, extra = np.array(self._pending, dtype=int).T
+        self._observed = True
+        for m in np.unique(paths[paths > 1]):  # what further paths added, per number of paths
+            self._path_observed = True
+            seen = paths == m
+            self.path_gain[m] += _batch_weight(int(seen.sum())) * (extra[seen].mean() - self.path_gain[m])
+        self._pending.clear()
+        self._pending_rows.clear()
+        if self._releasing:  # freed requests' rows: their last observation is read above
+            self._free_rows += self._releasing
+            self._releasing.clear()
+        share = proposed / planned
+        self.rate[rows] += ACCEPT_SMOOTHING * (share - self.rate[rows])
+        self.prior_rate += _batch_weight(len(rows)) * (share.mean() - self.prior_rate)
+        some = proposed > 0
+        if not some.any():
+            return
+        rows, proposed, accepted = rows[some], proposed[some], accepted[some]
+        positions = np.arange(self.max_k)[None, :]
+        seen = positions < np.minimum(accepted + 1, proposed)[:, None]
+        outcome = (positions < accepted[:, None]).astype(float)
+        alpha = self.alpha[rows]
+        self.alpha[rows] = alpha + ACCEPT_SMOOTHING * seen * (outcome - alpha)
+        counts = seen.sum(axis=0)
+        observed = counts > 0
+        mean = (outcome * seen).sum(axis=0)[observed] / counts[observed]
+        self.prior[observed] += _batch_weight(counts[observed]) * (mean - self.prior[observed])
+
+    def drift_priors(self, steps: int) -> None:
+        """``steps`` steps have passed since the last drift: the queued observations are
+        applied, and the engine-wide estimates nobody observed since move back to where
+        they started (``PRIOR_DRIFT`` a step)."""
+        self.apply_pending()
+        if not self._observed:
+            drift = 1.0 - (1.0 - PRIOR_DRIFT) ** steps
+            self.prior += drift * (INITIAL_ACCEPTANCE - self.prior)
+            self.prior_rate += drift * (1.0 - self.prior_rate)
+        self._observed = False
+        if not self._path_observed:
+            drift = 1.0 - (1.0 - PRIOR_DRIFT) ** steps
+            self.path_gain += drift * (self.path_gain_start - self.path_gain)
+        self._path_observed = False
+
+    def drift_idle(self, rows: np.ndarray, steps: int) -> None:
+        """Of ``rows``, those idle at the last plan (they could have drafted and did not)
+        move back towards the engine-wide estimates, ``DRIFT`` a step for ``steps`` steps."""
+        idle = rows[self.idle[rows]]
+        drift = 1.0 - (1.0 - DRIFT) ** steps
+        self.alpha[idle] += drift * (self.prior - self.alpha[idle])
+        self.rate[idle] += drift * (self.prior_rate - self.rate[idle])
+
+    # ------------------------------------------------------------------ rows
+    def rows(self, req_ids: list[str]) -> np.ndarray:
+        """The requests' rows, made from the engine-wide estimates for new ones."""
+        get = self._rows.get
+        rows = [get(r) for r in req_ids]
+        if None in rows:
+            rows = [self._row(r) if row is None else row for r, row in zip(req_ids, rows)]
+        return np.array(rows)
+
+    def _row(self, req_id: str) -> int:
+        """The request's row, made on first sight from the engine-wide estimates."""
+        row = self._rows.get(req_id)
+        if row is not None:
+            return row
+        if not self._free_rows:
+            old = len(self.rate)
+            grow = max(16, old)
+            self.alpha = np.concatenate((self.alpha, np.zeros((grow, self.max_k))))
+            self.rate = np.concatenate((self.rate, np.zeros(grow)))
+            self.idle = np.concatenate((self.idle, np.zeros(grow, dtype=bool)))
+            self._free_rows = list(range(old + grow - 1, old - 1, -1))
+        row = self._free_rows.pop()
+        self.apply_pending()  # the priors this row starts from include the step so far
+        self.alpha[row] = self.prior
+        self.rate[row] = self.prior_rate
+        self.idle[row] = False
+        self._rows[req_id] = row
+        return row
+
+    def acceptance(self, req_id: str) -> np.ndarray:
+        """The request's acceptance per position (the engine-wide one if it is new)."""
+        self.apply_pending()
+        row = self._rows.get(req_id)
+        return self.prior.copy() if row is None else self.alpha[row].copy()
+
+    def set(self, req_id: str, alpha, rate: float) -> None:
+        """Set a request's acceptance per position and proposal rate (tests, warm starts)."""
+        self.apply_pending()
+        row = self._row(req_id)
+        self.alpha[row], self.rate[row] = alpha, rate
+
+    def free(self, req_id: str) -> None:
+        row = self._rows.pop(req_id, None)
+        if row is None:
+            return
+        if row in self._pending_rows:  # its queued observation still teaches the priors:
+            self._releasing.append(row)  # the row is reused once that is applied
+        else:
+            self._free_rows.append(row)
+
+    def __contains__(self, req_id: str) -> bool:
+        """Whether the request has estimates of its own (a row)."""
+        return req_id in self._rows
+
+
+def _batch_weight(count):
+    """The weight of ``count`` observations in the engine-wide exponential average."""
+    return 1.0 - (1.0 - PRIOR_SMOOTHING) ** count

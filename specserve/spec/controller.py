@@ -1,0 +1,222 @@
+"""Adaptive speculation: each step, every decoding request's draft length k_i is chosen to
+maximise expected goodput, expected emitted tokens per second of step time
+(``DraftLengthController``).
+
+It brings together what is learned online (``acceptance.py``: how often each request's
+drafts are accepted; ``cost_model.py``: what a step and the drafter cost), the plan
+(``planner.py``, a pure function of those) and the check that the plan delivers
+(``goodput.py``). The choice must stay cheap next to a GPU step at hundreds of requests:
+each kind of step (same padding, prefill or not, batch size within a factor of two)
+keeps its plan for a few of its steps (``StandingPlan``), longer while it drafts nothing,
+and only freshly planned steps are timed for the cost model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+import numpy as np
+
+from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
+from specserve.spec.cost_model import StepCosts, StepSample, target_features
+from specserve.spec.goodput import GoodputCheck
+from specserve.spec.planner import Prices, plan_draft_lengths
+
+MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
+IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice after this many steps
+IDLE_REPLAN_S = 0.2         # and, for a batch of IDLE_REPLAN_BATCH or more, this many seconds of
+IDLE_REPLAN_BATCH = 16      # steps (all kinds) since it was made,
+IDLE_REPLAN_MAX = 128       # or after this many steps of its kind, however short
+DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between)
+
+
+@dataclass
+class StandingPlan:
+    """A kind of step's last plan, repeated for its next few steps."""
+
+    draft_lengths: dict[str, int]   # k > 0 per request (empty: it drafts nothing)
+    unforked: set[str]              # forkable requests that verify their own path only
+    made_at: int                    # the controller's choices when it was made
+    made_s: float                   # its clock when it was made
+    served: int = 1                 # choices it served
+
+
+@dataclass
+class _LastChoice:
+    """The last choice, for the goodput check that learns from its step."""
+
+    check: GoodputCheck
+    drafted: bool = False
+    checked: bool = False
+
+
+class DraftLengthController:
+    """Chooses k_i per request per step; learns from what each step cost and accepted."""
+
+    def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True,
+                 forks: tuple[tuple[int, int], ...] = (), first_draft_in_catch_up: bool = False) -> None:
+        """``forks``: the further draft paths' (depth, rank) (``DraftPaths.forks``): a
+        request drafting k tokens may verify one path more for each fork above depth k.
+        ``first_draft_in_catch_up``: the drafter's catch-up yields the first proposals
+        (``StepCosts``)."""
+        self.max_k = max_k
+        # Draft paths per request at k = 0..max_k (1 at k = 0: none but its own).
+        self._paths = np.array([1 + sum(depth < k for depth, _ in forks) for k in range(max_k + 1)])
+        self.estimates = AcceptanceEstimates(max_k, len(forks) + 1)
+        self.costs = StepCosts(first_draft_in_catch_up)
+        self.unforked: set[str] = set()  # the last choice's requests to verify their own path only
+        self.min_gain = min_gain
+        self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
+        self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
+        self._plans: dict[tuple, StandingPlan] = {}  # per kind of step
+        self._steps_since_plan = 0   # choices since the last full plan (the rest repeated it)
+        self._choices = 0            # choices made, all together
+        self._planned = False        # whether the last choice was a full plan
+        self._clock = 0.0            # seconds of steps observed (observe_goodput), all kinds together
+        self.idle_replan = IDLE_REPLAN      # a plan without drafts stands for this many steps
+        self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
+        self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many
+        self._last: _LastChoice | None = None
+
+    # ------------------------------------------------------------------ learning
+    @property
+    def wants_step_cost(self) -> bool:
+        """Whether the step just planned should be timed: every step the controller
+        planned afresh (while a standing plan repeats, a step teaches little the last did not)."""
+        return self._planned
+
+    def observe_step(self, sample: StepSample) -> None:
+        """One step's measured cost: the verify pass and, if any drafting ran, the drafter."""
+        self.costs.observe(sample)
+
+    def observe_goodput(self, num_tokens: int, seconds: float) -> None:
+        """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
+        whole step, drafting included): its kind's goodput check learns from it."""
+        self._clock += seconds
+        if self._last is not None and self.check_goodput:
+            last, self._last = self._last, None
+            last.check.observe(last.drafted, last.checked, num_tokens, seconds)
+
+    def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
+        self.estimates.observe(req_id, outcome)
+
+    def acceptance(self, req_id: str) -> np.ndarray:
+        return self.estimates.acceptance(req_id)
+
+    def set_estimates(self, req_id: str, alpha, rate: float) -> None:
+        self.estimates.set(req_id, alpha, rate)
+
+    def free(self, req_id: str) -> None:
+        self.estimates.free(req_id)
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
+               num_other_spans: int = 0, padded: bool = False,
+               context: int | Callable[[], int] = 0, forkable: Container[str] = ()) -> dict[str, int]:
+        """k_i for each decoding request (``caps``: req_id -> most drafts it may take), and
+        in ``unforked`` those of ``forkable`` (requests that may verify further draft
+        paths: greedy ones) whose drafts pay more without them.
+        ``num_other_tokens`` / ``num_other_spans``: the prefill chunks the step runs anyway.
+        ``context``: the tokens in the KV cache of every request in the step, all together,
+        or a function that counts them, called only if a plan is made (most steps repeat
+        a standing plan, and counting walks every request).
+        ``padded``: the step will pad every request to the longest query (a CUDA graph
+        replay; the CPU attention), so a draft depth D costs every request D tokens."""
+        self._last = None
+        self._planned = False
+        self.unforked = set()
+        if not caps or self.costs.target.num_samples == 0:
+            return dict(caps)
+        self._steps_since_plan += 1
+        self._choices += 1
+        regime = (padded, num_other_tokens > 0, len(caps).bit_length())
+        check = self.checks.get(regime)
+        if check is None:
+            check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
+        standing = self._plans.get(regime)
+        if standing is not None and self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length()):
+            standing = None
+        if (standing is not None and not standing.draft_lengths) or (check.vetoed and not check.stale(drafted=True)):
+            # The kind's plan drafts nothing: it stands for a few steps (the drifts catch
+            # up at the next plan), so where drafting does not pay (large, host-bound
+            # batches) the choice costs least. Each kind keeps its own: under load, steps
+            # that admit a request and steps that do not take turns, and one plan for both
+            # would be made again at every turn. Nor is a plan made where drafts are
+            # vetoed, but at the vetoed kind's next check.
+            if standing is not None:
+                standing.served += 1
+            self._last = _LastChoice(check)
+            return dict.fromkeys(caps, 0)
+        if standing is not None:
+            # A plan with drafts stands for a step more: each request keeps its k (a new one
+            # drafts nothing until the next plan).
+            standing.served += 1
+            get = standing.draft_lengths.get
+            k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
+            self.unforked = standing.unforked
+        else:
+            k, self.unforked = self._plan(caps, num_other_tokens, num_other_spans, padded, context, forkable)
+            self._planned = True
+            self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
+                                               self.unforked, self._choices, self._clock)
+        drafted = bool(k.any())
+        checked = drafted and (check.vetoed or check.stale(drafted=False))
+        if checked and not check.vetoed:
+            k[:] = 0  # the check: this step runs without the plan's drafts
+            drafted = False
+        self._last = _LastChoice(check, drafted, checked)
+        return dict(zip(caps, k.tolist()))
+
+    def _expired(self, standing: StandingPlan, large: bool) -> bool:
+        """Whether a kind's plan has served its time, or was made too long ago (other
+        kinds ran since). One with drafts serves ``draft_replan`` steps. One without serves
+        ``idle_replan`` steps, and for a ``large`` batch (``IDLE_REPLAN_BATCH`` requests or
+        more) more while less than ``idle_replan_s`` seconds have passed (up to
+        ``IDLE_REPLAN_MAX`` steps): there a request that joins changes the step's goodput
+        little, while for a lone request a new one (the next prompt at low load, code
+        after chat) is the whole step, and its plan is cheap. Where steps are short and
+        drafting does not pay (a host-bound GPU batch), planning every few steps would be
+        a cost of its own; where steps are long (a CPU forward) a plan stays every
+        ``idle_replan``."""
+        age = self._choices - standing.made_at
+        served = standing.served
+        if standing.draft_lengths:
+            return served >= self.draft_replan or age >= 2 * self.draft_replan
+        if served >= IDLE_REPLAN_MAX or age >= 2 * IDLE_REPLAN_MAX:
+            return True
+        return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
+            (not large or self._clock - standing.made_s >= self.idle_replan_s)
+
+    def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
+              padded: bool, context: int | Callable[[], int],
+              forkable: Container[str] = ()) -> tuple[np.ndarray, set[str]]:
+        """The goodput-maximising k per request (in ``caps``' order), from the estimates,
+        and the forkable requests that should verify their own draft path only."""
+        if callable(context):
+            context = context()
+        steps, self._steps_since_plan = self._steps_since_plan, 0
+        estimates = self.estimates
+        estimates.drift_priors(steps)
+        req_ids = list(caps)
+        rows = estimates.rows(req_ids)
+        num_reqs = len(req_ids)
+        cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), self.max_k)
+        estimates.drift_idle(rows, steps)  # not observed since the last plan: trusted a little less
+        theta = self.costs.target.theta
+        d, e = self.costs.draft.theta
+        prices = Prices(
+            fixed=self.costs.target.predict(target_features(num_reqs, num_reqs + num_other_spans, context, 0,
+                                                            num_reqs if padded else 0, num_other_tokens)),
+            token=theta[1], span=theta[4], padded_token=theta[5] if padded else 0.0,
+            draft_pass=d, draft_token=e)
+        can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
+            if forkable and self._paths[-1] > 1 else None
+        k, chain_only = plan_draft_lengths(
+            estimates.alpha[rows], estimates.rate[rows], cap, prices,
+            self.costs.drafter_passes(np.arange(self.max_k + 1)), self.min_gain,
+            self._paths, estimates.path_gain, can_fork)
+        estimates.idle[rows] = (k == 0) & (cap > 0)
+        if chain_only is None:
+            return k, set()
+        return k, {req_ids[i] for i in np.flatnonzero(chain_only)}
+

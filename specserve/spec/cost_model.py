@@ -1,0 +1,147 @@
+"""What a step costs, learned online: least-squares fits of the target pass's time and the
+drafter's, from the steps the engine runs.
+
+* **Target.** ``a + b * tokens + q * requests + x * context + c * spans + p * padded +
+  f * prefill + m * [prefill]``: a fixed cost, a cost per decode or verify token, per
+  request and per token of context its attention reads (on a CPU, gathering a long
+  context's keys costs more than a few more query tokens), per request whose query span
+  is longer than one token (its own attention tiles), per padded token where the pass
+  pads every request to the step's longest query (a CUDA graph replay does, and so does
+  the CPU's attention over decode and verify spans: a draft depth D then costs every
+  request D tokens), and the prefill chunks' tokens and a step with any its own fixed
+  cost (on a GPU it replays a ragged graph, not a padded one, or runs eagerly). It is
+  the whole step's wall time less the drafter's: the host work around the pass (verify
+  lists, rollback, detokenising more tokens) is part of what drafts cost.
+* **Drafter.** ``passes * (d + e * drafting_requests)`` for its sequential passes: D for
+  a draft depth D, or D - 1 for a draft model, whose catch-up on the tokens the target
+  accepted runs at every step whatever k is and yields the first proposals; its time
+  counts with the target's.
+
+Both forget old steps exponentially. A start-up profile is kept for good
+(``CostModel.anchor``): it varies what a steady state does not, such as how many requests
+draft, so the fit can still tell the costs apart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+OUTLIER_RATIO = 2.0   # a measured cost is clipped at this multiple of the prediction
+RESOLVE_ERROR = 0.25  # a fit is solved at once for a sample off by more than this
+RESOLVE_EVERY = 8     # and else every this many samples
+
+
+class CostModel:
+    """Least squares ``y ~ x . theta`` with exponential forgetting (recursive, tiny).
+
+    ``anchor()`` keeps the samples seen so far (the start-up profile) for good: online
+    steps are forgotten, and in a steady state they vary little (a batch that never
+    drafts has as many tokens as requests, so the two costs cannot be told apart from
+    it); the anchor still tells them apart, while online steps move every cost they do
+    show."""
+
+    def __init__(self, num_features: int, forgetting: float = 0.98, ridge: float = 1e-6) -> None:
+        self.anchor_xtx = np.eye(num_features) * ridge
+        self.anchor_xty = np.zeros(num_features)
+        self.xtx = np.zeros((num_features, num_features))
+        self.xty = np.zeros(num_features)
+        self.forgetting = forgetting
+        self.theta = np.zeros(num_features)
+        self.num_samples = 0
+        self._unsolved = 0  # samples since the last solve
+
+    def observe(self, x: list[float], y: float) -> None:
+        """Learn one sample. A step slower than ``OUTLIER_RATIO`` times the prediction
+        (another process stalled the machine) counts as that much, so one stall cannot
+        poison the fit, while a cost that really changed is still learned, clip after clip.
+        The fit is solved again at once when the sample surprises it (off the prediction
+        by more than ``RESOLVE_ERROR``), else every ``RESOLVE_EVERY`` samples: a step that
+        costs what was predicted teaches the plan nothing it needs now."""
+        x = np.asarray(x, dtype=float)
+        predicted = self.predict(x)
+        surprise = self.num_samples < 2 * len(x) or abs(y - predicted) > RESOLVE_ERROR * predicted
+        if self.num_samples >= len(x) and predicted > 0:
+            y = min(y, OUTLIER_RATIO * predicted)  # a stall, not the cost of this batch
+        self.xtx *= self.forgetting
+        self.xtx += np.outer(x, x)
+        self.xty *= self.forgetting
+        self.xty += x * y
+        self.num_samples += 1
+        self._unsolved += 1
+        if surprise or self._unsolved >= RESOLVE_EVERY:
+            self.solve()
+
+    def solve(self) -> None:
+        """The least-squares fit of every sample so far."""
+        self._unsolved = 0
+        # A ridge a billionth of the scale: the least-norm fit where the samples cannot tell
+        # costs apart, and much cheaper than an SVD.
+        xtx = self.anchor_xtx + self.xtx
+        ridge = 1e-9 * np.trace(xtx) / len(xtx) + 1e-12
+        theta = np.linalg.solve(xtx + ridge * np.eye(len(xtx)), self.anchor_xty + self.xty)
+        # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
+        self.theta = np.clip(theta, 0.0, None)
+
+    def anchor(self, weight: float = 1.0) -> None:
+        """Keep every sample observed so far unforgotten, at ``weight`` each."""
+        self.anchor_xtx = self.anchor_xtx + weight * self.xtx
+        self.anchor_xty = self.anchor_xty + weight * self.xty
+        self.xtx = np.zeros_like(self.xtx)
+        self.xty = np.zeros_like(self.xty)
+        self.solve()
+
+    def predict(self, x: list[float]) -> float:
+        return float(np.dot(self.theta, x))
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One step's measured cost and the shape that explains it."""
+
+    target_s: float | None   # the step less the drafter's time; None: the pass says nothing
+    num_tokens: int = 0      # decode and verify tokens
+    num_spans: int = 0       # requests whose query span is longer than one token (verify spans)
+    num_padded: int = 0      # tokens the pass ran where it padded every request to the longest query
+    num_reqs: int = 1        # requests in the pass
+    context: int = 0         # their tokens in the KV cache after it, all together
+    num_prefill: int = 0     # prefill chunks' tokens
+    depth: int = 0           # draft depth: the step's longest k
+    num_drafting: int = 0    # requests that drafted
+    draft_s: float = 0.0     # the drafter's time, its catch-up excluded
+
+
+def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
+                    num_prefill: int = 0) -> list[float]:
+    """The target cost model's inputs: decode/verify tokens, requests, context (in
+    thousands of tokens, to keep the fit's columns alike in scale), verify spans, padded
+    tokens, prefill tokens and whether the step has any."""
+    return [1.0, num_tokens, num_reqs, context / 1000.0, num_spans, num_padded, num_prefill,
+            1.0 if num_prefill else 0.0]
+
+
+class StepCosts:
+    """The target pass's cost model and the drafter's.
+
+    ``first_draft_in_catch_up``: the drafter catches its cache up every step, whatever k
+    is, and that pass yields the first proposals (a draft model); its time is then the
+    target's (the speculator measures drafting without it), and a draft depth D costs
+    D - 1 passes of the drafter, not D."""
+
+    def __init__(self, first_draft_in_catch_up: bool = False) -> None:
+        self.target = CostModel(8)  # target_features -> seconds
+        self.draft = CostModel(2)   # [passes, passes * drafting requests] -> seconds
+        self.first_free = int(first_draft_in_catch_up)
+
+    def drafter_passes(self, depths: np.ndarray) -> np.ndarray:
+        """The drafter's sequential passes a draft depth costs."""
+        return np.maximum(depths - self.first_free, 0)
+
+    def observe(self, sample: StepSample) -> None:
+        if sample.target_s is not None:
+            self.target.observe(target_features(sample.num_tokens, sample.num_reqs, sample.context,
+                                                sample.num_spans, sample.num_padded, sample.num_prefill),
+                                sample.target_s)
+        passes = sample.depth - self.first_free
+        if passes > 0:
+            self.draft.observe([passes, passes * sample.num_drafting], sample.draft_s)

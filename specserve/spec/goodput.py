@@ -1,0 +1,132 @@
+"""Whether a plan's drafts pay, from the goodput they deliver (``GoodputCheck``).
+
+A cost model can be wrong where it matters most: on a host-bound GPU step at a few
+hundred requests, what drafting adds around the pass is hard to tell from what the batch
+costs anyway. So the plan answers to what it delivers: for each kind of step, the
+realised goodput (emitted tokens per second of whole step) of the steps that ran drafts
+is compared with that of the steps that ran none, and drafts are vetoed where they
+deliver less, by more than twice the comparison's standard error.
+"""
+from __future__ import annotations
+
+import math
+
+CHECK_MIN = 4               # a side stale after CHECK_MIN to CHECK_MAX of its mean step
+CHECK_MAX = 64              # durations without a step, the more by CHECK_SPREAD
+CHECK_MAX_S = 0.5           # and once the verdict is clear (CHECK_MAX), this many seconds at least
+CHECK_SPREAD = 8            # per standard error between the two sides' goodputs
+CHECK_DECAY = 0.95          # per step of a side, how much of its sums is kept
+CHECK_STALL = 3.0           # a step counts at most this many times its side's mean duration
+VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this log goodput ratio, allowed above +this
+VETO_Z = 2.0                # and only if the ratio is this many standard errors below 1
+CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, plus
+CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone,
+VERDICT_EVERY = 8           # the verdict is weighed at drafted and checked steps, and every this many plain ones
+CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
+
+
+class GoodputCheck:
+    """Whether the plan's drafts pay, from realised goodput, for one kind of step.
+
+    Every step of the kind teaches one of two decayed sums of (steps, emitted tokens,
+    seconds and their squares and product): steps that ran drafts, and steps that ran
+    none — whether the plan chose none or the check withheld them. ``ratio`` is their
+    goodputs' ratio (drafted / plain), each a ratio of sums: a drafted step's tokens vary
+    a lot at small batches (nothing accepted, or all), and a mean of per-step ratios, or
+    of their logarithms, would weigh that variance against drafting. The same sums give
+    the ratio's standard error, and drafts are vetoed only when the ratio is below 1 by
+    more than ``VETO_Z`` standard errors (and the hysteresis): where it is not clear, the
+    plan stands. A veto is lifted once the ratio is above 1 again, or no longer clearly
+    below it (half as many standard errors).
+
+    Steps the plan leaves without drafts are free samples of the plain side; a step is
+    run the other way (the plan's drafts withheld, or let through under a veto) only when
+    one side has gone stale: no step for ``interval`` times its mean step duration — a
+    short wait while the verdict is uncertain, a long one once it is clear, so a check's
+    share of the time, which is what it costs, stays small where the verdict is known.
+    A step slower than ``CHECK_STALL`` times its side's mean counts as that much (another
+    process stalled the machine)."""
+
+    def __init__(self, max_k: int, batch: int = 1) -> None:
+        self.max_ratio = 1.0 + max_k
+        # A step's tokens are the sum of its requests': their deviation shrinks as 1 / sqrt(batch).
+        self.prior_cv = math.sqrt(CHECK_PRIOR_CV ** 2 / max(batch, 1) + CHECK_JITTER_CV ** 2)
+        self._counts = [0, 0]                      # steps seen per side, undecayed
+        self.vetoed = False
+        self.num_checks = 0                        # steps run the other way
+        # [drafted, plain] x [steps, tokens, seconds, tokens^2, tokens*seconds, seconds^2];
+        # plain floats: this runs every step, and numpy scalars cost several times more.
+        self._sums = [[0.0] * 6, [0.0] * 6]
+        self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
+
+    @property
+    def ratio(self) -> float:
+        """Goodput of the steps with drafts over that of the steps without (1: unknown)."""
+        (_, drafted_tokens, drafted_s, *_), (_, plain_tokens, plain_s, *_) = self._sums
+        if drafted_s == 0 or plain_s == 0 or plain_tokens == 0:
+            return 1.0
+        ratio = (drafted_tokens / drafted_s) / (plain_tokens / plain_s)
+        return min(max(ratio, 1.0 / self.max_ratio), self.max_ratio)
+
+    @property
+    def z(self) -> float:
+        """log(ratio) in standard errors (each side's goodput a ratio estimator)."""
+        variance = 0.0
+        for steps, tokens, seconds, tt, ts, ss in self._sums:
+            if tokens <= 0 or seconds <= 0:
+                return 0.0
+            rate = tokens / seconds
+            # A step's squared relative deviation from the side's rate, observed, shrunk
+            # towards a prior: a few steps that happen to agree do not make a verdict.
+            observed = steps * max(tt - 2.0 * rate * ts + rate * rate * ss, 0.0) / (tokens * tokens)
+            per_step = (CHECK_PRIOR_STEPS * self.prior_cv ** 2 + steps * observed) / (CHECK_PRIOR_STEPS + steps)
+            variance += per_step / steps
+        return math.log(self.ratio) / max(math.sqrt(variance), 1e-3)
+
+    @property
+    def interval(self) -> int:
+        """How stale a side may go, in its mean step durations."""
+        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(self.z)))
+
+    def stale(self, drafted: bool) -> bool:
+        """Whether the drafted (or plain) side needs a step: it has none yet while the
+        other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations and,
+        once the verdict is clear, for ``CHECK_MAX_S`` seconds of this kind's steps at
+        least (where steps are short, ``CHECK_MAX`` of them alone would check often)."""
+        side = 0 if drafted else 1
+        steps, _, seconds = self._sums[side][:3]
+        if steps == 0:
+            return self._sums[1 - side][0] >= CHECK_MIN
+        interval = self.interval
+        wait = interval * seconds / steps
+        if interval >= CHECK_MAX:
+            wait = max(wait, CHECK_MAX_S)
+        return self._since[side] >= wait
+
+    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
+        """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
+        whether the check chose so (against the plan, or against the veto)."""
+        if seconds <= 0:
+            return
+        side = 0 if drafted else 1
+        sums, other = self._sums[side], self._sums[1 - side]
+        if sums[0] >= CHECK_MIN:
+            seconds = min(seconds, CHECK_STALL * sums[2] / sums[0])  # a stall, not the step
+        elif other[0] >= CHECK_MIN:  # a side's first steps: the other side's steps tell a stall
+            seconds = min(seconds, CHECK_STALL * self.max_ratio * other[2] / other[0])
+        self._counts[side] += 1
+        new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
+        self._sums[side] = [CHECK_DECAY * old + value for old, value in zip(sums, new)]
+        self._since[1 - side] += seconds
+        self._since[side] = 0.0
+        self.num_checks += checked
+        # The verdict moves with the drafted side and the checks; the plan's own plain steps
+        # (every step of a kind without drafts) move it slowly: it is weighed at every
+        # VERDICT_EVERY-th of them (its standard error is not free at every step under a veto).
+        if not drafted and not checked and self._counts[1] % VERDICT_EVERY:
+            return
+        log_ratio = math.log(self.ratio)
+        if self.vetoed:  # lifted once the ratio is not clearly below 1
+            self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
+        else:  # and never on a side's first few steps, however clear they look
+            self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z and min(self._counts) >= CHECK_MIN

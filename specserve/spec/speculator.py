@@ -1,0 +1,276 @@
+"""The speculator: the engine's one seam to speculation. It owns the drafter, the
+draft-length controller and draft paths; the engine only asks it for k per request
+(``plan``), for the drafts to verify (``propose``), to turn several verified paths into
+one outcome per request (``keep_best_paths``), and tells it what the step came to
+(``observe``)."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.batch import DeviceTokenIds
+from specserve.config import EngineConfig
+from specserve.errors import SpecserveError
+from specserve.kv_cache import KVCacheManager
+from specserve.metrics import SpecDecodeStats
+from specserve.model_runner import ModelRunner
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from specserve.spec.acceptance import DraftOutcome
+from specserve.spec.controller import DraftLengthController
+from specserve.spec.cost_model import StepSample
+from specserve.spec.drafter import Drafter
+from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
+from specserve.spec.running import DecodingRequests
+
+# The start-up profile weighs this much against a live step: it times passes alone, live
+# steps the host work around them too, but it varies what a steady state does not.
+PROFILE_WEIGHT = 0.1
+
+
+@dataclass
+class Drafts:
+    """A step's drafts, as the verify pass and the rejection sampler read them, and what
+    the speculator keeps of the step to learn from it."""
+
+    scheduled: SchedulerOutput               # the step as verified: further paths included
+    device_ids: DeviceTokenIds | None = None  # proposals still on the device
+    probs: torch.Tensor | None = None        # q rows [Σ k_i, vocab]; None: one-hot on each proposal
+    lookahead: list[int] = field(default_factory=list)  # k per sampling request (its own path)
+    draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
+    paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """``[Σ k_i]`` the proposals on the device, or None: they are the requests' lists."""
+        return None if self.device_ids is None else self.device_ids.ids
+
+    @property
+    def drafted(self) -> bool:
+        """Whether any request drafted this step."""
+        return any(self.lookahead)
+
+
+class Speculator:
+    """Drafting, draft lengths and draft paths for one engine (speculation off: no drafter,
+    k = 0 for every request)."""
+
+    def __init__(self, config: EngineConfig, drafter: Drafter | None, runner: ModelRunner,
+                 kv: KVCacheManager) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.runner = runner
+        self.kv = kv
+        self.max_k = config.num_speculative_tokens if drafter else 0
+        self.paths = DraftPaths(kv, self._forks(config.num_draft_paths))
+        self.stats = SpecDecodeStats()                       # over the engine's lifetime
+        self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
+        self.controller: DraftLengthController | None = None
+        self._decoding = DecodingRequests(self.max_k)
+        if drafter is not None:
+            drafter.bind(runner)
+            if config.speculative_adaptive:
+                self.controller = DraftLengthController(self.max_k, forks=tuple(self.paths.forks),
+                                                        first_draft_in_catch_up=drafter.needs_every_step)
+
+    def _forks(self, num_paths: int) -> tuple[tuple[int, int], ...]:
+        """Where further draft paths fork from a request's own (``num_paths`` - 1 of
+        ``DRAFT_FORKS``); refused for a drafter that proposes one path only."""
+        if self.drafter is None:  # speculation off (k = 0): nothing to fork
+            return ()
+        if num_paths > 1 and self.drafter.max_paths < num_paths:
+            raise SpecserveError(f"num_draft_paths {num_paths}: this drafter ({self.drafter.describe()}) "
+                                 f"proposes {self.drafter.max_paths} path(s) at most")
+        return DRAFT_FORKS[:num_paths - 1]
+
+    def set_num_draft_paths(self, num_paths: int) -> None:
+        """Verify ``num_paths`` paths per greedy drafting request from the next step on
+        (``specserve tune`` sweeps it on one loaded engine); fixed k only: the controller
+        plans for the paths it was made with."""
+        if self.controller is not None:
+            raise SpecserveError("num_draft_paths can change on an engine with a fixed k only")
+        self.paths.forks = list(self._forks(num_paths))
+
+    def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """CUDA graphs for the drafter's own passes, where it has any."""
+        if self.drafter is not None:
+            self.drafter.enable_graphs(max_model_len, capture)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if self.drafter is None:
+            return "off"
+        k = f"k {'adaptive, at most ' if self.controller else '= '}{self.max_k}"
+        paths = f", {len(self.paths.forks) + 1} draft paths" if self.paths.forks else ""
+        return f"{self.drafter.describe()}, {k}{paths}"
+
+    # ------------------------------------------------------------------ the step
+    def plan(self, scheduler: Scheduler) -> dict[str, int] | None:
+        """k_i for the running requests: the engine's k, lowered by the request's own cap;
+        with adaptive speculation the controller chooses below that for every decoding
+        request that did not set its own k (the API's override wins) or a seed: a seeded
+        request's sampled tokens depend on where drafts were verified, and the controller's
+        choice on measured step times, so it keeps the fixed k to stay reproducible. Only
+        decoding requests draft: the scheduler gives a request in prefill none. None
+        without a drafter."""
+        if self.drafter is None:
+            return None
+        k = self.max_k
+        if self.controller is None:
+            return {r.req_id: k if (own := r.params.num_speculative_tokens) is None else min(k, own)
+                    for r in scheduler.running}
+        decoding = self._decoding
+        other_tokens, admitted = scheduler.prefill_estimate(decoding.refresh(scheduler))
+        running = scheduler.running
+        chosen = self.controller.choose(decoding.free, other_tokens, decoding.num_prefilling + admitted,
+                                        self.runner.pads_short_spans(with_prefill=other_tokens > 0),
+                                        lambda: sum([len(r.all_token_ids) for r in running]),
+                                        decoding.greedy)
+        if decoding.pinned:
+            chosen.update(decoding.pinned)
+        return chosen
+
+    def propose(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> Drafts:
+        """Fill each planned request's draft tokens (placeholders when the proposals are
+        still on the device). First the step's further draft paths are forked from the
+        budget it leaves and their first blocks copied in every cache."""
+        if self.drafter is None:
+            return Drafts(scheduled)
+        start = time.perf_counter()
+        budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
+        unforked = self.controller.unforked if self.controller else ()
+        if self.paths.add(scheduled, budget, unforked):
+            self.runner.copy_blocks(scheduled.block_copies)
+            self.drafter.copy_blocks(scheduled.block_copies)
+        drafts = Drafts(scheduled, lookahead=[p.num_lookahead for p in scheduled.scheduled
+                                              if p.sample and not isinstance(p, PathEntry)])
+        if not drafts.drafted and not self.drafter.needs_every_step:
+            return drafts  # nobody drafts: the step is speculation off's
+        proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
+        for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
+            planned.draft_token_ids = draft
+        if proposal.draft_ids is not None:
+            drafts.device_ids = DeviceTokenIds(proposal.draft_ids,
+                                               [len(p.draft_token_ids) for p in scheduled.scheduled])
+        drafts.probs = proposal.draft_probs
+        drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
+        return drafts
+
+    def keep_best_paths(self, drafts: Drafts, result: StepResult) -> tuple[SchedulerOutput, StepResult]:
+        """The step as the scheduler should apply it: for a request that verified further
+        draft paths, its best path in its own entry's place (the others' blocks freed)."""
+        if not self.paths.forks or not drafts.scheduled.block_copies:
+            return drafts.scheduled, result  # every further path forks with a block copy
+        scheduled, result, drafts.paths = self.paths.keep_best(drafts.scheduled, result)
+        return scheduled, result
+
+    def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
+        """What the step came to: every request's drafts counted (the tokens it kept: a
+        stop cuts them), the controller taught acceptance, goodput and cost; then the
+        requests that finished are forgotten."""
+        if self.drafter is None:
+            return
+        if drafts.drafted:
+            self.draft_length_counts.update(drafts.lookahead)
+        else:  # most steps under load when drafting does not pay: one count
+            self.draft_length_counts[0] += len(drafts.lookahead)
+        controller = self.controller
+        for update in updates:
+            outcome = drafts.paths.get(update.req.req_id)
+            own_accepted = update.num_accepted if outcome is None else outcome.own_accepted
+            if controller and update.num_planned:
+                controller.observe_acceptance(update.req.req_id, DraftOutcome(
+                    update.num_planned, update.num_draft_tokens, own_accepted,
+                    1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
+            accepted = min(update.num_accepted, len(update.new_token_ids))
+            path_won = outcome is not None and outcome.won
+            update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
+            self.stats.record(update.num_draft_tokens, accepted, path_won)
+        if controller:
+            # The whole step: the host work around the pass (verify lists, rollback,
+            # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
+            # Without drafts each update is one token (the usual step where drafting does not pay).
+            emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
+            controller.observe_goodput(emitted, elapsed)
+            if controller.wants_step_cost:
+                controller.observe_step(self._step_sample(drafts, elapsed))
+        for update in updates:
+            if update.req.is_finished:
+                self.free(update.req.req_id)
+
+    def _step_sample(self, drafts: Drafts, elapsed: float) -> StepSample:
+        planned = drafts.scheduled.scheduled
+        fed = [len(p.token_ids) for p in planned]
+        drafted = [len(p.draft_token_ids) for p in planned]
+        lengths = [n + d for n, d in zip(fed, drafted)]
+        lookahead = [p.num_lookahead for p in planned]
+        tokens = sum(lengths)
+        prefill = tokens - sum(drafted) - fed.count(1)  # the chunks' tokens (fed > 1)
+        return StepSample(
+            target_s=elapsed - drafts.draft_s, num_tokens=tokens - prefill,
+            num_spans=len(drafted) - drafted.count(0),
+            num_padded=self.runner.padded_tokens(drafts.scheduled, lengths), num_reqs=len(planned),
+            context=sum([p.start_pos for p in planned]) + tokens, num_prefill=prefill,
+            depth=max(lookahead), num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
+
+    def free(self, req_id: str) -> None:
+        """Forget a request that ended."""
+        if self.drafter is not None:
+            self.drafter.free(req_id)
+        if self.controller is not None:
+            self.controller.free(req_id)
+
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Copy blocks in the drafter's own KV cache, if it has one."""
+        if self.drafter is not None:
+            self.drafter.copy_blocks(block_copies)
+
+    # ------------------------------------------------------------------ start-up
+    def profile_step_cost(self) -> None:
+        """Seed the adaptive controller's cost model (nothing without one): time a few
+        verify passes of dummy requests (batch sizes x how many of them draft k tokens:
+        none, one, all; two context lengths) over scratch KV blocks, freed afterwards, and
+        keep them for good at a small weight (``PROFILE_WEIGHT``). One drafter in a batch
+        separates what padding costs (every request padded to 1 + k on a CUDA graph) from
+        what real tokens cost."""
+        if self.controller is None:
+            return
+        c = self.config
+        k = self.max_k
+        greedy = SamplingParams(temperature=0)
+        batches = sorted({1, min(8, c.max_num_seqs), min(32, c.max_num_seqs)})
+        # A longer context for the undrafted batches, so the fit can tell what a request
+        # costs from what the tokens of its context cost, and one draft each besides k,
+        # so it can tell a verify span's cost from its tokens'.
+        plans = [(batch, num_drafting, 4 * c.block_size, k)
+                 for batch in batches for num_drafting in sorted({0, 1, batch})]
+        plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
+        plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
+        for batch, num_drafting, context, each in plans:
+            drafts = [each if i < num_drafting else 0 for i in range(batch)]
+            if batch + sum(drafts) > c.max_num_batched_tokens:
+                continue
+            ids = [f"__profile_{i}" for i in range(batch)]
+            if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
+                for i in ids:
+                    if self.kv.holds(i):
+                        self.kv.free(i)
+                continue
+            step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
+                                                     greedy, num_lookahead=d, draft_token_ids=[0] * d)
+                                    for i, d in zip(ids, drafts)], [])
+            for _ in range(2):  # the first run warms up
+                start = time.perf_counter()
+                self.runner.execute(step).argmax(-1).tolist()
+                elapsed = time.perf_counter() - start
+            self.controller.observe_step(StepSample(
+                target_s=elapsed, num_tokens=batch + sum(drafts), num_spans=num_drafting if k else 0,
+                num_padded=self.runner.padded_tokens(step), num_reqs=batch,
+                context=batch * (context + 1) + sum(drafts)))
+            for i in ids:
+                self.kv.free(i)
+        self.controller.costs.target.anchor(weight=PROFILE_WEIGHT)
+
