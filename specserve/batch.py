@@ -1,9 +1,10 @@
 """ForwardBatch: the tensors of one ragged step, built by the runner, read by the model;
-and the numpy helpers the runner and the graph runner build its host arrays with."""
+and the one builder of a step's host lists (``host_batch``), which the eager runner and
+both CUDA-graph layouts share."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -69,42 +70,68 @@ def append_slots(slots: list[int], block_table: list[int], start: int, num_token
 
 
 @dataclass
-class RaggedArrays:
-    """A ragged step's per-token and per-request host lists (``ragged_arrays``)."""
+class HostBatch:
+    """A step's per-token and per-request host lists (``host_batch``)."""
 
     input_ids: list[int]
     positions: list[int]
-    slots: list[int]
-    logits_rows: list[int]
-    query_lens: list[int]
+    slots: list[int]          # -1: a padding row, its K/V never stored
+    logits_rows: list[int]    # rows whose logits the sampler needs
+    query_lens: list[int]     # per request, padding requests included
     seq_lens: list[int]
-    device_rows: list[int]
+    device_rows: list[int]    # rows whose token ids are still on the device
+
+    @property
+    def cu_query_lens(self) -> list[int]:
+        return [0, *accumulate(self.query_lens)]
+
+    def add_padding(self, rows: int, count: int = 1) -> None:
+        """``count`` padding requests of ``rows`` rows each after the real ones: token 0 at
+        slot -1 (never stored), positions from 0; their outputs are thrown away."""
+        if rows <= 0 or count <= 0:
+            return
+        self.input_ids += [0] * (rows * count)
+        self.positions += range(rows) if count == 1 else list(range(rows)) * count
+        self.slots += [-1] * (rows * count)
+        self.query_lens += [rows] * count
+        self.seq_lens += [rows] * count
 
 
-def ragged_arrays(planned, block_size: int, device_counts: list[int] | None = None) -> RaggedArrays:
-    """The host lists of a ragged step, no padding: each request's tokens (fed, then
-    drafts), positions and cache slots, the rows whose logits are needed (a sampling
-    request's last 1 + k), its query and sequence lengths, and the rows whose token ids
-    are still on the device (each request's last ``device_counts[i]``)."""
-    out = RaggedArrays([], [], [], [], [], [], [])
+def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
+               span: int | None = None) -> HostBatch:
+    """The host lists of a step, for the eager pass and both graph layouts alike.
+
+    Per request, in order: its tokens (fed, then drafts), their positions and cache slots,
+    the rows whose logits are needed (a sampling request's last 1 + k), its query and
+    sequence lengths, and the rows whose token ids are still on the device (its last
+    ``device_counts[i]``). ``span``: every request is padded to that many rows (a padded
+    CUDA graph), the extra rows after its real ones, token 0 at slot -1, so causal
+    attention keeps them out of the real rows. A graph adds padding requests after them
+    (``HostBatch.add_padding``)."""
+    out = HostBatch([], [], [], [], [], [], [])
     input_ids, positions, slots, logits_rows, query_lens, seq_lens, device_rows = (
         out.input_ids, out.positions, out.slots, out.logits_rows, out.query_lens, out.seq_lens,
         out.device_rows)  # locals: this runs for every request of every step
-    num_tokens = 0
+    num_rows = 0
     counts = device_counts if device_counts is not None else [0] * len(planned)
     for p, count in zip(planned, counts):
         num_drafts = len(p.draft_token_ids)
         n = len(p.token_ids) + num_drafts
+        width = n if span is None else span
         input_ids += p.token_ids
         input_ids += p.draft_token_ids
-        positions += range(p.start_pos, p.start_pos + n)
+        positions += range(p.start_pos, p.start_pos + width)
         append_slots(slots, p.block_table, p.start_pos, n, block_size)
-        num_tokens += n
+        if width > n:
+            input_ids += [0] * (width - n)
+            slots += [-1] * (width - n)
+        end = num_rows + n
         if p.sample:
-            logits_rows += range(num_tokens - 1 - num_drafts, num_tokens)
-        device_rows += range(num_tokens - count, num_tokens)
-        query_lens.append(n)
-        seq_lens.append(p.start_pos + n)
+            logits_rows += range(end - 1 - num_drafts, end)
+        device_rows += range(end - count, end)
+        query_lens.append(width)
+        seq_lens.append(p.start_pos + width)
+        num_rows += width
     return out
 
 

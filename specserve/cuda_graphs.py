@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import accumulate
 
 import torch
 
-from specserve.batch import DeviceTokenIds, ForwardBatch, append_slots, block_table_array, ragged_arrays
+from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, host_batch
 from specserve.scheduler import SchedulerOutput
 from specserve.transfer import copy_into, to_device
 
@@ -266,72 +265,43 @@ class GraphRunner:
                 device_ids: DeviceTokenIds | None = None
                 ) -> tuple[torch.Tensor | None, list[int], list[int]]:
         """Write the step's inputs into the static buffers of graph ``key``; one pass over
-        the requests, one asynchronous copy per dtype. Returns the padded logits rows to
-        keep (None: all of them) and the query and sequence lengths of the requests that
-        have tokens, padding included."""
+        the requests (``host_batch``), one asynchronous copy per dtype. Returns the padded
+        logits rows to keep (None: all of them) and the query and sequence lengths of the
+        requests that have tokens, padding included."""
+        counts = device_ids.counts if device_ids is not None else None
         if key[0] == 0:
-            return self._prepare_ragged(planned, key[1], key[2], block_size, device_ids)
+            return self._prepare_ragged(planned, key[1], key[2], block_size, counts, device_ids)
         bucket, q = key
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        seq_lens: list[int] = []
-        device_rows: list[int] = []
-        counts = device_ids.counts if device_ids is not None else [0] * len(planned)
-        for i, (p, count) in enumerate(zip(planned, counts)):
-            num_drafts = len(p.draft_token_ids)
-            n = len(p.token_ids) + num_drafts
-            tokens += p.token_ids
-            tokens += p.draft_token_ids
-            tokens += [0] * (q - n)
-            positions += range(p.start_pos, p.start_pos + q)
-            append_slots(slots, p.block_table, p.start_pos, n, block_size)
-            slots += [-1] * (q - n)
-            seq_lens.append(p.start_pos + q)
-            end = i * q + n
-            if p.sample:
-                rows += range(end - 1 - num_drafts, end)
-            device_rows += range(end - count, end)
-        num_pad = bucket - len(planned)
-        tokens += [0] * (q * num_pad)
-        positions += list(range(q)) * num_pad
-        slots += [-1] * (q * num_pad)
-        seq_lens += [q] * num_pad
+        host = host_batch(planned, block_size, counts, span=q)
+        host.add_padding(q, bucket - len(planned))
         count = bucket * q
-        keep_all = len(rows) == count
-        copy_into(self._long, [tokens, positions, slots] + ([] if keep_all else [rows]) + [device_rows])
+        keep_all = len(host.logits_rows) == count
+        copy_into(self._long, [host.input_ids, host.positions, host.slots]
+                  + ([] if keep_all else [host.logits_rows]) + [host.device_rows])
         tables = block_table_array(planned, bucket, self.max_blocks_per_seq)
-        copy_into(self._int, [list(range(0, count + 1, q)), seq_lens, tables])
+        copy_into(self._int, [host.cu_query_lens, host.seq_lens, tables])
         offset = 3 * count
         rows_t = None
         if not keep_all:
-            rows_t, offset = self._long[offset:offset + len(rows)], offset + len(rows)
-        self._scatter_device_ids(count, offset, len(device_rows), device_ids)
-        return rows_t, [q] * bucket, seq_lens
+            rows_t, offset = self._long[offset:offset + len(host.logits_rows)], offset + len(host.logits_rows)
+        self._scatter_device_ids(count, offset, len(host.device_rows), device_ids)
+        return rows_t, host.query_lens, host.seq_lens
 
     def _prepare_ragged(self, planned, tokens: int, num_rows: int, block_size: int,
-                        device_ids: DeviceTokenIds | None) -> tuple[None, list[int], list[int]]:
+                        counts: list[int] | None, device_ids: DeviceTokenIds | None
+                        ) -> tuple[None, list[int], list[int]]:
         """The ragged layout: the requests' rows, then one padding request up to
         ``tokens`` (slot -1, positions 0.., keys from block 0), then requests without
         rows; the rows to sample padded with row 0 up to ``num_rows``."""
-        host = ragged_arrays(planned, block_size, device_ids.counts if device_ids is not None else None)
-        pad = tokens - len(host.input_ids)
-        query_lens, seq_lens = host.query_lens, host.seq_lens
-        if pad:
-            host.input_ids += [0] * pad
-            host.positions += range(pad)
-            host.slots += [-1] * pad
-            query_lens.append(pad)
-            seq_lens.append(pad)
+        host = host_batch(planned, block_size, counts)
+        host.add_padding(tokens - len(host.input_ids))
         copy_into(self._long, [host.input_ids, host.positions, host.slots,
                                host.logits_rows + [0] * (num_rows - len(host.logits_rows)), host.device_rows])
-        empty = self.ragged_reqs - len(query_lens)
-        cu_query_lens = [0, *accumulate(query_lens)] + [tokens] * empty
+        empty = self.ragged_reqs - len(host.query_lens)
         tables = block_table_array(planned, self.ragged_reqs, self.max_blocks_per_seq)
-        copy_into(self._int, [cu_query_lens, seq_lens + [0] * empty, tables])
+        copy_into(self._int, [host.cu_query_lens + [tokens] * empty, host.seq_lens + [0] * empty, tables])
         self._scatter_device_ids(tokens, 3 * tokens + num_rows, len(host.device_rows), device_ids)
-        return None, query_lens, seq_lens
+        return None, host.query_lens, host.seq_lens
 
     def _scatter_device_ids(self, num_tokens: int, offset: int, count: int,
                             device_ids: DeviceTokenIds | None) -> None:

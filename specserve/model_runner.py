@@ -3,11 +3,10 @@ and returns the logits the sampler needs. No scheduling policy lives here."""
 from __future__ import annotations
 
 import logging
-from itertools import accumulate
 
 import torch
 
-from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, ragged_arrays
+from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, host_batch
 from specserve.config import EngineConfig
 from specserve.distributed import SINGLE, TPGroup
 from specserve.scheduler import SchedulerOutput
@@ -248,13 +247,13 @@ class ModelRunner:
         """The step's tensors: built on the host in one pass over the requests (runs of
         tokens at a time) and sent in one asynchronous copy per dtype, no sync."""
         planned = output.scheduled
-        host = ragged_arrays(planned, self.block_size, device_ids.counts if device_ids is not None else None)
+        host = host_batch(planned, self.block_size, device_ids.counts if device_ids is not None else None)
         input_ids_t, positions_t, slots_t, logits_t, device_rows_t = to_device(
             [host.input_ids, host.positions, host.slots, host.logits_rows, host.device_rows],
             torch.int64, self.device)
         tables = block_table_array(planned, len(planned), max(len(p.block_table) for p in planned))
-        cu_query_lens = [0, *accumulate(host.query_lens)]
-        tables_t, cu_t, seq_lens_t = to_device([tables, cu_query_lens, host.seq_lens], torch.int32, self.device)
+        tables_t, cu_t, seq_lens_t = to_device([tables, host.cu_query_lens, host.seq_lens], torch.int32,
+                                               self.device)
         if device_ids is not None:
             input_ids_t.index_copy_(0, device_rows_t, device_ids.ids)
         return ForwardBatch(
