@@ -1,7 +1,7 @@
 """The trained draft against the other drafters on held-out prompts, default model, in one
 run: speculation off, n-gram, layer-skip and the built-in draft model.
 
-Held-out chat and code prompts (``specserve.drafts.prompt_sets``: never trained on),
+Held-out chat and code prompts (``specserve.bench.prompt_sets``: never trained on),
 chat template applied, greedy, k = 4, up to ``--max-tokens`` new tokens (EOS ends a
 request). Batch 1 runs the prompts one after another; a larger batch runs them together.
 The methods take turns chunk by chunk, so load from elsewhere falls on all of them alike.
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args()
 
-    from specserve.drafts.prompt_sets import chat_prompts, held_out_prompts
+    from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
 
     from specserve import LLM
 

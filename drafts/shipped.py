@@ -3,7 +3,7 @@
 A shipped draft stores only its own decoder layers and final norm (bf16 safetensors);
 its ``config.json`` declares ``"specserve_draft": {"shares_target_embeddings": true}``, and
 the loader then hands it the target's embedding and LM head modules, same storage, so it
-costs no memory for them and its file stays small. ``train_draft.py`` writes this format.
+costs no memory for them and its file stays small. ``python -m specserve.training`` writes this format.
 """
 from __future__ import annotations
 

@@ -330,7 +330,7 @@ def _iter_checkpoint(files: ModelFiles):
                                                   leave=False, disable=None))
 
 
-# Weights stored in int8 (a draft checkpoint kept small, ``train_draft --weights int8``): the
+# Weights stored in int8 (a draft checkpoint kept small, ``python -m specserve.training --weights int8``): the
 # tensor "X.weight" in int8 beside "X.weight_scale", one float scale per row (output
 # channel); the weight is their product, dequantised when loaded.
 INT8_SCALE_SUFFIX = "_scale"

@@ -138,7 +138,7 @@ def test_an_eagle_head_must_share_the_target_embeddings(eagle, tmp_path):
 
 
 def test_chain_acceptance_replays_chain_drafting():
-    from specserve.drafts.train_draft import chain_acceptance
+    from specserve.training.validation import chain_acceptance
 
     # Token 0 from the prefill. Chain from token 1: pass 0 right on 1, pass 1 right on 2,
     # pass 2 wrong on 3 -> 2 accepted, token 3 emitted. Next chain from token 4: pass 0
@@ -157,7 +157,7 @@ def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(restri
     tokens, q over them only, the cross-entropy on rows whose argmax it holds."""
     import torch.nn.functional as F
 
-    from specserve.drafts.eagle_training import PASS_DECAY, head_losses
+    from specserve.training.eagle_head import PASS_DECAY, head_losses
 
     _, _, head = eagle()
     target = head.target
@@ -189,7 +189,7 @@ def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(restri
 
 
 def test_the_pass_masks_follow_the_draft_steps():
-    from specserve.drafts.eagle_training import _pass_mask
+    from specserve.training.eagle_head import _pass_mask
 
     mask = _pass_mask(2, 5, "cpu")
     # Position 4 in pass 2: pass 0's keys at 0..2, pass 1's key at 3, pass 2's at 4.
@@ -199,7 +199,7 @@ def test_the_pass_masks_follow_the_draft_steps():
 
 
 def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
-    from specserve.drafts.train_draft import main
+    from specserve.training.main import main
 
     target = str(tiny_model_dir("smollm2_tied_gqa3"))
     record = main(["--target", target, "--work-dir", str(tmp_path / "work"), "--device", "cpu", "--arch", "eagle",
@@ -301,8 +301,9 @@ def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_mod
     entry m (token m + 1, at position m) gives the draft's logits for the sequence without
     its first token, at position m — whatever the features."""
     from safetensors import safe_open
-    from specserve.drafts.eagle_training import EagleHead
-    from specserve.drafts.train_draft import build_draft, main
+    from specserve.training.eagle_head import EagleHead
+    from specserve.training.draft import build_draft
+    from specserve.training.main import main
     from transformers import AutoModelForCausalLM
 
     target_dir = tiny_model_dir("smollm2_tied_gqa3")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from specserve.drafts import prompt_sets
+from specserve.bench import prompt_sets
 from specserve.drafts.shipped import shipped_draft_for
 from tiny_models import LLM32
 
@@ -21,8 +21,8 @@ PROMPTS = [[5, 17, 99, 230, 17, 99], [7, 8, 9, 7, 8, 9, 10], list(range(3, 40))]
 
 
 def layers_only_draft(path, target_dir, layers: list[int]):
-    """What ``train_draft`` saves, made from the target's own layers ``layers``."""
-    from specserve.drafts.train_draft import build_draft, save_draft
+    """What ``python -m specserve.training`` saves, made from the target's own layers ``layers``."""
+    from specserve.training.draft import build_draft, save_draft
     from transformers import AutoModelForCausalLM
 
     from specserve.loader import resolve_model
@@ -85,7 +85,7 @@ def test_a_grown_draft_starts_as_its_checkpoint_and_int8_weights_load_lossless(t
     projections at zero computes exactly what the checkpoint does. ``--weights int8``: the
     file holds int8 matrices and a scale per row, which the engine dequantises (its weights
     are exactly the product), and the draft stays lossless."""
-    from specserve.drafts.train_draft import build_draft, grow_draft, load_own_weights, save_draft
+    from specserve.training.draft import build_draft, grow_draft, load_own_weights, save_draft
     from transformers import AutoModelForCausalLM
 
     from specserve.loader import dequantize_int8_rows, resolve_model
@@ -139,7 +139,7 @@ def test_a_grown_draft_starts_as_its_checkpoint_and_int8_weights_load_lossless(t
 
 def test_an_int8_weight_without_its_scales_is_refused(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
-    from specserve.drafts.train_draft import build_draft, load_own_weights, save_draft
+    from specserve.training.draft import build_draft, load_own_weights, save_draft
     from transformers import AutoModelForCausalLM
 
     from specserve.loader import resolve_model
@@ -214,7 +214,7 @@ def test_the_prompt_split_is_by_source_and_holds_out_the_benchmarks():
 
 def test_one_teacher_forced_row_replays_greedy_verification():
     """A layers draft's single agreement row serves every draft position of a chain."""
-    from specserve.drafts.train_draft import chain_acceptance
+    from specserve.training.validation import chain_acceptance
 
     # Token 0 from the prefill; from 1: 2 accepted + 1 (token 3 missed), from 4: 0 + 1,
     # from 5: 4 accepted (k caps) + 1 (token 9), from 10: 0 + 1, the end.
@@ -227,7 +227,7 @@ def test_one_teacher_forced_row_replays_greedy_verification():
 def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     """Prompts -> responses -> a few steps -> a layers-only checkpoint the engine loads
     -> held-out acceptance; a rerun takes the responses from the cache."""
-    from specserve.drafts.train_draft import main
+    from specserve.training.main import main
 
     target = str(tiny_model_dir("smollm2_tied_gqa3"))
     argv = ["--target", target, "--work-dir", str(tmp_path / "work"), "--device", "cpu",
@@ -255,7 +255,7 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
 def test_a_training_run_grows_a_draft_and_saves_it_in_int8(tmp_path, tiny_model_dir):
     """``--init-from D --add-layers L --weights int8``: the run starts where D ended (its
     first validation equals D's last, up to int8 rounding), and the engine loads the result."""
-    from specserve.drafts.train_draft import main
+    from specserve.training.main import main
 
     argv = ["--target", str(tiny_model_dir("smollm2_tied_gqa3")), "--work-dir", str(tmp_path / "work"),
             "--device", "cpu", "--num-prompts", "4", "--num-val-prompts", "2", "--max-new-tokens", "6",
@@ -297,7 +297,8 @@ def test_self_written_prompts_join_training_and_data_can_be_made_first(tmp_path,
     """``--self-prompts``: the target writes user messages from the chat template's opening
     of a user turn; those that end their turn join the training prompts (all train, as
     chat). ``--generate-only`` stops with the data cached, and the next run trains on it."""
-    from specserve.drafts.train_draft import main, user_turn_opening
+    from specserve.training.data import user_turn_opening
+    from specserve.training.main import main
     from specserve.loader import ModelFiles, load_tokenizer
 
     tokenizer = load_tokenizer(ModelFiles("tiny", chat_target))
@@ -333,7 +334,7 @@ class _TwoSameRanks:
 
 
 def test_data_parallel_gradients_are_the_ranks_mean():
-    from specserve.drafts.train_draft import average_gradients
+    from specserve.training.runtime import average_gradients
 
     a, b = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))
     a.grad, b.grad = torch.randn(3, 4), None  # b took no part in this step's loss
@@ -353,7 +354,7 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
     import sys
     from pathlib import Path
 
-    from specserve.drafts.train_draft import main
+    from specserve.training.main import main
 
     common = ["--target", str(chat_target), "--device", "cpu", "--num-prompts", "6", "--num-val-prompts", "2",
               "--max-new-tokens", "6", "--max-seq-len", "256", "--samples", "1", "--self-prompts", "24",
@@ -363,7 +364,7 @@ def test_two_ranks_share_the_data_and_train_together(tmp_path, chat_target):
 
     def torchrun(argv: list[str]) -> dict:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               "-m", "specserve.drafts.train_draft", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               "-m", "specserve.training", *argv], env={**os.environ, "OMP_NUM_THREADS": "1"},
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((Path(argv[argv.index("--out") + 1]) / "training_log.json").read_text())
@@ -411,7 +412,7 @@ def test_the_default_model_drafts_with_its_built_in_draft(default_model_path):
 
 @pytest.mark.slow
 def test_the_built_in_draft_is_lossless_on_the_default_model(default_model_path):
-    from specserve.drafts.prompt_sets import chat_prompts
+    from specserve.bench.prompt_sets import chat_prompts
 
     plain = LLM32(max_num_seqs=4)
     prompts = chat_prompts(plain.tokenizer, ["Why is the sky blue?", prompt_sets.CODE_EDITING[4]])
@@ -427,7 +428,7 @@ def test_the_built_in_draft_is_lossless_on_the_default_model(default_model_path)
 def test_draft_paths_are_lossless_and_accept_more_on_the_default_model(default_model_path):
     """The built-in draft's runner-up candidates (``num_draft_paths``) on held-out chat
     prompts, float32: the same tokens as speculation off, more of them per verify step."""
-    from specserve.drafts.prompt_sets import chat_prompts, held_out_prompts
+    from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
 
     plain = LLM32(max_num_seqs=4)
     prompts = chat_prompts(plain.tokenizer, held_out_prompts("chat", 3))
@@ -486,7 +487,7 @@ def test_a_time_budget_is_filled_though_the_first_steps_run_slow():
     validations take 4 s (ten a run, every tenth of it). The count fixed over [40, 100) is
     refixed over [100, 300) from the faster steps, and the run ends within 3 % of the
     deadline, not before its last step."""
-    from specserve.drafts.train_draft import StepBudget
+    from specserve.training.loop import StepBudget
 
     val_seconds = [4.0]
     now, deadline = 4.0, 600.0
@@ -516,7 +517,7 @@ def test_training_batches_are_padded_to_few_shapes_within_the_budget():
     PAD_TO, and those of one padded length share a shape (a GPU pays for each new one)."""
     import random
 
-    from specserve.drafts.train_draft import PAD_TO, Example, collate, make_batches
+    from specserve.training.data import PAD_TO, Example, collate, make_batches
 
     rng = random.Random(0)
     examples = [Example(list(range(1, n + 1)), 10, "chat", "train", False)

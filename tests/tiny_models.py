@@ -86,7 +86,7 @@ def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
 
 
 def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_norms: bool = False):
-    """An EAGLE head for the tiny target at ``target_dir`` as ``train_draft --arch eagle``
+    """An EAGLE head for the tiny target at ``target_dir`` as ``python -m specserve.training --arch eagle``
     starts one from target layers ``layers`` (``input_norms``: with its embedding and
     feature norms before ``fc``), its weights nudged at random so that its
     drafts depend on every part of it, saved to ``path`` as training saves heads (bf16).
@@ -94,8 +94,8 @@ def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_no
     i.e. exactly what the engine loads)."""
     from transformers import AutoModelForCausalLM
 
-    from specserve.drafts.eagle_training import EagleHead, save_head
-    from specserve.drafts.train_draft import build_draft
+    from specserve.training.eagle_head import EagleHead, save_head
+    from specserve.training.draft import build_draft
     from specserve.loader import resolve_model
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

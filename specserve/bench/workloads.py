@@ -7,7 +7,7 @@ Built-in sets (every prompt a user message, sent to ``/v1/chat/completions``):
 * ``summarize`` — summarisation of standard-library module documentation;
 * ``chat`` — questions written for the project.
 
-Code-edit and chat come from the *held-out* split of ``specserve.drafts.prompt_sets``, so
+Code-edit and chat come from the *held-out* split of ``prompt_sets.py``, so
 no draft model trained on that set has seen them; module documentation is not in it.
 
 ``random`` — synthetic prompts of random token ids (``--input-len`` tokens each, sent as
@@ -32,6 +32,8 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.bench.prompt_sets import held_out_prompts
 
 BUILTIN_WORKLOADS = ("code-edit", "summarize", "chat")
 WORKLOADS = (*BUILTIN_WORKLOADS, "random")
@@ -87,8 +89,6 @@ _EDIT_MARKERS = ("return the full", "Rewrite this function")
 @functools.cache
 def code_edit_prompts() -> tuple[str, ...]:
     """Held-out code-editing prompts on standard-library functions (the README's eight first)."""
-    from specserve.drafts.prompt_sets import held_out_prompts
-
     return tuple(p for p in held_out_prompts("code", 10**6)
                  if "```python" in p and any(m in p for m in _EDIT_MARKERS))
 
@@ -96,8 +96,6 @@ def code_edit_prompts() -> tuple[str, ...]:
 @functools.cache
 def chat_prompts() -> tuple[str, ...]:
     """Held-out chat questions written for the project (the README's eight first)."""
-    from specserve.drafts.prompt_sets import held_out_prompts
-
     return tuple(held_out_prompts("chat", 10**6))
 
 

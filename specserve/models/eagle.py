@@ -9,7 +9,7 @@ first (as EAGLE-3: the target's embeddings are ~16x smaller than its final hidde
 so unnormed the token is a faint signal beside the feature) — runs its decoder layer(s)
 over its own paged KV cache and the final norm; its output goes through the target's LM head (shared, same storage) to give
 x_{j+2}, and is the next entry's feature. The features come in ``batch.features``, one row
-per token. ``drafts/eagle_training.py`` trains it; ``drafts/eagle.py`` drafts with it.
+per token. ``specserve/training/eagle_head.py`` trains it; ``drafts/eagle.py`` drafts with it.
 """
 from __future__ import annotations
 

@@ -1,21 +1,20 @@
-"""Training an EAGLE-style draft head (``train_draft --arch eagle``).
+"""An EAGLE-style draft head for training (``--arch eagle``).
 
 The head drafts from the target's own features: its entry at position j reads the token
 x_{j+1} and the target's final hidden state h_j (the LM head's input),
-``fc([embed(x_{j+1}); h_j])``, runs its decoder layer(s) over its own KV cache and a norm, and
-its output g_j goes through the target's LM head to predict x_{j+2}. When drafting, only
-the context has target features: the head's second proposal reads its own g from the first
-step, and so on (see ``eagle.py``).
+``fc([embed(x_{j+1}); h_j])``, runs its decoder layer(s) over its own KV cache and a norm,
+and its output g_j goes through the target's LM head to predict x_{j+2}. When drafting,
+only the context has target features: the head's second proposal reads its own g from the
+first step, and so on (``drafts/eagle.py``).
 
 Training unrolls that (training-time test, as EAGLE-3): pass 0 feeds every position the
-target's features; pass t feeds position m the output of pass t-1 at m-1 and lets it attend
-to pass 0's keys at positions <= m - t (the context, computed from target features) and to
-pass s's key at m - t + s for 1 <= s <= t (the chain's earlier drafts) — exactly what the
-t-th draft step sees in the engine. Each pass's logits at m are distilled to the target's at
-m + 1 (forward KL + ``ce_weight`` × cross-entropy to the target's argmax), pass t weighted
-``PASS_DECAY ** t``, on response positions only. The same passes give an exact
-teacher-forced replay of greedy chain drafting at k = ``num_passes``
-(``train_draft.chain_acceptance``).
+target's features; pass t feeds position m the output of pass t-1 at m-1 and lets it
+attend to pass 0's keys at positions <= m - t (the context, computed from target features)
+and to pass s's key at m - t + s for 1 <= s <= t (the chain's earlier drafts): exactly what
+the t-th draft step sees in the engine. Each pass's logits at m are distilled to the
+target's at m + 1, pass t weighted ``PASS_DECAY ** t``, on response positions only. The
+same passes give an exact teacher-forced replay of greedy chain drafting at k =
+``num_passes`` (``validation.chain_acceptance``).
 """
 from __future__ import annotations
 
@@ -24,7 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from specserve.training.losses import TargetDistribution, head_logits
+
 
 PASS_DECAY = 0.8
 
@@ -75,8 +79,6 @@ class EagleHead(nn.Module):
                 masks: dict) -> torch.Tensor:
         """One decoder layer on pass ``t``'s inputs ``u`` [B, L, H]; appends this pass's
         keys and values to ``keys`` / ``values`` (one entry per pass)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         attn = layer.self_attn
         batch, length, _ = u.shape
         x = layer.input_layernorm(u)
@@ -142,13 +144,11 @@ def _pass_mask(t: int, length: int, device) -> torch.Tensor:
 def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_weight: float,
                 vocab: torch.Tensor | None = None):
     """(loss, kl, ce, agree) over the response positions ``rows, cols`` (positions whose
-    next token is a response token, as ``train_draft.collate`` gives them): pass t at
+    next token is a response token, as ``data.collate`` gives them): pass t at
     m = col - 1 against the target's logits at col, where m >= t. ``agree[t]`` is the
     draft's argmax == the target's at those rows (False where m < t). ``vocab``: the draft
     vocabulary, the logits and the target's distribution over those tokens only
-    (``train_draft.TargetDistribution``)."""
-    from specserve.drafts.train_draft import TargetDistribution, head_logits
-
+    (``losses.TargetDistribution``)."""
     with torch.no_grad():
         features = target.model(input_ids=ids).last_hidden_state
         teacher = TargetDistribution(target.lm_head(features[rows, cols]).float(), vocab)
@@ -165,8 +165,6 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
 
 
 def save_head(head: EagleHead, files, init_layers: list[int], out: Path) -> None:
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     state = {n: p.detach().to(torch.bfloat16).cpu().contiguous() for n, p in head.own_parameters().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -180,13 +178,11 @@ def save_head(head: EagleHead, files, init_layers: list[int], out: Path) -> None
     config["dtype"] = "bfloat16"
     config["specserve_draft"] = {"kind": "eagle", "shares_target_embeddings": True, "target": files.name,
                                  "input_norms": head.input_norms, "init_from_target_layers": init_layers,
-                                 "trained_by": "python -m specserve.drafts.train_draft --arch eagle"}
+                                 "trained_by": "python -m specserve.training --arch eagle"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_head_weights(head: EagleHead, path: Path) -> None:
-    from safetensors.torch import load_file
-
     state = load_file(str(path))
     own = head.own_parameters()
     if set(state) != set(own):
@@ -194,12 +190,3 @@ def load_head_weights(head: EagleHead, path: Path) -> None:
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor.float())
-
-
-def head_score(head: EagleHead, target, num_passes: int, vocab: torch.Tensor | None = None):
-    """``train_draft.validate``'s score for a head: mean KL over the passes and each pass's
-    agreement, whose chain replay is exact at k = ``num_passes``."""
-    def score(ids, rows, cols):
-        _, kl, _, agree = head_losses(head, target, ids, rows, cols, num_passes, 0.0, vocab)
-        return kl, agree
-    return score
