@@ -30,6 +30,7 @@ from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
 from specserve.transfer import to_device
 
+
 class ModelDrafter:
     """Proposes tokens by running a model autoregressively over the paged cache.
 

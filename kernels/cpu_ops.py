@@ -35,7 +35,7 @@ def available() -> bool:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # lazy: it imports setuptools, only to build
 
         capability = torch.backends.cpu.get_cpu_capability()  # what this CPU runs, e.g. AVX512
         cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(_SOURCE)],

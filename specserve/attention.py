@@ -81,8 +81,8 @@ class TritonAttentionBackend:
     exact_lengths = False  # lengths only plan tiles and splits; the kernels read the real ones
 
     def __init__(self) -> None:
-        # Imported here, not at module level: the kernels are compiled (or interpreted,
-        # under TRITON_INTERPRET=1) as decided when their module is first imported.
+        # lazy: triton, only for this backend; the kernels are compiled (or interpreted, under
+        # TRITON_INTERPRET=1) as decided when their module is first imported.
         from specserve.kernels import paged_attention, store_kv
 
         self._attention = paged_attention
@@ -121,7 +121,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttentionBackend(cpu_kernels=cpu_ops.available())
     if not _triton_installed():
         raise SpecserveError("attention backend 'triton' needs the triton package (pip install triton)")
-    from specserve.kernels.paged_attention import interpreted
+    from specserve.kernels.paged_attention import interpreted  # lazy: triton, only for its backend
 
     if device.type != "cuda" and not interpreted():
         raise SpecserveError(f"attention backend 'triton' needs a CUDA device, not {device.type}; "

@@ -9,9 +9,21 @@ import os
 import sys
 import time
 
+import yaml
+
+from specserve import __version__
 from specserve.bench.cli import add_bench_parser, run_bench
-from specserve.config import PATH_METHODS, SPECULATIVE_METHODS
+from specserve.bench.workloads import load_workload
+from specserve.config import PATH_METHODS, SPECULATIVE_METHODS, EngineConfig
+from specserve.distributed import MULTICAST_OFF, destroy_tensor_parallel, disable_multicast, init_tensor_parallel
+from specserve.engine import LLMEngine
 from specserve.engine_flags import ENGINE_FLAGS, add_engine_flags
+from specserve.loader import load_hf_config, resolve_model
+from specserve.models.parallel import check_tensor_parallel
+from specserve.sampling_params import SamplingParams
+from specserve.server import serve
+from specserve.tp_worker import run_worker
+from specserve.tune import Objectives, best_config, format_table, settings_grid, tune
 
 EXIT_USAGE = 2
 
@@ -24,8 +36,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specserve import __version__
-
     parser = _Parser(
         prog="specserve", description="specserve: a speculative-decoding-first LLM serving engine.")
     parser.add_argument("--version", action="version", version=f"specserve {__version__}")
@@ -141,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         if getattr(args, "tensor_parallel_size", 1) != 1:
-            from specserve.distributed import destroy_tensor_parallel
-
             destroy_tensor_parallel()
 
 
@@ -151,16 +159,11 @@ def _tensor_parallel_rank(args, argv: list[str]) -> int | None:
     start this same command as N ranks under torchrun (this process becomes torchrun);
     under torchrun, rank 0 returns None and runs the command, the other ranks follow it
     (``tp_worker.run_worker``) and return 0."""
-    from specserve.distributed import MULTICAST_OFF, disable_multicast, init_tensor_parallel
-
     size = args.tensor_parallel_size
     if args.command not in ("generate", "serve"):
         raise ValueError("--tensor-parallel-size runs with 'specserve generate' and 'specserve serve'")
     config = _engine_config(args)  # validates the size against the device and its GPUs
     if "WORLD_SIZE" not in os.environ:
-        from specserve.loader import load_hf_config, resolve_model
-        from specserve.models.parallel import check_tensor_parallel
-
         check_tensor_parallel(load_hf_config(resolve_model(config.model)), size)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={size}", "-m", "specserve.cli", *argv]
@@ -174,7 +177,6 @@ def _tensor_parallel_rank(args, argv: list[str]) -> int | None:
     tp = init_tensor_parallel(size, config.device)
     if tp.is_driver:
         return None
-    from specserve.tp_worker import run_worker
 
     logging.getLogger().setLevel(logging.WARNING)  # rank 0 speaks for the job
     os.environ["TQDM_DISABLE"] = "1"
@@ -183,8 +185,6 @@ def _tensor_parallel_rank(args, argv: list[str]) -> int | None:
 
 
 def _engine_config(args):
-    from specserve import EngineConfig
-
     return EngineConfig(**{k: getattr(args, k) for k in ENGINE_FLAGS})
 
 
@@ -226,8 +226,6 @@ def _subparser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser
 
 def load_config_file(path: str) -> dict:
     """A YAML or JSON mapping of settings; ValueError with the reason otherwise."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as f:
             settings = yaml.safe_load(f)  # JSON is YAML too
@@ -244,14 +242,12 @@ def load_config_file(path: str) -> dict:
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+    import transformers  # lazy: transformers takes seconds to import, and only a command needs it
 
     transformers.logging.set_verbosity_error()
 
 
 def _generate(args) -> int:
-    from specserve import LLMEngine, SamplingParams
-
     prompt = args.prompt
     if prompt is None:
         if sys.stdin.isatty():
@@ -305,8 +301,6 @@ def _generate_with(engine, args, prompt, params) -> int:
 
 
 def _serve(args) -> int:
-    from specserve.server import serve
-
     for name in ("port", "max_queued_requests", "max_request_bytes", "shutdown_timeout"):
         value = getattr(args, name)
         if value < (0 if name in ("port", "shutdown_timeout") else 1):
@@ -325,12 +319,6 @@ def _serve(args) -> int:
 
 
 def _tune(args) -> int:
-    import yaml
-
-    from specserve import EngineConfig, LLMEngine
-    from specserve.bench.workloads import load_workload
-    from specserve.tune import Objectives, best_config, format_table, settings_grid, tune
-
     ks = _int_list(args.num_speculative_tokens_list, "--num-speculative-tokens-list", 0)
     budgets = _int_list(args.max_num_batched_tokens_list, "--max-num-batched-tokens-list", 1)
     path_counts = _int_list(args.num_draft_paths_list, "--num-draft-paths-list", 1)

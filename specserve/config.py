@@ -6,7 +6,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from specserve.distributed import check_tensor_parallel_size
 from specserve.errors import SpecserveError
+from specserve.models.packed_linear import bf16_packing_supported
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
@@ -120,8 +122,6 @@ class EngineConfig:
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
         _ = self.torch_device  # raises on a bad or unavailable device
-        from specserve.distributed import check_tensor_parallel_size
-
         check_tensor_parallel_size(self.tensor_parallel_size, self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise SpecserveError(
@@ -156,8 +156,6 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device.type == "cuda":
                 return torch.bfloat16
-            from specserve.models.packed_linear import bf16_packing_supported
-
             return torch.bfloat16 if bf16_packing_supported() else torch.float32
         return _DTYPES[self.dtype]
 

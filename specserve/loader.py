@@ -21,9 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from specserve.distributed import SINGLE
 from specserve.errors import ModelLoadError
+from specserve.models import ARCHITECTURES, LlamaForCausalLM
+from specserve.models.packed_linear import bf16_packing_supported, pack_linears
 
 logger = logging.getLogger("specserve")
 
@@ -69,7 +74,7 @@ def _looks_like_hub_id(model: str) -> bool:
 
 
 def _download_from_hub(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: the network, only for a hub id
 
     try:
         local = snapshot_download(repo_id, allow_patterns=[
@@ -130,7 +135,7 @@ def _convert_gguf(gguf: Path, name: str) -> ModelFiles:
 
 
 def _write_converted(gguf: Path, target: Path) -> None:
-    from safetensors.torch import save_file
+    # lazy: transformers' model classes (heavy), only to convert a GGUF once
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, file = str(gguf.parent), gguf.name
@@ -155,7 +160,7 @@ def _write_converted(gguf: Path, target: Path) -> None:
 
 # ---------------------------------------------------------------------------- config, tokenizer
 def load_hf_config(files: ModelFiles):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers takes seconds to import, only to load
 
     try:
         config = AutoConfig.from_pretrained(files.path)
@@ -167,8 +172,6 @@ def load_hf_config(files: ModelFiles):
 
 
 def _check_architecture(config) -> str:
-    from specserve.models import ARCHITECTURES
-
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in ARCHITECTURES:
@@ -184,7 +187,7 @@ def _check_architecture(config) -> str:
 
 
 def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: as in load_hf_config
 
     source = tokenizer or files.path
     try:
@@ -223,11 +226,9 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     head takes them this way, and its checkpoint holds only its own tensors.
     ``model.num_parameters`` counts the model's own parameters. ``model_class``: a
     subclass of ``LlamaForCausalLM`` to build instead (an EAGLE draft head)."""
+    # lazy: accelerate imports much of transformers, only to load weights
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
-
-    from specserve.distributed import SINGLE
-    from specserve.models import ARCHITECTURES, LlamaForCausalLM
 
     spec = ARCHITECTURES[_check_architecture(config)]
     shared_modules = shared_modules or {}
@@ -255,8 +256,6 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     model.num_parameters = sum(p.numel() for p in params.values())
     model.shared_modules = tuple(shared_modules)
     if device.type == "cpu" and dtype == torch.bfloat16:
-        from specserve.models.packed_linear import bf16_packing_supported, pack_linears
-
         if bf16_packing_supported():
             pack_linears(model)
     return model.eval()
@@ -292,8 +291,6 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
 
 
 def _iter_checkpoint(files: ModelFiles):
-    from safetensors import safe_open
-
     index = files.path / "model.safetensors.index.json"
     if index.is_file():  # follow the index: some repos also ship other *.safetensors layouts
         try:

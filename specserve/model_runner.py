@@ -8,7 +8,9 @@ import torch
 
 from specserve.batch import DeviceTokenIds, ForwardBatch, block_table_array, host_batch
 from specserve.config import EngineConfig
+from specserve.cuda_graphs import GraphRunner, graph_logits_rows
 from specserve.distributed import SINGLE, TPGroup
+from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.scheduler import SchedulerOutput
 from specserve.step_channel import StepChannel
 from specserve.transfer import to_device
@@ -69,7 +71,6 @@ class ModelRunner:
             self.kv_storage = torch.zeros((self._num_layers, 2, *shape), dtype=dtype, device=device)
             self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_storage]
         except (RuntimeError, MemoryError) as exc:  # out of memory: say what to change
-            from specserve.errors import SpecserveError
 
             raise SpecserveError(
                 f"cannot allocate a KV cache of {self.num_blocks} blocks "
@@ -94,8 +95,6 @@ class ModelRunner:
         return kv_bytes_per_block(self.model, self.block_size, self.dtype)
 
     def _num_kv_blocks(self) -> int:
-        from specserve.errors import SpecserveError
-
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
@@ -129,8 +128,6 @@ class ModelRunner:
         reserve = tokens * per_token * 4 + logits + 256 * 2**20
         backend = getattr(getattr(self.model, "attention_backend", None), "name", None)
         if self.device.type == "cuda" and not c.enforce_eager and backend == "triton":
-            from specserve.cuda_graphs import graph_logits_rows
-
             max_query_len = 1 + (c.num_speculative_tokens if c.speculative_method != "none" else 0)
             rows = graph_logits_rows(c.max_num_seqs, max_query_len, min(tokens, c.cuda_graph_max_tokens))
             reserve += rows * cfg.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
@@ -141,8 +138,6 @@ class ModelRunner:
         """Run decode/verify steps of up to ``max_query_len`` tokens per request as padded
         CUDA graph replays, and steps with prefill chunks within the token budget as ragged
         ones (``capture=False``: the same static-buffer paths, eagerly — for tests)."""
-        from specserve.cuda_graphs import GraphRunner
-
         if self.channel is not None:
             self.channel.send_graphs(max_query_len, max_model_len, capture)
         self.graphs = GraphRunner(
@@ -172,8 +167,6 @@ class ModelRunner:
         try:
             return self._forward(output, num_layers, device_ids)
         except Exception as exc:
-            from specserve.errors import RanksOutOfStepError
-
             # The others may be waiting inside this pass: no further message (not even
             # the stop) could be matched right, so none is sent; torchrun ends them.
             self.channel = None

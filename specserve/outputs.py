@@ -91,6 +91,7 @@ def _decoder(tokenizer, skip_special_tokens: bool):
     every id in Python first, ~12 µs a call, and a detokenising step calls it twice per
     request (on an H200 host, 1.8 ms of a 4.5 ms step at 64 requests went to outputs)."""
     try:
+        # lazy: transformers takes seconds to import; whoever made the tokenizer has imported it
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:  # another transformers layout: take no chances

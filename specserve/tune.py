@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from specserve.bench.arrivals import arrival_times
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
 
@@ -72,8 +74,6 @@ def tune(engines: dict, requests, settings: list[Setting], objectives: Objective
     returns one row per setting run in the final round, best first. ``engines`` maps a
     drafter name to a loaded ``LLMEngine``; "none" (k = 0) may be an n-gram engine, whose
     requests with k = 0 decode plainly at no drafting cost."""
-    from tqdm.auto import tqdm
-
     token_ids = {name: prompt_ids(engine, requests) for name, engine in engines.items()}
     for engine in {id(e): e for e in engines.values()}.values():
         warm_up(engine, requests)

@@ -15,8 +15,14 @@ import torch
 from specserve.bench.arrivals import arrival_times, check_rate, parse_rates
 from specserve.bench.offline import format_offline, prompt_ids, run_offline, warm_up
 from specserve.bench.plots import plot_serving, spec_sweep_plot
-from specserve.bench.serve_bench import (ServeOptions, config_label, format_run, parse_speculation,
-                                         run_serve, summary_table)
+from specserve.bench.serve_bench import (
+    ServeOptions,
+    config_label,
+    format_run,
+    parse_speculation,
+    run_serve,
+    summary_table,
+)
 from specserve.bench.spec_sweep import run_spec_sweep, sweep_table
 from specserve.bench.stats import parse_goodput, parse_percentiles
 from specserve.bench.workloads import load_workload

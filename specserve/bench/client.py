@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.bench.workloads import BenchRequest
 
@@ -137,8 +138,6 @@ async def read_spec_counters(http: httpx.AsyncClient, base_url: str) -> SpecCoun
 
 
 def parse_spec_counters(text: str) -> SpecCounters | None:
-    from prometheus_client.parser import text_string_to_metric_families
-
     counters, found = SpecCounters(), False
     cumulative: dict[int, float] = {}  # the draft-length histogram's buckets, k -> requests with <= k
     for family in text_string_to_metric_families(text):

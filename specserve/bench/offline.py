@@ -8,18 +8,20 @@ the serving benchmark's (same keys). Speculation counts come from the engine its
 """
 from __future__ import annotations
 
+import json
 import statistics
-
 import time
 from collections import deque
+from contextlib import nullcontext
 
 from tqdm.auto import tqdm
 
-from specserve.bench.client import RequestResult
-from specserve.bench.stats import (DEFAULT_PERCENTILES, calculate_metrics, format_draft_lengths,
-                                   per_request)
-from specserve.bench.workloads import BenchRequest
+from specserve.bench.client import RequestResult, SpecCounters
+from specserve.bench.stats import (DEFAULT_PERCENTILES, calculate_metrics, format_draft_lengths, per_request,
+                                   spec_decode_metrics)
+from specserve.bench.workloads import BenchRequest, load_workload
 from specserve.metrics import SpecDecodeStats
+from specserve.sampling_params import SamplingParams
 
 
 def prompt_ids(engine, requests: list[BenchRequest]) -> list[list[int]]:
@@ -44,8 +46,6 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
     with ``output_token_ids`` per request for equality checks. ``arrivals`` (seconds from
     the start, non-decreasing) holds each request back until its time, as a request rate
     does; latencies count from that time."""
-    from specserve import SamplingParams
-
     token_ids = token_ids or prompt_ids(engine, requests)
     params = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
                              seed=seed + i, num_speculative_tokens=num_speculative_tokens)
@@ -103,9 +103,6 @@ def _spec_delta(before: SpecDecodeStats, lengths_before: dict[int, int], after: 
                 lengths_after: dict[int, int]) -> dict:
     """The serving benchmark's speculation keys for what the engine counted in between
     (``lengths_*``: the engine's count of each draft length chosen)."""
-    from specserve.bench.client import SpecCounters
-    from specserve.bench.stats import spec_decode_metrics
-
     def counters(s: SpecDecodeStats, lengths: dict[int, int]) -> SpecCounters:
         return SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                             dict(enumerate(s.accepted_per_position)), dict(lengths))
@@ -120,8 +117,6 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
     many of the workload's requests (cycled) at their own lengths — the first half at
     once, the rest one per step, so prefill chunks also share steps with decode and verify
     spans, the mixed shapes a request rate produces (each compiles its own kernels)."""
-    from specserve import SamplingParams
-
     if num_requests is None:
         ids = (token_ids or prompt_ids(engine, requests[:1]))[0]
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -144,10 +139,6 @@ def take_turns(engines: dict, workloads: list[str], num_prompts: int, output_len
     process pays one-off costs). Yields ``(workload, round, name, run)``, ``run`` being
     ``run_offline``'s result for engine ``name``; ``around(name)``, if given, is a context
     manager entered for each measured run only."""
-    from contextlib import nullcontext
-
-    from specserve.bench.workloads import load_workload
-
     names = list(engines)
     for workload in workloads:
         first = engines[names[0]]
@@ -221,8 +212,6 @@ def by_setting(runs: list[dict], baseline: str):
 
 def report(results: dict, table: str, path: str | None) -> None:
     """Print a comparison benchmark's table; write its results to ``path`` as JSON."""
-    import json
-
     print()
     print(table)
     if path:

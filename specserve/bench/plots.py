@@ -14,10 +14,10 @@ from pathlib import Path
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # lazy: matplotlib, only to draw plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as above
 
     return plt
 
@@ -145,7 +145,7 @@ def _title(runs: list[dict], what: str) -> str:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as in _pyplot
 
     plt.close(fig)
     return path

@@ -14,13 +14,12 @@ import dataclasses
 
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
 from specserve.bench.workloads import BenchRequest
+from specserve.engine import LLMEngine
 
 
 def run_spec_sweep(engine_config, requests: list[BenchRequest], drafters: list[str], ks: list[int],
                    concurrencies: list[int], *, ignore_eos: bool = False, progress: bool = True) -> list[dict]:
     """One row per (concurrency, setting): speculation off first, then drafter x k."""
-    from specserve.engine import LLMEngine
-
     if not drafters or not ks or not concurrencies:
         raise ValueError("give at least one drafter, one k and one concurrency")
     if min(ks) < 1 or min(concurrencies) < 1:

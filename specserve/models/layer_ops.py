@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specserve.batch import ForwardBatch
-from specserve.kernels import reference
+from specserve.kernels import cpu_ops, reference
 from specserve.models.rotary import Rotary, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -55,8 +55,6 @@ class CpuLayerOps(TorchLayerOps):
 
     def __init__(self, backend) -> None:
         super().__init__(backend)
-        from specserve.kernels import cpu_ops
-
         self.rms_norm = cpu_ops.rms_norm
         self.add_rms_norm = cpu_ops.add_rms_norm
         self.silu_and_mul = cpu_ops.silu_and_mul
@@ -73,8 +71,8 @@ class TritonLayerOps:
     fused = True  # the model's Rotary keeps a cos/sin cache
 
     def __init__(self) -> None:
-        # Imported here, not at module level, as the attention backend does: the kernels are
-        # compiled or interpreted as decided when their module is first imported.
+        # lazy: triton, only on CUDA (or interpreted in tests); the kernels are compiled or
+        # interpreted as decided when their module is first imported.
         from specserve.kernels import fused_act, fused_norm, fused_rotary
 
         self.rms_norm = fused_norm.rms_norm

@@ -24,7 +24,9 @@ from torch import nn
 from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
 from specserve.distributed import SINGLE, TPGroup
+from specserve.errors import ModelLoadError
 from specserve.models.layer_ops import LayerOps, layer_ops_for
+from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
 from specserve.models.rotary import Rotary, head_dim_of, rope_parameters  # noqa: F401  (re-exported)
 
@@ -104,7 +106,6 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
         if config.hidden_act not in ("silu", "swish"):
-            from specserve.errors import ModelLoadError
             raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +192,6 @@ class LlamaForCausalLM(nn.Module):
         logit -inf — probability 0 in q, never proposed, so verification stays exact. On a
         CPU the full LM head is most of a draft step's cost. Returns False (the full head
         kept) where the head's weights cannot be read: an untied head prepacked for the CPU."""
-        from specserve.models.packed_linear import PackedLinear
-
         if isinstance(self.lm_head, nn.Linear):
             weight = self.lm_head.weight
         elif self.tie_word_embeddings:

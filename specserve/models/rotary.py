@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
+from specserve.errors import ModelLoadError
 from specserve.kernels import reference
 
 
@@ -54,8 +54,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rope_parameters(config) -> tuple[torch.Tensor, float]:
-    from specserve.errors import ModelLoadError
-
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:  # transformers < 5: rope_theta + rope_scaling
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -67,7 +65,7 @@ def rope_parameters(config) -> tuple[torch.Tensor, float]:
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
     if rope_type in ("dynamic", "longrope"):
         raise ModelLoadError(f"rope type {rope_type!r} (length-dependent) is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: transformers, only to build
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"unknown rope type {rope_type!r}")

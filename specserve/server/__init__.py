@@ -5,8 +5,11 @@ import logging
 import signal
 import socket
 import threading
+import time
 
+from specserve.async_engine import AsyncLLMEngine
 from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
 
 logger = logging.getLogger("specserve")
 
@@ -18,11 +21,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
     """Load the engine and serve until SIGINT/SIGTERM. On shutdown the server stops
     accepting connections, gives in-flight requests ``shutdown_timeout`` seconds to finish,
     then aborts the rest and stops the engine."""
-    import uvicorn
+    import uvicorn  # lazy: uvicorn and fastapi (app.py) only to serve; GPU hosts may lack them
 
-    from specserve.async_engine import AsyncLLMEngine
-    from specserve.engine import LLMEngine
-    from specserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+    from specserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app  # lazy: fastapi, as above
 
     sock = bind_socket(host, port)  # before the slow model load, so a busy port fails fast
     engine = AsyncLLMEngine(LLMEngine(config), max_queued_requests=max_queued_requests)
@@ -83,7 +84,7 @@ class ThreadedServer:
     in a thread of this process (tests, and the benchmark's in-process mode)."""
 
     def __init__(self, app, timeout: float = 60.0) -> None:
-        import uvicorn
+        import uvicorn  # lazy: only to serve, as in serve()
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="specserve-http", daemon=True)
@@ -91,8 +92,6 @@ class ThreadedServer:
         self.url = ""
 
     def __enter__(self) -> "ThreadedServer":
-        import time
-
         self.thread.start()
         deadline = time.monotonic() + self.timeout
         while not self.server.started:

@@ -1,11 +1,11 @@
 """The training record (``training_log.json``) and the model card written from it."""
 from __future__ import annotations
 
+import json
 import platform
 import sys
 import time
 from pathlib import Path
-import json
 
 import torch
 import transformers

@@ -21,7 +21,6 @@ from specserve.loader import eos_token_ids, load_hf_config
 from specserve.sampling_params import SamplingParams
 from specserve.training.runtime import device_name, gather, log, quiet
 
-
 SAMPLE_TEMPERATURE = 0.7
 
 

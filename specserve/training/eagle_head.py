@@ -29,7 +29,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specserve.training.losses import TargetDistribution, head_logits
 
-
 PASS_DECAY = 0.8
 
 

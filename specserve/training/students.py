@@ -10,8 +10,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from specserve.training.draft import (build_draft, grow_draft, own_parameters, parse_added_layers,
-                                      parse_init_layers, save_draft)
+from specserve.training.draft import (
+    build_draft,
+    grow_draft,
+    own_parameters,
+    parse_added_layers,
+    parse_init_layers,
+    save_draft,
+)
 from specserve.training.eagle_head import EagleHead, head_losses, load_head_weights, save_head
 from specserve.training.losses import TargetDistribution, distill_loss, logits_at
 
