@@ -28,8 +28,8 @@ def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     once, then ``list.index`` jumps from one earlier occurrence of the last token to the
     next, newest first; each is extended to its match length (at most ``max_n``). The
     longest match wins, the most recent among equals — what ``lookup`` returns by trying
-    n from ``max_n`` down. A few microseconds for a context of a few hundred tokens, where
-    building an ``NgramIndex`` for it costs ~0.25 µs a token."""
+    n from ``max_n`` down. Cheaper, once, than building an ``NgramIndex`` for a context
+    of a few hundred tokens."""
     length = len(tokens)
     max_n = min(max_n, length - 1)
     if max_n < min_n:
@@ -64,13 +64,12 @@ class NgramIndex:
     match ends in a ``min_n``-gram match, so only those positions are tried, newest first
     (one entry per token: memory stays linear in the context).
 
-    An index costs ~0.25 µs a token to build, so one that is far behind — a new request's
+    Building an index costs time per token, so one that is far behind (a new request's
     prompt, or a request that drafted nothing for a while, which adaptive speculation
-    makes common under load — catches up by at most ``CATCH_UP_TOKENS`` a lookup, and
+    makes common under load) catches up by at most ``CATCH_UP_TOKENS`` a lookup, and
     ``scan`` answers until it is current: a request that drafts once after a long pause
-    pays a few microseconds, not ~150 µs for a 600-token context (on an H200 host such
-    catch-ups made adaptive's drafted steps up to 1.5x fixed k's). Under a steady draft the index
-    stays current at ~2 µs a lookup."""
+    does not pay for indexing its whole context inside one step. Under a steady draft the
+    index stays current at a small cost a lookup."""
 
     def __init__(self, min_n: int) -> None:
         self.min_n = min_n

@@ -2,10 +2,10 @@
 SiLU·mul, rotary + KV store) and paged attention for decode rows and verify spans, one op
 each (source: ``cpu_ops.cpp``).
 
-On a 2-core CPU a batch-1 decode step of SmolLM2-135M ran ~11 ms outside its ~14.5 ms of
-projections (bound by reading the weights), most of it dispatching ~25 tiny torch ops per
-layer; these ops make each piece one call. They are compiled once per machine at first
-use by torch's extension loader (g++ and ninja; ~10 s on 2 cores, then cached under
+On a CPU a small model's decode step spends about as long outside its projections as in
+them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
+one call. They are compiled once per machine at first use by torch's extension loader
+(g++ and ninja; seconds, then cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Where that cannot work
 (no compiler, a read-only cache) the engine logs why and keeps the torch references;
 ``SPECSERVE_CPU_KERNELS=0`` chooses them outright.

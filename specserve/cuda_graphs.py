@@ -16,8 +16,8 @@ Only the real rows' logits are handed back (each sampling request's last 1 + k r
 the same order as the eager path's, so the sampler never sees the padding.
 
 **Ragged graphs.** A step with a prefill chunk (a new request admitted under load, most
-steps at a high request rate) does not fit a padded shape; run eagerly, its ~300 kernel
-launches from Python cost ~13 ms on an H200, five times a decode step. It replays a graph
+steps at a high request rate) does not fit a padded shape; run eagerly, its hundreds of
+kernel launches from Python cost several decode steps' time. It replays a graph
 captured for its total token count rounded up to a token bucket instead: the requests'
 tokens unpadded, one after another, then one padding request owning the rows up to the
 bucket (slot -1, positions 0.., block 0 for keys), then requests with no tokens up to

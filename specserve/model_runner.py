@@ -119,7 +119,7 @@ class ModelRunner:
     def _activation_reserve(self) -> int:
         """A generous bound on one step's transient memory (activations and logits), and
         the logits the CUDA graphs keep as their outputs (the engine captures them after
-        the cache is allocated: ~1.4 GB for the default model with k = 4)."""
+        the cache is allocated, so the budget must leave room for them)."""
         cfg = self.model.config
         c = self.config
         tokens = c.max_num_batched_tokens
@@ -189,7 +189,8 @@ class ModelRunner:
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) of every layer's K and V cache; under
         tensor parallelism every rank copies its own. A few pairs are one strided copy
-        each (a GPU host spends ~30 µs on any op, ~90 on an index gather and scatter)."""
+        each: on a GPU host every op costs host time, and an index gather and scatter
+        costs several."""
         if self.channel is not None:
             self.channel.send_copies(block_copies)
         blocks = self.kv_storage.view(-1, self.num_blocks, self.kv_storage[0, 0, 0].numel())

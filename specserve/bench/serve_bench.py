@@ -240,7 +240,7 @@ def engine_args(config) -> list[str]:
 class InProcessServer:
     """The engine and the HTTP app under uvicorn in a thread of this process, on a free
     port: quick to start (tests), but the client then shares the interpreter with the
-    engine, which costs the engine some throughput (~15 % on 2 CPU cores)."""
+    engine, which costs the engine some throughput on a machine of few cores."""
 
     def __init__(self, config, quiet: bool = False) -> None:
         self.config = config

@@ -5,7 +5,7 @@ hidden state h_j (the LM head's input) where the target has computed it, else th
 own output for the previous position while it drafts ahead — as
 ``fc([embed(x_{j+1}); f_j])`` — with ``"input_norms": true`` in its config's
 ``specserve_draft``, ``fc([norm_e(embed(x_{j+1})); norm_f(f_j)])``, each input RMS-normed
-first (as EAGLE-3: the target's embeddings are ~16x smaller than its final hidden states,
+first (as EAGLE-3: the target's embeddings are much smaller than its final hidden states,
 so unnormed the token is a faint signal beside the feature) — runs its decoder layer(s)
 over its own paged KV cache and the final norm; its output goes through the target's LM head (shared, same storage) to give
 x_{j+2}, and is the next entry's feature. The features come in ``batch.features``, one row

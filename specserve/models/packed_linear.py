@@ -1,9 +1,9 @@
 """bf16 linears prepacked for oneDNN, the fast CPU path on AMX / AVX-512-BF16 machines.
 
-Measured on the project's 2-core CPU machine, SmolLM2-135M's 121 projections per step:
-plain fp32 ``F.linear`` 22 ms for 1 token but 55 ms for 8 (small-M fp32 GEMM is compute
-bound), prepacked bf16 16 ms for 1 and 16 ms for 8 tokens. Verifying k draft tokens then
-costs about what decoding one does, which is what speculation on a CPU needs.
+Plain fp32 ``F.linear`` with a few rows is compute bound on a CPU, so 8 tokens cost
+several times 1; prepacked bf16 projections cost about the time to read their weights,
+for 1 token and for 8. Verifying k draft tokens then costs about what decoding one does,
+which is what speculation on a CPU needs.
 """
 from __future__ import annotations
 

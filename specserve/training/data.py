@@ -331,8 +331,7 @@ def collate(batch: list[Example], device: torch.device, pad: int):
     position whose next token is a response token. Causal attention never lets a real
     token see the padding after it, so no attention mask is needed. L is a multiple of
     ``PAD_TO``: on a GPU every new shape costs kernel selection, and with exact lengths a
-    first epoch is nearly all new shapes (an H200 ran its first ~450 steps at ~420 ms,
-    later ones at ~95)."""
+    first epoch is nearly all new shapes, several times slower than later ones."""
     width = padded_length(max(len(e.token_ids) for e in batch))
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     rows, cols = [], []
