@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (chat, code)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: auto for speed, float32 for outputs")
+    parser.add_argument("--settings", default=None, metavar="LIST",
+                        help="comma-separated setting labels to run (default: all of the mode's)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -108,6 +110,11 @@ def main() -> None:
     if len(pythons) < 2:
         parser.error("give --python LABEL=PATH at least twice")
     settings = SPEED_SETTINGS if args.mode == "speed" else OUTPUT_SETTINGS
+    if args.settings:
+        unknown = set(args.settings.split(",")) - set(settings)
+        if unknown:
+            parser.error(f"unknown settings {sorted(unknown)}; choose from {list(settings)}")
+        settings = {label: settings[label] for label in args.settings.split(",")}
     rounds = args.rounds if args.mode == "speed" else 1
     spec = {"settings": settings, "prompts": build_prompts(args.prompts), "max_tokens": args.max_tokens,
             "dtype": args.dtype or ("auto" if args.mode == "speed" else "float32")}
@@ -136,7 +143,7 @@ def main() -> None:
             row[f"{label}_acceptance_length"] = round(runs[label][0][key]["acceptance_length"], 3)
         row["same_tokens_across_checkouts"] = all(
             runs[label][0][key]["token_ids"] == runs[first][0][key]["token_ids"] for label in labels)
-        if "sampled" not in setting:
+        if "sampled" not in setting and f"off|{workload}" in runs[first][0]:
             off = runs[first][0][f"off|{workload}"]["token_ids"]
             row["same_as_off"] = f"{sum(a == b for a, b in zip(runs[first][0][key]['token_ids'], off))}/{len(off)}"
         table.append(row)

@@ -142,12 +142,14 @@ class ModelDrafter:
         meta = None
         if any(not p.params.greedy for p in active):
             meta = SamplingMetadata.build([p.params for p in active], self.device)
-        forking = any(isinstance(p, PathEntry) for p in active)  # further paths take runner-up candidates
+        # Further draft paths take their fork's candidate at its depth (None: the best everywhere).
+        forks = [p.fork if isinstance(p, PathEntry) else None for p in active]
+        forking = any(forks)
         logits = self._forward([e for _, e in entries])
         # The catch-up runs whatever k is (it yields the first proposals too): the cost of
         # drafting is what comes after it.
         self.last_catch_up_s = time.perf_counter() - began
-        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, 0 if forking else None)
+        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, forks if forking else None, 0)
         columns, q_columns = [tokens], [q]
         for j in range(1, active[0].num_lookahead):
             n = sum(p.num_lookahead > j for p in active)
@@ -157,12 +159,12 @@ class ModelDrafter:
                     for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
             tokens, q = self._choose(logits, active, [ends[i] + j for i in order[:n]],
-                                     meta and _head(meta, n), j if forking else None)
+                                     meta and _head(meta, n), forks[:n] if forking else None, j)
             columns.append(tokens)
             q_columns.append(q)
             if not self.shares_target_cache:
-                for p in active:
-                    if not isinstance(p, PathEntry):  # a request's paths feed the same positions
+                for p, fork in zip(active, forks):
+                    if fork is None:  # a request's paths feed the same positions
                         self._fed[p.req_id] += 1
         draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
         placeholders = [[0] * p.num_lookahead for p in scheduled]
@@ -187,16 +189,15 @@ class ModelDrafter:
         return self.runner.execute(SchedulerOutput(entries, []), self.num_layers, device_ids)
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
-                meta: SamplingMetadata | None, depth: int | None = None):
+                meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
-        argmax — a further draft path forking at this ``depth`` (None: no row has a fork)
-        its fork's rank-th candidate —, sampling ones draw from q, which is returned too
+        argmax (a row whose fork, ``forks[i]`` = (depth, rank), is at this ``depth`` its
+        rank-th candidate; ``forks`` None: no row forks), sampling ones draw from q, which is returned too
         (``[len(active), vocab]``, else None) for the rejection sampler. ``positions``:
         the index of the token each row drafts, which keys its random number; ``meta``:
         the rows' sampling settings (None: all greedy)."""
         greedy = logits.argmax(dim=-1)
-        ranks = [] if depth is None else [p.fork[1] if isinstance(p, PathEntry) and p.fork[0] == depth else 0
-                                          for p in active]
+        ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         if any(ranks):
             greedy = _runner_up(logits, greedy, ranks, self.device)
         if meta is None:

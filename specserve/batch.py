@@ -117,21 +117,26 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
     for p, count in zip(planned, counts):
         num_drafts = len(p.draft_token_ids)
         n = len(p.token_ids) + num_drafts
-        width = n if span is None else span
         input_ids += p.token_ids
         input_ids += p.draft_token_ids
-        positions += range(p.start_pos, p.start_pos + width)
         append_slots(slots, p.block_table, p.start_pos, n, block_size)
-        if width > n:
-            input_ids += [0] * (width - n)
-            slots += [-1] * (width - n)
+        if span is None:
+            width = n
+            query_lens.append(n)
+        else:  # padded after the real rows
+            width = span
+            if span > n:
+                input_ids += [0] * (span - n)
+                slots += [-1] * (span - n)
+        positions += range(p.start_pos, p.start_pos + width)
         end = num_rows + n
         if p.sample:
             logits_rows += range(end - 1 - num_drafts, end)
         device_rows += range(end - count, end)
-        query_lens.append(width)
         seq_lens.append(p.start_pos + width)
         num_rows += width
+    if span is not None:
+        out.query_lens = [span] * len(planned)
     return out
 
 

@@ -582,3 +582,22 @@ def test_running_changes_log_joins_and_leaves_in_order(monkeypatch):
     add(sched, d, e, f)
     run_to_completion(sched)  # 6 changes: past a log of 4
     assert sched.running_changes(seen) is None
+
+
+def test_the_prefill_estimate_follows_the_admission_rule():
+    """What the next step will run besides its decoding rows, by schedule's own rule: the
+    running requests' prefill first, then waiting requests in order while the budget left
+    after one token per running request and the free sequence slots allow."""
+    sched = make_scheduler(budget=32, max_num_seqs=4)
+    add(sched, make_request("a", 3), make_request("b", 3))
+    step(sched)  # both prefilled: 2 running, decoding
+    add(sched, make_request("c", 10), make_request("d", 25), make_request("e", 5))
+    # room = 32 - 2 running = 30: c (10) fits, d (25) is admitted with what is left; 2 seats.
+    assert sched.prefill_estimate(0) == (30, 2)
+    assert sched.prefill_estimate(4) == (30, 2)  # 4 + 10 < 30: d still admitted, cut to the room
+    assert sched.prefill_estimate(30) == (30, 0)  # the running prefill fills the room
+    out = sched.schedule()
+    assert [s.req_id for s in out.scheduled] == ["a", "b", "c", "d"]  # what schedule then admits
+    assert out.num_scheduled_tokens == 2 + 30
+    sched.update(out, fake_tokens(out, {}))
+    assert sched.prefill_estimate(0) == (0, 0)  # no seat left for e

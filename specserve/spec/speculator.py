@@ -17,13 +17,14 @@ from specserve.errors import SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
+from specserve.request import RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from specserve.spec.acceptance import DraftOutcome
 from specserve.spec.controller import DraftLengthController
 from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
-from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
+from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathOutcome
 from specserve.spec.running import DecodingRequests
 
 # The start-up profile weighs this much against a live step: it times passes alone, live
@@ -140,13 +141,13 @@ class Speculator:
         if self.drafter is None:
             return Drafts(scheduled)
         start = time.perf_counter()
-        budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
-        unforked = self.controller.unforked if self.controller else ()
-        if self.paths.add(scheduled, budget, unforked):
-            self.runner.copy_blocks(scheduled.block_copies)
-            self.drafter.copy_blocks(scheduled.block_copies)
-        drafts = Drafts(scheduled, lookahead=[p.num_lookahead for p in scheduled.scheduled
-                                              if p.sample and not isinstance(p, PathEntry)])
+        # k per sampling request, its own entry's: further paths are added after them all.
+        drafts = Drafts(scheduled, lookahead=[p.num_lookahead for p in scheduled.scheduled if p.sample])
+        if self.paths.forks:
+            budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
+            if self.paths.add(scheduled, budget, self.controller.unforked if self.controller else ()):
+                self.runner.copy_blocks(scheduled.block_copies)
+                self.drafter.copy_blocks(scheduled.block_copies)
         if not drafts.drafted and not self.drafter.needs_every_step:
             return drafts  # nobody drafts: the step is speculation off's
         proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
@@ -177,9 +178,9 @@ class Speculator:
             self.draft_length_counts.update(drafts.lookahead)
         else:  # most steps under load when drafting does not pay: one count
             self.draft_length_counts[0] += len(drafts.lookahead)
-        controller = self.controller
+        controller, paths = self.controller, drafts.paths
         for update in updates:
-            outcome = drafts.paths.get(update.req.req_id)
+            outcome = paths.get(update.req.req_id) if paths else None
             own_accepted = update.num_accepted if outcome is None else outcome.own_accepted
             if controller and update.num_planned:
                 controller.observe_acceptance(update.req.req_id, DraftOutcome(
@@ -189,6 +190,8 @@ class Speculator:
             path_won = outcome is not None and outcome.won
             update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
             self.stats.record(update.num_draft_tokens, accepted, path_won)
+            if update.req.status is RequestStatus.FINISHED:  # its last observation is queued: forget it
+                self.free(update.req.req_id)
         if controller:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
@@ -197,9 +200,6 @@ class Speculator:
             controller.observe_goodput(emitted, elapsed)
             if controller.wants_step_cost:
                 controller.observe_step(self._step_sample(drafts, elapsed))
-        for update in updates:
-            if update.req.is_finished:
-                self.free(update.req.req_id)
 
     def _step_sample(self, drafts: Drafts, elapsed: float) -> StepSample:
         planned = drafts.scheduled.scheduled
@@ -222,11 +222,6 @@ class Speculator:
             self.drafter.free(req_id)
         if self.controller is not None:
             self.controller.free(req_id)
-
-    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
-        """Copy blocks in the drafter's own KV cache, if it has one."""
-        if self.drafter is not None:
-            self.drafter.copy_blocks(block_copies)
 
     # ------------------------------------------------------------------ start-up
     def profile_step_cost(self) -> None:
