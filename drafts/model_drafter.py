@@ -6,7 +6,7 @@ then one single-token forward per further proposal, all drafting requests togeth
 
 The proposals never leave the device while drafting: each step's tokens are the next
 step's inputs, scattered into its input buffer on the device (their positions and slots
-depend only on k, so the host plans every step without waiting). The engine hands the
+depend only on k, so the host plans every step without waiting). The speculator hands the
 tokens to the target's verify pass the same way, and the rejection sampler brings them
 back with its one copy: a step with a draft model synchronises once. With CUDA graphs
 the single-token steps and the catch-up (one token, or two after a fully accepted draft)

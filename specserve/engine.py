@@ -178,7 +178,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Plan -> schedule -> propose -> verify -> update -> observe. Returns an output
-        for every request that produced tokens or finished in this step."""
+        for every request that produced tokens or finished in this step; the speculator
+        observes the whole step, outputs included."""
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         draft_lengths = self.speculator.plan(self.scheduler)
@@ -196,8 +197,10 @@ class LLMEngine:
         updates = self.scheduler.update(*self.speculator.keep_best_paths(drafts, result))
         for update in updates:
             self._apply_stop_strings(update)
+        self.speculator.record(drafts, updates)  # before the outputs: each carries its counts
+        outputs += [self._output(update.req) for update in updates]
         self.speculator.observe(drafts, updates, time.perf_counter() - started)
-        return outputs + [self._output(update.req) for update in updates]
+        return outputs
 
     def _verify(self, drafts: Drafts) -> StepResult:
         """The one ragged target pass over every request's tokens and drafts (prefill

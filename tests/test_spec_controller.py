@@ -15,7 +15,7 @@ COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than th
 
 def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, forks=()) -> DraftLengthController:
     """``pad``: cost per token of the padded shape a graph replays (every request padded to
-    the longest query); ``forks``: further draft paths (``Scheduler.draft_forks``)."""
+    the longest query); ``forks``: further draft paths (``DraftPaths.forks``)."""
     ctl = DraftLengthController(max_k, forks=forks)
     for tokens, spans, padded, reqs in ((1, 0, 1, 1), (5, 1, 5, 1), (8, 0, 8, 8), (40, 8, 40, 8), (12, 1, 40, 8),
                                         (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),

@@ -5,6 +5,6 @@
 - ``rejection_sampler``: verification, lossless for greedy and sampled requests;
 - adaptive draft lengths: ``acceptance`` (what is accepted), ``cost_model`` (what a step
   costs), ``planner`` (the plan, a pure function of those), ``goodput`` (whether the plan
-  delivers), ``controller`` (the three together, step by step) and ``running`` (the
-  running requests as the controller sees them).
+  delivers), ``controller`` (all of them, step by step) and ``running`` (the running
+  requests as the controller sees them).
 """

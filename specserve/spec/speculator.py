@@ -1,8 +1,8 @@
 """The speculator: the engine's one seam to speculation. It owns the drafter, the
 draft-length controller and draft paths; the engine only asks it for k per request
 (``plan``), for the drafts to verify (``propose``), to turn several verified paths into
-one outcome per request (``keep_best_paths``), and tells it what the step came to
-(``observe``)."""
+one outcome per request (``keep_best_paths``), and tells it what each request's drafts came
+to (``record``) and what the step cost (``observe``)."""
 from __future__ import annotations
 
 import time
@@ -41,6 +41,7 @@ class Drafts:
     device_ids: DeviceTokenIds | None = None  # proposals still on the device
     probs: torch.Tensor | None = None        # q rows [Σ k_i, vocab]; None: one-hot on each proposal
     lookahead: list[int] = field(default_factory=list)  # k per sampling request (its own path)
+    drafted: bool = False                    # whether any request drafted
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
 
@@ -48,11 +49,6 @@ class Drafts:
     def draft_ids(self) -> torch.Tensor | None:
         """``[Σ k_i]`` the proposals on the device, or None: they are the requests' lists."""
         return None if self.device_ids is None else self.device_ids.ids
-
-    @property
-    def drafted(self) -> bool:
-        """Whether any request drafted this step."""
-        return any(self.lookahead)
 
 
 class Speculator:
@@ -140,15 +136,19 @@ class Speculator:
         budget it leaves and their first blocks copied in every cache."""
         if self.drafter is None:
             return Drafts(scheduled)
-        start = time.perf_counter()
         # k per sampling request, its own entry's: further paths are added after them all.
-        drafts = Drafts(scheduled, lookahead=[p.num_lookahead for p in scheduled.scheduled if p.sample])
-        if self.paths.forks:
+        lookahead = [p.num_lookahead for p in scheduled.scheduled if p.sample]
+        drafts = Drafts(scheduled, lookahead=lookahead, drafted=any(lookahead))
+        forked = False
+        if self.paths.forks:  # part of scheduling the step: not timed as drafting
             budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
-            if self.paths.add(scheduled, budget, self.controller.unforked if self.controller else ()):
-                self.runner.copy_blocks(scheduled.block_copies)
-                self.drafter.copy_blocks(scheduled.block_copies)
+            forked = self.paths.add(scheduled, budget, self.controller.unforked if self.controller else ())
+        start = time.perf_counter()
+        if forked:
+            self.runner.copy_blocks(scheduled.block_copies)
+            self.drafter.copy_blocks(scheduled.block_copies)
         if not drafts.drafted and not self.drafter.needs_every_step:
+            drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
         proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
@@ -168,16 +168,12 @@ class Speculator:
         scheduled, result, drafts.paths = self.paths.keep_best(drafts.scheduled, result)
         return scheduled, result
 
-    def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
-        """What the step came to: every request's drafts counted (the tokens it kept: a
-        stop cuts them), the controller taught acceptance, goodput and cost; then the
-        requests that finished are forgotten."""
+    def record(self, drafts: Drafts, updates: list[RequestUpdate]) -> None:
+        """What each request's drafts came to: counted (the tokens it kept: a stop cuts
+        them) and taught to the controller's acceptance estimates; then the requests that
+        finished are forgotten."""
         if self.drafter is None:
             return
-        if drafts.drafted:
-            self.draft_length_counts.update(drafts.lookahead)
-        else:  # most steps under load when drafting does not pay: one count
-            self.draft_length_counts[0] += len(drafts.lookahead)
         controller, paths = self.controller, drafts.paths
         for update in updates:
             outcome = paths.get(update.req.req_id) if paths else None
@@ -192,6 +188,18 @@ class Speculator:
             self.stats.record(update.num_draft_tokens, accepted, path_won)
             if update.req.status is RequestStatus.FINISHED:  # its last observation is queued: forget it
                 self.free(update.req.req_id)
+
+    def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
+        """What the step cost: ``elapsed`` seconds of whole step for its updates' tokens,
+        taught to the controller's goodput check and, for a freshly planned step, its cost
+        models; the draft lengths verified are counted."""
+        if self.drafter is None:
+            return
+        if drafts.drafted:
+            self.draft_length_counts.update(drafts.lookahead)
+        else:  # most steps under load when drafting does not pay: one count
+            self.draft_length_counts[0] += len(drafts.lookahead)
+        controller = self.controller
         if controller:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
