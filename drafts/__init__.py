@@ -16,12 +16,12 @@ import json
 import logging
 
 import torch
+
+from specserve.attention import get_backend
 from specserve.drafts.eagle import EagleDrafter
 from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
 from specserve.drafts.shipped import is_eagle_head, shares_target_embeddings, shipped_draft_for
-
-from specserve.attention import get_backend
 from specserve.errors import SpecserveError
 from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
 from specserve.models.eagle import EagleForCausalLM

@@ -27,9 +27,9 @@ import time
 from collections.abc import Mapping
 
 import torch
-from specserve.drafts.model_drafter import ModelDrafter, _head
 
 from specserve.batch import DeviceTokenIds
+from specserve.drafts.model_drafter import ModelDrafter, _head
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata
