@@ -23,7 +23,7 @@ bench)
   label=$2; which=$3
   tree=$REPO; [ "$which" = before ] && tree=$W/before_src
   cd "$tree" && PYTHONPATH=$W/$which:$W/deps timeout 290 python3 benchmarks/gpu_bench.py \
-      --drafters ngram,draft_model --sections b1,b64 --skip-8b --json $OUT/$label.json > $OUT/$label.log 2>&1
+      --drafters ngram,draft_model --sections ${SECTIONS:-b1,host} --host-repeats 5 --skip-8b --json $OUT/$label.json > $OUT/$label.log 2>&1
   echo "== $label ($which) rc=$?"
   grep -E '"workload"|agreement' $OUT/$label.log | grep -v HF | \
       python3 -c "import sys, json
@@ -33,6 +33,7 @@ for line in sys.stdin:
         r = json.loads(line); print(r['workload'], '|', r['method'], '|', r['tokens_per_s'], '|', r['ms_per_step'], '|', r['acceptance_length'])
     else:
         print(line)"
+  sed -n '/host time per engine step/,$p' $OUT/$label.log | head -20
   ;;
 tests)
   PYTHONPATH=$W/after:$W/deps timeout 540 python3 -P -m pytest -q -x -p no:cacheprovider \
