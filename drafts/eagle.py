@@ -43,6 +43,7 @@ class EagleDrafter(ModelDrafter):
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__("draft_model", model, config, device, dtype)
+        self.draft_cache = "features"  # its entries need the target's hidden states
         self.target_runner: ModelRunner | None = None
         self._seen: list | None = None  # the scheduled list of the last step proposed for
         # req_id -> (first position, [n, hidden] target hidden states of positions first …)
@@ -104,6 +105,8 @@ class EagleDrafter(ModelDrafter):
         entries, features, drafting, ends = [], [], [], {}
         for planned in scheduled:  # one entry per request: the head drafts one path
             k, start = planned.num_lookahead, planned.start_pos
+            if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
+                self._fed[planned.req_id] = planned.draft_cache_valid
             # Entries below ``fed`` are valid; a drafting request re-feeds at least its last
             # one (s - 1), whose output is the first proposal.
             fed = max(0, min(self._fed.get(planned.req_id, 0), start - 1 if k else start))

@@ -57,6 +57,8 @@ class ModelDrafter:
         self.uniforms = Uniforms(config.seed)
         self.runner: ModelRunner | None = None
         self._fed: dict[str, int] = {}   # draft-cache length per request (own cache only)
+        # Cached blocks: the draft's own cache catches up from where its entries are valid.
+        self.draft_cache = None if shares_target_cache else "tokens"
         self.last_catch_up_s = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -88,6 +90,11 @@ class ModelDrafter:
         self._fed.pop(req_id, None)
         self.uniforms.free(req_id)
 
+    def cached_tokens(self, req_id: str) -> int:
+        """Positions of ``req_id`` whose entries the drafter's own cache holds (drafted ones
+        included until the next step clamps them to what the target accepted)."""
+        return self._fed.get(req_id, 0)
+
     def describe(self) -> str:
         if self.shares_target_cache:
             return f"layerskip (first {self.num_layers} target layers + norm + LM head)"
@@ -116,6 +123,8 @@ class ModelDrafter:
                 continue  # nothing to keep up with: the target fills the shared cache
             req_id = planned.req_id
             end = planned.start_pos + len(planned.token_ids)
+            if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
+                self._fed[req_id] = planned.draft_cache_valid
             # A request's further draft paths catch up from where the request's own does.
             fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))

@@ -111,6 +111,10 @@ class NgramDrafter:
     needs_every_step = False  # each request's index catches up on the tokens at its next lookup
     max_paths = 1  # one continuation per lookup
     last_catch_up_s = 0.0  # no cache to keep up
+    draft_cache = None  # no KV cache of its own
+
+    def cached_tokens(self, req_id: str) -> int:
+        return 0
 
     def __init__(self, max_n: int, min_n: int) -> None:
         self.max_n, self.min_n = max_n, min_n

@@ -41,6 +41,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None     # explicit override of the memory budget
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
+    # Reuse the KV of committed blocks across requests that start with the same tokens.
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
     enforce_eager: bool = False          # CUDA: no CUDA graphs at all
     # CUDA: steps with prefill chunks of up to this many tokens (all requests together)
@@ -103,6 +105,8 @@ class EngineConfig:
             raise SpecserveError(f"cuda_graph_max_tokens must be an integer >= 0, got {self.cuda_graph_max_tokens!r}")
         if not isinstance(self.enforce_eager, bool):
             raise SpecserveError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise SpecserveError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:

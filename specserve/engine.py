@@ -71,7 +71,9 @@ class LLMEngine:
         # The other ranks wait for rank 0's word: release them even if shutdown() is
         # never called (at garbage collection or exit).
         self._release_ranks = weakref.finalize(self, self.runner.close) if self.tp.size > 1 else None
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 draft_cache=drafter.draft_cache if drafter else None)
         self._fit_max_model_len_to_cache()
         self.speculator = Speculator(config, drafter, self.runner, self.kv)
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:

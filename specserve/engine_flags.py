@@ -36,6 +36,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="KV-cache memory on CPU, in GiB (default: 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of GPU memory the engine may use (default: 0.9)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes already computed (shared system "
+                        "prompts, earlier turns of a chat); default: on")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,

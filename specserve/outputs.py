@@ -24,6 +24,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_stats: SpecDecodeStats | None = None  # this request's drafts and acceptance so far
 
 
@@ -182,7 +183,7 @@ class OutputProcessor:
             delta_token_ids=token_ids[state.num_emitted_tokens:],
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            error=error, num_preemptions=req.num_preemptions,
+            error=error, num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
             spec_stats=req.spec_stats.copy())
         state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
         if finished:

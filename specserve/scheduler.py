@@ -27,6 +27,9 @@ class ScheduledRequest:
     # Set by the speculator before the forward pass: at most num_lookahead proposals, fed
     # after token_ids and verified in the same pass.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Set when the request was admitted this step: how many of its first tokens a draft
+    # cache holds valid entries for (cached blocks it shares; 0 without any).
+    draft_cache_valid: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,9 +81,12 @@ class Scheduler:
     chunks, because their latency is what users feel; each gets 1 + k tokens. Waiting
     requests are then admitted in arrival order and their prefill fills what is left of the
     budget — a prompt longer than the budget is split over several steps. A request is
-    admitted only when its chunk's KV blocks can be allocated. When a running request
-    cannot get blocks, the newest running request is preempted (its blocks freed, its
-    progress dropped) and put back at the front of the waiting queue to be recomputed.
+    admitted only when its chunk's KV blocks can be allocated. With prefix caching it starts
+    after the longest run of cached blocks its tokens begin with, and the blocks its
+    committed tokens fill are hashed for later requests after every step. When a running
+    request cannot get blocks, the newest running request is preempted (its blocks freed,
+    the committed ones staying cached) and put back at the front of the waiting queue to be
+    recomputed from what is still cached.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
@@ -117,6 +123,7 @@ class Scheduler:
             self._log_running(req, False)
         else:
             self.waiting.remove(req)
+            self.kv.forget(req_id)
         self._release(req, reason)
         return req
 
@@ -179,14 +186,22 @@ class Scheduler:
         # Admit waiting requests while budget, sequence slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.req_id, req.num_computed_tokens + num_new):
+            hit = self.kv.find_prefix(req.req_id, req.all_token_ids)
+            num_cached = len(hit.block_ids) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req.req_id, num_cached + num_new, hit):
                 break
             self.waiting.popleft()
+            self.kv.record_admission(req.num_tokens, num_cached)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+            req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._log_running(req, True)
-            scheduled.append(self._plan(req, num_new, 0))
+            planned = self._plan(req, num_new, 0)
+            planned.draft_cache_valid = hit.num_draft_valid * self.kv.block_size
+            scheduled.append(planned)
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
 
@@ -252,7 +267,8 @@ class Scheduler:
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's result: advance computed tokens, append accepted + bonus tokens,
-        rewind KV past rejected drafts, finish requests on token-level stop conditions.
+        rewind KV past rejected drafts, hash the blocks the committed tokens filled, finish
+        requests on token-level stop conditions.
 
         Returns an update for every request that sampled.
         """
@@ -268,22 +284,27 @@ class Scheduler:
             if planned.num_lookahead:  # rollback: free blocks wholly past the accepted length
                 self.kv.truncate(req.req_id, req.num_computed_tokens)
             if sampled is None:
+                self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
                 continue
-            appended = self._append(req, sampled)
+            appended, reason = self._append(req, sampled)
+            # Accepted drafts are committed; the bonus token is not computed yet.
+            self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            if reason is not None:
+                self.finish_request(req.req_id, reason)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,
                                          planned.num_lookahead))
         return updates
 
-    def _append(self, req: Request, token_ids: list[int]) -> list[int]:
+    def _append(self, req: Request, token_ids: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Append tokens up to the first that stops the request; returns them and why it stops."""
         appended: list[int] = []
         for token_id in token_ids:
             req.all_token_ids.append(token_id)
             appended.append(token_id)
             reason = self._stop_reason(req, token_id)
             if reason is not None:
-                self.finish_request(req.req_id, reason)
-                break
-        return appended
+                return appended, reason
+        return appended, None
 
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         if token_id in req.stop_token_ids:

@@ -209,17 +209,24 @@ def test_max_model_len_is_capped_by_the_kv_cache(tiny_model_dir):
         LLM32(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4, max_model_len=100)
 
 
-def test_stale_nan_in_the_cache_is_never_read(tiny_model_dir):
-    """Invariant 1: only a request's own computed entries are read, so poisoning every
-    cache slot with NaN before a run changes nothing."""
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_stale_nan_in_the_cache_is_never_read(tiny_model_dir, prefix_caching):
+    """Invariant 1: only a request's own computed entries (and, with prefix caching, the
+    committed blocks of the cache) are read, so poisoning every other slot with NaN before a
+    run changes nothing."""
     prompts = mixed_prompts(4)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+                enable_prefix_caching=prefix_caching)
     clean = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    cached = set(llm.engine.kv.pool.cached.values())
+    assert bool(cached) == prefix_caching
+    stale = [b for b in range(llm.engine.kv.num_blocks) if b not in cached]
     for k_cache, v_cache in llm.engine.runner.kv_caches:
-        k_cache.fill_(float("nan"))
-        v_cache.fill_(float("nan"))
+        k_cache[stale] = float("nan")
+        v_cache[stale] = float("nan")
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == clean
+    assert llm.engine.kv.num_hit_tokens > 0 if prefix_caching else llm.engine.kv.num_hit_tokens == 0
 
 
 def test_earliest_stop_string_wins_and_reports_stop(tiny_llm):

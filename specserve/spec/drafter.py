@@ -50,6 +50,11 @@ class Drafter(Protocol):
     # step): work that runs whatever k is, so the step's cost model counts it with the
     # target's pass, not with the drafts (0 for a drafter without a cache).
     last_catch_up_s: float
+    # How a KV cache of the drafter's own (same block ids as the target's) uses cached
+    # prefix blocks: None (it has none), "tokens" (it catches up from the blocks its entries
+    # are valid for) or "features" (its entries need the target's hidden states): see
+    # ``KVCacheManager``.
+    draft_cache: str | None
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of the drafter's own KV cache per block (0 when it has none)."""
@@ -66,7 +71,13 @@ class Drafter(Protocol):
         the step forked draft paths (only where ``max_paths`` > 1)."""
 
     def propose(self, scheduled: list[ScheduledRequest],
-                requests: Mapping[str, Request]) -> DraftProposal: ...
+                requests: Mapping[str, Request]) -> DraftProposal:
+        """Proposals for ``scheduled``. A request admitted this step
+        (``draft_cache_valid`` set) starts with its own cache valid that far: its cached blocks'."""
+
+    def cached_tokens(self, req_id: str) -> int:
+        """How many first positions of ``req_id`` the drafter's own cache holds entries for
+        (0 without a cache)."""
 
     def free(self, req_id: str) -> None:
         """Forget a finished request."""

@@ -24,7 +24,7 @@ from specserve.spec.acceptance import DraftOutcome
 from specserve.spec.controller import DraftLengthController
 from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
-from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathOutcome
+from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
 
 # The start-up profile weighs this much against a live step: it times passes alone, live
@@ -153,12 +153,22 @@ class Speculator:
         proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
+        if self.kv.draft_cache is not None and self.kv.enable_prefix_caching:
+            self._mark_draft_cache(scheduled.scheduled)
         if proposal.draft_ids is not None:
             drafts.device_ids = DeviceTokenIds(proposal.draft_ids,
                                                [len(p.draft_token_ids) for p in scheduled.scheduled])
         drafts.probs = proposal.draft_probs
         drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
         return drafts
+
+    def _mark_draft_cache(self, scheduled: list[ScheduledRequest]) -> None:
+        """Tell the prefix cache which blocks the drafter's own cache now holds: its entries
+        up to each request's known tokens (not its drafts, which verification may reject)."""
+        for planned in scheduled:
+            if not isinstance(planned, PathEntry):  # a path's blocks are its own until it wins
+                end = planned.start_pos + len(planned.token_ids)
+                self.kv.mark_draft_valid(planned.req_id, min(self.drafter.cached_tokens(planned.req_id), end))
 
     def keep_best_paths(self, drafts: Drafts, result: StepResult) -> tuple[SchedulerOutput, StepResult]:
         """The step as the scheduler should apply it: for a request that verified further
