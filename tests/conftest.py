@@ -41,6 +41,23 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
     return build
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_model_dir, tmp_path_factory, tiny_tokenizer):
+    """The tiny llama with a chat template, so chat endpoints and chat workloads can run."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_model_dir("llama"), path, dirs_exist_ok=True)
+    tok = tiny_tokenizer.__class__.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The embedded default model, converted once into the specserve cache."""

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,20 +22,7 @@ from specserve.async_engine import AsyncLLMEngine
 from specserve.server import ThreadedServer
 from specserve.server.app import create_app
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_model_dir, tmp_path_factory, tiny_tokenizer):
-    """The tiny llama with a chat template, so both endpoints can be exercised."""
-    path = tmp_path_factory.mktemp("tiny-chat")
-    shutil.copytree(tiny_model_dir("llama"), path, dirs_exist_ok=True)
-    tok = tiny_tokenizer.__class__.from_pretrained(path)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    return path
 
 
 def make_server(model_dir, *, max_queued_requests=None, api_key=None, max_body_bytes=None,
@@ -107,6 +93,11 @@ def test_completion_stream_equals_non_stream(server):
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     usage_event, chunks = events[-2], events[:-2]
+    # The same prompt again: the stream's comes from the prefix cache (every whole block of
+    # 4 before its last token); the rest of the usage is equal.
+    cached = usage_event["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    whole["usage"].pop("prompt_tokens_details")
+    assert cached == (whole["usage"]["prompt_tokens"] - 1) // 4 * 4 > 0
     assert usage_event["choices"] == [] and usage_event["usage"] == whole["usage"]
     assert all("usage" not in c or c["usage"] is None for c in chunks)
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
@@ -168,6 +159,24 @@ def test_token_id_prompt(server):
     out = httpx.post(server.url + "/v1/completions",
                      json={"prompt": [5, 6, 7, 8], **GREEDY}).json()
     assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["completion_tokens"] == 12
+
+
+def test_usage_and_metrics_report_the_prefix_cache(server):
+    """A prompt resent whole is served from the prefix cache: OpenAI's
+    ``prompt_tokens_details.cached_tokens`` says how much, with the same completion, and
+    /metrics counts the tokens looked up and found."""
+    prompt = list(range(300, 341))  # 41 tokens: 10 whole blocks before the last token
+    queries, hits = metric(server, "specserve:prefix_cache_queries_total"), metric(server, "specserve:prefix_cache_hits_total")
+    first = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, **GREEDY}).json()
+    again = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, **GREEDY}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 40}
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    wait_for(lambda: metric(server, "specserve:prefix_cache_queries_total") >= queries + 82)
+    assert metric(server, "specserve:prefix_cache_hits_total") == hits + 40
+    assert 0 < metric(server, "specserve:prefix_cache_hit_rate") <= 1
+    usage = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=2).usage
+    assert usage.prompt_tokens_details.cached_tokens == 40
 
 
 # ---------------------------------------------------------------------- speculation

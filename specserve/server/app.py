@@ -300,8 +300,10 @@ def _usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(o.token_ids) for o in outs)
     spec = SpecDecodeStats.total([o.spec_stats for o in outs if o.spec_stats])
+    cached = sum(o.num_cached_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "speculation": spec.as_dict()}
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
+            "speculation": spec.as_dict()}
 
 
 # ---------------------------------------------------------------------- streaming

@@ -74,11 +74,18 @@ class _EngineCollector:
                 ("specserve:num_requests_waiting", "Requests waiting to be scheduled.", snap.num_waiting),
                 ("specserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
                  snap.kv_cache_usage),
-                ("specserve:kv_cache_free_blocks", "Free KV-cache blocks.", snap.num_free_blocks)):
+                ("specserve:kv_cache_free_blocks", "Free KV-cache blocks.", snap.num_free_blocks),
+                ("specserve:prefix_cache_hit_rate",
+                 "Fraction of the prompt tokens looked up in the prefix cache that were found there.",
+                 snap.prefix_cache_hits / snap.prefix_cache_queries if snap.prefix_cache_queries else 0.0)):
             yield _gauge(name, doc, self.labels, value)
         for name, doc, value in (
                 ("specserve:num_preemptions", "Requests preempted (recomputed later).", snap.num_preemptions),
                 ("specserve:engine_steps", "Engine steps run.", snap.num_steps),
+                ("specserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.",
+                 snap.prefix_cache_queries),
+                ("specserve:prefix_cache_hits", "Prompt tokens found in the prefix cache at admission.",
+                 snap.prefix_cache_hits),
                 ("specserve:spec_decode_num_drafts", "Verify steps that carried draft tokens.",
                  spec.num_drafts),
                 ("specserve:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
