@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
+from specserve import LLM
+from specserve.bench.offline import run_offline
 from specserve.bench.serve_bench import InProcessServer, engine_args
+from specserve.bench.workloads import load_workload
 from specserve.cli import main
 from specserve.config import EngineConfig
 
@@ -140,6 +143,40 @@ def test_offline_benchmark_and_speculation_sweep(capsys, tiny_model_dir, repetit
     assert all(r["same_as_off"] == "2/2" for r in rows)  # float32 greedy: lossless
     assert rows[0]["speedup"] == 1.0 and all(r["speedup"] > 0 for r in rows)
     assert "| 2 | ngram | 2 |" in out and (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_the_shared_prefix_workloads_and_the_prefix_cache_hit_rate(capsys, chat_model_dir, tmp_path):
+    chat_model = str(chat_model_dir)
+    """A later turn of a chat is sent once the answer it continues has come, with that
+    answer in its prompt; the benchmarks report the prefix cache's hit rate."""
+    shared = load_workload("shared-prefix", 5, output_len=5)
+    assert len({json.dumps(r.messages[0]) for r in shared}) == 1 and len({r.messages[1]["content"] for r in shared}) == 5
+    assert shared[0].messages[0]["role"] == "system" and len(shared[0].messages[0]["content"]) > 4000
+    requests = load_workload("multi-turn", 6, output_len=5)
+    assert [r.follows for r in requests] == [None, None, 0, 1, 2, 3]
+    llm = LLM(chat_model, dtype="float32", block_size=4, num_kv_blocks=1024)
+    run = run_offline(llm.engine, requests, progress=False, ignore_eos=True)
+    engine, outs = llm.engine, run["output_token_ids"]
+    third = [*requests[0].messages, {"role": "assistant", "content": llm.tokenizer.decode(outs[0])},
+             *requests[2].messages]
+    assert run["_detail"]["input_lens"][2] == len(engine.apply_chat_template(third))
+    assert 30 < run["prefix_cache_hit_rate"] < 100  # later turns find earlier ones
+    code, out, err = bench(capsys, "offline", "--model", chat_model, *ENGINE, "-q", "--workload", "multi-turn",
+                           "--num-prompts", "6", "--output-len", "4", "--max-concurrency", "2",
+                           "--speculation", "none,ngram:2", "--result-json", str(tmp_path / "offline.json"))
+    assert code == 0, err
+    for result in json.loads((tmp_path / "offline.json").read_text())["runs"]:
+        assert result["completed"] == 6 and result["prefix_cache_hit_rate"] > 30
+    assert "Prefix cache hit rate (%):" in out
+    code, out, err = bench(capsys, "serve", "--model", chat_model, *ENGINE, "-q", "--server-mode", "thread",
+                           "--workload", "multi-turn", "--num-prompts", "6", "--output-len", "4",
+                           "--ignore-eos", "--save-detailed", "--result-json", str(tmp_path / "serve.json"))
+    assert code == 0, err
+    served = json.loads((tmp_path / "serve.json").read_text())  # one run: the run itself
+    assert served["completed"] == 6 and served["prefix_cache_hit_rate"] > 30
+    lens = served["input_lens"]  # each later turn holds the answer before it
+    assert all(lens[i + 2] > lens[i] + 4 for i in range(4))
+    assert "Prefix cache hit rate (%):" in out
 
 
 # ---------------------------------------------------------------------- the command line

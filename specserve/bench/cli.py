@@ -32,7 +32,9 @@ from specserve.engine_flags import add_engine_flags
 from specserve.loader import load_tokenizer, resolve_model
 
 _WORKLOAD_HELP = ("code-edit (edit standard-library functions, return the full code), summarize "
-                  "(standard-library documentation), chat (questions written for the project), random "
+                  "(standard-library documentation), chat (questions written for the project), "
+                  "shared-prefix (the chat questions behind one long system prompt), multi-turn "
+                  "(four-turn chats, each turn resending the conversation with the answers), random "
                   "(random token ids, --input-len long), or a .jsonl file: one object per line, "
                   '{"prompt": "..."} or {"messages": [...]}, optional "max_tokens" (default: code-edit)')
 

@@ -110,24 +110,29 @@ def _error_message(status: int, body: bytes) -> str:
 # ---------------------------------------------------------------------- /metrics
 @dataclass
 class SpecCounters:
-    """The speculation counters of a server's /metrics (specserve's or vLLM's names)."""
+    """The speculation and prefix-cache counters of a server's /metrics (specserve's or
+    vLLM's names)."""
 
     num_drafts: float = 0.0
     num_draft_tokens: float = 0.0
     num_accepted_tokens: float = 0.0
     accepted_per_position: dict[int, float] = field(default_factory=dict)
     draft_lengths: dict[int, float] = field(default_factory=dict)  # k chosen -> request-steps
+    prefix_cache_queries: float = 0.0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: float = 0.0     # of which found there
 
 
 _COUNTERS = {"spec_decode_num_drafts_total": "num_drafts",
              "spec_decode_num_draft_tokens_total": "num_draft_tokens",
-             "spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
+             "spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+             "prefix_cache_queries_total": "prefix_cache_queries",
+             "prefix_cache_hits_total": "prefix_cache_hits"}
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
 _DRAFT_LENGTH_BUCKET = "spec_decode_draft_length_bucket"
 
 
 async def read_spec_counters(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
-    """The counters now, or None when the server has no /metrics or no speculation counters."""
+    """The counters now, or None when the server has no /metrics or none of these counters."""
     try:
         response = await http.get(base_url + "/metrics")
     except httpx.HTTPError:

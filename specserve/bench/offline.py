@@ -9,6 +9,7 @@ the serving benchmark's (same keys). Speculation counts come from the engine its
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections import deque
@@ -20,15 +21,17 @@ from specserve.bench.client import RequestResult, SpecCounters
 from specserve.bench.stats import (DEFAULT_PERCENTILES, calculate_metrics, format_draft_lengths, per_request,
                                    spec_decode_metrics)
 from specserve.bench.workloads import BenchRequest, load_workload
-from specserve.metrics import SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 
-def prompt_ids(engine, requests: list[BenchRequest]) -> list[list[int]]:
-    """Token ids of each request: chats through the chat template, text as it is."""
+def prompt_ids(engine, requests: list[BenchRequest]) -> list[list[int] | None]:
+    """Token ids of each request: chats through the chat template, text as it is; None
+    for a chat's later turn, whose prompt holds an answer not given yet."""
     out = []
     for req in requests:
-        if req.is_chat:
+        if req.follows is not None:
+            out.append(None)
+        elif req.is_chat:
             out.append(engine.apply_chat_template(req.messages))
         elif isinstance(req.prompt, str):
             out.append(engine.tokenizer.encode(req.prompt))
@@ -45,8 +48,10 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
     """Run ``requests`` through ``engine`` (an idle ``LLMEngine``); returns the result dict,
     with ``output_token_ids`` per request for equality checks. ``arrivals`` (seconds from
     the start, non-decreasing) holds each request back until its time, as a request rate
-    does; latencies count from that time."""
-    token_ids = token_ids or prompt_ids(engine, requests)
+    does; latencies count from that time. A chat's later turn (``BenchRequest.follows``)
+    waits for the answer it continues and is sent with it, as a user would."""
+    token_ids = list(token_ids or prompt_ids(engine, requests))
+    chats = {i: r.messages for i, r in enumerate(requests) if r.is_chat}
     params = [SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
                              seed=seed + i, num_speculative_tokens=num_speculative_tokens)
               for i, r in enumerate(requests)]
@@ -55,19 +60,27 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
     final: dict[int, list[int]] = {}
     owner: dict[str, int] = {}
     last: dict[int, float] = {}
-    waiting = deque(range(len(requests)))
-    spec_before = engine.spec_stats.copy(), dict(engine.draft_length_counts)
+    waiting = deque(i for i, r in enumerate(requests) if r.follows is None)
+    followers: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.follows is not None:
+            followers.setdefault(r.follows, []).append(i)
+    answered: dict[int, float] = {}  # a later turn's own arrival: when its answer came
+    engine.kv.reset_prefix_cache()  # every run starts cold: the warm-up's prompts are not cached
+    before = _counters(engine)
     bar = tqdm(total=len(requests), desc=label or "requests", unit="req", disable=not progress, leave=False)
     start = time.perf_counter()
     while waiting or engine.has_unfinished_requests():
         while waiting and len(owner) < cap:
-            if arrivals is not None and time.perf_counter() - start < arrivals[waiting[0]]:
+            due = answered.get(waiting[0]) if waiting[0] in answered else (
+                None if arrivals is None else start + arrivals[waiting[0]])
+            if due is not None and time.perf_counter() < due:
                 if not engine.has_unfinished_requests():  # idle until the next arrival
-                    time.sleep(max(0.0, arrivals[waiting[0]] - (time.perf_counter() - start)))
+                    time.sleep(max(0.0, due - time.perf_counter()))
                     continue
                 break
             i = waiting.popleft()
-            results[i].send_time = time.perf_counter() if arrivals is None else start + arrivals[i]
+            results[i].send_time = time.perf_counter() if due is None else due
             owner[engine.add_request(token_ids[i], params[i])] = i
         if not engine.has_unfinished_requests():
             continue
@@ -90,24 +103,36 @@ def run_offline(engine, requests: list[BenchRequest], *, max_concurrency: int | 
                 r.error, r.text = out.error or "", out.text
                 final[i] = out.token_ids
                 bar.update(1)
+                for j in followers.get(i, ()):  # the chat's next turn, with this answer
+                    chats[j] = chats[i] + [{"role": "assistant", "content": out.text}] + requests[j].messages
+                    token_ids[j] = engine.apply_chat_template(chats[j])
+                    answered[j] = max(now, start + arrivals[j]) if arrivals is not None else now
+                    _insert_by_arrival(waiting, j, answered, arrivals, start)
     duration = time.perf_counter() - start
     bar.close()
-    spec = _spec_delta(*spec_before, engine.spec_stats, engine.draft_length_counts)
+    spec = spec_decode_metrics(before, _counters(engine))
     return {"label": label, "num_prompts": len(requests), "max_concurrency": max_concurrency,
             **calculate_metrics(results, duration, percentiles), **spec,
             "_detail": per_request(results, start),  # for plots; dropped when the JSON is written
             "output_token_ids": [final[i] for i in range(len(requests))]}
 
 
-def _spec_delta(before: SpecDecodeStats, lengths_before: dict[int, int], after: SpecDecodeStats,
-                lengths_after: dict[int, int]) -> dict:
-    """The serving benchmark's speculation keys for what the engine counted in between
-    (``lengths_*``: the engine's count of each draft length chosen)."""
-    def counters(s: SpecDecodeStats, lengths: dict[int, int]) -> SpecCounters:
-        return SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                            dict(enumerate(s.accepted_per_position)), dict(lengths))
+def _counters(engine) -> SpecCounters:
+    """The engine's counters now, as the serving benchmark reads them from /metrics."""
+    s = engine.spec_stats
+    return SpecCounters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                        dict(enumerate(s.accepted_per_position)), dict(engine.draft_length_counts),
+                        engine.kv.num_query_tokens, engine.kv.num_hit_tokens)
 
-    return spec_decode_metrics(counters(before, lengths_before), counters(after, lengths_after))
+
+def _insert_by_arrival(waiting: deque, j: int, answered: dict[int, float], arrivals, start: float) -> None:
+    """Queue a later turn among the waiting requests by when it may be sent."""
+    def due(i: int) -> float:
+        if i in answered:
+            return answered[i]
+        return -math.inf if arrivals is None else start + arrivals[i]
+    at = next((n for n, i in enumerate(waiting) if due(i) > answered[j]), len(waiting))
+    waiting.insert(at, j)
 
 
 def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | None = None,
@@ -122,8 +147,9 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     else:
         token_ids = token_ids or prompt_ids(engine, requests)
+        ready = [j for j, ids in enumerate(token_ids) if ids is not None]  # not a chat's later turn
         for i in range(num_requests):
-            j = i % len(requests)
+            j = ready[i % len(ready)]
             engine.add_request(token_ids[j], SamplingParams(temperature=0, max_tokens=requests[j].max_tokens))
             if i >= num_requests // 2:
                 engine.step()
@@ -132,13 +158,13 @@ def warm_up(engine, requests: list[BenchRequest], token_ids: list[list[int]] | N
 
 
 def take_turns(engines: dict, workloads: list[str], num_prompts: int, output_len: int, rounds: int,
-               num_warmups: int | None = None, around=None):
+               num_warmups: int | None = None, around=None, **run_options):
     """The comparison benchmarks' loop: for each workload, every engine warmed up on it
     (``num_warmups`` requests, default all of them), then ``rounds`` rounds in which the
     settings take turns, each round starting with the next (the first measured run of a
     process pays one-off costs). Yields ``(workload, round, name, run)``, ``run`` being
-    ``run_offline``'s result for engine ``name``; ``around(name)``, if given, is a context
-    manager entered for each measured run only."""
+    ``run_offline``'s result for engine ``name`` (given ``run_options``); ``around(name)``,
+    if given, is a context manager entered for each measured run only."""
     names = list(engines)
     for workload in workloads:
         first = engines[names[0]]
@@ -149,7 +175,8 @@ def take_turns(engines: dict, workloads: list[str], num_prompts: int, output_len
         for round_ in range(rounds):
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 with around(name) if around else nullcontext():
-                    run = run_offline(engines[name], requests, token_ids=ids, progress=False, label=name)
+                    run = run_offline(engines[name], requests, token_ids=ids, progress=False, label=name,
+                                      **run_options)
                 yield workload, round_, name, run
 
 
@@ -236,7 +263,8 @@ def format_offline(run: dict) -> str:
                            ("Mean / P99 TPOT (ms):", ("mean_tpot_ms", "p99_tpot_ms"), "{:.2f} / {:.2f}"),
                            ("Mean / P99 ITL (ms):", ("mean_itl_ms", "p99_itl_ms"), "{:.2f} / {:.2f}"),
                            ("Mean / P99 E2EL (ms):", ("mean_e2el_ms", "p99_e2el_ms"), "{:.2f} / {:.2f}"),
-                           ("Acceptance length:", "spec_decode_acceptance_length", "{:.2f}")):
+                           ("Acceptance length:", "spec_decode_acceptance_length", "{:.2f}"),
+                           ("Prefix cache hit rate (%):", "prefix_cache_hit_rate", "{:.1f}")):
         keys = key if isinstance(key, tuple) else (key,)
         if all(run.get(k) is not None for k in keys):
             lines.append(f"{name:<44} {fmt.format(*(run[k] for k in keys))}")

@@ -103,17 +103,28 @@ async def run_benchmark(base_url: str, requests: list[BenchRequest], opts: Serve
                    disable=not opts.progress, leave=False)
         start = time.perf_counter()
 
-        async def one(req: BenchRequest, at: float) -> RequestResult:
+        # A chat's later turn waits for the answer it continues (its messages and text).
+        answers = [asyncio.get_running_loop().create_future() for _ in requests]
+
+        async def one(i: int, req: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            if limit is None:
-                result = await send_request(http, *target(req))
-            else:
-                async with limit:
+            if req.follows is not None:
+                messages, text = await answers[req.follows]
+                req = dataclasses.replace(req, follows=None, messages=[
+                    *messages, {"role": "assistant", "content": text}, *req.messages])
+            result = None
+            try:
+                if limit is None:
                     result = await send_request(http, *target(req))
+                else:
+                    async with limit:
+                        result = await send_request(http, *target(req))
+            finally:  # a failed turn still lets the chat go on (with an empty answer)
+                answers[i].set_result((req.messages, result.text if result is not None else ""))
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times)))
+        results = await asyncio.gather(*(one(i, r, t) for i, (r, t) in enumerate(zip(requests, times))))
         duration = time.perf_counter() - start
         bar.close()
         # The engine publishes its counters right after delivering a step's outputs; give
@@ -397,6 +408,8 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
                      + " ".join(f"{x:.2f}" for x in run["spec_decode_per_position_acceptance_rates"]))
     if format_draft_lengths(run):
         lines.append(f"{'Draft length chosen (request-steps):':<44} {format_draft_lengths(run)}")
+    if run.get("prefix_cache_hit_rate") is not None:
+        row("Prefix cache hit rate (%):", run["prefix_cache_hit_rate"])
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -404,14 +417,17 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
 def summary_table(runs: list[dict]) -> str:
     """A markdown table of several runs, one line each."""
     head = ("| speculation | rate (req/s) | completed | req/s | output tok/s | TTFT mean / p99 (ms) "
-            "| TPOT mean / p99 (ms) | ITL mean (ms) | E2EL mean / p99 (s) | acceptance length | mean k |")
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| TPOT mean / p99 (ms) | ITL mean (ms) | E2EL mean / p99 (s) | acceptance length | mean k "
+            "| prefix cache hits (%) |")
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in runs:
         accept, mean_k = r.get("spec_decode_acceptance_length"), mean_draft_length(r)
+        hit = r.get("prefix_cache_hit_rate")
         lines.append(
             f"| {r.get('speculation', r.get('label', ''))} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} "
             f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
             f"| {r['mean_itl_ms']:.1f} | {r['mean_e2el_ms'] / 1000:.2f} / {r['p99_e2el_ms'] / 1000:.2f} "
-            f"| {f'{accept:.2f}' if accept else ''} | {'' if mean_k is None else f'{mean_k:.2f}'} |")
+            f"| {f'{accept:.2f}' if accept else ''} | {'' if mean_k is None else f'{mean_k:.2f}'} "
+            f"| {'' if hit is None else f'{hit:.1f}'} |")
     return "\n".join(lines)

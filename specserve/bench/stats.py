@@ -148,6 +148,7 @@ def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None)
     """
     if before is None or after is None:
         return {}
+    cache = prefix_cache_metrics(before, after)
     lengths = {k: n - before.draft_lengths.get(k, 0) for k, n in sorted(after.draft_lengths.items())}
     # The draft length chosen per request per step (k = 0 included): adaptive speculation's decisions.
     chosen = {"spec_decode_draft_lengths": {str(k): int(n) for k, n in lengths.items() if n > 0}}
@@ -155,7 +156,7 @@ def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None)
         chosen = {}
     drafts = after.num_drafts - before.num_drafts
     if drafts <= 0:
-        return chosen
+        return {**cache, **chosen}
     draft_tokens = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     positions = range(max(after.accepted_per_position, default=-1) + 1)
@@ -166,7 +167,18 @@ def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None)
             "spec_decode_num_drafts": int(drafts),
             "spec_decode_draft_tokens": int(draft_tokens),
             "spec_decode_accepted_tokens": int(accepted),
-            "spec_decode_per_position_acceptance_rates": per_position, **chosen}
+            "spec_decode_per_position_acceptance_rates": per_position, **chosen, **cache}
+
+
+def prefix_cache_metrics(before: SpecCounters, after: SpecCounters) -> dict:
+    """The prefix cache's hit rate (percent of the prompt tokens looked up in it that were
+    found there) between two counter snapshots; empty when nothing was looked up."""
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    if queries <= 0:
+        return {}
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    return {"prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits),
+            "prefix_cache_hit_rate": 100.0 * hits / queries}
 
 
 def mean_draft_length(run: dict) -> float | None:

@@ -5,7 +5,13 @@ Built-in sets (every prompt a user message, sent to ``/v1/chat/completions``):
 * ``code-edit`` — "add type hints / a docstring / ... and return the full code" on
   functions from Python's standard-library sources, where the answer repeats the prompt;
 * ``summarize`` — summarisation of standard-library module documentation;
-* ``chat`` — questions written for the project.
+* ``chat`` — questions written for the project;
+* ``shared-prefix`` — the chat questions behind one long system prompt (an assistant's
+  instructions and reference documentation, about 1,100 tokens), the same for every
+  request, as a deployed assistant sends it;
+* ``multi-turn`` — chats of four turns: a chat question, then follow-ups, each turn sent
+  once the previous answer has come, with the whole conversation so far (the model's own
+  answers included), as chat clients resend it.
 
 Code-edit and chat come from the *held-out* split of ``prompt_sets.py``, so
 no draft model trained on that set has seen them; module documentation is not in it.
@@ -35,7 +41,7 @@ from pathlib import Path
 
 from specserve.bench.prompt_sets import held_out_prompts
 
-BUILTIN_WORKLOADS = ("code-edit", "summarize", "chat")
+BUILTIN_WORKLOADS = ("code-edit", "summarize", "chat", "shared-prefix", "multi-turn")
 WORKLOADS = (*BUILTIN_WORKLOADS, "random")
 
 
@@ -46,6 +52,10 @@ class BenchRequest:
     prompt: str | list[int] | None
     messages: list[dict] | None
     max_tokens: int
+    # A chat's later turn: the index of the request it continues. Its ``messages`` are the
+    # new turn only; it is sent after that request's answer, with that request's messages
+    # and answer before its own.
+    follows: int | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -70,6 +80,13 @@ def load_workload(name: str, num_prompts: int, *, output_len: int, input_len: in
         if tokenizer is None:
             raise ValueError("the random workload needs a tokenizer")
         return random_requests(tokenizer, num_prompts, input_len, output_len, seed)
+    if name == "shared-prefix":
+        system = {"role": "system", "content": shared_system_prompt()}
+        questions = chat_prompts()
+        return [BenchRequest(None, [system, {"role": "user", "content": questions[i % len(questions)]}],
+                             output_len) for i in range(num_prompts)]
+    if name == "multi-turn":
+        return multi_turn_requests(num_prompts, output_len)
     if name in BUILTIN_WORKLOADS:
         messages = {"code-edit": code_edit_prompts, "summarize": summarize_prompts,
                     "chat": chat_prompts}[name]()
@@ -97,6 +114,42 @@ def code_edit_prompts() -> tuple[str, ...]:
 def chat_prompts() -> tuple[str, ...]:
     """Held-out chat questions written for the project (the README's eight first)."""
     return tuple(held_out_prompts("chat", 10**6))
+
+
+_SYSTEM_PREAMBLE = (
+    "You are a careful assistant for Python programmers. Answer briefly and precisely, show "
+    "code where it helps, and say so when you are not sure. The reference documentation "
+    "below is for your answers; quote it only where it applies.\n\n")
+FOLLOW_UPS = ("Can you give a short example?", "Summarise your answer in one sentence.",
+              "What is a common mistake here?", "How would you explain that to a beginner?",
+              "What should I read next about this?")
+TURNS_PER_CHAT = 4
+
+
+@functools.cache
+def shared_system_prompt() -> str:
+    """The shared-prefix workload's system prompt: a preamble and three modules' documentation."""
+    docs = [p.split("\n\n", 1)[1] for p in summarize_prompts()[:3]]
+    return _SYSTEM_PREAMBLE + "\n\n".join(docs)
+
+
+def multi_turn_requests(num_prompts: int, output_len: int) -> list[BenchRequest]:
+    """Chats of ``TURNS_PER_CHAT`` turns, turn by turn (every chat's first turn, then every
+    second turn, ...), ``num_prompts`` requests in all: a held-out chat question, then
+    follow-ups, each a request that ``follows`` the chat's previous turn."""
+    questions = chat_prompts()
+    num_chats = -(-num_prompts // TURNS_PER_CHAT)
+    out: list[BenchRequest] = []
+    previous: dict[int, int] = {}
+    for turn in range(TURNS_PER_CHAT):
+        for chat in range(num_chats):
+            if len(out) == num_prompts:
+                return out
+            text = questions[chat % len(questions)] if turn == 0 else FOLLOW_UPS[(chat + turn) % len(FOLLOW_UPS)]
+            out.append(BenchRequest(None, [{"role": "user", "content": text}], output_len,
+                                    follows=previous.get(chat)))
+            previous[chat] = len(out) - 1
+    return out
 
 
 # Modules whose docstrings are long prose, present in Python 3.11 through 3.13.
