@@ -28,13 +28,15 @@ def tokenize_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> 
     return text, token_ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat (``[{"role": ..., "content": ...}]``) ready for the assistant's
-    turn. ValueError when the tokenizer has no chat template or it fails on the messages."""
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat (``[{"role": ..., "content": ...}]``), ready for the assistant's
+    turn unless ``add_generation_prompt`` is False. ValueError when the tokenizer has no
+    chat template or it fails on the messages."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors from a conversation the template refuses
         raise ValueError(f"the chat template failed on these messages: {exc}") from None
     # The template already wrote any special tokens it wants as text.

@@ -536,3 +536,184 @@ def test_busy_port_is_a_usage_error(chat_model_dir):
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("specserve: error: cannot listen on")
+
+
+# ---------------------------------------------------------------------- every field of OpenAI's requests
+def openai_request_fields(module) -> set[str]:
+    """The fields of an OpenAI request type, streaming or not, from the ``openai`` package:
+    the list the server's allowlist is checked against, so it cannot drift."""
+    import typing
+
+    return set(typing.get_type_hints(module.CompletionCreateParamsNonStreaming)) | set(
+        typing.get_type_hints(module.CompletionCreateParamsStreaming))
+
+
+def _text(resp: dict) -> str:
+    choice = resp["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+# field -> (a value that asks for something, what must come of it): "refused" (a 400 naming
+# the field), "advisory" (200, the same output as without it: ADVISORY in protocol.py),
+# or a check of its effect, given the response and the baseline's (greedy, 6 tokens).
+HONOURED = {
+    "model": ("tiny", lambda r, base, _post: r["model"] == "tiny"),
+    "max_tokens": (3, lambda r, base, _post: r["usage"]["completion_tokens"] == 3),
+    "max_completion_tokens": (3, lambda r, base, _post: r["usage"]["completion_tokens"] == 3),
+    "temperature": (2.0, lambda r, base, _post: _text(r) != _text(base)),
+    "top_p": (1e-9, lambda r, base, _post: _text(r) == _text(base)),  # with temperature 2: greedy again
+    "seed": (11, lambda r, base, post: _text(r) == _text(post()) and _text(r) != _text(post(seed=12))),
+    "stop": (None, lambda r, base, _post: r["choices"][0]["finish_reason"] == "stop"
+             and _text(base).startswith(_text(r)) and len(_text(r)) < len(_text(base))),
+    "stream": (True, None),  # the stream tests above
+    "stream_options": ({"include_usage": True}, None),  # the stream tests above
+    "prompt": (None, None), "messages": (None, None),  # every request
+}
+REFUSED_VALUES = {
+    "n": 2, "best_of": 2, "echo": True, "suffix": "x", "logprobs": 1, "top_logprobs": 2,
+    "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 10},
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "store": True,
+    "metadata": {"a": "b"}, "moderation": {}, "service_tier": "flex",
+    "prompt_cache_retention": "24h", "prompt_cache_options": {},
+}
+ADVISORY_VALUES = {"user": "someone", "safety_identifier": "hash-1", "prompt_cache_key": "k"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_every_openai_request_field_is_honoured_or_refused(server, path):
+    """Each field of the ``openai`` package's request type for this endpoint: honoured (its
+    effect seen), refused with a 400 that names it, or advisory (accepted, output unchanged).
+    A field OpenAI adds later fails here until it is classified."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    chat = "chat" in path
+    fields = openai_request_fields(chat_create_params if chat else completion_create_params)
+    unclassified = fields - set(HONOURED) - set(REFUSED_VALUES) - set(ADVISORY_VALUES)
+    assert not unclassified, f"OpenAI request fields neither honoured nor refused: {sorted(unclassified)}"
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "def add(a, b):"}]} if chat else {"prompt": "def add(a, b):"})}
+
+    def post(**extra):
+        response = httpx.post(server.url + path, json={**body, **extra})
+        return response.json() if response.status_code == 200 else response
+
+    base = post()
+    for field in sorted(fields):
+        if field in REFUSED_VALUES:
+            response = httpx.post(server.url + path, json={**body, field: REFUSED_VALUES[field]})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == field, (field, response.text)
+            assert error["type"] == "invalid_request_error" and error["message"]
+        elif field in ADVISORY_VALUES:
+            assert _text(post(**{field: ADVISORY_VALUES[field]})) == _text(base), field
+        else:
+            value, check = HONOURED[field]
+            if check is None:
+                continue
+            if field == "stop":
+                value = _text(base)[len(_text(base)) // 2:][:3]
+            extra = {"temperature": 2.0} if field in ("top_p", "seed") else {}
+            if field == "seed":
+                check_post = lambda **more: post(temperature=2.0, seed=more.get("seed", value))  # noqa: E731
+            else:
+                check_post = post
+            response = post(**extra, **{field: value})
+            assert isinstance(response, dict), (field, response.text)
+            assert check(response, base, check_post), field
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("/v1/completions", {"prompt": "a", "foo": 1}, "foo", "unknown field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}},
+     "guided_json", "structured output"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format", "text"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format", "unknown field"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 3}, "min_tokens", "not supported"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
+    ("/v1/completions", {"prompt": "a", "priority": 1}, "priority", "arrival order"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+    ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x", "unknown field"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     "messages.0", "tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
+     "messages.0.colour", "unknown field"),
+])
+def test_fields_nobody_honours_are_refused_by_name(server, path, body, param, fragment):
+    response = httpx.post(server.url + path, json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and fragment in error["message"], response.text
+
+
+def test_a_resent_assistant_message_with_null_fields_is_taken(server):
+    """The openai client sends a response's message back with its null fields."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None,
+                 "function_call": None, "audio": None, "annotations": []},
+                {"role": "user", "content": "and then?", "name": "ann"}]
+    out = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=3,
+                                                 parallel_tool_calls=None, n=1, presence_penalty=0)
+    assert out.usage.completion_tokens == 3
+
+
+def test_every_declared_field_is_classified():
+    """A field added to the request models must be honoured (here by name), refused when it
+    asks for something (REFUSED) or advisory (ADVISORY): never just declared."""
+    from specserve.server.protocol import ADVISORY, REFUSED, ChatCompletionRequest, CompletionRequest
+
+    honoured = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
+                "stream_options", "stop", "seed", "prompt", "messages", "top_k", "min_p", "ignore_eos",
+                "stop_token_ids", "skip_special_tokens", "speculative"}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        loose = set(model.model_fields) - honoured - set(REFUSED) - ADVISORY
+        assert not loose, f"{model.__name__} declares fields nobody honours or refuses: {sorted(loose)}"
+
+
+def test_tokenize_detokenize_and_version(server):
+    """vLLM's shapes: /tokenize for a text or a chat, /detokenize, /version."""
+    from specserve import __version__
+
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "def add(a, b):"}).json()
+    engine = server.engine.engine
+    assert tok["tokens"] == engine.tokenizer.encode("def add(a, b):") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == engine.max_model_len and tok["token_strs"] is None
+    plain = httpx.post(server.url + "/tokenize", json={"prompt": "def add(a, b):", "add_special_tokens": False,
+                                                       "return_token_strs": True}).json()
+    assert plain["tokens"] == engine.tokenizer.encode("def add(a, b):", add_special_tokens=False)
+    assert plain["token_strs"] == engine.tokenizer.convert_ids_to_tokens(plain["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == engine.apply_chat_template(messages)
+    no_turn = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_turn["count"] < chat["count"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": plain["tokens"]}).json()
+    assert back == {"prompt": "def add(a, b):"}
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"),
+                              ("/detokenize", {"tokens": [10**9]}, None),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model")):
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
+
+
+def test_every_series_is_also_served_under_vllm_names(server):
+    """Dashboards made for vLLM read the same values under ``vllm:``."""
+    httpx.post(server.url + "/v1/completions", json={"prompt": "a b", **GREEDY})
+    text = httpx.get(server.url + "/metrics").text
+    ours = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("specserve:")}
+    theirs = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name.startswith("vllm:")}
+    assert ours and {"vllm:" + n.removeprefix("specserve:") for n in ours} == set(theirs)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_running",
+                 "time_to_first_token_seconds_count", "spec_decode_num_drafts_total", "prefix_cache_hits_total"):
+        assert "vllm:" + name in theirs, name

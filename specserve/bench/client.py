@@ -145,9 +145,13 @@ async def read_spec_counters(http: httpx.AsyncClient, base_url: str) -> SpecCoun
 def parse_spec_counters(text: str) -> SpecCounters | None:
     counters, found = SpecCounters(), False
     cumulative: dict[int, float] = {}  # the draft-length histogram's buckets, k -> requests with <= k
+    # specserve serves its series under both prefixes: read one ("specserve:" where present).
+    prefix = "specserve:" if "specserve:" in text else "vllm:"
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = sample.name.split(":", 1)[-1]  # "specserve:" or "vllm:"
+            if not sample.name.startswith(prefix):
+                continue
+            name = sample.name.removeprefix(prefix)
             if name in _COUNTERS:
                 setattr(counters, _COUNTERS[name], getattr(counters, _COUNTERS[name]) + sample.value)
                 found = True

@@ -26,7 +26,9 @@ from specserve.metrics import SpecDecodeStats
 from specserve.outputs import RequestOutput
 from specserve.prompts import chat_prompt_ids, tokenize_prompt
 from specserve.server.metrics import ServerMetrics
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve import __version__
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -81,7 +83,10 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def _invalid(_req, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
+        if err.get("type") == "extra_forbidden":  # an allowlist: a field nobody declared
+            message = f"{'.'.join(loc)}: unknown field; this server takes the fields in docs/server.md"
+        else:
+            message = f"{'.'.join(loc) + ': ' if loc else ''}{err.get('msg', 'invalid request')}"
         return APIError(400, message, param=".".join(loc) or None).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -105,6 +110,28 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_request(body)
+        with _bad_input():
+            if body.messages is not None:
+                ids = prompts.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+            else:
+                ids = prompts.text_ids(body.prompt, body.add_special_tokens)
+        strs = prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_request(body)
+        with _bad_input():
+            tokenize_prompt(prompts.tokenizer, body.tokens, llm.hf_config.vocab_size)  # ids in range
+        return {"prompt": prompts.tokenizer.decode(body.tokens)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -116,9 +143,9 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{model_name!r}", param="model", code="model_not_found")
-        why = body.unsupported()
-        if why:
-            raise APIError(400, why)
+        refused = body.refused()
+        if refused:
+            raise APIError(400, refused[1], param=refused[0])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -200,6 +227,15 @@ class _PromptEncoder:
 
     def encode_chat(self, messages: list[dict], max_tokens: int | None) -> list[int]:
         return self._fits(chat_prompt_ids(self.tokenizer, messages), max_tokens)
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids, fitting or not (``/tokenize``)."""
+        if add_special_tokens:
+            return tokenize_prompt(self.tokenizer, text, self.vocab_size)[1]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
 
     def _fits(self, ids: list[int], max_tokens: int | None) -> list[int]:
         wanted = len(ids) + (max_tokens or 1)

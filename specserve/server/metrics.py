@@ -1,4 +1,6 @@
-"""Prometheus metrics for /metrics, names following vLLM's (``specserve:`` prefix).
+"""Prometheus metrics for /metrics, names following vLLM's (``specserve:`` prefix), each
+also served under vLLM's prefix (``vllm:``, the same name after it) so that dashboards made
+for vLLM read them unchanged.
 
 Latency histograms and token counters are observed by the HTTP side as outputs reach
 clients; engine state (queue lengths, KV usage, preemptions, speculation counters, the
@@ -7,7 +9,7 @@ draft lengths chosen) is read at scrape time from the snapshot the engine thread
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from specserve.async_engine import AsyncLLMEngine
 
@@ -46,6 +48,8 @@ class ServerMetrics:
         self.requests = Counter("specserve:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
+        self._aliases = CollectorRegistry()
+        self._aliases.register(_VllmAliases(self.registry))
 
     def request_finished(self, reason: str, e2e_s: float, first_token_at: float | None,
                          last_token_at: float, num_tokens: int) -> None:
@@ -55,7 +59,29 @@ class ServerMetrics:
             self.tpot.observe((last_token_at - first_token_at) / (num_tokens - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self._aliases)
+
+
+class _VllmAliases:
+    """Every ``specserve:`` series again as ``vllm:``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for family in self.registry.collect():
+            if not family.name.startswith("specserve:"):
+                continue
+            alias = Metric(_vllm(family.name), family.documentation, family.type, family.unit)
+            alias.samples = [sample._replace(name=_vllm(sample.name)) for sample in family.samples]
+            yield alias
+
+
+def _vllm(name: str) -> str:
+    return "vllm:" + name.removeprefix("specserve:")
 
 
 class _EngineCollector:

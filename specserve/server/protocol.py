@@ -1,69 +1,158 @@
 """OpenAI-compatible request bodies (pydantic), and how they become SamplingParams.
 
-Unknown fields are ignored, as OpenAI's server does; fields we cannot honour (``n`` > 1,
-logprobs, penalties) are refused with a 400 rather than silently dropped.
+Every field of a request is honoured or refused, never ignored. The models declare each
+field OpenAI's request types have (``openai.types``), plus vLLM's extensions this server
+implements; any other field is refused with a 400 that names it (``extra="forbid"``). A
+declared field the engine cannot honour yet is refused by name when it asks for anything
+(``REFUSED``): ``n`` = 1 and a zero penalty ask for nothing and pass. A few of OpenAI's
+fields are advisory by definition (``ADVISORY``: an end user's id, a cache-routing key):
+they never change an output, and are accepted.
 """
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
 
+# Fields that never change what a request returns by their definition (OpenAI's docs):
+# identifiers for abuse monitoring and a hint for routing requests to a cache. Accepted.
+ADVISORY = frozenset({"user", "safety_identifier", "prompt_cache_key"})
 
-class StreamOptions(BaseModel):
+
+def _set(value) -> bool:
+    """A field asks for something unless it is absent, null, false or empty."""
+    return value is not None and value is not False and value != [] and value != {} and value != ""
+
+
+def _given(value) -> bool:
+    """A field whose mere presence asks for something (``{}`` included: its defaults)."""
+    return value is not None
+
+
+def _refusals(*rules: tuple[str, Callable[[Any], bool], str]) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    return {name: (asks, why) for name, asks, why in rules}
+
+
+# field -> (does this value ask for something we do not do?, why it is refused)
+REFUSED = _refusals(
+    ("n", lambda v: v != 1, "n must be 1: one choice per prompt is supported"),
+    ("presence_penalty", lambda v: v != 0, "presence_penalty is not supported yet"),
+    ("frequency_penalty", lambda v: v != 0, "frequency_penalty is not supported yet"),
+    ("logit_bias", _set, "logit_bias is not supported yet"),
+    ("logprobs", _set, "logprobs are not supported yet"),
+    ("top_logprobs", bool, "top_logprobs are not supported yet"),
+    ("echo", _set, "echo is not supported yet"),
+    ("suffix", _set, "suffix is not supported"),
+    ("best_of", lambda v: v not in (None, 1), "best_of must be 1: one choice per prompt is supported"),
+    ("tools", _set, "tools are not supported yet"),
+    ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported yet (tools are not)"),
+    ("parallel_tool_calls", _set, "parallel_tool_calls is not supported (tools are not)"),
+    ("functions", _set, "functions are not supported"),
+    ("function_call", lambda v: v not in (None, "none"), "function_call is not supported"),
+    ("response_format", lambda v: v not in (None, {"type": "text"}),
+     "response_format is not supported yet: only {\"type\": \"text\"}"),
+    ("audio", _given, "audio output is not supported"),
+    ("modalities", lambda v: v not in (None, ["text"]), "modalities: only [\"text\"] is supported"),
+    ("prediction", _given, "prediction (predicted outputs) is not supported"),
+    ("reasoning_effort", _set, "reasoning_effort is not supported: the model does not reason in a separate channel"),
+    ("verbosity", _set, "verbosity is not supported"),
+    ("web_search_options", _given, "web search is not supported"),
+    ("store", _set, "store: this server stores no completions"),
+    ("metadata", _set, "metadata is kept with stored completions; this server stores none"),
+    ("moderation", _given, "moderation is not supported"),
+    ("service_tier", lambda v: v not in (None, "auto", "default"), "service_tier: this server has one tier"),
+    ("prompt_cache_retention", lambda v: v not in (None, "in_memory"),
+     "prompt_cache_retention: the prefix cache lives in memory only"),
+    ("prompt_cache_options", _given, "prompt_cache_options are not supported"),
+    # vLLM's extensions this server does not do yet.
+    ("guided_json", _set, "guided_json is not supported yet (structured output)"),
+    ("guided_regex", _set, "guided_regex is not supported yet (structured output)"),
+    ("guided_choice", _set, "guided_choice is not supported yet (structured output)"),
+    ("guided_grammar", _set, "guided_grammar is not supported yet (structured output)"),
+    ("structured_outputs", _set, "structured_outputs is not supported yet"),
+    ("repetition_penalty", lambda v: v not in (None, 1, 1.0), "repetition_penalty is not supported yet"),
+    ("min_tokens", _set, "min_tokens is not supported yet"),
+    ("bad_words", _set, "bad_words is not supported yet"),
+    ("prompt_logprobs", _set, "prompt_logprobs are not supported yet"),
+    ("priority", _set, "priority is not supported: requests are served in arrival order"),
+)
+
+
+class _Strict(BaseModel):
+    # Unknown fields are refused by name (the server's validation handler says so).
+    model_config = ConfigDict(extra="forbid")
+
+    def refused(self) -> tuple[str, str] | None:
+        """The field that asks for something this server does not do, and why; or None."""
+        return None
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.include_obfuscation:
+            return "stream_options.include_obfuscation", "stream_options.include_obfuscation is not supported"
+        return None
 
 
-class SpeculativeOptions(BaseModel):
+class SpeculativeOptions(_Strict):
     """specserve extension: per-request speculation control."""
 
-    model_config = ConfigDict(extra="forbid")
     num_speculative_tokens: int | None = Field(
         None, description="most draft tokens per step for this request; 0 turns speculation off")
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class _SamplingRequest(_Strict):
+    # Honoured.
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # Advisory (ADVISORY).
+    user: str | None = None
+    # Refused unless they ask for nothing (REFUSED).
+    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # Extensions, named as vLLM names them.
+    # Extensions, named as vLLM names them: honoured ...
     top_k: int = -1
     min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+    # ... and refused (REFUSED).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    priority: Any = None
 
-    def unsupported(self) -> str | None:
-        """Why this request asks for something we do not do, or None."""
-        if self.n != 1:
-            return "n must be 1: one completion per prompt is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
-        if getattr(self, "logprobs", None) or getattr(self, "top_logprobs", None):
-            return "logprobs are not supported"
-        if getattr(self, "echo", False):
-            return "echo is not supported"
-        if getattr(self, "suffix", None):
-            return "suffix is not supported"
-        if getattr(self, "best_of", None) not in (None, 1):
-            return "best_of must be 1: one completion per prompt is supported"
+    def refused(self) -> tuple[str, str] | None:
+        """The first field that asks for something this server does not do (``REFUSED``)."""
+        for name in type(self).model_fields:
+            rule = REFUSED.get(name)
+            if rule is not None and rule[0](getattr(self, name)):
+                return name, rule[1]
+        if self.stream_options is not None:
+            if not self.stream:
+                return "stream_options", "stream_options is only allowed when stream is true"
+            return self.stream_options.refused()
         return None
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
@@ -101,11 +190,28 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None  # given to the chat template, which may use it
+    # What an assistant message of a response carries back when a client resends it: null
+    # passes; a tool or function call is refused (tools are not supported yet).
+    refusal: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    def problem(self) -> str | None:
+        for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if _set(getattr(self, field)):
+                return f"{field} in a message is not supported (tools and audio are not)"
+        return None
+
+    def as_dict(self) -> dict:
+        """The message as the chat template reads it."""
+        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -123,18 +229,68 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    # OpenAI's chat fields this server refuses unless they ask for nothing (REFUSED), or
+    # takes as advisory (ADVISORY).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    moderation: Any = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    safety_identifier: str | None = None
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported"
-        return super().unsupported()
+    def refused(self) -> tuple[str, str] | None:
+        for i, message in enumerate(self.messages):
+            why = message.problem()
+            if why:
+                return f"messages.{i}", why
+        return super().refused()
 
     def _max_tokens(self) -> int | None:
         return _first(self.max_completion_tokens, self.max_tokens)
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a text prompt, or a chat through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True       # a text prompt: the tokenizer's BOS and the like
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True    # a chat: ready for the assistant's turn
+    return_token_strs: bool = False
+
+    def refused(self) -> tuple[str, str] | None:
+        if (self.prompt is None) == (self.messages is None):
+            return "prompt", "give exactly one of prompt and messages"
+        for i, message in enumerate(self.messages or ()):
+            why = message.problem()
+            if why:
+                return f"messages.{i}", why
+        return None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _first(*values):
