@@ -120,13 +120,14 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                          req_id: str) -> RequestStream:
+                          req_id: str, prompt_from: str | None = None) -> RequestStream:
         """Queue a request; returns the stream of its outputs. Bad input raises ValueError
-        (QueueFullError when the waiting queue is full) and queues nothing."""
+        (QueueFullError when the waiting queue is full) and queues nothing. ``prompt_from``:
+        see ``LLMEngine.add_request``."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         try:
-            await self._call(self._add, prompt, params, req_id, loop, outputs)
+            await self._call(self._add, prompt, params, req_id, loop, outputs, prompt_from)
         except asyncio.CancelledError:
             # The engine thread may have added it before the cancel came: nobody will read it.
             self._call_nowait(self._abort_unread, req_id, outputs)
@@ -155,12 +156,12 @@ class AsyncLLMEngine:
         return await self._call(fn, self.engine)
 
     # ------------------------------------------------------------------ engine thread side
-    def _add(self, prompt, params, req_id, loop, outputs) -> None:
+    def _add(self, prompt, params, req_id, loop, outputs, prompt_from=None) -> None:
         if self.max_queued_requests is not None and \
                 self.engine.scheduler.num_waiting >= self.max_queued_requests:
             raise QueueFullError(f"the server's queue is full ({self.max_queued_requests} "
                                  "requests waiting); retry later")
-        self.engine.add_request(prompt, params, req_id)
+        self.engine.add_request(prompt, params, req_id, prompt_from)
         self._streams[req_id] = (loop, outputs)
 
     def _abort(self, req_id: str) -> None:

@@ -137,8 +137,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    req_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError on bad input, queuing nothing."""
+                    req_id: str | None = None, prompt_from: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError on bad input, queuing nothing.
+        ``prompt_from``: a queued request with the same prompt (another choice of the same
+        prompt); this one waits for it to compute the prompt and shares its blocks."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -152,7 +154,7 @@ class LLMEngine:
         if req_id is None:
             req_id = next(i for i in map(str, self._ids) if i not in self.scheduler.requests)
         req_id = str(req_id)
-        req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text)
+        req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text, prompt_from=prompt_from)
         self.scheduler.add_request(req)
         self.outputs.add_request(req)
         return req_id

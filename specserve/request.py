@@ -32,7 +32,8 @@ class Request:
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int], prompt: str | None = None) -> None:
+                 eos_token_ids: frozenset[int], prompt: str | None = None,
+                 prompt_from: str | None = None) -> None:
         self.req_id = req_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -42,6 +43,9 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids) | self.eos_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        # Another request with the same prompt (a sibling choice of n > 1): this one waits
+        # until that one has computed the prompt, then takes it from the prefix cache.
+        self.prompt_from = prompt_from
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0

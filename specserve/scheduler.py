@@ -186,6 +186,8 @@ class Scheduler:
         # Admit waiting requests while budget, sequence slots and blocks allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if self._waits_for_prompt(req):
+                break
             hit = self.kv.find_prefix(req.req_id, req.all_token_ids)
             num_cached = len(hit.block_ids) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
@@ -204,6 +206,14 @@ class Scheduler:
             scheduled.append(planned)
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _waits_for_prompt(self, req: Request) -> bool:
+        """Whether ``req`` waits for the request it shares its prompt with to compute it
+        (then the prefix cache serves it the prompt's whole blocks)."""
+        if req.prompt_from is None or not self.kv.enable_prefix_caching:
+            return False
+        first = self.requests.get(req.prompt_from)
+        return first is not None and first.num_computed_tokens < first.num_prompt_tokens
 
     def prefill_estimate(self, running_prefill: int) -> tuple[int, int]:
         """The prefill tokens the next step will run beside its decoding requests, and the

@@ -7,14 +7,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import LLM32, make_eagle_head
-from test_model_drafter import save_perturbed
+from tiny_models import LLM32, make_eagle_head, save_perturbed
 
 from specserve import SamplingParams
 from specserve.errors import KVCacheError
 from specserve.kv_cache import ROOT_HASH, KVCacheManager, block_hash
 from specserve.request import FinishReason, Request
-from specserve.sampling_params import SamplingParams as Params
 from specserve.scheduler import Scheduler, StepResult
 from specserve.spec.paths import DraftPaths, PathEntry
 
@@ -207,7 +205,7 @@ def test_storm_of_admits_drafts_forks_preemptions_and_aborts(seed):
     draft_fed: dict[str, int] = {}
     stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
     ids = iter(range(10**6))
-    greedy = Params(temperature=0, max_tokens=32, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     hits = 0
 
     def continuation(tokens: list[int]) -> int:  # the "model": the next token depends on the prefix
@@ -392,3 +390,30 @@ def test_a_request_aborted_while_waiting_leaves_nothing_behind(drafts):
     engine.abort(req_id)
     engine.step()
     assert not engine.kv._hashes and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_choices_of_one_prompt_compute_it_once(drafts):
+    """A request with ``prompt_from`` waits until that request has computed the prompt,
+    then takes its whole blocks from the cache (n > 1 in the API)."""
+    target, _ = drafts
+    engine = LLM32(str(target), **SMALL).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = STEM + [1, 2, 3, 4, 5]  # 21 tokens: a 16-token budget computes it in two steps
+    engine.add_request(prompt, params, "a")
+    engine.add_request(prompt, params, "b", prompt_from="a")
+    engine.add_request(prompt, params, "c", prompt_from="a")
+    outs, admitted = {}, []
+    while engine.has_unfinished_requests():
+        running = {r.req_id for r in engine.scheduler.running}
+        for out in engine.step():
+            if out.finished:
+                outs[out.req_id] = out
+        admitted.append({r.req_id for r in engine.scheduler.running} - running)
+    assert admitted[0] == {"a"} and admitted[1] == set()  # b and c wait while a computes the prompt
+    assert [outs[r].num_cached_tokens for r in "abc"] == [0, 20, 20]
+    assert outs["a"].token_ids == outs["b"].token_ids == outs["c"].token_ids
+    off = LLM32(str(target), **SMALL, enable_prefix_caching=False).engine  # nothing to wait for
+    off.add_request(prompt[:6], params, "a")
+    off.add_request(prompt[:6], params, "b", prompt_from="a")
+    off.step()
+    assert {r.req_id for r in off.scheduler.running} == {"a", "b"}

@@ -293,8 +293,9 @@ def test_a_client_gone_first_gets_499_once_the_work_has_ended():
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n must be 1"),
-    ("/v1/completions", {"prompt": "a", "best_of": 3}, 400, "best_of must be 1"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n must be between 1 and 64"),
+    ("/v1/completions", {"prompt": "a", "n": 65}, 400, "n must be between 1 and 64"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of must equal n"),
     ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "penalty"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
@@ -565,12 +566,15 @@ HONOURED = {
     "seed": (11, lambda r, base, post: _text(r) == _text(post()) and _text(r) != _text(post(seed=12))),
     "stop": (None, lambda r, base, _post: r["choices"][0]["finish_reason"] == "stop"
              and _text(base).startswith(_text(r)) and len(_text(r)) < len(_text(base))),
+    "n": (3, lambda r, base, _post: [c["index"] for c in r["choices"]] == [0, 1, 2]
+          and all(_text({"choices": [c]}) == _text(base) for c in r["choices"])),  # greedy: equal
+    "best_of": (1, lambda r, base, _post: _text(r) == _text(base)),  # = n; more is refused (below)
     "stream": (True, None),  # the stream tests above
     "stream_options": ({"include_usage": True}, None),  # the stream tests above
     "prompt": (None, None), "messages": (None, None),  # every request
 }
 REFUSED_VALUES = {
-    "n": 2, "best_of": 2, "echo": True, "suffix": "x", "logprobs": 1, "top_logprobs": 2,
+    "echo": True, "suffix": "x", "logprobs": 1, "top_logprobs": 2,
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 10},
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
@@ -662,6 +666,12 @@ def test_a_resent_assistant_message_with_null_fields_is_taken(server):
     out = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=3,
                                                  parallel_tool_calls=None, n=1, presence_penalty=0)
     assert out.usage.completion_tokens == 3
+    # Null for a field means its default, as some clients send it.
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
+             "presence_penalty": None, "frequency_penalty": None, "seed": None, "stop": None}
+    greedy = {"max_tokens": 3, "ignore_eos": True, "messages": messages}
+    with_nulls = httpx.post(server.url + "/v1/chat/completions", json={**greedy, **nulls})
+    assert with_nulls.status_code == 200 and with_nulls.json()["usage"]["completion_tokens"] == 3
 
 
 def test_every_declared_field_is_classified():
@@ -669,7 +679,7 @@ def test_every_declared_field_is_classified():
     asks for something (REFUSED) or advisory (ADVISORY): never just declared."""
     from specserve.server.protocol import ADVISORY, REFUSED, ChatCompletionRequest, CompletionRequest
 
-    honoured = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
+    honoured = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream", "n", "best_of",
                 "stream_options", "stop", "seed", "prompt", "messages", "top_k", "min_p", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens", "speculative"}
     for model in (CompletionRequest, ChatCompletionRequest):
@@ -717,3 +727,47 @@ def test_every_series_is_also_served_under_vllm_names(server):
     for name in ("prompt_tokens_total", "generation_tokens_total", "num_requests_running",
                  "time_to_first_token_seconds_count", "spec_decode_num_drafts_total", "prefix_cache_hits_total"):
         assert "vllm:" + name in theirs, name
+
+
+def test_n_choices_compute_their_prompt_once(server):
+    """n = 4 with the official client, streaming and not: four choices, each with its own
+    random stream (seed + index) and its own stop, the prompt computed once (the other three
+    take its blocks from the prefix cache), the prompt counted once in the usage."""
+    api = client(server)
+    prompt = list(range(100, 141))  # 41 tokens: 10 whole blocks of 4 before the last token
+    hits = metric(server, "specserve:prefix_cache_hits_total")
+    engine, added = server.engine.engine, []
+    real = engine.add_request
+    engine.add_request = lambda *args: added.append(args[3:]) or real(*args)
+    try:
+        out = api.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=5, temperature=1.0, seed=3,
+                                     extra_body={"ignore_eos": True})
+    finally:
+        del engine.add_request
+    first = f"{out.id}-0"
+    assert added == [(None,), (first,), (first,), (first,)]  # the later choices wait for the first's prompt
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and len({c.text for c in out.choices}) > 1
+    assert out.usage.prompt_tokens == 41 and out.usage.completion_tokens == 20
+    wait_for(lambda: metric(server, "specserve:prefix_cache_hits_total") >= hits + 3 * 40)
+    assert metric(server, "specserve:prefix_cache_hits_total") == hits + 3 * 40
+    again = api.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=5, temperature=1.0, seed=3,
+                                   extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded: reproducible
+    messages = [{"role": "user", "content": "Say something about prefixes."}]
+    one = api.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    texts, roles, usage = {}, {}, None
+    for chunk in api.chat.completions.create(model="tiny", messages=messages, n=4, max_tokens=6, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            roles[choice.index] = roles.get(choice.index) or choice.delta.role
+    assert sorted(texts) == [0, 1, 2, 3] and set(roles.values()) == {"assistant"}
+    assert set(texts.values()) == {one.choices[0].message.content}  # greedy: every choice the same
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == one.usage.prompt_tokens
+    whole = api.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=6, temperature=0,
+                                        stop=[one.choices[0].message.content[2:4]], extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in whole.choices] == ["stop", "stop"]

@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve import __version__
 from specserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from specserve.metrics import SpecDecodeStats
 from specserve.outputs import RequestOutput
 from specserve.prompts import chat_prompt_ids, tokenize_prompt
+from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
-from specserve import __version__
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
 
@@ -151,33 +152,37 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def completions(body: CompletionRequest, request: Request):
         check_request(body)
         with _bad_input():
-            params = body.sampling_params(default_max_tokens=None)
-            prompt_ids = [prompts.encode(p, params.max_tokens) for p in body.prompts()]
+            params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
+            prompt_ids = [prompts.encode(p, params[0].max_tokens) for p in body.prompts()]
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
         if body.stream:
             return _sse(_stream_completion(run, model_name, body.include_usage), run)
         outs = await _unless_disconnected(request, run.collect())
+        if isinstance(outs, Response):  # the client left: nobody reads this
+            return outs
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": model_name,
                 "choices": [{"index": i, "text": o.text, "logprobs": None,
                              "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
-                "usage": _usage(outs)}
+                "usage": _usage(outs, run.n)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_request(body)
         with _bad_input():
-            params = body.sampling_params(default_max_tokens=None)
-            prompt_ids = [prompts.encode_chat(body.conversation(), params.max_tokens)]
+            params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
+            prompt_ids = [prompts.encode_chat(body.conversation(), params[0].max_tokens)]
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
         if body.stream:
             return _sse(_stream_chat(run, model_name, body.include_usage), run)
-        (out,) = await _unless_disconnected(request, run.collect())
+        outs = await _unless_disconnected(request, run.collect())
+        if isinstance(outs, Response):  # the client left: nobody reads this
+            return outs
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": _usage([out])}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                             "logprobs": None, "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                "usage": _usage(outs, run.n)}
 
     return app
 
@@ -247,12 +252,13 @@ class _PromptEncoder:
 
 
 class _Run:
-    """One HTTP request's engine requests (one per prompt) and their metrics."""
+    """One HTTP request's engine requests (``n`` choices per prompt, choice ``i * n + j``
+    the j-th of prompt i, as OpenAI numbers them) and their metrics."""
 
     def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, prompt_ids: list[list[int]],
-                 params, prefix: str) -> None:
+                 params: list[SamplingParams], prefix: str) -> None:
         self.engine, self.metrics = engine, metrics
-        self.prompt_ids, self.params = prompt_ids, params
+        self.prompt_ids, self.params, self.n = prompt_ids, params, len(params)
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.monotonic()
@@ -263,7 +269,10 @@ class _Run:
         """Queue every prompt, or none: a refusal aborts those already queued."""
         try:
             for i, ids in enumerate(self.prompt_ids):
-                self.streams.append(await self.engine.add_request(ids, self.params, f"{self.id}-{i}"))
+                first = f"{self.id}-{i * self.n}"
+                for j, params in enumerate(self.params):  # later choices share the first's prompt
+                    self.streams.append(await self.engine.add_request(
+                        ids, params, f"{self.id}-{i * self.n + j}", prompt_from=first if j else None))
         except BaseException as exc:
             self.abort()
             if isinstance(exc, QueueFullError):
@@ -332,11 +341,13 @@ class _Run:
                                           len(out.token_ids))
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
+def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
+    """OpenAI's usage of a request's choices (``n`` per prompt, in order): each prompt
+    counted once, with its first choice's cached tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.token_ids) for o in outs)
     spec = SpecDecodeStats.total([o.spec_stats for o in outs if o.spec_stats])
-    cached = sum(o.num_cached_tokens for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
             "speculation": spec.as_dict()}
@@ -372,7 +383,7 @@ async def _stream_events(run: _Run, include_usage: bool, chunk) -> AsyncIterator
         yield error_body(str(exc), "service_unavailable")
         return
     if include_usage:
-        yield {**chunk(0, "", None), "choices": [], "usage": _usage(list(final.values()))}
+        yield {**chunk(0, "", None), "choices": [], "usage": _usage([final[i] for i in sorted(final)], run.n)}
 
 
 def _stream_completion(run: _Run, model: str, include_usage: bool) -> AsyncIterator[dict]:
@@ -390,7 +401,8 @@ async def _stream_chat(run: _Run, model: str, include_usage: bool) -> AsyncItera
                 "choices": [{"index": index, "delta": delta if delta is not None else {"content": text},
                              "logprobs": None, "finish_reason": finish_reason}]}
 
-    yield chunk(0, "", None, delta={"role": "assistant", "content": ""})
+    for index in range(len(run.prompt_ids) * run.n):  # each choice's first chunk names its role
+        yield chunk(index, "", None, delta={"role": "assistant", "content": ""})
     async for event in _stream_events(run, include_usage, chunk):
         yield event
 

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
 
+MAX_N = 64  # choices per prompt
+
 # Fields that never change what a request returns by their definition (OpenAI's docs):
 # identifiers for abuse monitoring and a hint for routing requests to a cache. Accepted.
 ADVISORY = frozenset({"user", "safety_identifier", "prompt_cache_key"})
@@ -38,15 +40,14 @@ def _refusals(*rules: tuple[str, Callable[[Any], bool], str]) -> dict[str, tuple
 
 # field -> (does this value ask for something we do not do?, why it is refused)
 REFUSED = _refusals(
-    ("n", lambda v: v != 1, "n must be 1: one choice per prompt is supported"),
-    ("presence_penalty", lambda v: v != 0, "presence_penalty is not supported yet"),
-    ("frequency_penalty", lambda v: v != 0, "frequency_penalty is not supported yet"),
+    ("n", lambda v: v is not None and not 1 <= v <= MAX_N, f"n must be between 1 and {MAX_N}"),
+    ("presence_penalty", lambda v: v not in (None, 0), "presence_penalty is not supported yet"),
+    ("frequency_penalty", lambda v: v not in (None, 0), "frequency_penalty is not supported yet"),
     ("logit_bias", _set, "logit_bias is not supported yet"),
     ("logprobs", _set, "logprobs are not supported yet"),
     ("top_logprobs", bool, "top_logprobs are not supported yet"),
     ("echo", _set, "echo is not supported yet"),
     ("suffix", _set, "suffix is not supported"),
-    ("best_of", lambda v: v not in (None, 1), "best_of must be 1: one choice per prompt is supported"),
     ("tools", _set, "tools are not supported yet"),
     ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported yet (tools are not)"),
     ("parallel_tool_calls", _set, "parallel_tool_calls is not supported (tools are not)"),
@@ -108,21 +109,21 @@ class SpeculativeOptions(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    # Honoured.
+    # Honoured (null, as some clients send it, means the default).
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stream: bool = False
+    temperature: float | None = None     # 1.0
+    top_p: float | None = None           # 1.0
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    n: int | None = 1                    # choices per prompt (at most MAX_N)
     # Advisory (ADVISORY).
     user: str | None = None
     # Refused unless they ask for nothing (REFUSED).
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     # Extensions, named as vLLM names them: honoured ...
     top_k: int = -1
@@ -155,11 +156,16 @@ class _SamplingRequest(_Strict):
             return self.stream_options.refused()
         return None
 
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """ValueError (a 400) when a value is out of range."""
+    @property
+    def num_choices(self) -> int:
+        return _first(self.n, 1)
+
+    def sampling_params(self, default_max_tokens: int | None, choice: int = 0) -> SamplingParams:
+        """The ``choice``-th choice's settings (a seed becomes seed + choice, so that each
+        choice has its own random stream). ValueError (a 400) when a value is out of range."""
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=_first(self._max_tokens(), default_max_tokens), stop=self.stop or [],
+            temperature=_first(self.temperature, 1.0), top_p=_first(self.top_p, 1.0), top_k=self.top_k, min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + choice, max_tokens=_first(self._max_tokens(), default_max_tokens), stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None)
@@ -175,10 +181,15 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16          # OpenAI's default for completions
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = None   # n's, or refused: choosing the best of more needs log-probabilities
+
+    def refused(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of != self.num_choices:
+            return "best_of", "best_of must equal n: choosing the best of more choices is not supported yet"
+        return super().refused()
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per choice."""
@@ -227,7 +238,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     # OpenAI's chat fields this server refuses unless they ask for nothing (REFUSED), or
     # takes as advisory (ADVISORY).
