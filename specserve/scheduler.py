@@ -218,7 +218,8 @@ class Scheduler:
     def prefill_estimate(self, running_prefill: int) -> tuple[int, int]:
         """The prefill tokens the next step will run beside its decoding requests, and the
         waiting requests it will admit, by ``schedule``'s rule (each running request takes
-        a token first; admission stops at the budget or the sequence limit), given
+        a token first; admission stops at the budget, the sequence limit or a request that
+        waits for another's prompt; a cached prefix is not computed again), given
         ``running_prefill`` tokens still to compute for running requests in prefill. An
         estimate: blocks may run short first."""
         num_running = len(self.running)
@@ -226,9 +227,10 @@ class Scheduler:
         seats = self.max_num_seqs - num_running
         tokens, admitted = running_prefill, 0
         for req in self.waiting:  # only those that can be admitted: the queue may be long
-            if tokens >= room or admitted >= seats:
+            if tokens >= room or admitted >= seats or self._waits_for_prompt(req):
                 break
-            tokens += req.num_tokens - req.num_computed_tokens
+            cached = len(self.kv.find_prefix(req.req_id, req.all_token_ids).block_ids) * self.kv.block_size
+            tokens += req.num_tokens - cached
             admitted += 1
         return min(tokens, room), admitted
 

@@ -601,3 +601,26 @@ def test_the_prefill_estimate_follows_the_admission_rule():
     assert out.num_scheduled_tokens == 2 + 30
     sched.update(out, fake_tokens(out, {}))
     assert sched.prefill_estimate(0) == (0, 0)  # no seat left for e
+
+
+def test_the_prefill_estimate_leaves_out_a_cached_prefix_and_waiting_choices():
+    """With prefix caching a waiting request computes only what the cache lacks, and a
+    request waiting for another's prompt (n > 1) stops admission, as in schedule."""
+    sched = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=True), max_num_batched_tokens=64,
+                      max_num_seqs=8, max_model_len=1024)
+    add(sched, make_request("a", 21))
+    step(sched)  # a's prompt computed: its 5 whole blocks cached
+    b = make_request("b", 21)
+    b.all_token_ids += [7, 8, 9]  # a's prompt and 3 more tokens: 20 of its 24 cached
+    add(sched, b)
+    assert sched.prefill_estimate(0) == (4, 1)
+    other = [300 + i for i in range(10)]  # a prompt nobody has computed
+    d = Request("d", other, SamplingParams(), eos_token_ids=frozenset({EOS}))
+    c = Request("c", other, SamplingParams(), eos_token_ids=frozenset({EOS}), prompt_from="d")
+    sched.waiting.appendleft(d)
+    sched.requests["d"] = d
+    add(sched, c)
+    assert sched.prefill_estimate(0) == (10 + 4, 2)  # d and b; c waits for d
+    out = sched.schedule()
+    assert [s.req_id for s in out.scheduled] == ["a", "d", "b"]
+    assert [len(s.token_ids) for s in out.scheduled] == [1, 10, 4]
