@@ -154,6 +154,10 @@ class LLMEngine:
         if req_id is None:
             req_id = next(i for i in map(str, self._ids) if i not in self.scheduler.requests)
         req_id = str(req_id)
+        if prompt_from is not None:
+            first = self.scheduler.requests.get(prompt_from)
+            if first is None or first.prompt_token_ids != token_ids:
+                raise ValueError(f"prompt_from {prompt_from!r} must name a queued request with the same prompt")
         req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text, prompt_from=prompt_from)
         self.scheduler.add_request(req)
         self.outputs.add_request(req)

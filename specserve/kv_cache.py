@@ -281,6 +281,18 @@ class KVCacheManager:
             pool.set_hash(table[i], parent, tokens, hashes[i])
         self._committed[req_id] = full
 
+    def prefix_ready(self, req_id: str, num_tokens: int) -> bool:
+        """Whether ``req_id``'s whole blocks before its ``num_tokens``-th token are cached
+        for a request that starts the same way (committed, and where the draft cache's rule
+        needs them, holding its entries): there is nothing to wait for when caching is off
+        or those tokens fill no whole block."""
+        full = (num_tokens - 1) // self.block_size
+        if not self.enable_prefix_caching or full == 0:
+            return True
+        if self._committed.get(req_id, 0) < full:
+            return False
+        return self.draft_cache != "features" or self._draft_marked.get(req_id, 0) >= full
+
     def mark_draft_valid(self, req_id: str, num_tokens: int) -> None:
         """The draft cache holds valid entries for ``req_id``'s first ``num_tokens``
         positions: mark the blocks wholly within them."""

@@ -184,16 +184,20 @@ class Scheduler:
             budget -= num_new + k
 
         # Admit waiting requests while budget, sequence slots and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        # A choice that waits for its first's prompt is passed over, the queue's order kept.
+        position = 0
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs \
+                and not preempted:
+            req = self.waiting[position]
             if self._waits_for_prompt(req):
-                break
+                position += 1
+                continue
             hit = self.kv.find_prefix(req.req_id, req.all_token_ids)
             num_cached = len(hit.block_ids) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req.req_id, num_cached + num_new, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             self.kv.record_admission(req.num_tokens, num_cached)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
@@ -208,18 +212,19 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _waits_for_prompt(self, req: Request) -> bool:
-        """Whether ``req`` waits for the request it shares its prompt with to compute it
-        (then the prefix cache serves it the prompt's whole blocks)."""
-        if req.prompt_from is None or not self.kv.enable_prefix_caching:
+        """Whether ``req`` waits for the request it shares its prompt with to have the
+        prompt's whole blocks cached (for every cache that must hold them), so that it
+        takes them from there; not where there is nothing to share."""
+        if req.prompt_from is None or req.num_computed_tokens or req.num_preemptions:
             return False
         first = self.requests.get(req.prompt_from)
-        return first is not None and first.num_computed_tokens < first.num_prompt_tokens
+        return first is not None and not self.kv.prefix_ready(first.req_id, req.num_prompt_tokens)
 
     def prefill_estimate(self, running_prefill: int) -> tuple[int, int]:
         """The prefill tokens the next step will run beside its decoding requests, and the
         waiting requests it will admit, by ``schedule``'s rule (each running request takes
-        a token first; admission stops at the budget, the sequence limit or a request that
-        waits for another's prompt; a cached prefix is not computed again), given
+        a token first; admission stops at the budget or the sequence limit and passes over
+        a choice that waits for another's prompt; a cached prefix is not computed again), given
         ``running_prefill`` tokens still to compute for running requests in prefill. An
         estimate: blocks may run short first."""
         num_running = len(self.running)
@@ -227,8 +232,10 @@ class Scheduler:
         seats = self.max_num_seqs - num_running
         tokens, admitted = running_prefill, 0
         for req in self.waiting:  # only those that can be admitted: the queue may be long
-            if tokens >= room or admitted >= seats or self._waits_for_prompt(req):
+            if tokens >= room or admitted >= seats:
                 break
+            if self._waits_for_prompt(req):
+                continue
             cached = len(self.kv.find_prefix(req.req_id, req.all_token_ids).block_ids) * self.kv.block_size
             tokens += req.num_tokens - cached
             admitted += 1

@@ -417,3 +417,52 @@ def test_choices_of_one_prompt_compute_it_once(drafts):
     off.add_request(prompt[:6], params, "b", prompt_from="a")
     off.step()
     assert {r.req_id for r in off.scheduler.running} == {"a", "b"}
+
+
+def test_a_waiting_choice_holds_back_nobody_else(drafts):
+    """A choice waiting for its first's prompt is passed over: a request behind it in the
+    queue is admitted as soon as the budget allows. (With an EAGLE head the choice waits a
+    step after the first's prefill, for the head's entries.)"""
+    target, options = drafts
+    engine = LLM32(str(target), **SMALL, num_speculative_tokens=3, **options["eagle"]).engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = STEM + [1, 2, 3, 4, 5]  # 21 tokens: a's prefill takes two steps of 16
+    engine.add_request(prompt, params, "a")
+    engine.add_request(prompt, params, "b", prompt_from="a")
+    engine.add_request([7, 8, 9], params, "r")
+    joined, outs = [], {}
+    while engine.has_unfinished_requests():
+        before = {r.req_id for r in engine.scheduler.running}
+        outs.update({o.req_id: o for o in engine.step() if o.finished})
+        joined.append(sorted({r.req_id for r in engine.scheduler.running} - before))
+    # r joins while b waits: for a's prefill, then for the head to catch up on it (the head
+    # runs a step behind the target and marks its blocks while proposing, after admission).
+    assert joined[:4] == [["a"], ["r"], [], ["b"]]
+    assert outs["b"].num_cached_tokens == 16  # the head's rule: a block short of its entries
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_choices_share_the_prompt_with_a_draft_cache(method, drafts):
+    """With a drafter's own cache the later choice waits until that cache holds the prompt's
+    blocks too (an EAGLE head's a step after the target's), then takes them."""
+    target, options = drafts
+    engine = LLM32(str(target), **SMALL, num_speculative_tokens=3, **options[method]).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = STEM + [1, 2, 3, 4, 5]
+    engine.add_request(prompt, params, "a")
+    engine.add_request(prompt, params, "b", prompt_from="a")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.req_id: o for o in engine.step() if o.finished})
+    assert outs["b"].num_cached_tokens >= 16 and outs["a"].token_ids == outs["b"].token_ids
+
+
+def test_prompt_from_must_name_a_queued_request_with_the_same_prompt(drafts):
+    target, _ = drafts
+    engine = LLM32(str(target), **SMALL).engine
+    params = SamplingParams(max_tokens=2)
+    engine.add_request([1, 2, 3], params, "a")
+    for req_id, prompt, first in (("x", [1, 2, 3], "x"), ("y", [1, 2, 3], "nobody"), ("z", [1, 2], "a")):
+        with pytest.raises(ValueError, match="prompt_from"):
+            engine.add_request(prompt, params, req_id, prompt_from=first)
+    assert list(engine.scheduler.requests) == ["a"]

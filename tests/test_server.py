@@ -424,6 +424,14 @@ def test_body_limit(chat_model_dir):
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+def test_more_choices_than_the_queue_holds_is_a_400(chat_model_dir):
+    srv, _ = make_server(chat_model_dir, max_queued_requests=2)
+    with srv:
+        response = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "n": 3, "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "n": 2, "max_tokens": 2}).status_code == 200
+
+
 def test_queue_full_gets_429(chat_model_dir):
     srv, engine = make_server(chat_model_dir, max_queued_requests=1, max_num_seqs=1)
     step = engine.engine.step
@@ -670,6 +678,8 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
      "messages.0", "tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
      "messages.0.colour", "unknown field"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "refusal": "no"}]},
+     "messages.0", "refusal"),
 ])
 def test_fields_nobody_honours_are_refused_by_name(server, path, body, param, fragment):
     response = httpx.post(server.url + path, json=body)
@@ -690,8 +700,14 @@ def test_a_resent_assistant_message_with_null_fields_is_taken(server):
     nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
              "presence_penalty": None, "frequency_penalty": None, "seed": None, "stop": None}
     greedy = {"max_tokens": 3, "ignore_eos": True, "messages": messages}
+    nulls.update(top_k=None, min_p=None, skip_special_tokens=None, stop_token_ids=None)
     with_nulls = httpx.post(server.url + "/v1/chat/completions", json={**greedy, **nulls})
     assert with_nulls.status_code == 200 and with_nulls.json()["usage"]["completion_tokens"] == 3
+    default = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": None, "ignore_eos": True})
+    assert default.json()["usage"]["completion_tokens"] == 16  # OpenAI's default for a completion
+    streamed = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True,
+                                                                "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
 
 
 def test_every_declared_field_is_classified():

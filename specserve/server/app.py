@@ -267,6 +267,10 @@ class _Run:
 
     async def start(self) -> None:
         """Queue every prompt, or none: a refusal aborts those already queued."""
+        limit, wanted = self.engine.max_queued_requests, len(self.prompt_ids) * self.n
+        if limit is not None and wanted > limit:  # it could never be queued: no use retrying
+            raise APIError(400, f"this request asks for {wanted} choices; the server queues at most {limit}",
+                           param="n")
         try:
             for i, ids in enumerate(self.prompt_ids):
                 first = f"{self.id}-{i * self.n}"

@@ -48,8 +48,6 @@ class ServerMetrics:
         self.requests = Counter("specserve:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
-        self._aliases = CollectorRegistry()
-        self._aliases.register(_VllmAliases(self.registry))
 
     def request_finished(self, reason: str, e2e_s: float, first_token_at: float | None,
                          last_token_at: float, num_tokens: int) -> None:
@@ -59,25 +57,23 @@ class ServerMetrics:
             self.tpot.observe((last_token_at - first_token_at) / (num_tokens - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry) + generate_latest(self._aliases)
+        """One reading of every series, written under both prefixes."""
+        return generate_latest(_Read(list(self.registry.collect())))
 
 
-class _VllmAliases:
-    """Every ``specserve:`` series again as ``vllm:``."""
+class _Read:
+    """Families read once, served as they are and again as ``vllm:``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-
-    def describe(self):
-        return []
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
 
     def collect(self):
-        for family in self.registry.collect():
-            if not family.name.startswith("specserve:"):
-                continue
-            alias = Metric(_vllm(family.name), family.documentation, family.type, family.unit)
-            alias.samples = [sample._replace(name=_vllm(sample.name)) for sample in family.samples]
-            yield alias
+        yield from self.families
+        for family in self.families:
+            if family.name.startswith("specserve:"):
+                alias = Metric(_vllm(family.name), family.documentation, family.type, family.unit)
+                alias.samples = [sample._replace(name=_vllm(sample.name)) for sample in family.samples]
+                yield alias
 
 
 def _vllm(name: str) -> str:

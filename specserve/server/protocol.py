@@ -92,7 +92,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
     include_obfuscation: bool | None = None
 
     def refused(self) -> tuple[str, str] | None:
@@ -125,12 +125,12 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    # Extensions, named as vLLM names them: honoured ...
-    top_k: int = -1
-    min_p: float = 0.0
-    ignore_eos: bool = False
+    # Extensions, named as vLLM names them (null: the default): honoured ...
+    top_k: int | None = None             # -1: off
+    min_p: float | None = None           # 0.0
+    ignore_eos: bool | None = None       # False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None  # True
     speculative: SpeculativeOptions | None = None
     # ... and refused (REFUSED).
     guided_json: Any = None
@@ -164,10 +164,12 @@ class _SamplingRequest(_Strict):
         """The ``choice``-th choice's settings (a seed becomes seed + choice, so that each
         choice has its own random stream). ValueError (a 400) when a value is out of range."""
         return SamplingParams(
-            temperature=_first(self.temperature, 1.0), top_p=_first(self.top_p, 1.0), top_k=self.top_k, min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + choice, max_tokens=_first(self._max_tokens(), default_max_tokens), stop=self.stop or [],
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            temperature=_first(self.temperature, 1.0), top_p=_first(self.top_p, 1.0),
+            top_k=_first(self.top_k, -1), min_p=_first(self.min_p, 0.0),
+            seed=None if self.seed is None else self.seed + choice,
+            max_tokens=_first(self._max_tokens(), default_max_tokens), stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=_first(self.ignore_eos, False),
+            skip_special_tokens=_first(self.skip_special_tokens, True),
             num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None)
 
     def _max_tokens(self) -> int | None:
@@ -180,7 +182,7 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16          # OpenAI's default for completions
+    max_tokens: int | None = 16          # OpenAI's default for completions (null too)
     echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -190,6 +192,9 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.num_choices:
             return "best_of", "best_of must equal n: choosing the best of more choices is not supported yet"
         return super().refused()
+
+    def _max_tokens(self) -> int | None:
+        return _first(self.max_tokens, 16)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per choice."""
@@ -204,7 +209,7 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
-    name: str | None = None  # given to the chat template, which may use it
+    name: str | None = None  # given to the chat template (which may or may not use it)
     # What an assistant message of a response carries back when a client resends it: null
     # passes; a tool or function call is refused (tools are not supported yet).
     refusal: str | None = None
@@ -215,9 +220,9 @@ class ChatMessage(_Strict):
     annotations: Any = None
 
     def problem(self) -> str | None:
-        for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for field in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal", "annotations"):
             if _set(getattr(self, field)):
-                return f"{field} in a message is not supported (tools and audio are not)"
+                return f"{field} in a message is not supported (tools, audio, refusals and annotations are not)"
         return None
 
     def as_dict(self) -> dict:
