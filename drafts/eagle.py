@@ -30,6 +30,7 @@ import torch
 
 from specserve.batch import DeviceTokenIds
 from specserve.drafts.model_drafter import ModelDrafter, _head
+from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata
@@ -133,17 +134,22 @@ class EagleDrafter(ModelDrafter):
             meta = SamplingMetadata.build([p.params for p in order], self.device)
         logits, outputs = self._forward([e for e, _ in paired], [f for _, f in paired])
         self.last_catch_up_s = time.perf_counter() - began  # as ModelDrafter: runs whatever k is
-        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta)
+        process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[p.req_id]) for p in order],
+                                             [p.params for p in order], logits.shape[1], self.device)
+        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta, process=process)
         columns, q_columns = [tokens], [q]
         for j in range(1, order[0].num_lookahead):
             n = sum(p.num_lookahead > j for p in order)
             active = order[:n]
+            if process is not None:
+                process = process.head(n)
+                process.advance(tokens[:n])
             # Proposal d_j at position s - 1 + j (= end + j - 2), the head's output as its feature.
             step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params)
                     for p in active]
             logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
             tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
-                                     meta and _head(meta, n))
+                                     meta and _head(meta, n), process=process)
             columns.append(tokens)
             q_columns.append(q)
         index = {id(p): i for i, p in enumerate(scheduled)}

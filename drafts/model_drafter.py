@@ -22,6 +22,7 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
+from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
@@ -158,17 +159,24 @@ class ModelDrafter:
         # The catch-up runs whatever k is (it yields the first proposals too): the cost of
         # drafting is what comes after it.
         self.last_catch_up_s = time.perf_counter() - began
-        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, forks if forking else None, 0)
+        # Penalties and the like process q from the same history as the target's p.
+        process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
+                                             [p.params for p in active], logits.shape[1], self.device)
+        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, forks if forking else None, 0,
+                                 process)
         columns, q_columns = [tokens], [q]
         for j in range(1, active[0].num_lookahead):
             n = sum(p.num_lookahead > j for p in active)
             active = active[:n]
+            if process is not None:
+                process = process.head(n)
+                process.advance(tokens[:n])
             # Feed the step-(j-1) proposal d_j at position end + j - 1; its id is on the device.
             step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params)
                     for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
             tokens, q = self._choose(logits, active, [ends[i] + j for i in order[:n]],
-                                     meta and _head(meta, n), forks[:n] if forking else None, j)
+                                     meta and _head(meta, n), forks[:n] if forking else None, j, process)
             columns.append(tokens)
             q_columns.append(q)
             if not self.shares_target_cache:
@@ -198,13 +206,16 @@ class ModelDrafter:
         return self.runner.execute(SchedulerOutput(entries, []), self.num_layers, device_ids)
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
-                meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0):
+                meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0,
+                process: LogitsProcess | None = None):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
         argmax (a row whose fork, ``forks[i]`` = (depth, rank), is at this ``depth`` its
         rank-th candidate; ``forks`` None: no row forks), sampling ones draw from q, which is returned too
         (``[len(active), vocab]``, else None) for the rejection sampler. ``positions``:
         the index of the token each row drafts, which keys its random number; ``meta``:
-        the rows' sampling settings (None: all greedy)."""
+        the rows' sampling settings (None: all greedy); ``process``: their logits processing."""
+        if process is not None:
+            logits = process.apply(logits)
         greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         if any(ranks):

@@ -76,7 +76,7 @@ class HostBatch:
     input_ids: list[int]
     positions: list[int]
     slots: list[int]          # -1: a padding row, its K/V never stored
-    logits_rows: list[int]    # rows whose logits the sampler needs
+    logits_rows: list[int]    # rows whose logits the sampler needs (prompt rows first)
     query_lens: list[int]     # per request, padding requests included
     seq_lens: list[int]
     device_rows: list[int]    # rows whose token ids are still on the device
@@ -130,6 +130,8 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
                 slots += [-1] * (span - n)
         positions += range(p.start_pos, p.start_pos + width)
         end = num_rows + n
+        if p.prompt_logits:  # every fed token's but a sampling row's, before it
+            logits_rows += range(num_rows, num_rows + len(p.token_ids) - p.sample)
         if p.sample:
             logits_rows += range(end - 1 - num_drafts, end)
         device_rows += range(end - count, end)

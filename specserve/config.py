@@ -8,6 +8,7 @@ import torch
 
 from specserve.distributed import check_tensor_parallel_size
 from specserve.errors import SpecserveError
+from specserve.logprobs import LOGPROBS_MODES
 from specserve.models.packed_linear import bf16_packing_supported
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip")
@@ -64,6 +65,9 @@ class EngineConfig:
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match
     layerskip_layers: int | None = None  # layerskip: target layers the draft runs (default: 1/4)
+    # What reported log-probabilities are: the model's own distribution (raw_logprobs) or
+    # the one sampled from, after penalties, bias, temperature and filters (processed_logprobs).
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
@@ -98,6 +102,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise SpecserveError("attention_backend must be 'auto', 'torch' or 'triton', "
                                  f"got {self.attention_backend!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise SpecserveError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                                 f"got {self.logprobs_mode!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SpecserveError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                  f"got {self.speculative_method!r}")

@@ -139,7 +139,9 @@ class GraphRunner:
 
     def _shape(self, planned) -> tuple[int, ...] | None:
         """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket, logits
-        rows)`` ragged, None for an eager step."""
+        rows)`` ragged, None for an eager step (one that wants a prompt's logits)."""
+        if any(p.prompt_logits for p in planned):
+            return None
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         q = max(lengths)
         if self.fits_lengths(len(planned), q):

@@ -8,6 +8,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
@@ -25,7 +26,8 @@ from specserve.prompts import chat_prompt_ids, tokenize_prompt
 from specserve.request import FinishReason, Request
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
-from specserve.spec.rejection_sampler import RejectionSampler, VerifyRequest
+from specserve.spec.rejection_sampler import PromptRows, RejectionSampler, VerifyRequest
+from specserve.transfer import to_device
 from specserve.spec.speculator import Drafts, Speculator
 
 logger = logging.getLogger("specserve")
@@ -81,7 +83,7 @@ class LLMEngine:
         self.speculator.profile_step_cost()  # over the passes as they will run: graphs included
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
-        self.sampler = RejectionSampler(self.device, config.seed)
+        self.sampler = RejectionSampler(self.device, config.seed, config.logprobs_mode)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self._ids = itertools.count()
@@ -139,8 +141,9 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     req_id: str | None = None, prompt_from: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError on bad input, queuing nothing.
-        ``prompt_from``: a queued request with the same prompt (another choice of the same
-        prompt); this one waits for it to compute the prompt and shares its blocks."""
+        ``prompt_from``: a request with the same prompt (another choice of the same prompt);
+        while it is queued or running, this one waits for it to compute the prompt and
+        shares its blocks (one that has ended left them in the prefix cache)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -156,12 +159,32 @@ class LLMEngine:
         req_id = str(req_id)
         if prompt_from is not None:
             first = self.scheduler.requests.get(prompt_from)
-            if first is None or first.prompt_token_ids != token_ids:
-                raise ValueError(f"prompt_from {prompt_from!r} must name a queued request with the same prompt")
+            if first is not None and first.prompt_token_ids != token_ids:
+                raise ValueError(f"prompt_from {prompt_from!r} must name a request with the same prompt")
+            if first is None:  # it has ended already: its prompt's blocks are in the prefix cache
+                prompt_from = None
         req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text, prompt_from=prompt_from)
+        req.bad_words_token_ids = self._bad_words(params)
         self.scheduler.add_request(req)
         self.outputs.add_request(req)
         return req_id
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, as it would start the text and after a space (vLLM's
+        rule: the spaced form only where it is a different token run of the same length).
+        ValueError for a logit_bias token outside the vocabulary."""
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary of {vocab}")
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        return words
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat, ready for the assistant's turn (see ``prompts.chat_prompt_ids``)."""
@@ -215,11 +238,46 @@ class LLMEngine:
         chunks included), then rejection sampling: one device-to-host copy."""
         planned = drafts.scheduled.scheduled
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
-        verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids,
-                                first_position=p.start_pos + len(p.token_ids))
-                  for p in planned if p.sample]
+        requests = self.scheduler.requests
+        logits, prompt, owners = self._prompt_rows(planned, logits)
+        verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids, first_position=end,
+                                history=requests[p.req_id].history(end))
+                  for p in planned if p.sample for end in (p.start_pos + len(p.token_ids),)]
         # Drafts still on the device come back in the sampler's copy, filling draft_token_ids.
-        return StepResult(self.sampler(logits, verify, drafts.probs, drafts.draft_ids))
+        sampled = self.sampler.sample(logits, verify, drafts.probs, drafts.draft_ids, prompt)
+        self._add_prompt_logprobs(owners, sampled.prompt_logprobs)
+        return StepResult(sampled.new_token_ids, sampled.logprobs)
+
+    def _prompt_rows(self, planned, logits):
+        """Split off the rows of prompt positions (a chunk with ``prompt_logits``, whose
+        rows come before its sampling rows) from the sampling rows. Returns the sampling
+        rows, the prompt rows (None: none this step) and each row's (request, position)."""
+        if not any(p.prompt_logits for p in planned):
+            return logits, None, []
+        sample_rows, prompt_rows, owners, next_ids, tops = [], [], [], [], []
+        row = 0
+        for p in planned:
+            if p.prompt_logits:
+                req = self.scheduler.requests[p.req_id]
+                n = len(p.token_ids) - p.sample
+                prompt_rows += range(row, row + n)
+                owners += [(req, p.start_pos + i) for i in range(n)]
+                next_ids += req.all_token_ids[p.start_pos + 1:p.start_pos + n + 1]
+                tops += [req.params.prompt_logprobs] * n
+                row += n
+            if p.sample:
+                sample_rows += range(row, row + 1 + len(p.draft_token_ids))
+                row += 1 + len(p.draft_token_ids)
+        sample_t, prompt_t = to_device([sample_rows, prompt_rows], torch.int64, logits.device)
+        return logits.index_select(0, sample_t), PromptRows(logits.index_select(0, prompt_t), next_ids, tops), owners
+
+    @staticmethod
+    def _add_prompt_logprobs(owners, logprobs) -> None:
+        """Each prompt row's log-probability to its request, in order: a row at position i
+        scores prompt token i + 1 (a recomputation after preemption adds nothing twice)."""
+        for (req, position), logprob in zip(owners, logprobs):
+            if req.prompt_logprobs is not None and position == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(logprob)
 
     def _apply_stop_strings(self, update: RequestUpdate) -> None:
         """Detokenise the update's tokens; a stop string ends the request, and the tokens

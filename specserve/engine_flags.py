@@ -6,6 +6,7 @@ import argparse
 from dataclasses import fields
 
 from specserve.config import SPECULATIVE_METHODS, EngineConfig
+from specserve.logprobs import LOGPROBS_MODES
 
 # The flags' destinations: EngineConfig's fields, so that one always matches the other.
 ENGINE_FLAGS = tuple(f.name for f in fields(EngineConfig))
@@ -53,6 +54,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE",
                    help="YAML or JSON file of settings (any flag of this command, named as the "
                         "flag or with underscores); flags given on the command line win")
+    g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what reported log-probabilities are: the model's own distribution "
+                        "(raw_logprobs, default) or the one sampled from, after penalties, "
+                        "logit_bias, temperature, top-k/top-p/min-p (processed_logprobs)")
     g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.logprobs import TokenLogprob
 from specserve.metrics import SpecDecodeStats
 from specserve.request import FinishReason, Request
 
@@ -26,6 +27,16 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec_stats: SpecDecodeStats | None = None  # this request's drafts and acceptance so far
+    # With SamplingParams.logprobs: one per output token (cumulative; ``delta_logprobs``: the
+    # new ones); with prompt_logprobs: one per prompt token after the first.
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the output tokens' log-probabilities (None without logprobs)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
 
 
 class IncrementalDetokenizer:
@@ -158,9 +169,13 @@ class OutputProcessor:
             state.text += state.detokenizer.append(new_token_ids)
             return None
         # Token by token, so a stop string inside a run of accepted drafts cuts the run there.
+        # Not before min_tokens are out (vLLM's rule): a stop string ends no shorter output.
+        before = req.num_output_tokens - len(new_token_ids)
         for count, token_id in enumerate(new_token_ids, start=1):
             start = max(0, len(state.text) - state.hold_back)
             state.text += state.detokenizer.append([token_id])
+            if before + count < req.params.min_tokens:
+                continue
             found = [i for i in (state.text.find(stop, start) for stop in state.stop) if i != -1]
             if found:
                 state.text = state.text[:min(found)]  # the earliest match wins
@@ -184,7 +199,10 @@ class OutputProcessor:
             finished=finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             error=error, num_preemptions=req.num_preemptions, num_cached_tokens=req.num_cached_tokens,
-            spec_stats=req.spec_stats.copy())
+            spec_stats=req.spec_stats.copy(),
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            delta_logprobs=None if req.logprobs is None else req.logprobs[state.num_emitted_tokens:],
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
         state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
         if finished:
             del self._states[req.req_id]

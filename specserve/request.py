@@ -4,8 +4,9 @@ from __future__ import annotations
 import enum
 import time
 
+from specserve.logits_process import RowHistory
+from specserve.logprobs import TokenLogprob
 from specserve.metrics import SpecDecodeStats
-
 from specserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,11 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.spec_stats = SpecDecodeStats()
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenised (by the engine)
+        # Per output token when params.logprobs is set; per prompt token after the first
+        # with params.prompt_logprobs (filled as its prefill chunks run).
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +78,21 @@ class Request:
         """Forget the newest output tokens (those past a stop string)."""
         if num_tokens > 0:
             del self.all_token_ids[len(self.all_token_ids) - num_tokens:]
+            if self.logprobs is not None:
+                del self.logprobs[self.num_output_tokens:]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt log-probabilities are wanted and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def history(self, end: int) -> RowHistory | None:
+        """What logits processing reads for a row deciding token ``end`` (None: the request
+        asks for none)."""
+        if not self.params.processes_logits:
+            return None
+        return RowHistory(self.params, self.all_token_ids, self.num_prompt_tokens, end,
+                          self.stop_token_ids, self.bad_words_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs allows 20)
+
 
 @dataclass
 class SamplingParams:
@@ -12,6 +14,20 @@ class SamplingParams:
     those filters. ``max_tokens=None`` generates until a stop condition or the model's
     maximum length. ``seed`` makes a sampled request reproducible whatever else is in the
     batch.
+
+    Logits processing, applied alike to the target's rows and the draft's (see
+    ``logits_process``), with vLLM's meanings: ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2]) lower a token by a constant once it appears in the
+    output / by how often it does; ``repetition_penalty`` (> 0, 1 = off) divides a
+    positive logit or multiplies a negative one of a token seen in the prompt or the
+    output; ``logit_bias`` adds a bias in [-100, 100] to token ids; ``min_tokens`` keeps
+    the stop tokens out (and stop strings unchecked) until that many tokens are out;
+    ``bad_words`` never completes one of these words (each tokenised as it would start
+    the text and after a space).
+
+    ``logprobs``: report each output token's log-probability and the ``logprobs`` likeliest
+    tokens' (0: the chosen token's alone); ``prompt_logprobs`` the same for each prompt
+    token after the first. At most ``MAX_LOGPROBS``.
     """
 
     temperature: float = 1.0
@@ -25,6 +41,14 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None  # per-request cap on k; None: engine default, 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,6 +58,14 @@ class SamplingParams:
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        self.bad_words = list(self.bad_words)
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict),
+               f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
@@ -63,9 +95,33 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(_is_int(token_id) and token_id >= 0, f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            _check(_is_number(bias) and -100 <= bias <= 100,
+                   f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processing (penalties, bias, min_tokens, bad words) is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words)
 
 
 def _is_number(x: object) -> bool:

@@ -6,7 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from specserve.kv_cache import KVCacheManager
+from specserve.kv_cache import KVCacheManager, PrefixHit
+from specserve.logprobs import TokenLogprob
 from specserve.request import FinishReason, Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 
@@ -30,6 +31,9 @@ class ScheduledRequest:
     # Set when the request was admitted this step: how many of its first tokens a draft
     # cache holds valid entries for (cached blocks it shares; 0 without any).
     draft_cache_valid: int | None = None
+    # Logits for each fed prompt token too, before the sampling rows: the request wants
+    # its prompt's log-probabilities (``Request.needs_prompt_logits``).
+    prompt_logits: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,7 @@ class StepResult:
     """
 
     new_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None] | None = None  # parallel to new_token_ids, where asked
 
 
 class RequestUpdate(NamedTuple):
@@ -192,7 +197,7 @@ class Scheduler:
             if self._waits_for_prompt(req):
                 position += 1
                 continue
-            hit = self.kv.find_prefix(req.req_id, req.all_token_ids)
+            hit = self._find_prefix(req)
             num_cached = len(hit.block_ids) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req.req_id, num_cached + num_new, hit):
@@ -210,6 +215,13 @@ class Scheduler:
             scheduled.append(planned)
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _find_prefix(self, req: Request) -> PrefixHit:
+        """The cached blocks ``req`` may start from: none where it wants the logits of its
+        prompt's tokens (its prompt log-probabilities), which a cached block has not kept."""
+        if req.needs_prompt_logits:
+            return PrefixHit([], 0)
+        return self.kv.find_prefix(req.req_id, req.all_token_ids)
 
     def _waits_for_prompt(self, req: Request) -> bool:
         """Whether ``req`` waits for the request it shares its prompt with to have the
@@ -236,7 +248,7 @@ class Scheduler:
                 break
             if self._waits_for_prompt(req):
                 continue
-            cached = len(self.kv.find_prefix(req.req_id, req.all_token_ids).block_ids) * self.kv.block_size
+            cached = len(self._find_prefix(req).block_ids) * self.kv.block_size
             tokens += req.num_tokens - cached
             admitted += 1
         return min(tokens, room), admitted
@@ -281,7 +293,8 @@ class Scheduler:
         return ScheduledRequest(
             req_id=req.req_id, token_ids=token_ids, start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)), params=req.params,
-            sample=start + num_new == req.num_tokens, num_lookahead=k)
+            sample=start + num_new == req.num_tokens, num_lookahead=k,
+            prompt_logits=req.needs_prompt_logits and start < req.num_prompt_tokens - 1)
 
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
@@ -292,10 +305,12 @@ class Scheduler:
         Returns an update for every request that sampled.
         """
         new_tokens = iter(result.new_token_ids)
+        logprobs = iter(result.logprobs) if result.logprobs is not None else None
         updates: list[RequestUpdate] = []
         for planned in output.scheduled:
             req = self.requests.get(planned.req_id)
             sampled = next(new_tokens) if planned.sample else None
+            sampled_logprobs = next(logprobs) if planned.sample and logprobs is not None else None
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             num_accepted = len(sampled) - 1 if sampled else 0
@@ -306,6 +321,8 @@ class Scheduler:
                 self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
                 continue
             appended, reason = self._append(req, sampled)
+            if req.logprobs is not None and sampled_logprobs is not None:
+                req.logprobs += sampled_logprobs[:len(appended)]
             # Accepted drafts are committed; the bonus token is not computed yet.
             self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
             if reason is not None:

@@ -12,7 +12,7 @@ Message layout (one broadcast of ``FIRST`` int64s, a second one only for a step 
 large for the first)::
 
     [kind, num_reqs, num_tokens, num_layers + 1, payload_len, num_device_ids, b, c | payload ...]
-    payload = per request (start_pos, num_token_ids, num_drafts, sample, num_blocks,
+    payload = per request (start_pos, num_token_ids, num_drafts, sample | prompt_logits << 1, num_blocks,
               num_device_ids) + every request's token ids then draft ids + every request's
               block table
 
@@ -63,7 +63,7 @@ class StepChannel:
         meta, tokens, tables = [], [], []
         counts = device_ids.counts if device_ids is not None else [0] * len(output.scheduled)
         for p, count in zip(output.scheduled, counts):
-            meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), int(p.sample),
+            meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), int(p.sample) | int(p.prompt_logits) << 1,
                      len(p.block_table), count)
             tokens += p.token_ids
             tokens += p.draft_token_ids
@@ -136,6 +136,6 @@ def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> tuple[Schedul
         table = payload[tables_at:tables_at + num_blocks]
         tables_at += num_blocks
         scheduled.append(ScheduledRequest(str(i), ids[:num_ids], start_pos, table, _NO_PARAMS,
-                                          sample=bool(sample), num_lookahead=num_drafts,
-                                          draft_token_ids=ids[num_ids:]))
+                                          sample=bool(sample & 1), num_lookahead=num_drafts,
+                                          draft_token_ids=ids[num_ids:], prompt_logits=bool(sample & 2)))
     return SchedulerOutput(scheduled, []), counts

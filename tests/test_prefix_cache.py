@@ -457,12 +457,15 @@ def test_choices_share_the_prompt_with_a_draft_cache(method, drafts):
     assert outs["b"].num_cached_tokens >= 16 and outs["a"].token_ids == outs["b"].token_ids
 
 
-def test_prompt_from_must_name_a_queued_request_with_the_same_prompt(drafts):
+def test_prompt_from_must_name_a_request_with_the_same_prompt(drafts):
+    """A choice naming a request with another prompt is refused; one naming a request that
+    has ended (the client's later choices can come after the first's end) waits for nothing."""
     target, _ = drafts
     engine = LLM32(str(target), **SMALL).engine
     params = SamplingParams(max_tokens=2)
     engine.add_request([1, 2, 3], params, "a")
-    for req_id, prompt, first in (("x", [1, 2, 3], "x"), ("y", [1, 2, 3], "nobody"), ("z", [1, 2], "a")):
-        with pytest.raises(ValueError, match="prompt_from"):
-            engine.add_request(prompt, params, req_id, prompt_from=first)
+    with pytest.raises(ValueError, match="prompt_from"):
+        engine.add_request([1, 2], params, "z", prompt_from="a")
     assert list(engine.scheduler.requests) == ["a"]
+    engine.add_request([1, 2, 3], params, "y", prompt_from="gone")
+    assert engine.scheduler.requests["y"].prompt_from is None

@@ -315,9 +315,22 @@ def test_a_client_gone_first_gets_499_once_the_work_has_ended():
     ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "a", "n": 0}, 400, "n must be between 1 and 64"),
     ("/v1/completions", {"prompt": "a", "n": 65}, 400, "n must be between 1 and 64"),
-    ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, 400, "best_of must equal n"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, 400, "penalty"),
+    ("/v1/completions", {"prompt": "a", "n": 3, "best_of": 2}, 400, "best_of must be at least n"),
+    ("/v1/completions", {"prompt": "a", "best_of": 3, "stream": True}, 400, "cannot be streamed"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "echo"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 1}}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 20}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "bad_words": [" "]}, 400, "bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "requires logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}, 400,
+     "/v1/completions"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": []}, 400, "empty"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "token ids"),
@@ -577,6 +590,11 @@ def openai_request_fields(module) -> set[str]:
         typing.get_type_hints(module.CompletionCreateParamsStreaming))
 
 
+def _logprob_tokens(resp: dict) -> int:
+    logprobs = resp["choices"][0]["logprobs"]
+    return len(logprobs["content"] if "content" in logprobs else logprobs["tokens"])
+
+
 def _text(resp: dict) -> str:
     choice = resp["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
@@ -596,14 +614,21 @@ HONOURED = {
              and _text(base).startswith(_text(r)) and len(_text(r)) < len(_text(base))),
     "n": (3, lambda r, base, _post: [c["index"] for c in r["choices"]] == [0, 1, 2]
           and all(_text({"choices": [c]}) == _text(base) for c in r["choices"])),  # greedy: equal
-    "best_of": (1, lambda r, base, _post: _text(r) == _text(base)),  # = n; more is refused (below)
+    "best_of": (1, lambda r, base, _post: _text(r) == _text(base)),  # more: test_logprobs_echo_and_best_of
+    "echo": (True, lambda r, base, _post: _text(r) == "def add(a, b):" + _text(base)),
+    "logprobs": (1, lambda r, base, _post: _logprob_tokens(r) == 6),
+    "top_logprobs": (2, lambda r, base, _post: all(len(t["top_logprobs"]) == 2
+                                                   for t in r["choices"][0]["logprobs"]["content"])),
+    "presence_penalty": (2.0, lambda r, base, _post: _text(r) != _text(base)),
+    "frequency_penalty": (2.0, lambda r, base, _post: _text(r) != _text(base)),
+    # The same token six times: a greedy pick biased by +100.
+    "logit_bias": ({"300": 100}, lambda r, base, _post: _text(r) == _text(r)[:len(_text(r)) // 6] * 6),
     "stream": (True, None),  # the stream tests above
     "stream_options": ({"include_usage": True}, None),  # the stream tests above
     "prompt": (None, None), "messages": (None, None),  # every request
 }
 REFUSED_VALUES = {
-    "echo": True, "suffix": "x", "logprobs": 1, "top_logprobs": 2,
-    "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 10},
+    "suffix": "x",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
     "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
@@ -650,6 +675,8 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
             if field == "stop":
                 value = _text(base)[len(_text(base)) // 2:][:3]
             extra = {"temperature": 2.0} if field in ("top_p", "seed") else {}
+            if field == "top_logprobs":
+                extra = {"logprobs": True}
             if field == "seed":
                 check_post = lambda **more: post(temperature=2.0, seed=more.get("seed", value))  # noqa: E731
             else:
@@ -667,8 +694,6 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
                               "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
      "response_format", "text"),
     ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format", "unknown field"),
-    ("/v1/completions", {"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
-    ("/v1/completions", {"prompt": "a", "min_tokens": 3}, "min_tokens", "not supported"),
     ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
     ("/v1/completions", {"prompt": "a", "priority": 1}, "priority", "arrival order"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
@@ -717,7 +742,9 @@ def test_every_declared_field_is_classified():
 
     honoured = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream", "n", "best_of",
                 "stream_options", "stop", "seed", "prompt", "messages", "top_k", "min_p", "ignore_eos",
-                "stop_token_ids", "skip_special_tokens", "speculative"}
+                "stop_token_ids", "skip_special_tokens", "speculative", "echo", "logprobs", "top_logprobs",
+                "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens",
+                "bad_words", "prompt_logprobs"}
     for model in (CompletionRequest, ChatCompletionRequest):
         loose = set(model.model_fields) - honoured - set(REFUSED) - ADVISORY
         assert not loose, f"{model.__name__} declares fields nobody honours or refuses: {sorted(loose)}"

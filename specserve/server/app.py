@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve import __version__
 from specserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from specserve.logprobs import TokenLogprob
 from specserve.metrics import SpecDecodeStats
 from specserve.outputs import RequestOutput
 from specserve.prompts import chat_prompt_ids, tokenize_prompt
@@ -152,19 +153,22 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def completions(body: CompletionRequest, request: Request):
         check_request(body)
         with _bad_input():
-            params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
-            prompt_ids = [prompts.encode(p, params[0].max_tokens) for p in body.prompts()]
+            params = [body.sampling_params(None, choice) for choice in range(body.num_generated)]
+            prompt_list = body.prompts()
+            prompt_ids = [prompts.encode(p, params[0].max_tokens) for p in prompt_list]
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
+        view = _CompletionView(body, prompts.token_text, prompts.decode_prompt(prompt_list, prompt_ids), run.n)
         if body.stream:
-            return _sse(_stream_completion(run, model_name, body.include_usage), run)
+            return _sse(_stream_completion(run, model_name, body.include_usage, view), run)
         outs = await _unless_disconnected(request, run.collect())
         if isinstance(outs, Response):  # the client left: nobody reads this
             return outs
+        chosen = _best(outs, run.n, body.num_choices)
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": model_name,
-                "choices": [{"index": i, "text": o.text, "logprobs": None,
-                             "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
-                "usage": _usage(outs, run.n)}
+                "choices": [view.choice(i, o, index // run.n)
+                            for i, (index, o) in enumerate(chosen)],
+                "usage": _usage(outs, run.n, view.scores_only)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -174,14 +178,17 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             prompt_ids = [prompts.encode_chat(body.conversation(), params[0].max_tokens)]
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
+        logprobs = (lambda lps: _chat_logprobs(lps, params[0].logprobs, prompts.token_text)) \
+            if body.logprobs else (lambda lps: None)
         if body.stream:
-            return _sse(_stream_chat(run, model_name, body.include_usage), run)
+            return _sse(_stream_chat(run, model_name, body.include_usage, logprobs), run)
         outs = await _unless_disconnected(request, run.collect())
         if isinstance(outs, Response):  # the client left: nobody reads this
             return outs
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": None, "finish_reason": o.finish_reason} for i, o in enumerate(outs)],
+                             "logprobs": logprobs(o.logprobs), "finish_reason": o.finish_reason}
+                            for i, o in enumerate(outs)],
                 "usage": _usage(outs, run.n)}
 
     return app
@@ -225,6 +232,7 @@ class _PromptEncoder:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self._texts: dict[int, str] = {}
 
     def encode(self, prompt, max_tokens: int | None) -> list[int]:
         _text, ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
@@ -241,6 +249,17 @@ class _PromptEncoder:
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as the API shows it alone (a piece of a character shows as U+FFFD)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def decode_prompt(self, prompts: list, prompt_ids: list[list[int]]) -> list[str]:
+        """Each prompt's text: as given, or decoded from its token ids."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
     def _fits(self, ids: list[int], max_tokens: int | None) -> list[int]:
         wanted = len(ids) + (max_tokens or 1)
@@ -263,6 +282,7 @@ class _Run:
         self.created = int(time.time())
         self.arrival = time.monotonic()
         self.streams: list[RequestStream] = []
+        self.chunk_object, self.model = "", ""  # a streamed response's chunks: set by the stream
         self._timing: dict[str, list[float | None]] = {}  # req_id -> [first, last token time]
 
     async def start(self) -> None:
@@ -345,11 +365,12 @@ class _Run:
                                           len(out.token_ids))
 
 
-def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
-    """OpenAI's usage of a request's choices (``n`` per prompt, in order): each prompt
-    counted once, with its first choice's cached tokens."""
+def _usage(outs: list[RequestOutput], n: int = 1, scores_only: bool = False) -> dict:
+    """OpenAI's usage of a request's choices (``n`` per prompt, in order; best_of's all):
+    each prompt counted once, with its first choice's cached tokens (``scores_only``: the
+    one token generated for a max_tokens 0 request is not returned, nor counted)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = 0 if scores_only else sum(len(o.token_ids) for o in outs)
     spec = SpecDecodeStats.total([o.spec_stats for o in outs if o.spec_stats])
     cached = sum(o.num_cached_tokens for o in outs[::n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -370,9 +391,9 @@ def _sse(events: AsyncIterator[dict], run: _Run) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream_events(run: _Run, include_usage: bool, chunk) -> AsyncIterator[dict]:
-    """Content chunks (``chunk(index, text, finish_reason)``), an error event if a request
-    fails, then the usage chunk when asked for."""
+async def _stream_events(run: _Run, include_usage: bool, chunk, scores_only: bool = False) -> AsyncIterator[dict]:
+    """Content chunks (``chunk(index, out)``: ``out``'s delta; None when it has none), an
+    error event if a request fails, then the usage chunk when asked for."""
     final: dict[int, RequestOutput] = {}
     try:
         async for index, out in run.outputs():
@@ -381,34 +402,139 @@ async def _stream_events(run: _Run, include_usage: bool, chunk) -> AsyncIterator
                 if out.finish_reason == "error":
                     yield error_body(f"generation failed: {out.error}", "server_error")
                     return
-            if out.delta_text or out.finished:
-                yield chunk(index, out.delta_text, out.finish_reason if out.finished else None)
+            event = chunk(index, out)
+            if event is not None:
+                yield event
     except EngineDeadError as exc:  # headers are sent: the error travels as an event
         yield error_body(str(exc), "service_unavailable")
         return
     if include_usage:
-        yield {**chunk(0, "", None), "choices": [], "usage": _usage([final[i] for i in sorted(final)], run.n)}
+        yield {"id": run.id, "object": run.chunk_object, "created": run.created, "model": run.model,
+               "choices": [], "usage": _usage([final[i] for i in sorted(final)], run.n, scores_only)}
 
 
-def _stream_completion(run: _Run, model: str, include_usage: bool) -> AsyncIterator[dict]:
-    def chunk(index, text, finish_reason):
+def _stream_completion(run: _Run, model: str, include_usage: bool, view: "_CompletionView") -> AsyncIterator[dict]:
+    run.chunk_object, run.model = "text_completion", model
+
+    def chunk(index, out):
+        choice = view.delta(index, out)
+        if choice is None:
+            return None
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": model,
-                "choices": [{"index": index, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason}]}
+                "choices": [choice]}
 
-    return _stream_events(run, include_usage, chunk)
+    return _stream_events(run, include_usage, chunk, view.scores_only)
 
 
-async def _stream_chat(run: _Run, model: str, include_usage: bool) -> AsyncIterator[dict]:
-    def chunk(index, text, finish_reason, delta=None):
+async def _stream_chat(run: _Run, model: str, include_usage: bool, logprobs) -> AsyncIterator[dict]:
+    run.chunk_object, run.model = "chat.completion.chunk", model
+
+    def event(index, delta, lps, finish_reason):
         return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": model,
-                "choices": [{"index": index, "delta": delta if delta is not None else {"content": text},
-                             "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}]}
+
+    def chunk(index, out):
+        lps = logprobs(out.delta_logprobs) if out.delta_logprobs else None
+        if not (out.delta_text or out.finished or lps):
+            return None
+        return event(index, {"content": out.delta_text}, lps, out.finish_reason if out.finished else None)
 
     for index in range(len(run.prompt_ids) * run.n):  # each choice's first chunk names its role
-        yield chunk(index, "", None, delta={"role": "assistant", "content": ""})
-    async for event in _stream_events(run, include_usage, chunk):
-        yield event
+        yield event(index, {"role": "assistant", "content": ""}, None, None)
+    async for item in _stream_events(run, include_usage, chunk):
+        yield item
+
+
+# ---------------------------------------------------------------------- log-probabilities
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf: a token the sampler could not draw (vLLM's value)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None, top: int, text) -> dict | None:
+    """OpenAI's chat ``logprobs``: per token its text, bytes, log-probability and the
+    ``top`` likeliest."""
+    if lps is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = text(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top[:top]]} for lp in lps],
+            "refusal": None}
+
+
+def _best(outs: list[RequestOutput], best_of: int, n: int) -> list[tuple[int, RequestOutput]]:
+    """Per prompt (``best_of`` outputs each, in order), the ``n`` whose tokens have the
+    highest mean log-probability (OpenAI's best_of), as (index among ``outs``, output)."""
+    if best_of == n:
+        return list(enumerate(outs))
+    chosen = []
+    for start in range(0, len(outs), best_of):
+        group = list(enumerate(outs[start:start + best_of], start))
+        group.sort(key=lambda item: -item[1].cumulative_logprob / max(len(item[1].token_ids), 1))
+        chosen += sorted(group[:n])
+    return chosen
+
+
+class _CompletionView:
+    """How a completion choice reads: its text (after the prompt, with ``echo``) and the
+    legacy ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``; with ``echo`` the prompt's tokens first, the very first with null)."""
+
+    def __init__(self, body: CompletionRequest, text, prompt_texts: list[str], num_generated: int) -> None:
+        self.echo, self.logprobs, self.text = bool(body.echo), body.logprobs, text
+        self.scores_only, self.prompt_texts, self.num_generated = body.scores_only, prompt_texts, num_generated
+        self._offsets: dict[int, int] = {}   # streaming: text offset reached per choice
+
+    def choice(self, index: int, out: RequestOutput, prompt: int) -> dict:
+        text, lps, finish = out.text, out.logprobs, out.finish_reason
+        if self.scores_only:
+            text, lps, finish = "", [], "length"
+        lead = self.prompt_texts[prompt] if self.echo else ""
+        return {"index": index, "text": lead + text, "finish_reason": finish,
+                "logprobs": self._logprobs(out, lps, self.echo, 0)}
+
+    def delta(self, index: int, out: RequestOutput) -> dict | None:
+        """A streamed choice's chunk (None: nothing new); the prompt comes with its first."""
+        first = index not in self._offsets
+        offset = self._offsets.setdefault(index, 0)
+        text, lps = out.delta_text, out.delta_logprobs
+        if self.scores_only:
+            text, lps = "", []
+        echo = self.echo and first
+        if echo:
+            text = self.prompt_texts[index // self.num_generated] + text
+        logprobs = self._logprobs(out, lps, echo, offset)
+        if logprobs is not None:
+            self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
+        if not (text or out.finished or (logprobs and logprobs["tokens"]) or echo):
+            return None
+        finish = ("length" if self.scores_only else out.finish_reason) if out.finished else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _logprobs(self, out: RequestOutput, lps, with_prompt: bool, offset: int) -> dict | None:
+        if self.logprobs is None:
+            return None
+        entries: list[tuple[int, float | None, tuple]] = []
+        if with_prompt:
+            entries.append((out.prompt_token_ids[0], None, ()))
+            entries += [(lp.token_id, lp.logprob, lp.top) for lp in out.prompt_logprobs or ()]
+        entries += [(lp.token_id, lp.logprob, lp.top) for lp in lps or ()]
+        tokens = [self.text(t) for t, _, _ in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [None if v is None else _finite(v) for _, v, _ in entries],
+                "top_logprobs": [None if v is None else {self.text(t): _finite(x) for t, x in top[:self.logprobs]}
+                                 for _, v, top in entries],
+                "text_offset": offsets}
 
 
 # ---------------------------------------------------------------------- access and limits

@@ -41,12 +41,6 @@ def _refusals(*rules: tuple[str, Callable[[Any], bool], str]) -> dict[str, tuple
 # field -> (does this value ask for something we do not do?, why it is refused)
 REFUSED = _refusals(
     ("n", lambda v: v is not None and not 1 <= v <= MAX_N, f"n must be between 1 and {MAX_N}"),
-    ("presence_penalty", lambda v: v not in (None, 0), "presence_penalty is not supported yet"),
-    ("frequency_penalty", lambda v: v not in (None, 0), "frequency_penalty is not supported yet"),
-    ("logit_bias", _set, "logit_bias is not supported yet"),
-    ("logprobs", _set, "logprobs are not supported yet"),
-    ("top_logprobs", bool, "top_logprobs are not supported yet"),
-    ("echo", _set, "echo is not supported yet"),
     ("suffix", _set, "suffix is not supported"),
     ("tools", _set, "tools are not supported yet"),
     ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported yet (tools are not)"),
@@ -74,10 +68,6 @@ REFUSED = _refusals(
     ("guided_choice", _set, "guided_choice is not supported yet (structured output)"),
     ("guided_grammar", _set, "guided_grammar is not supported yet (structured output)"),
     ("structured_outputs", _set, "structured_outputs is not supported yet"),
-    ("repetition_penalty", lambda v: v not in (None, 1, 1.0), "repetition_penalty is not supported yet"),
-    ("min_tokens", _set, "min_tokens is not supported yet"),
-    ("bad_words", _set, "bad_words is not supported yet"),
-    ("prompt_logprobs", _set, "prompt_logprobs are not supported yet"),
     ("priority", _set, "priority is not supported: requests are served in arrival order"),
 )
 
@@ -121,10 +111,9 @@ class _SamplingRequest(_Strict):
     n: int | None = 1                    # choices per prompt (at most MAX_N)
     # Advisory (ADVISORY).
     user: str | None = None
-    # Refused unless they ask for nothing (REFUSED).
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None   # 0.0
+    frequency_penalty: float | None = None  # 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     # Extensions, named as vLLM names them (null: the default): honoured ...
     top_k: int | None = None             # -1: off
     min_p: float | None = None           # 0.0
@@ -132,16 +121,15 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None  # True
     speculative: SpeculativeOptions | None = None
+    repetition_penalty: float | None = None  # 1.0
+    min_tokens: int | None = None            # 0
+    bad_words: str | list[str] | None = None
     # ... and refused (REFUSED).
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    bad_words: Any = None
-    prompt_logprobs: Any = None
     priority: Any = None
 
     def refused(self) -> tuple[str, str] | None:
@@ -170,7 +158,17 @@ class _SamplingRequest(_Strict):
             max_tokens=_first(self._max_tokens(), default_max_tokens), stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], ignore_eos=_first(self.ignore_eos, False),
             skip_special_tokens=_first(self.skip_special_tokens, True),
-            num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None)
+            num_speculative_tokens=self.speculative.num_speculative_tokens if self.speculative else None,
+            presence_penalty=_first(self.presence_penalty, 0.0), frequency_penalty=_first(self.frequency_penalty, 0.0),
+            repetition_penalty=_first(self.repetition_penalty, 1.0), logit_bias=_token_biases(self.logit_bias),
+            min_tokens=_first(self.min_tokens, 0), bad_words=self.bad_words or [],
+            logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs())
+
+    def _logprobs(self) -> int | None:
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -183,18 +181,51 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16          # OpenAI's default for completions (null too)
-    echo: bool | None = False
-    logprobs: int | None = None
+    echo: bool | None = False            # the prompt before each choice's text (and its logprobs)
+    logprobs: int | None = None          # per token: its log-probability and the N likeliest
     suffix: str | None = None
-    best_of: int | None = None   # n's, or refused: choosing the best of more needs log-probabilities
+    best_of: int | None = None           # choices generated per prompt; the n best are returned
+    prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' log-probabilities
 
     def refused(self) -> tuple[str, str] | None:
-        if self.best_of is not None and self.best_of != self.num_choices:
-            return "best_of", "best_of must equal n: choosing the best of more choices is not supported yet"
-        return super().refused()
+        why = super().refused()
+        if why is not None:
+            return why
+        best_of = self.num_generated
+        if not 1 <= best_of <= MAX_N:
+            return "best_of", f"best_of must be between 1 and {MAX_N}"
+        if best_of < self.num_choices:
+            return "best_of", "best_of must be at least n"
+        if best_of > self.num_choices and self.stream:
+            return "best_of", "best_of greater than n cannot be streamed: the best are known only at the end"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 asks for nothing unless echo is true (scoring a prompt)"
+        return None
+
+    @property
+    def num_generated(self) -> int:
+        """Choices generated per prompt: ``best_of``, else ``n``."""
+        return _first(self.best_of, self.num_choices)
+
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the prompt (and its log-probabilities) alone."""
+        return self.max_tokens == 0
 
     def _max_tokens(self) -> int | None:
-        return _first(self.max_tokens, 16)
+        # max_tokens 0 (echo): one token is generated and not returned.
+        return _first(self.max_tokens, 16) or 1
+
+    def _logprobs(self) -> int | None:
+        # best_of ranks choices by their tokens' log-probabilities: computed, and returned if asked.
+        if self.logprobs is None and self.num_generated > self.num_choices:
+            return 0
+        return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) per choice."""
@@ -243,8 +274,8 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    logprobs: bool | None = False         # each output token's log-probability ...
+    top_logprobs: int | None = None       # ... and the N likeliest tokens' at its place
     # OpenAI's chat fields this server refuses unless they ask for nothing (REFUSED), or
     # takes as advisory (ADVISORY).
     tools: Any = None
@@ -267,16 +298,24 @@ class ChatCompletionRequest(_SamplingRequest):
     prompt_cache_retention: str | None = None
     prompt_cache_options: Any = None
     safety_identifier: str | None = None
+    prompt_logprobs: Any = None  # vLLM's; here on /v1/completions only (REFUSED below)
 
     def refused(self) -> tuple[str, str] | None:
         for i, message in enumerate(self.messages):
             why = message.problem()
             if why:
                 return f"messages.{i}", why
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt_logprobs are returned by /v1/completions (echo or prompt_logprobs)"
         return super().refused()
 
     def _max_tokens(self) -> int | None:
         return _first(self.max_completion_tokens, self.max_tokens)
+
+    def _logprobs(self) -> int | None:
+        return _first(self.top_logprobs, 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
@@ -307,6 +346,19 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON's string keys) as SamplingParams takes it."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    return out
 
 
 def _first(*values):

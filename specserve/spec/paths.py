@@ -90,37 +90,43 @@ class DraftPaths:
         best = _best_paths(output, result)
         scheduled: list[ScheduledRequest] = []
         new_token_ids: list[list[int]] = []
+        logprobs: list = []
         outcomes: dict[str, PathOutcome] = {}
         sampled_tokens = iter(result.new_token_ids)
+        sampled_logprobs = iter(result.logprobs or ())
         for planned in output.scheduled:
             sampled = next(sampled_tokens) if planned.sample else None
+            lps = next(sampled_logprobs, None) if planned.sample else None
             if isinstance(planned, PathEntry):
                 continue
             if planned.req_id in best:
-                path, path_sampled, num_paths = best[planned.req_id]
+                path, path_sampled, path_lps, num_paths = best[planned.req_id]
                 won = len(path_sampled) > len(sampled)  # a tie keeps the request's own
                 outcomes[planned.req_id] = PathOutcome(won, num_paths, len(sampled) - 1)
                 if self.kv.holds(planned.req_id):  # not aborted while the step ran
                     self.kv.merge(planned.req_id, path.path if won else None)
                 if won:
-                    planned, sampled = path, path_sampled
+                    planned, sampled, lps = path, path_sampled, path_lps
             scheduled.append(planned)
             if sampled is not None:
                 new_token_ids.append(sampled)
+                logprobs.append(lps)
         return (SchedulerOutput(scheduled, output.preempted_req_ids, output.block_copies),
-                StepResult(new_token_ids), outcomes)
+                StepResult(new_token_ids, logprobs if result.logprobs is not None else None), outcomes)
 
 
-def _best_paths(output: SchedulerOutput,
-                result: StepResult) -> dict[str, tuple[PathEntry, list[int], int]]:
+def _best_paths(output: SchedulerOutput, result: StepResult
+                ) -> dict[str, tuple[PathEntry, list[int], list | None, int]]:
     """Per request with further draft paths, the one that emitted most tokens (the first
-    of equals), its tokens, and how many paths the request verified (its own included)."""
-    best: dict[str, tuple[PathEntry, list[int], int]] = {}
+    of equals), its tokens and their log-probabilities (None: not asked), and how many
+    paths the request verified (its own included)."""
+    best: dict[str, tuple[PathEntry, list[int], list | None, int]] = {}
     sampling = (planned for planned in output.scheduled if planned.sample)
-    for planned, sampled in zip(sampling, result.new_token_ids):
+    logprobs = result.logprobs or [None] * len(result.new_token_ids)
+    for planned, sampled, lps in zip(sampling, result.new_token_ids, logprobs):
         if isinstance(planned, PathEntry):
-            previous, tokens, count = best.get(planned.req_id, (None, (), 1))
+            previous, tokens, previous_lps, count = best.get(planned.req_id, (None, (), None, 1))
             if len(sampled) > len(tokens):
-                previous, tokens = planned, sampled
-            best[planned.req_id] = (previous, tokens, count + 1)
+                previous, tokens, previous_lps = planned, sampled, lps
+            best[planned.req_id] = (previous, tokens, previous_lps, count + 1)
     return best

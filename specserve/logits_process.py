@@ -1,0 +1,283 @@
+"""Logits processing: penalties, logit_bias, min_tokens and bad words, one mechanism for
+the target's verify rows and the draft's steps.
+
+Each transform reads a row's *history*: the request's prompt and the output tokens before
+the token the row decides. For the target's row j of a verify span that history is the
+request's committed output followed by drafts d_1 … d_(j-1) of the span; for the draft's
+step j it is the same, the drafts it has proposed so far. So p and q at a verify position
+are processed from the very same state and speculative sampling stays exactly lossless
+(``rejection_sampler``). Nothing is kept between steps: each step builds its state from the
+committed tokens (the drafts' part on the device, where they are), so a rejection needs
+no rollback here; within a draft pass ``advance`` adds each step's proposals.
+
+The order is vLLM's: bad words, min_tokens and logit_bias, then the repetition, frequency
+and presence penalties, all before temperature and the top-k / top-p / min-p filters
+(``sampler.target_probs``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampling_params import SamplingParams
+from specserve.transfer import to_device
+
+_NO_TOKEN = -1  # a history shorter than a bad word's prefix: matches no token id
+
+
+@dataclass
+class RowHistory:
+    """Where one request's processed rows start: its known tokens and how far they count."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]               # prompt + output (a reference: not copied)
+    num_prompt_tokens: int
+    end: int                               # the first row decides token ``end``: history is token_ids[:end]
+    stop_token_ids: frozenset[int] = frozenset()  # kept out while fewer than min_tokens are out
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
+
+
+class LogitsProcess:
+    """The transforms of a set of rows, each row a request's history plus some drafts.
+
+    Build with ``for_spans`` (verify: row j of span i has the first j of its drafts) or
+    ``for_drafting`` (one row per request, no drafts yet, then ``advance``). ``apply``
+    turns the rows' logits ``[num_rows, vocab]`` into processed float32 logits.
+    """
+
+    def __init__(self, rows: list[RowHistory], row_drafts: list[int], vocab_size: int,
+                 device: torch.device, draft_ids: torch.Tensor | None = None,
+                 draft_index: list[list[int]] | None = None) -> None:
+        """``rows[r]``: row r's request; ``row_drafts[r]``: how many drafts it has had
+        (``draft_index[r]``: their places in ``draft_ids`` ``[num_drafts]`` on the device)."""
+        self.rows, self.row_drafts = rows, list(row_drafts)
+        self.vocab_size, self.device = vocab_size, device
+        params = [r.params for r in rows]
+        self.any_penalty = any(p.presence_penalty or p.frequency_penalty for p in params)
+        self.any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        self.counts = self.seen = None          # [num_rows, vocab] output counts / prompt-or-output seen
+        self._words = _BadWords(rows)
+        self.tail = None                        # [num_rows, W] each row's last W history tokens
+        draft_index = draft_index or [[] for _ in rows]
+        if self.any_penalty or self.any_repetition:
+            self._build_counts(draft_ids, draft_index)
+        if self._words.width:
+            self.tail = self._build_tail(draft_ids, draft_index)
+
+    @classmethod
+    def for_spans(cls, spans: list[RowHistory], num_drafts: list[int], draft_starts: list[int],
+                  vocab_size: int, device: torch.device, draft_ids: torch.Tensor | None) -> "LogitsProcess":
+        """Verify rows: span i has ``num_drafts[i]`` drafts, at ``draft_starts[i]`` in
+        ``draft_ids`` (device), and 1 + that many rows; row j has the first j drafts."""
+        rows, row_drafts, index = [], [], []
+        for span, k, start in zip(spans, num_drafts, draft_starts):
+            for j in range(k + 1):
+                rows.append(span)
+                row_drafts.append(j)
+                index.append(list(range(start, start + j)))
+        return cls(rows, row_drafts, vocab_size, device, draft_ids, index)
+
+    @classmethod
+    def for_drafting(cls, histories: list[RowHistory | None], params: list[SamplingParams],
+                     vocab_size: int, device: torch.device) -> "LogitsProcess | None":
+        """A draft pass: one row per drafting request, no drafts yet (``advance`` adds
+        them); None when no request asks for processing (``histories`` all None)."""
+        if not any(histories):
+            return None
+        rows = [h if h is not None else RowHistory(p, (), 0, 0) for h, p in zip(histories, params)]
+        return cls(rows, [0] * len(rows), vocab_size, device)
+
+    def head(self, n: int) -> "LogitsProcess":
+        """The first ``n`` rows (a draft pass's requests still drafting are a prefix)."""
+        if n == len(self.rows):
+            return self
+        out = object.__new__(LogitsProcess)
+        out.__dict__.update(self.__dict__)
+        out.rows, out.row_drafts = self.rows[:n], self.row_drafts[:n]
+        out.counts = None if self.counts is None else self.counts[:n]
+        out.seen = None if self.seen is None else self.seen[:n]
+        out.tail = None if self.tail is None else self.tail[:n]
+        out._words = self._words.head(n)
+        return out
+
+    def advance(self, token_ids: torch.Tensor) -> None:
+        """Each row's history grows by one token (``[num_rows]`` on the device): a draft step."""
+        self.row_drafts = [d + 1 for d in self.row_drafts]
+        column = token_ids.view(-1, 1)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, column, torch.ones_like(column, dtype=self.counts.dtype))
+        if self.seen is not None:
+            self.seen.scatter_(1, column, True)
+        if self.tail is not None:
+            self.tail = torch.cat([self.tail[:, 1:], column], dim=1)
+
+    # ------------------------------------------------------------------ building
+    def _build_counts(self, draft_ids, draft_index) -> None:
+        """Output-token counts and the seen mask per row: the request's committed output
+        (once per request, then gathered per row) plus the row's drafts, on the device."""
+        spans, span_of_row = _unique(self.rows)
+        out_rows, out_tokens, seen_rows, seen_tokens = [], [], [], []
+        for i, span in enumerate(spans):
+            output = span.token_ids[span.num_prompt_tokens:span.end]
+            out_rows += [i] * len(output)
+            out_tokens += output
+            if span.params.repetition_penalty != 1.0:
+                prompt = span.token_ids[:span.num_prompt_tokens]
+                seen_rows += [i] * len(prompt)
+                seen_tokens += prompt
+        d_rows = [r for r, index in enumerate(draft_index) for _ in index]
+        d_places = [place for index in draft_index for place in index]
+        o_rows, o_tokens, s_rows, s_tokens, row_span, d_rows_t, d_places_t = to_device(
+            [out_rows, out_tokens, seen_rows, seen_tokens, span_of_row, d_rows, d_places],
+            torch.int64, self.device)
+        counts = torch.zeros(len(spans), self.vocab_size, dtype=torch.int32, device=self.device)
+        counts.index_put_((o_rows, o_tokens), torch.ones_like(o_tokens, dtype=torch.int32), accumulate=True)
+        counts = counts.index_select(0, row_span)
+        if d_places:
+            drafts = draft_ids.index_select(0, d_places_t)
+            counts.index_put_((d_rows_t, drafts), torch.ones_like(drafts, dtype=torch.int32), accumulate=True)
+        self.counts = counts
+        if self.any_repetition:
+            prompt_seen = torch.zeros(len(spans), self.vocab_size, dtype=torch.bool, device=self.device)
+            prompt_seen[s_rows, s_tokens] = True
+            self.seen = prompt_seen.index_select(0, row_span) | (counts > 0)
+
+    def _build_tail(self, draft_ids, draft_index) -> torch.Tensor:
+        """Each row's last ``W`` history tokens ``[num_rows, W]`` (``_NO_TOKEN`` before the
+        first), its drafts' part gathered from the device."""
+        width = self._words.width
+        host, places, is_draft = [], [], []
+        for row, index in zip(self.rows, draft_index):
+            from_host = max(0, width - len(index))
+            history = list(row.token_ids[max(0, row.end - from_host):row.end])
+            places += range(len(host), len(host) + from_host)
+            host += [_NO_TOKEN] * (from_host - len(history)) + history
+            drafts = index[len(index) - (width - from_host):] if width > from_host else []
+            places += drafts
+            is_draft += [False] * from_host + [True] * len(drafts)
+        places = [p + len(host) if d else p for p, d in zip(places, is_draft)]
+        # One flat tensor: the host tokens, then every draft; ``places`` picks each row's window.
+        host_t, places_t = to_device([host, places], torch.int64, self.device)
+        flat = host_t if draft_ids is None else torch.cat([host_t, draft_ids])
+        return flat.index_select(0, places_t).view(len(self.rows), width)
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows' logits ``[num_rows, vocab]`` processed: a new float32 tensor."""
+        logits = logits.float().clone()
+        vocab = logits.shape[1]
+        if self._words.width or self._words.single:
+            self._words.ban(logits, self.tail, self.device)
+        rows, tokens, values = [], [], []
+        for r, (row, drafts) in enumerate(zip(self.rows, self.row_drafts)):
+            p = row.params
+            if p.min_tokens and row.end - row.num_prompt_tokens + drafts < p.min_tokens:
+                for token_id in row.stop_token_ids:
+                    if token_id < vocab:
+                        rows.append(r)
+                        tokens.append(token_id)
+                        values.append(float("-inf"))
+            for token_id, bias in (p.logit_bias or {}).items():
+                rows.append(r)
+                tokens.append(token_id)
+                values.append(float(bias))
+        if rows:
+            rows_t, tokens_t = to_device([rows, tokens], torch.int64, self.device)
+            (values_t,) = to_device([values], torch.float32, self.device)
+            logits.index_put_((rows_t, tokens_t), values_t, accumulate=True)
+        if self.any_repetition or self.any_penalty:
+            self._penalise(logits)
+        return logits
+
+    def _penalise(self, logits: torch.Tensor) -> None:
+        params = [r.params for r in self.rows]
+        rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                     [p.presence_penalty for p in params]], torch.float32, self.device)
+        if self.any_repetition:
+            penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+            logits.copy_(torch.where(self.seen, penalised, logits))
+        if self.any_penalty:
+            counts = self.counts.float()
+            logits -= freq[:, None] * counts + pres[:, None] * (counts > 0)
+
+
+class _BadWords:
+    """Bad words as token sequences: a one-token word is banned everywhere; a longer one's
+    last token is banned where the history ends with the rest of it."""
+
+    def __init__(self, rows: list[RowHistory]) -> None:
+        self.single: list[tuple[int, int]] = []          # (row, token)
+        self.multi: list[tuple[int, list[int], int]] = []  # (row, prefix, last token)
+        for r, row in enumerate(rows):
+            for word in row.bad_words_token_ids:
+                if len(word) == 1:
+                    self.single.append((r, word[0]))
+                elif word:
+                    self.multi.append((r, list(word[:-1]), word[-1]))
+        self.width = max((len(prefix) for _, prefix, _ in self.multi), default=0)
+
+    def head(self, n: int) -> "_BadWords":
+        out = object.__new__(_BadWords)
+        out.single = [(r, t) for r, t in self.single if r < n]
+        out.multi = [m for m in self.multi if m[0] < n]
+        out.width = self.width  # the tail keeps its width
+        return out
+
+    def ban(self, logits: torch.Tensor, tail: torch.Tensor | None, device: torch.device) -> None:
+        rows = [r for r, _ in self.single]
+        tokens = [t for _, t in self.single]
+        if self.multi:
+            width = self.width
+            m_rows = [r for r, _, _ in self.multi]
+            # Prefixes right-aligned to the tail's width; None (-2) compares as equal.
+            prefixes = [[-2] * (width - len(prefix)) + prefix for _, prefix, _ in self.multi]
+            m_rows_t, prefixes_t, last_t = to_device([m_rows, prefixes, [t for _, _, t in self.multi]],
+                                                     torch.int64, device)
+            windows = tail.index_select(0, m_rows_t)
+            match = ((windows == prefixes_t) | (prefixes_t == -2)).all(dim=1)
+            banned = torch.zeros(logits.shape, dtype=torch.int32, device=device)
+            banned.index_put_((m_rows_t, last_t), match.to(torch.int32), accumulate=True)
+            logits.masked_fill_(banned > 0, float("-inf"))
+        if rows:
+            rows_t, tokens_t = to_device([rows, tokens], torch.int64, device)
+            logits[rows_t, tokens_t] = float("-inf")
+
+
+def _unique(rows: list[RowHistory]) -> tuple[list[RowHistory], list[int]]:
+    """The distinct requests among ``rows`` (by identity, in order) and each row's index there."""
+    index: dict[int, int] = {}
+    spans: list[RowHistory] = []
+    of_row = []
+    for row in rows:
+        i = index.get(id(row))
+        if i is None:
+            i = index[id(row)] = len(spans)
+            spans.append(row)
+        of_row.append(i)
+    return spans, of_row
+
+
+def process_rows(logits: torch.Tensor, histories: list[RowHistory | None], num_drafts: list[int],
+                 draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """Verify logits ``[Σ(1 + k_i), vocab]`` with every processed request's rows processed
+    (``histories[i]`` None, or asking for nothing: its rows are left as they are).
+    ``draft_ids`` ``[Σ k_i]`` on the device: the spans' drafts, in order."""
+    spans, counts, starts, rows = [], [], [], []
+    row = draft = 0
+    for history, k in zip(histories, num_drafts):
+        if history is not None and history.params.processes_logits:
+            spans.append(history)
+            counts.append(k)
+            starts.append(draft)
+            rows += range(row, row + k + 1)
+        row += k + 1
+        draft += k
+    if not spans:
+        return logits
+    process = LogitsProcess.for_spans(spans, counts, starts, logits.shape[1], logits.device, draft_ids)
+    if len(rows) == logits.shape[0]:
+        return process.apply(logits)
+    (rows_t,) = to_device([rows], torch.int64, logits.device)
+    return logits.float().index_copy(0, rows_t, process.apply(logits.index_select(0, rows_t)))
