@@ -227,8 +227,8 @@ class Scheduler:
         """Whether ``req`` waits for the request it shares its prompt with to have the
         prompt's whole blocks cached (for every cache that must hold them), so that it
         takes them from there; not where there is nothing to share."""
-        if req.prompt_from is None or req.num_computed_tokens or req.num_preemptions:
-            return False
+        if req.prompt_from is None or req.num_computed_tokens or req.num_preemptions or req.needs_prompt_logits:
+            return False  # (one that wants its prompt's logits computes the prompt itself)
         first = self.requests.get(req.prompt_from)
         return first is not None and not self.kv.prefix_ready(first.req_id, req.num_prompt_tokens)
 

@@ -834,3 +834,84 @@ def test_n_choices_compute_their_prompt_once(server):
     whole = api.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=6, temperature=0,
                                         stop=[one.choices[0].message.content[2:4]], extra_body={"ignore_eos": True})
     assert [c.finish_reason for c in whole.choices] == ["stop", "stop"]
+
+
+def test_logprobs_with_the_openai_client_streaming_and_not(server):
+    """Chat logprobs (top 3) through the official client: the stream's chunks carry the
+    same tokens and values as the whole answer, and the tokens spell the text; completions'
+    legacy object likewise. Under n-gram speculation (the server's)."""
+    api = client(server)
+    messages = [{"role": "user", "content": "count: 1 2 3 1 2 3 1 2"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 10 and "".join(t.token for t in content) == whole.choices[0].message.content
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob
+               for t in content)
+    assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token for t in content)
+    streamed = []
+    for chunk in api.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                             logprobs=True, top_logprobs=3, stream=True,
+                                             extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            streamed += choice.logprobs.content if choice.logprobs else []
+    # The same values (a cached prompt is computed in another order: float32 rounding apart).
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    plain = api.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+    legacy = api.completions.create(model="tiny", prompt="1 2 3 1 2 3", max_tokens=8, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == 8
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+
+
+def test_echo_scoring_and_best_of(server):
+    """echo with logprobs and max_tokens 0 scores a prompt (the first token null, each
+    later one's log-probability, nothing generated or counted); best_of 4 returns the n
+    whose tokens are likeliest per token, and counts all it generated."""
+    api = client(server)
+    prompt = "def add(a, b):"
+    scored = api.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    echoed = api.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=0, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert echoed.choices[0].logprobs.token_logprobs[:len(lp.tokens)] == lp.token_logprobs
+    assert len(echoed.choices[0].logprobs.tokens) == len(lp.tokens) + 4
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 7, "ignore_eos": True, "logprobs": 0}
+    every = httpx.post(server.url + "/v1/completions", json={**body, "n": 4}).json()
+    best = httpx.post(server.url + "/v1/completions", json={**body, "n": 2, "best_of": 4}).json()
+    means = sorted((sum(c["logprobs"]["token_logprobs"]) / 5, c["text"]) for c in every["choices"])
+    assert {c["text"] for c in best["choices"]} == {text for _, text in means[2:]}
+    assert [c["index"] for c in best["choices"]] == [0, 1] and best["usage"]["completion_tokens"] == 20
+    quiet = httpx.post(server.url + "/v1/completions", json={**body, "n": 1, "best_of": 4, "logprobs": None}).json()
+    assert quiet["choices"][0]["logprobs"] is None and quiet["choices"][0]["text"] == means[-1][1]
+
+
+def test_penalties_bias_and_min_tokens_through_the_server(server):
+    """vLLM's extensions, each seen to act: repetition_penalty changes a repetitive greedy
+    answer, min_tokens holds off the stop token, bad_words keeps a word out."""
+    body = {"prompt": "1 2 3 1 2 3 1 2 3", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    base = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    penalised = httpx.post(server.url + "/v1/completions", json={**body, "repetition_penalty": 3.0}).json()
+    assert penalised["choices"][0]["text"] != base
+    # An output token whose text tokenises back to it, as a stop token.
+    tokens = httpx.post(server.url + "/v1/completions", json={**body, "logprobs": 0}).json()
+    tokens = tokens["choices"][0]["logprobs"]["tokens"]
+    tokenizer = server.engine.engine.tokenizer
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in tokens]
+    stop = next(i[0] for i, t in zip(ids, tokens) if len(i) == 1 and tokenizer.decode(i) == t)
+    at = tokens.index(tokenizer.decode([stop])) + 1
+    stopped = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [stop]}).json()
+    assert stopped["usage"]["completion_tokens"] == at
+    held = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [stop], "min_tokens": at + 2}).json()
+    assert held["usage"]["completion_tokens"] >= at + 2
+    word = tokenizer.decode([stop])
+    banned = httpx.post(server.url + "/v1/completions", json={**body, "bad_words": [word], "logprobs": 0}).json()
+    assert banned["choices"][0]["text"] != base and word not in banned["choices"][0]["logprobs"]["tokens"]

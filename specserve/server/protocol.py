@@ -4,7 +4,7 @@ Every field of a request is honoured or refused, never ignored. The models decla
 field OpenAI's request types have (``openai.types``), plus vLLM's extensions this server
 implements; any other field is refused with a 400 that names it (``extra="forbid"``). A
 declared field the engine cannot honour yet is refused by name when it asks for anything
-(``REFUSED``): ``n`` = 1 and a zero penalty ask for nothing and pass. A few of OpenAI's
+(``REFUSED``): ``n`` = 1 or ``tool_choice: "none"`` ask for nothing and pass. A few of OpenAI's
 fields are advisory by definition (``ADVISORY``: an end user's id, a cache-routing key):
 they never change an output, and are accepted.
 """
