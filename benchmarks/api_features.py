@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="requests in flight at once (default: all prompts)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--speculative-method", default="draft_model")
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.bench.cli import describe_machine
     from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
 
-    common = dict(device=args.device, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1))
+    common = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or args.num_prompts)
     engines = {"spec off": LLMEngine(**common),
                args.speculative_method: LLMEngine(**common, speculative_method=args.speculative_method,
                                                   num_speculative_tokens=args.num_speculative_tokens,
@@ -86,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"  {row['acceptance_length']:.2f} tokens/step" if row["acceptance_length"] else ""),
                       flush=True)
     spec = order[1]
-    table = ["| setting | spec off tok/s | " + spec + " tok/s | speed-up | tokens/step | same greedy output |",
-             "|---|---:|---:|---:|---:|---:|"]
+    table = ["| setting | spec off tok/s | vs greedy | " + spec + " tok/s | vs greedy | speed-up | tokens/step "
+             "| same greedy output |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = {n: statistics.median(r["output_throughput"] for r in results["runs"]
+                                 if r["setting"] == "greedy" and r["engine"] == n) for n in order}
     for case in cases:
         rows = {n: [r for r in results["runs"] if r["setting"] == case and r["engine"] == n] for n in order}
         off = statistics.median(r["output_throughput"] for r in rows["spec off"])
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         if cases[case].get("temperature") == 0:
             same = f"{sum(a == b for a, b in zip(outputs[(case, 'spec off', 0)], outputs[(case, spec, 0)]))}" \
                    f"/{len(prompts)}"
-        table.append(f"| {case} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {accept:.2f} | {same} |")
+        table.append(f"| {case} | {off:.1f} | {off / base['spec off']:.2f}x | {on:.1f} | {on / base[spec]:.2f}x "
+                     f"| {on / off:.2f}x | {accept:.2f} | {same} |")
     print("\n".join(table))
     results["table"] = table
     if args.output:

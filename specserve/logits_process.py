@@ -16,6 +16,7 @@ and presence penalties, all before temperature and the top-k / top-p / min-p fil
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,8 +62,20 @@ class LogitsProcess:
         self._words = _BadWords(rows)
         self.tail = None                        # [num_rows, W] each row's last W history tokens
         draft_index = draft_index or [[] for _ in rows]
+        # What does not change as the rows' drafts grow, sent to the device once: the
+        # penalty factors per row and every (row, token, bias), in row order.
+        self._factors = None
         if self.any_penalty or self.any_repetition:
+            self._factors = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                       [p.presence_penalty for p in params]], torch.float32, device)
             self._build_counts(draft_ids, draft_index)
+        bias = [(r, t, float(b)) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        self._bias_rows = [r for r, _, _ in bias]
+        self._bias = None
+        if bias:
+            rows_t, tokens_t = to_device([self._bias_rows, [t for _, t, _ in bias]], torch.int64, device)
+            (values_t,) = to_device([[b for _, _, b in bias]], torch.float32, device)
+            self._bias = (rows_t, tokens_t, values_t)
         if self._words.width:
             self.tail = self._build_tail(draft_ids, draft_index)
 
@@ -100,6 +113,12 @@ class LogitsProcess:
         out.seen = None if self.seen is None else self.seen[:n]
         out.tail = None if self.tail is None else self.tail[:n]
         out._words = self._words.head(n)
+        if self._factors is not None:
+            out._factors = [f[:n] for f in self._factors]
+        if self._bias is not None:
+            cut = bisect.bisect_left(self._bias_rows, n)
+            out._bias_rows = self._bias_rows[:cut]
+            out._bias = tuple(t[:cut] for t in self._bias)
         return out
 
     def advance(self, token_ids: torch.Tensor) -> None:
@@ -170,31 +189,21 @@ class LogitsProcess:
         vocab = logits.shape[1]
         if self._words.width or self._words.single:
             self._words.ban(logits, self.tail, self.device)
-        rows, tokens, values = [], [], []
-        for r, (row, drafts) in enumerate(zip(self.rows, self.row_drafts)):
-            p = row.params
-            if p.min_tokens and row.end - row.num_prompt_tokens + drafts < p.min_tokens:
-                for token_id in row.stop_token_ids:
-                    if token_id < vocab:
-                        rows.append(r)
-                        tokens.append(token_id)
-                        values.append(float("-inf"))
-            for token_id, bias in (p.logit_bias or {}).items():
-                rows.append(r)
-                tokens.append(token_id)
-                values.append(float(bias))
-        if rows:
-            rows_t, tokens_t = to_device([rows, tokens], torch.int64, self.device)
-            (values_t,) = to_device([values], torch.float32, self.device)
-            logits.index_put_((rows_t, tokens_t), values_t, accumulate=True)
+        if self._bias is not None:
+            logits.index_put_(self._bias[:2], self._bias[2], accumulate=True)
+        # min_tokens: the stop tokens of each row with fewer output tokens than that.
+        held = [(r, t) for r, (row, drafts) in enumerate(zip(self.rows, self.row_drafts))
+                if row.params.min_tokens and row.end - row.num_prompt_tokens + drafts < row.params.min_tokens
+                for t in row.stop_token_ids if t < vocab]
+        if held:
+            rows_t, tokens_t = to_device([[r for r, _ in held], [t for _, t in held]], torch.int64, self.device)
+            logits[rows_t, tokens_t] = float("-inf")
         if self.any_repetition or self.any_penalty:
             self._penalise(logits)
         return logits
 
     def _penalise(self, logits: torch.Tensor) -> None:
-        params = [r.params for r in self.rows]
-        rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                                     [p.presence_penalty for p in params]], torch.float32, self.device)
+        rep, freq, pres = self._factors
         if self.any_repetition:
             penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits.copy_(torch.where(self.seen, penalised, logits))
@@ -232,9 +241,10 @@ class _BadWords:
             width = self.width
             m_rows = [r for r, _, _ in self.multi]
             # Prefixes right-aligned to the tail's width; None (-2) compares as equal.
-            prefixes = [[-2] * (width - len(prefix)) + prefix for _, prefix, _ in self.multi]
+            prefixes = [t for _, prefix, _ in self.multi for t in [-2] * (width - len(prefix)) + prefix]
             m_rows_t, prefixes_t, last_t = to_device([m_rows, prefixes, [t for _, _, t in self.multi]],
                                                      torch.int64, device)
+            prefixes_t = prefixes_t.view(len(m_rows), width)
             windows = tail.index_select(0, m_rows_t)
             match = ((windows == prefixes_t) | (prefixes_t == -2)).all(dim=1)
             banned = torch.zeros(logits.shape, dtype=torch.int32, device=device)
