@@ -72,10 +72,10 @@ class LogitsProcess:
         bias = [(r, t, float(b)) for r, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
         self._bias_rows = [r for r, _, _ in bias]
         self._bias = None
-        if bias:
-            rows_t, tokens_t = to_device([self._bias_rows, [t for _, t, _ in bias]], torch.int64, device)
+        if bias:  # flat places (row * vocab + token) and values; a row's tokens are distinct
+            (places_t,) = to_device([[r * vocab_size + t for r, t, _ in bias]], torch.int64, device)
             (values_t,) = to_device([[b for _, _, b in bias]], torch.float32, device)
-            self._bias = (rows_t, tokens_t, values_t)
+            self._bias = (places_t, values_t)
         if self._words.width:
             self.tail = self._build_tail(draft_ids, draft_index)
 
@@ -118,7 +118,7 @@ class LogitsProcess:
         if self._bias is not None:
             cut = bisect.bisect_left(self._bias_rows, n)
             out._bias_rows = self._bias_rows[:cut]
-            out._bias = tuple(t[:cut] for t in self._bias)
+            out._bias = tuple(t[:cut] for t in self._bias)  # rows below n: the flat places stay right
         return out
 
     def advance(self, token_ids: torch.Tensor) -> None:
@@ -137,30 +137,28 @@ class LogitsProcess:
         """Output-token counts and the seen mask per row: the request's committed output
         (once per request, then gathered per row) plus the row's drafts, on the device."""
         spans, span_of_row = _unique(self.rows)
-        out_rows, out_tokens, seen_rows, seen_tokens = [], [], [], []
+        vocab = self.vocab_size
+        # Flat places (row * vocab + token): one scatter each, not an indexed put (which
+        # costs many small ops on a GPU host).
+        out_places, seen_places = [], []
         for i, span in enumerate(spans):
-            output = span.token_ids[span.num_prompt_tokens:span.end]
-            out_rows += [i] * len(output)
-            out_tokens += output
+            out_places += [i * vocab + t for t in span.token_ids[span.num_prompt_tokens:span.end]]
             if span.params.repetition_penalty != 1.0:
-                prompt = span.token_ids[:span.num_prompt_tokens]
-                seen_rows += [i] * len(prompt)
-                seen_tokens += prompt
-        d_rows = [r for r, index in enumerate(draft_index) for _ in index]
+                seen_places += [i * vocab + t for t in span.token_ids[:span.num_prompt_tokens]]
+        d_rows = [r * vocab for r, index in enumerate(draft_index) for _ in index]
         d_places = [place for index in draft_index for place in index]
-        o_rows, o_tokens, s_rows, s_tokens, row_span, d_rows_t, d_places_t = to_device(
-            [out_rows, out_tokens, seen_rows, seen_tokens, span_of_row, d_rows, d_places],
-            torch.int64, self.device)
-        counts = torch.zeros(len(spans), self.vocab_size, dtype=torch.int32, device=self.device)
-        counts.index_put_((o_rows, o_tokens), torch.ones_like(o_tokens, dtype=torch.int32), accumulate=True)
+        out_t, seen_t, row_span, d_rows_t, d_places_t = to_device(
+            [out_places, seen_places, span_of_row, d_rows, d_places], torch.int64, self.device)
+        counts = torch.zeros(len(spans), vocab, dtype=torch.int32, device=self.device)
+        counts.view(-1).scatter_add_(0, out_t, torch.ones_like(out_t, dtype=torch.int32))
         counts = counts.index_select(0, row_span)
         if d_places:
-            drafts = draft_ids.index_select(0, d_places_t)
-            counts.index_put_((d_rows_t, drafts), torch.ones_like(drafts, dtype=torch.int32), accumulate=True)
+            drafts = draft_ids.index_select(0, d_places_t) + d_rows_t
+            counts.view(-1).scatter_add_(0, drafts, torch.ones_like(drafts, dtype=torch.int32))
         self.counts = counts
         if self.any_repetition:
-            prompt_seen = torch.zeros(len(spans), self.vocab_size, dtype=torch.bool, device=self.device)
-            prompt_seen[s_rows, s_tokens] = True
+            prompt_seen = torch.zeros(len(spans), vocab, dtype=torch.bool, device=self.device)
+            prompt_seen.view(-1).index_fill_(0, seen_t, True)
             self.seen = prompt_seen.index_select(0, row_span) | (counts > 0)
 
     def _build_tail(self, draft_ids, draft_index) -> torch.Tensor:
@@ -189,15 +187,16 @@ class LogitsProcess:
         vocab = logits.shape[1]
         if self._words.width or self._words.single:
             self._words.ban(logits, self.tail, self.device)
+        flat = logits.view(-1)
         if self._bias is not None:
-            logits.index_put_(self._bias[:2], self._bias[2], accumulate=True)
+            flat.scatter_add_(0, *self._bias)
         # min_tokens: the stop tokens of each row with fewer output tokens than that.
-        held = [(r, t) for r, (row, drafts) in enumerate(zip(self.rows, self.row_drafts))
+        held = [r * vocab + t for r, (row, drafts) in enumerate(zip(self.rows, self.row_drafts))
                 if row.params.min_tokens and row.end - row.num_prompt_tokens + drafts < row.params.min_tokens
                 for t in row.stop_token_ids if t < vocab]
         if held:
-            rows_t, tokens_t = to_device([[r for r, _ in held], [t for _, t in held]], torch.int64, self.device)
-            logits[rows_t, tokens_t] = float("-inf")
+            (held_t,) = to_device([held], torch.int64, self.device)
+            flat.index_fill_(0, held_t, float("-inf"))
         if self.any_repetition or self.any_penalty:
             self._penalise(logits)
         return logits
@@ -247,12 +246,12 @@ class _BadWords:
             prefixes_t = prefixes_t.view(len(m_rows), width)
             windows = tail.index_select(0, m_rows_t)
             match = ((windows == prefixes_t) | (prefixes_t == -2)).all(dim=1)
-            banned = torch.zeros(logits.shape, dtype=torch.int32, device=device)
-            banned.index_put_((m_rows_t, last_t), match.to(torch.int32), accumulate=True)
-            logits.masked_fill_(banned > 0, float("-inf"))
+            # Where a word's prefix matches, its last token goes to -inf (else it gains 0).
+            penalty = torch.zeros_like(match, dtype=logits.dtype).masked_fill_(match, float("-inf"))
+            logits.view(-1).scatter_add_(0, m_rows_t * logits.shape[1] + last_t, penalty)
         if rows:
-            rows_t, tokens_t = to_device([rows, tokens], torch.int64, device)
-            logits[rows_t, tokens_t] = float("-inf")
+            (places_t,) = to_device([[r * logits.shape[1] + t for r, t in zip(rows, tokens)]], torch.int64, device)
+            logits.view(-1).index_fill_(0, places_t, float("-inf"))
 
 
 def _unique(rows: list[RowHistory]) -> tuple[list[RowHistory], list[int]]:
