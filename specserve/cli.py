@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="divide (multiply, if negative) the logits of tokens already seen; 1 is off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="lower tokens already in the output")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="lower tokens by how often they are in the output")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    gen.add_argument("--bad-word", dest="bad_words", action="append", default=[],
+                     help="a word never to generate (repeatable)")
     chat = gen.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the tokenizer's chat template (default: when it has one)")
@@ -255,7 +263,10 @@ def _generate(args) -> int:
         prompt = sys.stdin.read()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, stop=args.stop,
-                            ignore_eos=args.ignore_eos, seed=args.seed)
+                            ignore_eos=args.ignore_eos, seed=args.seed,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens,
+                            bad_words=args.bad_words)
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
     engine = LLMEngine(_engine_config(args))

@@ -41,6 +41,7 @@ def test_generate_json_and_stream_agree(capsys, tiny_model_dir):
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/model"], "no such file or directory"),
     (["--temperature", "-1"], "temperature"),
+    (["--presence-penalty", "3"], "presence_penalty"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--device", "tpu"], "device"),
 ])
@@ -180,3 +181,12 @@ def test_generate_equals_the_python_api(capsys, tiny_model_dir):
         "def step(self):", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)[0]
     assert code == 0 and json.loads(out)["token_ids"] == api.token_ids
     assert json.loads(out)["text"] == api.text
+    penalties = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=3,
+                     bad_words=["self"])
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in penalties.items() if k != "bad_words"] + ["--bad-word", "self"]
+    code, out, _ = run(capsys, "generate", "def step(self):", "--model", model, "--max-tokens", "9",
+                       "--ignore-eos", "--json", "--dtype", "float32", "--no-chat", *flags, *TINY_ARGS)
+    api = LLM32(model, num_kv_blocks=64, block_size=4).generate(
+        "def step(self):", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, **penalties),
+        use_tqdm=False)[0]
+    assert code == 0 and json.loads(out)["token_ids"] == api.token_ids

@@ -149,7 +149,7 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     step = SchedulerOutput([ScheduledRequest(f"r{i}", list(range(i, i + 1 + i % 3)), context + i,
                                              list(range(7 * i, 7 * i + context // 16 + 1)), params,
                                              sample=i % 4 != 1, num_lookahead=i % 2,
-                                             draft_token_ids=[9] * (i % 2))
+                                             draft_token_ids=[9] * (i % 2), prompt_logits=i % 3 == 0)
                             for i in range(num_reqs)], [])
     # A model drafter's proposals still on rank 0's device follow the message, device to device.
     on_device = DeviceTokenIds(torch.arange(100, 100 + sum(i % 2 for i in range(num_reqs))),
@@ -163,7 +163,7 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     for num_layers, device_ids in ((None, None), (3, None), (None, on_device)):
         got = receive.receive()
         assert got.kind == STEP and got.num_layers == num_layers
-        fields = ("token_ids", "start_pos", "block_table", "sample", "draft_token_ids")
+        fields = ("token_ids", "start_pos", "block_table", "sample", "draft_token_ids", "prompt_logits")
         assert [[getattr(p, f) for f in fields] for p in got.output.scheduled] == \
             [[getattr(p, f) for f in fields] for p in step.scheduled]
         if device_ids is None:
@@ -244,7 +244,9 @@ ENGINE_RUNS = [
          engine=dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=16, max_num_seqs=8,
                      speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False),
          params=[GREEDY, dict(GREEDY, num_speculative_tokens=0),
-                 dict(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)]),
+                 dict(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True),
+                 # the prompt's logits too (every rank computes the same rows), penalties
+                 dict(GREEDY, prompt_logprobs=1, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4)]),
     # the CUDA-graph path's padding (buckets, one query length per step), eagerly; one KV
     # head replicated on both ranks, qkv bias
     dict(name="graphs_kv1", variant="kv1",
