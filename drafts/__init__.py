@@ -22,7 +22,7 @@ from specserve.drafts.eagle import EagleDrafter
 from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
 from specserve.drafts.shipped import is_eagle_head, shares_target_embeddings, shipped_draft_for
-from specserve.errors import SpecserveError
+from specserve.errors import ModelLoadError, SpecserveError
 from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
 from specserve.models.eagle import EagleForCausalLM
 
@@ -54,7 +54,10 @@ def _layerskip(config, target_model, target_hf_config, _tokenizer, device, dtype
 def _draft_model(config, target, target_hf_config, target_tokenizer, device, dtype):
     """A draft checkpoint: the one named, else the draft shipped for this target."""
     if config.draft_model is not None:
-        files = resolve_model(config.draft_model)
+        try:
+            files = resolve_model(config.draft_model)
+        except ModelLoadError as exc:  # say which flag named it: --model may be fine
+            raise ModelLoadError(f"--draft-model {exc}") from None
     else:
         files = shipped_draft_for(config.model)
         if files is None:

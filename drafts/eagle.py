@@ -63,6 +63,11 @@ class EagleDrafter(ModelDrafter):
         super().free(req_id)
         self._features.pop(req_id, None)
 
+    def close(self) -> None:
+        super().close()
+        self.target_runner, self._seen = None, []
+        self._features.clear()
+
     def describe(self) -> str:
         cfg = self.model.config
         return (f"draft_model (EAGLE head: {cfg.num_hidden_layers} layer(s) over the target's hidden "

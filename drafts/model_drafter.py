@@ -91,6 +91,11 @@ class ModelDrafter:
         self._fed.pop(req_id, None)
         self.uniforms.free(req_id)
 
+    def close(self) -> None:
+        if self.runner is not None and not self.shares_target_cache:
+            self.runner.close()  # its own cache (the shared one is the target runner's)
+        self.runner = self.model = None
+
     def cached_tokens(self, req_id: str) -> int:
         """Positions of ``req_id`` whose entries the drafter's own cache holds (drafted ones
         included until the next step clamps them to what the target accepted)."""

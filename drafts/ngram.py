@@ -143,6 +143,9 @@ class NgramDrafter:
             index = self._indexes[req_id] = NgramIndex(self.min_n)
         return index.lookup(tokens, k, self.max_n)
 
+    def close(self) -> None:
+        """Nothing to let go of: n-gram lookup has no model."""
+
     def free(self, req_id: str) -> None:
         self._indexes.pop(req_id, None)
 

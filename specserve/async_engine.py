@@ -157,10 +157,11 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ engine thread side
     def _add(self, prompt, params, req_id, loop, outputs, prompt_from=None) -> None:
+        # A burst onto free sequence slots is not a queue: only what must wait for a slot counts.
         if self.max_queued_requests is not None and \
-                self.engine.scheduler.num_waiting >= self.max_queued_requests:
+                self.engine.scheduler.num_queued >= self.max_queued_requests:
             raise QueueFullError(f"the server's queue is full ({self.max_queued_requests} "
-                                 "requests waiting); retry later")
+                                 "requests waiting for a free slot); retry later")
         self.engine.add_request(prompt, params, req_id, prompt_from)
         self._streams[req_id] = (loop, outputs)
 

@@ -304,10 +304,12 @@ def _generate_with(engine, args, prompt, params) -> int:
                           "finish_reason": final.finish_reason, **stats}))
     else:
         sys.stdout.write("\n")
+        # Speculation off drafts nothing: no acceptance length to report.
+        accepted = (f"acceptance length {stats['mean_acceptance_length']:.2f}, "
+                    if engine.speculator.drafter is not None else "")
         print(f"[{stats['num_output_tokens']} tokens in {stats['elapsed_s']:.2f} s, "
               f"{stats['tokens_per_s']:.1f} tokens/s, TTFT {stats['ttft_s']:.3f} s, "
-              f"acceptance length {stats['mean_acceptance_length']:.2f}, "
-              f"finish_reason={final.finish_reason}]", file=sys.stderr)
+              f"{accepted}finish_reason={final.finish_reason}]", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,7 @@
 """LLMEngine (add_request / step / abort) and the offline ``LLM`` API on top of it."""
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from specserve.loader import build_model, eos_token_ids, load_hf_config, load_to
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
 from specserve.outputs import OutputProcessor, RequestOutput
-from specserve.prompts import chat_prompt_ids, tokenize_prompt
+from specserve.prompts import chat_prompt_ids, check_text, tokenize_prompt
 from specserve.request import FinishReason, Request
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
@@ -144,6 +145,8 @@ class LLMEngine:
         ``prompt_from``: a request with the same prompt (another choice of the same prompt);
         while it is queued or running, this one waits for it to compute the prompt and
         shares its blocks (one that has ended left them in the prefix cache)."""
+        if self.runner.closed:
+            raise SpecserveError("this engine was shut down")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -179,6 +182,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary of {vocab}")
         words: list[list[int]] = []
         for word in params.bad_words:
+            check_text(word, "a bad word")
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             words.append(plain)
@@ -312,11 +316,26 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the other ranks of a tensor-parallel engine (they return from
-        ``run_worker``) and free CUDA graphs; the engine cannot step afterwards."""
+        ``run_worker``), free the CUDA graphs, and let go of the KV caches and the models
+        (the target's and the drafter's), so their memory is freed; the engine cannot step
+        afterwards. Idempotent."""
         if self._release_ranks is not None:
             self._release_ranks()  # runs runner.close() once and lets go of the runner
         else:
             self.runner.close()
+        if self.speculator.drafter is not None:
+            self.speculator.drafter.close()
+        if self.device.type == "cuda":
+            gc.collect()  # cycles the closed objects were part of (a module and its hooks)
+            torch.cuda.empty_cache()  # what torch's allocator kept back goes to the driver
+
+    close = shutdown
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -344,14 +363,29 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Free the engine's memory (KV cache, models, CUDA graphs); see ``LLMEngine.shutdown``."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt as one continuous batch; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, Sequence) else [
-            sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        elif sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
@@ -359,9 +393,10 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except ValueError:
-            for req_id in ids:  # all or nothing: a bad prompt queues none of the batch
-                self.engine.abort(req_id)
-            self.engine.step()
+            if ids:  # all or nothing: a bad prompt queues none of the batch
+                for req_id in ids:
+                    self.engine.abort(req_id)
+                self.engine.step()
             raise
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:

@@ -229,12 +229,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def close(self) -> None:
-        """Tell the other ranks to stop (rank 0) and free the CUDA graphs, which hold on to
-        the NCCL communicator until they go. Idempotent."""
+        """Tell the other ranks to stop (rank 0), free the CUDA graphs (they hold on to the
+        NCCL communicator until they go), and let go of the KV cache and the model, so their
+        memory is freed once nothing else holds them. Idempotent."""
         if self.channel is not None:
             self.channel.send_shutdown()
             self.channel = None
         self.graphs = None
+        self.kv_storage = self.kv_caches = self.last_hidden = self.last_pass = None
+        self.model = None
         self.closed = True
 
     def prepare(self, output: SchedulerOutput, device_ids: DeviceTokenIds | None = None) -> ForwardBatch:

@@ -8,10 +8,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def check_text(text: str, what: str = "prompt") -> str:
+    """``text``, or ValueError when it cannot be encoded as UTF-8 (a lone surrogate such as
+    ``"\\ud800"``, which JSON allows and a tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid text: {exc.reason} at character {exc.start} "
+                         f"({text[exc.start]!r})") from None
+    return text
+
+
 def tokenize_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> tuple[str | None, list[int]]:
-    """``(text or None, token ids)``; ValueError for an empty, ill-typed or out-of-vocabulary prompt."""
+    """``(text or None, token ids)``; ValueError for an empty, ill-typed, invalid (a lone
+    surrogate) or out-of-vocabulary prompt."""
     if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
+        token_ids = tokenizer.encode(check_text(prompt))
         text = prompt
         if token_ids and max(token_ids) >= vocab_size:
             raise ValueError(f"the tokenizer produced token id {max(token_ids)}, outside the "
@@ -40,4 +52,4 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     except Exception as exc:  # jinja errors from a conversation the template refuses
         raise ValueError(f"the chat template failed on these messages: {exc}") from None
     # The template already wrote any special tokens it wants as text.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(check_text(text, "a message"), add_special_tokens=False)["input_ids"]

@@ -1,12 +1,13 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs allows 20)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
@@ -24,6 +25,9 @@ class SamplingParams:
     the stop tokens out (and stop strings unchecked) until that many tokens are out;
     ``bad_words`` never completes one of these words (each tokenised as it would start
     the text and after a space).
+
+    Frozen: a field cannot be reassigned after validation (make a new one, or
+    ``dataclasses.replace``, which validates again).
 
     ``logprobs``: report each output token's log-probability and the ``logprobs`` likeliest
     tokens' (0: the chosen token's alone); ``prompt_logprobs`` the same for each prompt
@@ -52,21 +56,21 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", [self.stop])
         _check(self.stop is None or isinstance(self.stop, (list, tuple)),
                f"stop must be a string or a list of strings, got {self.stop!r}")
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        self.stop = list(self.stop or [])
+        object.__setattr__(self, "stop", list(self.stop or []))
         if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
+            object.__setattr__(self, "bad_words", [self.bad_words])
         _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
-        self.bad_words = list(self.bad_words)
+        object.__setattr__(self, "bad_words", list(self.bad_words))
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict),
                f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
-        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias) if self.logit_bias else None)
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         self._validate()
 
     def _validate(self) -> None:
@@ -125,7 +129,8 @@ class SamplingParams:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+    """A finite int or float (not a bool, NaN or an infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_int(x: object) -> bool:

@@ -167,6 +167,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the free sequence slots: those that must wait for a
+        running one to end (the others can start at the next step, blocks allowing)."""
+        return max(0, len(self.waiting) - max(0, self.max_num_seqs - len(self.running)))
+
     # ------------------------------------------------------------------ the step
     def schedule(self, num_draft_tokens: dict[str, int] | None = None) -> SchedulerOutput:
         """Plan one step. ``num_draft_tokens`` maps a decoding request to its k_i."""

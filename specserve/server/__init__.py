@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``specserve serve`` (see ``app.py`` for the API)."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import socket
@@ -32,6 +33,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
     host, port = sock.getsockname()[:2]
     logger.info("serving %s on http://%s:%d/v1%s", served_model_name or engine.engine.model_name,
                 host, port, " (API key required)" if api_key else "")
+    if not api_key and not _loopback(host):
+        logger.warning("listening on %s with no API key: anyone who can reach this port can use the "
+                       "model (set --api-key or $SPECSERVE_API_KEY)", host)
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # uvicorn stops accepting at once; what is still running when the timeout ends
@@ -45,9 +49,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
 
     server = Server(uvicorn.Config(app, log_level=log_level,
                                    timeout_graceful_shutdown=shutdown_timeout + 5))
-    if engine.engine.tp.size > 1 and threading.current_thread() is threading.main_thread():
-        # uvicorn re-raises SIGTERM after its graceful shutdown; let that end this
-        # function rather than the process, so the other ranks are released below.
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises SIGTERM after its graceful shutdown; let that end this function
+        # rather than the process (the other ranks of tensor parallelism are released
+        # below), and the process with 0: the shutdown asked for is done.
         signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run(sockets=[sock])
@@ -56,8 +61,16 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
         engine.engine.shutdown()    # then release the other tensor-parallel ranks, if any
 
 
-def _exit_on_signal(signum, _frame) -> None:
-    raise SystemExit(128 + signum)
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an address this server bound) is reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _exit_on_signal(_signum, _frame) -> None:
+    raise SystemExit(0)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

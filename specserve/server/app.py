@@ -26,7 +26,7 @@ from specserve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullErr
 from specserve.logprobs import TokenLogprob
 from specserve.metrics import SpecDecodeStats
 from specserve.outputs import RequestOutput
-from specserve.prompts import chat_prompt_ids, tokenize_prompt
+from specserve.prompts import chat_prompt_ids, check_text, tokenize_prompt
 from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -39,13 +39,14 @@ class APIError(Exception):
     """An OpenAI-style error answer."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -82,9 +83,15 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, exc: RequestValidationError):
+    async def _invalid(req, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":  # its loc is the character where parsing stopped
+            where = f" at character {loc[0]}" if loc else ""
+            return APIError(400, f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'invalid')}"
+                                 f"{where})").response()
+        if "json" not in req.headers.get("content-type", ""):
+            return APIError(400, "send the body as JSON, with 'Content-Type: application/json'").response()
         if err.get("type") == "extra_forbidden":  # an allowlist: a field nobody declared
             message = f"{'.'.join(loc)}: unknown field; this server takes the fields in docs/server.md"
         else:
@@ -245,7 +252,7 @@ class _PromptEncoder:
         """A text's token ids, fitting or not (``/tokenize``)."""
         if add_special_tokens:
             return tokenize_prompt(self.tokenizer, text, self.vocab_size)[1]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(check_text(text), add_special_tokens=False)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
@@ -288,9 +295,11 @@ class _Run:
     async def start(self) -> None:
         """Queue every prompt, or none: a refusal aborts those already queued."""
         limit, wanted = self.engine.max_queued_requests, len(self.prompt_ids) * self.n
-        if limit is not None and wanted > limit:  # it could never be queued: no use retrying
-            raise APIError(400, f"this request asks for {wanted} choices; the server queues at most {limit}",
-                           param="n")
+        if limit is not None:  # more than the queue and every slot: no use retrying
+            room = limit + self.engine.engine.scheduler.max_num_seqs
+            if wanted > room:
+                raise APIError(400, f"this request asks for {wanted} choices; the server runs and queues "
+                               f"at most {room}", param="n")
         try:
             for i, ids in enumerate(self.prompt_ids):
                 first = f"{self.id}-{i * self.n}"
@@ -300,7 +309,9 @@ class _Run:
         except BaseException as exc:
             self.abort()
             if isinstance(exc, QueueFullError):
-                raise APIError(429, str(exc), "rate_limit_error", code="queue_full") from None
+                # A queued request takes about a second or two on a small model: come back then.
+                raise APIError(429, str(exc), "rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"}) from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), "service_unavailable") from None
             if isinstance(exc, ValueError):
@@ -538,8 +549,15 @@ class _CompletionView:
 
 
 # ---------------------------------------------------------------------- access and limits
+# Routes that need no API key: probes and metrics scrapers rarely carry one, and neither
+# says anything about the requests served. Everything else (the API, /tokenize, /docs and
+# /openapi.json included) needs the key when one is set.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
 class _GuardMiddleware:
-    """API key on /v1/* (401) and a request-body limit (413), before any route runs.
+    """API key on every route but ``OPEN_PATHS`` (401) and a request-body limit (413),
+    before any route runs.
 
     The body is read here (at most ``max_body_bytes``) and replayed to the app; after it,
     ``receive`` is the server's own, so disconnects still reach the app.
@@ -551,7 +569,7 @@ class _GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             return await _send_error(send, 401, "missing or invalid API key: send "
                                      "'Authorization: Bearer <key>'", "invalid_request_error",
                                      "invalid_api_key")

@@ -82,5 +82,8 @@ class Drafter(Protocol):
     def free(self, req_id: str) -> None:
         """Forget a finished request."""
 
+    def close(self) -> None:
+        """Let go of the drafter's model and cache (the engine is shutting down)."""
+
     def describe(self) -> str:
         """One line for the start-up log."""

@@ -5,6 +5,7 @@ one outcome per request (``keep_best_paths``), and tells it what each request's 
 to (``record``) and what the step cost (``observe``)."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
+
+logger = logging.getLogger("specserve")
 
 # The start-up profile weighs this much against a live step: it times passes alone, live
 # steps the host work around them too, but it varies what a steady state does not.
@@ -262,7 +265,12 @@ class Speculator:
                  for batch in batches for num_drafting in sorted({0, 1, batch})]
         plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
         plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
-        for batch, num_drafting, context, each in plans:
+        # Each pass runs twice, the first to warm up, where shapes cost something the first
+        # time (a GPU's kernels and graphs); on a CPU only the first pass is warmed up.
+        repeats = 2 if self.runner.device.type == "cuda" else 1
+        logger.info("timing %d verify passes to seed adaptive speculation's cost model", len(plans))
+        began = time.perf_counter()
+        for n, (batch, num_drafting, context, each) in enumerate(plans):
             drafts = [each if i < num_drafting else 0 for i in range(batch)]
             if batch + sum(drafts) > c.max_num_batched_tokens:
                 continue
@@ -275,7 +283,7 @@ class Speculator:
             step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
                                                      greedy, num_lookahead=d, draft_token_ids=[0] * d)
                                     for i, d in zip(ids, drafts)], [])
-            for _ in range(2):  # the first run warms up
+            for _ in range(2 if n == 0 else repeats):  # the last run is the one timed
                 start = time.perf_counter()
                 self.runner.execute(step).argmax(-1).tolist()
                 elapsed = time.perf_counter() - start
@@ -286,4 +294,5 @@ class Speculator:
             for i in ids:
                 self.kv.free(i)
         self.controller.costs.target.anchor(weight=PROFILE_WEIGHT)
+        logger.info("cost model seeded in %.1f s", time.perf_counter() - began)
 
