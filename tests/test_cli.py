@@ -36,12 +36,15 @@ def test_generate_json_and_stream_agree(capsys, tiny_model_dir):
                          "--ignore-eos", *TINY_ARGS)
     assert code == 0 and out == result["text"] + "\n"
     assert "7 tokens" in err and "tokens/s" in err
+    assert "acceptance length" not in err  # speculation off drafts nothing (#35)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/model"], "no such file or directory"),
     (["--temperature", "-1"], "temperature"),
     (["--presence-penalty", "3"], "presence_penalty"),
+    (["--speculative-method", "draft_model", "--draft-model", "/no/such/draft"],
+     "--draft-model /no/such/draft: no such file"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--device", "tpu"], "device"),
 ])

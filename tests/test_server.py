@@ -592,6 +592,13 @@ def test_sigterm_aborts_what_outlives_the_timeout(chat_model_dir):
     assert "abort" in reasons  # 4 x 400 tokens one at a time outlive half a second
 
 
+def test_serving_beyond_loopback_without_a_key_is_flagged():
+    from specserve.server import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("10.1.2.3")
+
+
 def test_busy_port_is_a_usage_error(chat_model_dir):
     import socket
 
