@@ -948,3 +948,29 @@ def test_penalties_bias_and_min_tokens_through_the_server(server):
     word = tokenizer.decode([stop])
     banned = httpx.post(server.url + "/v1/completions", json={**body, "bad_words": [word], "logprobs": 0}).json()
     assert banned["choices"][0]["text"] != base and word not in banned["choices"][0]["logprobs"]["tokens"]
+
+
+def test_tokenising_a_large_prompt_blocks_no_other_request(server, monkeypatch):
+    """#35: prompts are tokenised off the event loop, so /health and other streams are
+    served meanwhile; one too long by its bytes alone is refused before tokenising."""
+    import specserve.server.app as app_module
+
+    real = app_module.tokenize_prompt
+    monkeypatch.setattr(app_module, "tokenize_prompt",
+                        lambda *args: (time.sleep(2.0), real(*args))[1])  # a slow tokenizer
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            slow = asyncio.create_task(http.post("/v1/completions", json={"prompt": "a b", "max_tokens": 2}))
+            await asyncio.sleep(0.3)  # the slow request is tokenising now
+            start = time.monotonic()
+            health = await http.get("/health")
+            waited = time.monotonic() - start
+            return (await slow).status_code, health.status_code, waited
+
+    slow_status, health_status, waited = asyncio.run(main())
+    assert slow_status == 200 and health_status == 200 and waited < 1.0
+    monkeypatch.setattr(app_module, "tokenize_prompt", lambda *args: pytest.fail("tokenised"))
+    huge = "word " * 400_000  # 2 MB: more tokens than max_model_len (256) by its bytes alone
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": huge, "max_tokens": 2})
+    assert r.status_code == 400 and "bytes make at least" in r.json()["error"]["message"]

@@ -13,6 +13,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -72,6 +73,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         try:
             yield
         finally:
+            prompts.close()
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="specserve", lifespan=lifespan)
@@ -128,9 +130,10 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         check_request(body)
         with _bad_input():
             if body.messages is not None:
-                ids = prompts.chat_ids([m.as_dict() for m in body.messages], body.add_generation_prompt)
+                ids = await prompts.run(prompts.chat_ids, [m.as_dict() for m in body.messages],
+                                        body.add_generation_prompt)
             else:
-                ids = prompts.text_ids(body.prompt, body.add_special_tokens)
+                ids = await prompts.run(prompts.text_ids, body.prompt, body.add_special_tokens)
         strs = prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -162,7 +165,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         with _bad_input():
             params = [body.sampling_params(None, choice) for choice in range(body.num_generated)]
             prompt_list = body.prompts()
-            prompt_ids = [prompts.encode(p, params[0].max_tokens) for p in prompt_list]
+            prompt_ids = await prompts.run(lambda: [prompts.encode(p, params[0].max_tokens) for p in prompt_list])
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
         view = _CompletionView(body, prompts.token_text, prompts.decode_prompt(prompt_list, prompt_ids), run.n)
@@ -182,7 +185,8 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         check_request(body)
         with _bad_input():
             params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
-            prompt_ids = [prompts.encode_chat(body.conversation(), params[0].max_tokens)]
+            conversation = body.conversation()
+            prompt_ids = [await prompts.run(prompts.encode_chat, conversation, params[0].max_tokens)]
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
         logprobs = (lambda lps: _chat_logprobs(lps, params[0].logprobs, prompts.token_text)) \
@@ -235,27 +239,43 @@ class _bad_input:
 
 
 class _PromptEncoder:
-    """Tokenises on the event loop and refuses prompts that cannot fit."""
+    """Tokenises off the event loop, in one worker thread with a tokenizer of its own, and
+    refuses prompts that cannot fit: by their bytes alone, before tokenising, where that
+    already proves it (no token is longer than the longest the vocabulary spells)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self._worker_tokenizer = copy.deepcopy(tokenizer)  # the event loop keeps the other (decoding)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenize")
+        self._max_token_bytes = _max_token_bytes(tokenizer)
         self._texts: dict[int, str] = {}
 
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the tokenising thread: the event loop serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def encode(self, prompt, max_tokens: int | None) -> list[int]:
-        _text, ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        if isinstance(prompt, str):
+            self._fits_bytes(len(prompt.encode("utf-8", "surrogatepass")), max_tokens)
+        _text, ids = tokenize_prompt(self._worker_tokenizer, prompt, self.vocab_size)
         return self._fits(ids, max_tokens)
 
     def encode_chat(self, messages: list[dict], max_tokens: int | None) -> list[int]:
-        return self._fits(chat_prompt_ids(self.tokenizer, messages), max_tokens)
+        self._fits_bytes(sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in messages),
+                         max_tokens)
+        return self._fits(chat_prompt_ids(self._worker_tokenizer, messages), max_tokens)
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """A text's token ids, fitting or not (``/tokenize``)."""
+        """A text's token ids, fitting or not (``/tokenize``; on the tokenising thread)."""
         if add_special_tokens:
-            return tokenize_prompt(self.tokenizer, text, self.vocab_size)[1]
-        return self.tokenizer.encode(check_text(text), add_special_tokens=False)
+            return tokenize_prompt(self._worker_tokenizer, text, self.vocab_size)[1]
+        return self._worker_tokenizer.encode(check_text(text), add_special_tokens=False)
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+        return chat_prompt_ids(self._worker_tokenizer, messages, add_generation_prompt)
 
     def token_text(self, token_id: int) -> str:
         """A token's text as the API shows it alone (a piece of a character shows as U+FFFD)."""
@@ -268,6 +288,14 @@ class _PromptEncoder:
         """Each prompt's text: as given, or decoded from its token ids."""
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
 
+    def _fits_bytes(self, num_bytes: int, max_tokens: int | None) -> None:
+        if self._max_token_bytes is None:
+            return
+        at_least = -(-num_bytes // self._max_token_bytes)
+        if at_least + (max_tokens or 1) > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                             f"prompt's {num_bytes} bytes make at least {at_least} tokens")
+
     def _fits(self, ids: list[int], max_tokens: int | None) -> list[int]:
         wanted = len(ids) + (max_tokens or 1)
         if wanted > self.max_model_len:
@@ -275,6 +303,18 @@ class _PromptEncoder:
                              f"the request asks for {wanted} ({len(ids)} in the prompt, "
                              f"{max_tokens or 1} to generate)")
         return ids
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    """An upper bound of the UTF-8 bytes one token stands for: the longest any token of the
+    vocabulary decodes to, and a few more for a leading space a decoder may drop. None
+    without a fast tokenizer's backend (no bound: every prompt is tokenised)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    longest = max((len(backend.decode([i], skip_special_tokens=False).encode("utf-8", "surrogatepass"))
+                   for i in range(backend.get_vocab_size())), default=0)
+    return longest + 4
 
 
 class _Run:
