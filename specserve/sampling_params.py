@@ -13,8 +13,10 @@ class SamplingParams:
 
     temperature 0 is greedy decoding. top_k <= 0 (or -1) and top_p = 1 and min_p = 0 disable
     those filters. ``max_tokens=None`` generates until a stop condition or the model's
-    maximum length. ``seed`` makes a sampled request reproducible whatever else is in the
-    batch.
+    maximum length. ``seed`` keys a sampled request's random numbers, so they do not depend on the
+    batch: in float32 its tokens are the same whatever else is in the batch; in bfloat16
+    the batch changes the logits' rounding, so it repeats exactly only beside the same
+    requests.
 
     Logits processing, applied alike to the target's rows and the draft's (see
     ``logits_process``), with vLLM's meanings: ``presence_penalty`` and
