@@ -50,6 +50,9 @@ class EngineConfig:
     # replay ragged CUDA graphs; longer ones, or all with 0, run eagerly.
     cuda_graph_max_tokens: int = 2048
     attention_backend: str = "auto"      # auto (triton on CUDA, torch on CPU) | torch | triton
+    # CPU: intra-op threads. None: the cores this process may run on (its CPU affinity and
+    # cgroup quota), unless OMP_NUM_THREADS says otherwise.
+    cpu_threads: int | None = None
     # Tensor parallelism: the target model split over this many ranks (one process and
     # one GPU each, started by torchrun); rank 0 runs the engine (see tp_worker.py).
     tensor_parallel_size: int = 1
@@ -71,7 +74,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
-        optional = ("max_model_len", "num_kv_blocks", "layerskip_layers")
+        optional = ("max_model_len", "num_kv_blocks", "layerskip_layers", "cpu_threads")
         for name in positive + optional:
             value = getattr(self, name)
             if value is None and name in optional:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 import time
 import weakref
 from collections import Counter
@@ -14,6 +15,8 @@ from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
 from specserve.config import EngineConfig
+from specserve import cpu_threads
+from specserve.cpu_threads import available_cpus
 from specserve.distributed import init_tensor_parallel
 from specserve.drafts import build_drafter
 from specserve.errors import RanksOutOfStepError, SpecserveError
@@ -55,6 +58,7 @@ class LLMEngine:
             raise SpecserveError(f"rank {self.tp.rank}: the engine runs on rank 0; the other "
                                  "ranks run specserve.tp_worker.run_worker(config)")
         self.device = self.tp.device if self.tp.size > 1 else config.torch_device
+        self.cpu_threads = set_cpu_threads(config.cpu_threads) if self.device.type == "cpu" else None
         self.dtype = config.torch_dtype
         with self.tp.rank_zero_first():  # a GGUF is converted into the cache once
             files = resolve_model(config.model)
@@ -127,13 +131,16 @@ class LLMEngine:
         logger.info(
             "specserve engine ready\n"
             "  model       %s (%s, %.0fM parameters%s)\n"
-            "  device      %s, dtype %s, attention backend %s\n"
+            "  device      %s, dtype %s, attention backend %s%s\n"
             "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB%s)\n"
             "  scheduling  max_num_batched_tokens=%d max_num_seqs=%d max_model_len=%d\n"
             "  speculation %s",
             self.model_name, self.hf_config.architectures[0], params / 1e6, per_rank,
             f"{self.device} (rank 0 of {self.tp.size}, tensor parallel)" if self.tp.size > 1 else self.device,
             str(self.dtype).removeprefix("torch."), backend,
+            f", {self.cpu_threads} threads ({available_cpus()} cores available), which "
+            f"{_WAITS.get(os.environ.get('OMP_WAIT_POLICY', '').upper(), _WAITS[''])} "
+            f"({cpu_threads.wait_reason})" if self.cpu_threads else "",
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block / 2**30, per_rank,
             c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, self.speculator.describe())
@@ -185,6 +192,8 @@ class LLMEngine:
             check_text(word, "a bad word")
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain or any(t >= vocab for t in plain + spaced):
+                raise ValueError(f"bad word {word!r} does not tokenise within the model's vocabulary of {vocab}")
             words.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 words.append(spaced)
@@ -406,6 +415,20 @@ class LLM:
                         final[output.req_id] = output
                         bar.update(1)
         return [final[req_id] for req_id in ids]
+
+
+# How OpenMP's threads wait between parallel regions, by OMP_WAIT_POLICY.
+_WAITS = {"PASSIVE": "sleep at once", "ACTIVE": "spin", "": "spin a while, then sleep"}
+
+
+def set_cpu_threads(wanted: int | None) -> int:
+    """Set torch's intra-op threads: ``wanted``, else ``OMP_NUM_THREADS`` when set, else
+    the cores this process may use (``cpu_threads.available_cpus``). Returns the count."""
+    if wanted is None and not os.environ.get("OMP_NUM_THREADS"):
+        wanted = available_cpus()
+    if wanted is not None and wanted != torch.get_num_threads():
+        torch.set_num_threads(wanted)
+    return torch.get_num_threads()
 
 
 def _engine_kwargs(kwargs: dict) -> dict:

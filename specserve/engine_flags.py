@@ -40,6 +40,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes already computed (shared system "
                         "prompts, earlier turns of a chat); default: on")
+    g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="CPU: intra-op threads (default: the cores this process may use, from its "
+                        "CPU affinity and cgroup quota; OMP_NUM_THREADS if set)")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernels: triton on CUDA, torch (reference) on CPU (default: auto)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,

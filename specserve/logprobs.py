@@ -20,3 +20,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt tokens' only)

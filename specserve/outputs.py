@@ -202,7 +202,8 @@ class OutputProcessor:
             spec_stats=req.spec_stats.copy(),
             logprobs=None if req.logprobs is None else list(req.logprobs),
             delta_logprobs=None if req.logprobs is None else req.logprobs[state.num_emitted_tokens:],
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+            # Complete before the first output and never changed after: shared, not copied.
+            prompt_logprobs=req.prompt_logprobs)
         state.num_emitted_chars, state.num_emitted_tokens = visible, len(token_ids)
         if finished:
             del self._states[req.req_id]

@@ -57,6 +57,22 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return probs
 
 
+def target_logprobs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """``target_probs`` as log-probabilities, computed in log space (no underflow to -inf
+    for a token the filters keep): ``[num_rows, vocab]`` float32, -inf where filtered."""
+    logits = logits.float()
+    temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
+    logits = logits / temperature[:, None]
+    if meta.any_top_k or meta.any_top_p:
+        logits = _top_k_top_p(logits, meta)
+    logprobs = logits.log_softmax(dim=-1)
+    if meta.any_min_p:  # p < min_p * p_max  <=>  log p < log(min_p) + log p_max
+        threshold = meta.min_p.log()[:, None] + logprobs.max(dim=-1, keepdim=True).values
+        logprobs = logprobs.masked_fill(logprobs < threshold, float("-inf"))
+        logprobs = logprobs - logprobs.logsumexp(dim=-1, keepdim=True)
+    return logprobs
+
+
 def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]

@@ -79,6 +79,11 @@ class RequestUpdate(NamedTuple):
     num_planned: int = 0        # draft slots planned (k_i); a drafter may propose fewer
 
 
+# Most rows of logits a prefill chunk keeps for prompt log-probabilities (each row is a
+# vocabulary of float32s: 256 rows of a 128k vocabulary are 128 MiB, copied twice).
+PROMPT_LOGITS_CHUNK = 256
+
+
 class Scheduler:
     """Chooses each step's work under ``max_num_batched_tokens`` and ``max_num_seqs``.
 
@@ -185,7 +190,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit(req))
             k = drafts.get(req.req_id, 0) if num_new == 1 else 0
             if k:
                 k = min(k, budget - num_new, self._max_drafts(req))
@@ -205,7 +210,7 @@ class Scheduler:
                 continue
             hit = self._find_prefix(req)
             num_cached = len(hit.block_ids) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget, self._chunk_limit(req))
             if not self.kv.allocate_slots(req.req_id, num_cached + num_new, hit):
                 break
             del self.waiting[position]
@@ -221,6 +226,13 @@ class Scheduler:
             scheduled.append(planned)
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    @staticmethod
+    def _chunk_limit(req: Request) -> int:
+        """Tokens a request may feed this step beyond the budget's share: a chunk whose
+        every row's logits are kept (prompt log-probabilities) is held to
+        ``PROMPT_LOGITS_CHUNK`` rows, so their memory is bounded whatever the budget."""
+        return PROMPT_LOGITS_CHUNK if req.needs_prompt_logits else 2**31
 
     def _find_prefix(self, req: Request) -> PrefixHit:
         """The cached blocks ``req`` may start from: none where it wants the logits of its

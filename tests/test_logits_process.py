@@ -365,3 +365,36 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(target, hf
     for i, lp in enumerate(outs[0].prompt_logprobs):
         assert lp.token_id == prompt[i + 1] and abs(lp.logprob - ref[i, prompt[i + 1]].item()) < 1e-4
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_logits_chunks_are_bounded_whatever_the_budget(target, hf_target, monkeypatch):
+    """A chunk whose every row's logits are kept is held to PROMPT_LOGITS_CHUNK rows (their
+    memory is a vocabulary of floats each), over as many steps as it takes; the values are
+    the same."""
+    import specserve.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGITS_CHUNK", 16)
+    llm = LLM32(target, max_num_batched_tokens=256, block_size=4, num_kv_blocks=200)
+    chunks = []
+    real = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda *a: (out := real(*a), chunks.extend(
+        len(p.token_ids) for p in out.scheduled if p.prompt_logits))[0]
+    prompt = prompts()[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    assert max(chunks) == 16 and sum(chunks) == len(prompt)
+    with torch.no_grad():
+        ref = hf_target(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert [lp.token_id for lp in out.prompt_logprobs] == prompt[1:]
+    assert max(abs(lp.logprob - ref[i, prompt[i + 1]].item()) for i, lp in enumerate(out.prompt_logprobs)) < 1e-4
+    assert [lp.rank for lp in out.prompt_logprobs] == [int((ref[i] > ref[i, prompt[i + 1]]).sum()) + 1
+                                                       for i in range(len(prompt) - 1)]
+
+
+def test_a_bad_word_outside_the_vocabulary_is_refused(target, monkeypatch):
+    """A tokenizer with added tokens past the model's vocabulary: a bad word made of one is
+    refused, not banned in another row (its flat place would land there)."""
+    engine = LLM32(target, block_size=4, num_kv_blocks=64).engine
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: [600] if "zz" in text else [5])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 2], SamplingParams(bad_words=["zz"]))
+    assert not engine.has_unfinished_requests()

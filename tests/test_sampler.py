@@ -123,3 +123,22 @@ def test_filters_match_transformers_warpers(params, warper):
     want = getattr(transformers, name)(**kwargs)(None, logits.clone()).softmax(-1)
     got = target_probs(logits, meta_for([params] * len(logits)))
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_target_logprobs_are_the_log_of_target_probs_without_underflow():
+    """The processed log-probabilities in log space: the log of target_probs where that is
+    finite, the same tokens filtered, and a kept token far below the best still finite."""
+    from specserve.sampler import SamplingMetadata, target_logprobs, target_probs
+
+    params = [SamplingParams(temperature=0.7, top_k=5, min_p=0.1), SamplingParams(temperature=0),
+              SamplingParams(top_p=0.8), SamplingParams(min_p=0.3, temperature=1.3), SamplingParams()]
+    meta = SamplingMetadata.build(params, torch.device("cpu"))
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 3
+    logits[4, 7] = -200.0  # e^-200: zero in float32 probabilities
+    logp, p = target_logprobs(logits, meta), target_probs(logits, meta)
+    assert torch.equal(torch.isinf(logp[:4]), p[:4] == 0)
+    kept = p > 0
+    torch.testing.assert_close(logp[kept], p[kept].log(), rtol=0, atol=1e-5)
+    plain = SamplingMetadata.build([SamplingParams()], torch.device("cpu"))  # no filter in the batch
+    far = target_logprobs(logits[4:], plain)[0, 7]
+    assert target_probs(logits[4:], plain)[0, 7] == 0 and torch.isfinite(far) and far < -150

@@ -923,6 +923,20 @@ def test_echo_scoring_and_best_of(server):
     means = sorted((sum(c["logprobs"]["token_logprobs"]) / 5, c["text"]) for c in every["choices"])
     assert {c["text"] for c in best["choices"]} == {text for _, text in means[2:]}
     assert [c["index"] for c in best["choices"]] == [0, 1] and best["usage"]["completion_tokens"] == 20
+    # vLLM's prompt_logprobs: per prompt token (null first) its own entry (with its rank) and the top N.
+    given = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2,
+                                                             "stream": False}).json()
+    entries = given["choices"][0]["prompt_logprobs"]
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for token_id, entry, value in zip(prompt_ids[1:], entries[1:], lp.token_logprobs[1:]):
+        own = entry[str(token_id)]
+        assert abs(own["logprob"] - value) < 1e-4 and own["rank"] >= 1 and 2 <= len(entry) <= 3
+        assert sorted(e["rank"] for t, e in entry.items() if t != str(token_id))[:2] == [1, 2] or own["rank"] <= 2
+    streamed = [e for e in sse_events(httpx.post(server.url + "/v1/completions",
+                                                 json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+                                                       "stream": True})) if e != "[DONE]"]
+    assert [e["choices"][0].get("prompt_logprobs") is not None for e in streamed].count(True) == 1
     quiet = httpx.post(server.url + "/v1/completions", json={**body, "n": 1, "best_of": 4, "logprobs": None}).json()
     assert quiet["choices"][0]["logprobs"] is None and quiet["choices"][0]["text"] == means[-1][1]
 

@@ -168,7 +168,8 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             prompt_ids = await prompts.run(lambda: [prompts.encode(p, params[0].max_tokens) for p in prompt_list])
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
-        view = _CompletionView(body, prompts.token_text, prompts.decode_prompt(prompt_list, prompt_ids), run.n)
+        texts = prompts.decode_prompt(prompt_list, prompt_ids) if body.echo else []
+        view = _CompletionView(body, prompts.token_text, texts, run.n)
         if body.stream:
             return _sse(_stream_completion(run, model_name, body.include_usage, view), run)
         outs = await _unless_disconnected(request, run.collect())
@@ -539,6 +540,7 @@ class _CompletionView:
 
     def __init__(self, body: CompletionRequest, text, prompt_texts: list[str], num_generated: int) -> None:
         self.echo, self.logprobs, self.text = bool(body.echo), body.logprobs, text
+        self.prompt_logprobs = body.prompt_logprobs
         self.scores_only, self.prompt_texts, self.num_generated = body.scores_only, prompt_texts, num_generated
         self._offsets: dict[int, int] = {}   # streaming: text offset reached per choice
 
@@ -547,8 +549,11 @@ class _CompletionView:
         if self.scores_only:
             text, lps, finish = "", [], "length"
         lead = self.prompt_texts[prompt] if self.echo else ""
-        return {"index": index, "text": lead + text, "finish_reason": finish,
-                "logprobs": self._logprobs(out, lps, self.echo, 0)}
+        choice = {"index": index, "text": lead + text, "finish_reason": finish,
+                  "logprobs": self._logprobs(out, lps, self.echo, 0)}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        return choice
 
     def delta(self, index: int, out: RequestOutput) -> dict | None:
         """A streamed choice's chunk (None: nothing new); the prompt comes with its first."""
@@ -566,7 +571,23 @@ class _CompletionView:
         if not (text or out.finished or (logprobs and logprobs["tokens"]) or echo):
             return None
         finish = ("length" if self.scores_only else out.finish_reason) if out.finished else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        return choice
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map
+        from token id to its log-probability, rank (the prompt token's own) and text: the
+        prompt token and the ``prompt_logprobs`` likeliest."""
+        entries: list[dict | None] = [None]
+        for lp in out.prompt_logprobs or ():
+            entry = {str(t): {"logprob": _finite(v), "rank": i + 1, "decoded_token": self.text(t)}
+                     for i, (t, v) in enumerate(lp.top[:self.prompt_logprobs])}
+            entry[str(lp.token_id)] = {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": self.text(lp.token_id)}
+            entries.append(entry)
+        return entries
 
     def _logprobs(self, out: RequestOutput, lps, with_prompt: bool, offset: int) -> dict | None:
         if self.logprobs is None:

@@ -27,7 +27,7 @@ import torch
 
 from specserve.logits_process import RowHistory, process_rows
 from specserve.logprobs import TokenLogprob
-from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
+from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_logprobs, target_probs
 from specserve.sampling_params import SamplingParams
 from specserve.transfer import to_device
 
@@ -178,7 +178,7 @@ class RejectionSampler:
             row_params = [r.params for r, n in zip(requests, rows_per_req) if r.params.logprobs is not None
                           for _ in range(n)]
             meta = SamplingMetadata.build(row_params, raw.device)
-            source = target_probs(processed.index_select(0, rows_t), meta).log()
+            source = target_logprobs(processed.index_select(0, rows_t), meta)
         else:
             source = raw.index_select(0, rows_t).float().log_softmax(dim=-1)
         of_emitted = source.gather(1, emitted.index_select(0, rows_t)[:, None])[:, 0]
@@ -236,7 +236,8 @@ def _prompt_logprobs(prompt: PromptRows) -> list[torch.Tensor]:
     likeliest tokens' (``max(num_top)`` per row)."""
     source = prompt.logits.float().log_softmax(dim=-1)
     (next_t,) = to_device([prompt.next_token_ids], torch.int64, source.device)
-    parts = [source.gather(1, next_t[:, None])[:, 0]]
+    of_next = source.gather(1, next_t[:, None])
+    parts = [of_next[:, 0], (source > of_next).sum(dim=-1) + 1]
     top = max(prompt.num_top, default=0)
     if top:
         values, ids = source.topk(top, dim=-1)
@@ -246,8 +247,9 @@ def _prompt_logprobs(prompt: PromptRows) -> list[torch.Tensor]:
 
 def _prompt_logprobs_of(prompt: PromptRows, packed: list[float]) -> list[TokenLogprob]:
     n, top = len(prompt.next_token_ids), max(prompt.num_top, default=0)
-    ids, values = packed[n:n + n * top], packed[n + n * top:]
-    return [TokenLogprob(token, packed[r], tuple((int(ids[r * top + i]), values[r * top + i]) for i in range(want)))
+    ranks, ids, values = packed[n:2 * n], packed[2 * n:2 * n + n * top], packed[2 * n + n * top:]
+    return [TokenLogprob(token, packed[r], tuple((int(ids[r * top + i]), values[r * top + i]) for i in range(want)),
+                         int(ranks[r]))
             for r, (token, want) in enumerate(zip(prompt.next_token_ids, prompt.num_top))]
 
 
