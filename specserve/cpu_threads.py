@@ -85,6 +85,16 @@ def _cpu_times() -> list[int] | None:
 wait_reason = "torch was loaded before specserve"
 
 
+# How OpenMP's threads wait between parallel regions, by OMP_WAIT_POLICY.
+_WAITS = {"PASSIVE": "sleep at once", "ACTIVE": "spin", "": "spin a while, then sleep"}
+
+
+def waiting() -> str:
+    """How OpenMP's threads wait, and why (for the start-up log)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    return f"{_WAITS.get(policy, _WAITS[''])} ({wait_reason})"
+
+
 def choose_wait_policy() -> None:
     """Set ``OMP_WAIT_POLICY`` from ``wait_policy``: call before torch is imported."""
     global wait_reason

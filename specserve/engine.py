@@ -15,8 +15,7 @@ from tqdm.auto import tqdm
 
 from specserve.attention import get_backend
 from specserve.config import EngineConfig
-from specserve import cpu_threads
-from specserve.cpu_threads import available_cpus
+from specserve.cpu_threads import available_cpus, waiting
 from specserve.distributed import init_tensor_parallel
 from specserve.drafts import build_drafter
 from specserve.errors import RanksOutOfStepError, SpecserveError
@@ -138,9 +137,8 @@ class LLMEngine:
             self.model_name, self.hf_config.architectures[0], params / 1e6, per_rank,
             f"{self.device} (rank 0 of {self.tp.size}, tensor parallel)" if self.tp.size > 1 else self.device,
             str(self.dtype).removeprefix("torch."), backend,
-            f", {self.cpu_threads} threads ({available_cpus()} cores available), which "
-            f"{_WAITS.get(os.environ.get('OMP_WAIT_POLICY', '').upper(), _WAITS[''])} "
-            f"({cpu_threads.wait_reason})" if self.cpu_threads else "",
+            f", {self.cpu_threads} threads ({available_cpus()} cores available), which {waiting()}"
+            if self.cpu_threads else "",
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block / 2**30, per_rank,
             c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, self.speculator.describe())
@@ -415,10 +413,6 @@ class LLM:
                         final[output.req_id] = output
                         bar.update(1)
         return [final[req_id] for req_id in ids]
-
-
-# How OpenMP's threads wait between parallel regions, by OMP_WAIT_POLICY.
-_WAITS = {"PASSIVE": "sleep at once", "ACTIVE": "spin", "": "spin a while, then sleep"}
 
 
 def set_cpu_threads(wanted: int | None) -> int:

@@ -44,12 +44,7 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     logits ``[num_rows, vocab]`` -> probs ``[num_rows, vocab]`` float32. Greedy rows get
     temperature 1 here; samplers take their argmax instead.
     """
-    logits = logits.float()
-    temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
-    logits = logits / temperature[:, None]
-    if meta.any_top_k or meta.any_top_p:
-        logits = _top_k_top_p(logits, meta)
-    probs = logits.softmax(dim=-1)
+    probs = _filtered_logits(logits, meta).softmax(dim=-1)
     if meta.any_min_p:
         threshold = meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
@@ -60,17 +55,21 @@ def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def target_logprobs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """``target_probs`` as log-probabilities, computed in log space (no underflow to -inf
     for a token the filters keep): ``[num_rows, vocab]`` float32, -inf where filtered."""
-    logits = logits.float()
-    temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
-    logits = logits / temperature[:, None]
-    if meta.any_top_k or meta.any_top_p:
-        logits = _top_k_top_p(logits, meta)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = _filtered_logits(logits, meta).log_softmax(dim=-1)
     if meta.any_min_p:  # p < min_p * p_max  <=>  log p < log(min_p) + log p_max
         threshold = meta.min_p.log()[:, None] + logprobs.max(dim=-1, keepdim=True).values
         logprobs = logprobs.masked_fill(logprobs < threshold, float("-inf"))
         logprobs = logprobs - logprobs.logsumexp(dim=-1, keepdim=True)
     return logprobs
+
+
+def _filtered_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """float32 logits over temperature (1 for greedy rows), top-k and top-p applied (-inf)."""
+    temperature = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
+    logits = logits.float() / temperature[:, None]
+    if meta.any_top_k or meta.any_top_p:
+        logits = _top_k_top_p(logits, meta)
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
