@@ -933,10 +933,12 @@ def test_echo_scoring_and_best_of(server):
         own = entry[str(token_id)]
         assert abs(own["logprob"] - value) < 1e-4 and own["rank"] >= 1 and 2 <= len(entry) <= 3
         assert sorted(e["rank"] for t, e in entry.items() if t != str(token_id))[:2] == [1, 2] or own["rank"] <= 2
-    streamed = [e for e in sse_events(httpx.post(server.url + "/v1/completions",
-                                                 json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
-                                                       "stream": True})) if e != "[DONE]"]
-    assert [e["choices"][0].get("prompt_logprobs") is not None for e in streamed].count(True) == 1
+    for extra in ({}, {"echo": True, "logprobs": 1}):  # with nothing else to stream first, and with
+        streamed = [e for e in sse_events(httpx.post(server.url + "/v1/completions",
+                                                     json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+                                                           "stream": True, **extra})) if e != "[DONE]"]
+        sent = [e["choices"][0]["prompt_logprobs"] for e in streamed if e["choices"][0].get("prompt_logprobs")]
+        assert len(sent) == 1 and len(sent[0]) == len(prompt_ids)
     quiet = httpx.post(server.url + "/v1/completions", json={**body, "n": 1, "best_of": 4, "logprobs": None}).json()
     assert quiet["choices"][0]["logprobs"] is None and quiet["choices"][0]["text"] == means[-1][1]
 

@@ -568,11 +568,12 @@ class _CompletionView:
         logprobs = self._logprobs(out, lps, echo, offset)
         if logprobs is not None:
             self._offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-        if not (text or out.finished or (logprobs and logprobs["tokens"]) or echo):
+        with_prompt_logprobs = first and self.prompt_logprobs is not None
+        if not (text or out.finished or (logprobs and logprobs["tokens"]) or echo or with_prompt_logprobs):
             return None
         finish = ("length" if self.scores_only else out.finish_reason) if out.finished else None
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if self.prompt_logprobs is not None and first:
+        if with_prompt_logprobs:
             choice["prompt_logprobs"] = self._prompt_logprobs(out)
         return choice
 
