@@ -239,7 +239,7 @@ class _BadWords:
         if self.multi:
             width = self.width
             m_rows = [r for r, _, _ in self.multi]
-            # Prefixes right-aligned to the tail's width; None (-2) compares as equal.
+            # Prefixes right-aligned to the tail's width, padded with -2, which matches anything.
             prefixes = [t for _, prefix, _ in self.multi for t in [-2] * (width - len(prefix)) + prefix]
             m_rows_t, prefixes_t, last_t = to_device([m_rows, prefixes, [t for _, _, t in self.multi]],
                                                      torch.int64, device)
