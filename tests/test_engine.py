@@ -227,6 +227,41 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(t
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
+def test_a_drafter_failing_mid_pass_ends_its_step_and_drafting_goes_on(tiny_model_dir, monkeypatch):
+    """Fault injection (#35): the draft model raises in its third forward of a step (after
+    its cache has caught up and proposed). The step's requests end with an error, every
+    block comes back, and the engine goes on drafting: a later request's greedy output
+    equals plain decoding's and its drafts are accepted."""
+    model = str(tiny_model_dir("llama"))
+    llm = LLM32(model, speculative_method="draft_model", draft_model=model, num_speculative_tokens=3,
+                speculative_adaptive=False, block_size=4, num_kv_blocks=128)
+    engine = llm.engine
+    drafter = engine.speculator.drafter
+    real = drafter._forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:  # step 3's second draft step: step 1 prefilled, step 2 drafted whole
+            raise RuntimeError("draft fell over")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "_forward", flaky)
+    ids = [engine.add_request(p, GREEDY) for p in ([5, 6, 7], [9, 10, 11, 12, 13])]
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.req_id: o for o in engine.step() if o.finished})
+    assert [outs[i].finish_reason for i in ids] == ["error", "error"]
+    assert all("draft fell over" in outs[i].error for i in ids)
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    drafted_before = engine.spec_stats.num_accepted_tokens
+    out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    plain = LLM32(model, block_size=4, num_kv_blocks=128).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == plain.token_ids
+    assert engine.spec_stats.num_accepted_tokens > drafted_before  # a draft = target: every draft kept
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
 def test_max_model_len_is_capped_by_the_kv_cache(tiny_model_dir):
     """A request must be able to finish alone; otherwise it would preempt itself forever."""
     llm = LLM32(str(tiny_model_dir("llama")), num_kv_blocks=2, block_size=4)
