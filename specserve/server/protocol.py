@@ -109,11 +109,11 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int | None = 1                    # choices per prompt (at most MAX_N)
-    # Advisory (ADVISORY).
-    user: str | None = None
     presence_penalty: float | None = None   # 0.0
     frequency_penalty: float | None = None  # 0.0
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    # Advisory (ADVISORY).
+    user: str | None = None
     # Extensions, named as vLLM names them (null: the default): honoured ...
     top_k: int | None = None             # -1: off
     min_p: float | None = None           # 0.0
