@@ -14,7 +14,7 @@ import torch
 
 from specserve.batch import DeviceTokenIds
 from specserve.config import EngineConfig
-from specserve.errors import SpecserveError
+from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
@@ -29,6 +29,9 @@ from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
 
 logger = logging.getLogger("specserve")
+
+# Steps in a row whose drafting raised before speculation is turned off for good.
+MAX_DRAFTER_FAILURES = 3
 
 # The start-up profile weighs this much against a live step: it times passes alone, live
 # steps the host work around them too, but it varies what a steady state does not.
@@ -70,6 +73,7 @@ class Speculator:
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
+        self._failures = 0  # steps in a row whose drafting raised
         if drafter is not None:
             drafter.bind(runner)
             if config.speculative_adaptive:
@@ -153,7 +157,13 @@ class Speculator:
         if not drafts.drafted and not self.drafter.needs_every_step:
             drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
-        proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
+        try:
+            proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
+        except RanksOutOfStepError:
+            raise  # the ranks cannot go on together: the engine ends
+        except Exception:
+            return self._drafting_failed(drafts, start)
+        self._failures = 0
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
         if self.kv.draft_cache is not None and self.kv.enable_prefix_caching:
@@ -163,6 +173,28 @@ class Speculator:
                                                [len(p.draft_token_ids) for p in scheduled.scheduled])
         drafts.probs = proposal.draft_probs
         drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
+        return drafts
+
+    def _drafting_failed(self, drafts: Drafts, start: float) -> Drafts:
+        """The drafter raised: this step verifies no drafts (k = 0 for everyone, lossless as
+        ever), and the step's requests are forgotten by the drafter, whose cache catches
+        them up afresh next step. ``MAX_DRAFTER_FAILURES`` failed steps in a row turn
+        speculation off for good: a drafter that cannot work costs every step its error."""
+        logger.exception("the drafter failed; this step's requests go on without drafts")
+        for planned in drafts.scheduled.scheduled:
+            planned.draft_token_ids = []
+            self.drafter.free(planned.req_id)
+        drafts.drafted = False
+        drafts.draft_s = time.perf_counter() - start
+        self._failures += 1
+        if self._failures >= MAX_DRAFTER_FAILURES:
+            logger.error("the drafter failed %d steps in a row: speculation is off from now on",
+                         self._failures)
+            self.drafter.close()
+            self.drafter = self.controller = None
+            self.kv.draft_cache = None  # prefix hits no longer wait on a draft cache's entries
+            self.max_k = 0
+            self.paths.forks = []
         return drafts
 
     def _mark_draft_cache(self, scheduled: list[ScheduledRequest]) -> None:
