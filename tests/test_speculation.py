@@ -163,7 +163,7 @@ def test_randomized_run_with_aborts_and_preemptions_leaks_nothing(seed, paths, t
     engine = LLMEngine(dtype="float32", model=str(tiny_model_dir("llama")), speculative_method="draft_model",
                        draft_model=str(draft_dirs["small"]), num_speculative_tokens=3,
                        max_num_batched_tokens=24, max_num_seqs=6, block_size=4, num_kv_blocks=36,
-                       num_draft_paths=paths)
+                       num_draft_paths=paths, speculative_adaptive=paths == 1)  # fixed k: paths fork whatever the timings
     forked, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda *args: forked.append(schedule(*args)) or forked[-1]
     finished, submitted = {}, []

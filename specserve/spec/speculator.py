@@ -297,12 +297,9 @@ class Speculator:
                  for batch in batches for num_drafting in sorted({0, 1, batch})]
         plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
         plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
-        # Each pass runs twice, the first to warm up, where shapes cost something the first
-        # time (a GPU's kernels and graphs); on a CPU only the first pass is warmed up.
-        repeats = 2 if self.runner.device.type == "cuda" else 1
         logger.info("timing %d verify passes to seed adaptive speculation's cost model", len(plans))
         began = time.perf_counter()
-        for n, (batch, num_drafting, context, each) in enumerate(plans):
+        for batch, num_drafting, context, each in plans:
             drafts = [each if i < num_drafting else 0 for i in range(batch)]
             if batch + sum(drafts) > c.max_num_batched_tokens:
                 continue
@@ -315,7 +312,7 @@ class Speculator:
             step = SchedulerOutput([ScheduledRequest(i, [0], context, list(self.kv.block_table(i)),
                                                      greedy, num_lookahead=d, draft_token_ids=[0] * d)
                                     for i, d in zip(ids, drafts)], [])
-            for _ in range(2 if n == 0 else repeats):  # the last run is the one timed
+            for _ in range(2):  # the first run warms up
                 start = time.perf_counter()
                 self.runner.execute(step).argmax(-1).tolist()
                 elapsed = time.perf_counter() - start
