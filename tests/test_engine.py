@@ -227,18 +227,20 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_engine_goes_on(t
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
-@pytest.mark.parametrize("failures", [1, 3])
-def test_a_drafter_that_fails_costs_its_step_the_drafts_not_the_requests(tiny_model_dir, monkeypatch, failures):
+@pytest.mark.parametrize("failures, paths", [(1, 1), (3, 1), (3, 3)])
+def test_a_drafter_that_fails_costs_its_step_the_drafts_not_the_requests(tiny_model_dir, monkeypatch, failures,
+                                                                       paths):
     """Fault injection (#35): the draft model raises in the middle of its pass (after its
     cache caught up and proposed). The step verifies no drafts and its requests go on:
     greedy output equals plain decoding's, every block comes back. After one failure
     drafting resumes (the drafter catches the requests up afresh); after
-    MAX_DRAFTER_FAILURES in a row speculation is off for good."""
+    MAX_DRAFTER_FAILURES in a row speculation is off for good (the last failed step's draft
+    paths, forked before the failure, are settled and their blocks freed)."""
     from specserve.spec.speculator import MAX_DRAFTER_FAILURES
 
     model = str(tiny_model_dir("llama"))
     llm = LLM32(model, speculative_method="draft_model", draft_model=model, num_speculative_tokens=3,
-                speculative_adaptive=False, block_size=4, num_kv_blocks=128)
+                speculative_adaptive=False, block_size=4, num_kv_blocks=128, num_draft_paths=paths)
     engine = llm.engine
     drafter = engine.speculator.drafter
     real = drafter._forward

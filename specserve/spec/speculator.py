@@ -208,8 +208,9 @@ class Speculator:
     def keep_best_paths(self, drafts: Drafts, result: StepResult) -> tuple[SchedulerOutput, StepResult]:
         """The step as the scheduler should apply it: for a request that verified further
         draft paths, its best path in its own entry's place (the others' blocks freed)."""
-        if not self.paths.forks or not drafts.scheduled.block_copies:
+        if not drafts.scheduled.block_copies:
             return drafts.scheduled, result  # every further path forks with a block copy
+        # (Paths forked this step are settled even where paths were turned off since.)
         scheduled, result, drafts.paths = self.paths.keep_best(drafts.scheduled, result)
         return scheduled, result
 
