@@ -14,7 +14,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.logits_process import LogitsProcess, RowHistory
-from tiny_models import LLM32, make_hf_model, make_tokenizer, save_perturbed
+from tiny_models import LLM32, save_perturbed
 
 V = 40
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=400)
