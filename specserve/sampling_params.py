@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs allows 20)
 
@@ -124,7 +123,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @cached_property  # asked for every request at every step; the params are frozen
+    @property
     def processes_logits(self) -> bool:
         """Whether any logits processing (penalties, bias, min_tokens, bad words) is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
