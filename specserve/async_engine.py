@@ -99,6 +99,7 @@ class AsyncLLMEngine:
         self._num_steps = 0
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        engine.rank_lost_listeners.append(self._rank_lost)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -240,6 +241,12 @@ class AsyncLLMEngine:
                 del self._streams[out.req_id]
             loop, q = stream
             self._put(loop, q, out)
+
+    def _rank_lost(self, why: str) -> None:
+        """(The rank watch's thread) another tensor-parallel rank died: the engine thread
+        may be stuck in a collective for good, so every stream is failed from here."""
+        self.error = why
+        self._fail_all(EngineDeadError(f"the engine stopped: {why}"))
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -173,7 +173,7 @@ def _tensor_parallel_rank(args, argv: list[str]) -> int | None:
     config = _engine_config(args)  # validates the size against the device and its GPUs
     if "WORLD_SIZE" not in os.environ:
         check_tensor_parallel(load_hf_config(resolve_model(config.model)), size)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        command = [sys.executable, "-m", "specserve.launch", "--standalone",
                    f"--nproc-per-node={size}", "-m", "specserve.cli", *argv]
         env = disable_multicast(dict(os.environ))
         if not args.quiet:

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -144,6 +149,9 @@ def init_tensor_parallel(size: int, device: str = "auto", timeout_s: float = 180
         # inside the first CUDA-graph capture.
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": rank_device} if cuda else {}))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
+        _RANK_PROCESSES.update(enumerate(everyone))
     backend = dist.get_backend()
     if backend != ("nccl" if cuda else "gloo"):
         raise SpecserveError(f"the process group uses {backend}, but a {rank_device.type} engine "
@@ -152,6 +160,90 @@ def init_tensor_parallel(size: int, device: str = "auto", timeout_s: float = 180
         raise SpecserveError(f"the process group has {dist.get_world_size()} ranks, "
                              f"tensor_parallel_size is {size}")
     return TPGroup(rank=dist.get_rank(), size=size, device=rank_device)
+
+
+# rank -> (host, pid) of every rank of the group this process joined
+_RANK_PROCESSES: dict[int, tuple[str, int]] = {}
+
+
+def how_process_ended(pid: int) -> str | None:
+    """None while process ``pid`` runs; once it has ended (a zombie its parent has not
+    reaped yet, or gone), how: "was killed by SIGKILL", "exited with code 1", "exited"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "exited"
+    except OSError:  # no /proc: only whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "exited"
+        except PermissionError:
+            pass
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] not in ("Z", "X"):
+        return None
+    status = int(fields[-1])  # exit_code, as waitpid() would report it (Linux >= 3.5)
+    if status & 0x7F:
+        try:
+            name = signal.Signals(status & 0x7F).name
+        except ValueError:
+            name = f"signal {status & 0x7F}"
+        return f"was killed by {name}"
+    return f"exited with code {status >> 8}"
+
+
+class RankWatch:
+    """Rank 0's watch over the other ranks' processes on this host: a daemon thread that
+    looks every ``interval`` seconds and calls ``on_lost(why)`` once when one has ended —
+    the collectives would otherwise wait for it (NCCL: until the group's timeout).
+    ``releasing()`` before the ranks are told to stop: a rank that then exits cleanly
+    ends the watch instead; ``stop()`` ends it."""
+
+    def __init__(self, tp: TPGroup, on_lost: Callable[[str], None], interval: float = 0.2) -> None:
+        host = socket.gethostname()
+        self._ranks = [(rank, pid) for rank, (rank_host, pid) in sorted(_RANK_PROCESSES.items())
+                       if rank != tp.rank and rank_host == host]
+        self._on_lost, self._interval = on_lost, interval
+        self._stopped, self._releasing = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="specserve-rank-watch", daemon=True)
+        if self._ranks:
+            self._thread.start()
+
+    def releasing(self) -> None:
+        self._releasing = True
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def check(self) -> str | None:
+        """Why the group is broken (a rank's process ended, and how), or None."""
+        for rank, pid in self._ranks:
+            how = how_process_ended(pid)
+            if how is not None:
+                return f"tensor-parallel rank {rank} (pid {pid}) {how}"
+        return None
+
+    def wait(self, timeout: float) -> str | None:
+        """``check()`` until it has an answer or ``timeout`` seconds have passed: a
+        collective that failed because a rank died may fail before the rank is seen gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            why = self.check()
+            if why is not None or time.monotonic() >= deadline:
+                return why
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            why = self.check()
+            if why is None:
+                continue
+            if not (self._releasing and why.endswith("exited with code 0")) and not self._stopped.is_set():
+                self._on_lost(why)
+            return
 
 
 def destroy_tensor_parallel() -> None:

@@ -8,7 +8,7 @@ import os
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from specserve.attention import get_backend
 from specserve.config import EngineConfig
 from specserve.cpu_threads import available_cpus, waiting
-from specserve.distributed import init_tensor_parallel
+from specserve.distributed import RankWatch, init_tensor_parallel
 from specserve.drafts import build_drafter
 from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.heap import freeze_heap
@@ -35,6 +35,10 @@ from specserve.spec.speculator import Drafts, Speculator
 
 logger = logging.getLogger("specserve")
 
+# Seconds between learning that another tensor-parallel rank's process ended and this
+# process ending: time for the server to send every open stream its error.
+RANK_LOST_GRACE_S = 1.0
+
 
 class LLMEngine:
     """One model on one device, stepping a continuous batch.
@@ -46,7 +50,8 @@ class LLMEngine:
     With ``tensor_parallel_size`` N > 1 the engine is rank 0 of N processes started by
     torchrun: it holds its shard of the target model, and its runner has the other ranks
     (``tp_worker.run_worker``) run every forward pass with it. Drafting, sampling and
-    scheduling happen here only. ``shutdown()`` releases the other ranks.
+    scheduling happen here only. ``shutdown()`` releases the other ranks. If another
+    rank's process ends first, this one logs which and how, and exits with code 1.
     """
 
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
@@ -74,9 +79,15 @@ class LLMEngine:
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
                                   max_useful_blocks=useful, tp=self.tp)
-        # The other ranks wait for rank 0's word: release them even if shutdown() is
-        # never called (at garbage collection or exit).
-        self._release_ranks = weakref.finalize(self, self.runner.close) if self.tp.size > 1 else None
+        # Told why before this process ends because another rank's process did (the
+        # server fails every request with it); see _rank_lost.
+        self.rank_lost_listeners: list[Callable[[str], None]] = []
+        self._release_ranks = self._rank_watch = None
+        if self.tp.size > 1:
+            self._rank_watch = watch = RankWatch(self.tp, self._rank_lost)
+            # The other ranks wait for rank 0's word: release them even if shutdown() is
+            # never called (at garbage collection or exit).
+            self._release_ranks = weakref.finalize(self, _release_ranks, watch, self.runner)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  draft_cache=drafter.draft_cache if drafter else None)
@@ -93,6 +104,20 @@ class LLMEngine:
         self._ids = itertools.count()
         self._log_startup(backend.name)
         freeze_heap()
+
+    def _rank_lost(self, why: str) -> None:
+        """Another rank's process has ended: no collective can complete again (NCCL would
+        wait out the group's timeout), so this process ends too, with exit code 1, after
+        telling ``rank_lost_listeners`` and giving them RANK_LOST_GRACE_S to pass it on."""
+        logger.error("%s: the tensor-parallel engine cannot go on; this process exits", why)
+        for listener in self.rank_lost_listeners:
+            try:
+                listener(why)
+            except Exception:
+                logger.exception("a listener to the lost rank failed")
+        time.sleep(RANK_LOST_GRACE_S)
+        logging.shutdown()
+        os._exit(1)
 
     def enable_graphs(self, capture: bool = True) -> None:
         """CUDA graphs for the target's decode/verify steps and the drafter's steps
@@ -231,8 +256,11 @@ class LLMEngine:
         try:
             drafts = self.speculator.propose(scheduled, self.scheduler)
             result = self._verify(drafts)
-        except RanksOutOfStepError:
-            raise  # the ranks cannot go on together: end the engine, not just the step
+        except RanksOutOfStepError as exc:  # the ranks cannot go on together: end the engine
+            why = self._rank_watch.wait(RANK_LOST_GRACE_S / 2) if self._rank_watch else None
+            if why is not None:  # say which rank, not just which collective failed
+                raise RanksOutOfStepError(why) from exc
+            raise
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
@@ -327,7 +355,7 @@ class LLMEngine:
         (the target's and the drafter's), so their memory is freed; the engine cannot step
         afterwards. Idempotent."""
         if self._release_ranks is not None:
-            self._release_ranks()  # runs runner.close() once and lets go of the runner
+            self._release_ranks()  # runs _release_ranks once and lets go of the runner
         else:
             self.runner.close()
         if self.speculator.drafter is not None:
@@ -413,6 +441,18 @@ class LLM:
                         final[output.req_id] = output
                         bar.update(1)
         return [final[req_id] for req_id in ids]
+
+
+def _release_ranks(watch: RankWatch, runner: ModelRunner) -> None:
+    """Tell the other ranks to stop; their clean exit then ends the watch over them. With
+    a rank already gone (torchrun stops the job when one dies) there is nobody to tell:
+    the message would fail, or wait for the group's timeout."""
+    watch.releasing()
+    why = watch.check()
+    if why is not None:
+        logger.error("%s: the other ranks are not told to stop", why)
+    runner.close(tell_ranks=why is None)
+    watch.stop()
 
 
 def set_cpu_threads(wanted: int | None) -> int:

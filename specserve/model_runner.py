@@ -163,8 +163,8 @@ class ModelRunner:
             raise RuntimeError("this model runner was closed")
         if self.channel is None:
             return self._forward(output, num_layers, device_ids)
-        self.channel.send_step(output, num_layers, device_ids)
         try:
+            self.channel.send_step(output, num_layers, device_ids)
             return self._forward(output, num_layers, device_ids)
         except Exception as exc:
             # The others may be waiting inside this pass: no further message (not even
@@ -228,11 +228,12 @@ class ModelRunner:
             self.last_hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
-    def close(self) -> None:
-        """Tell the other ranks to stop (rank 0), free the CUDA graphs (they hold on to the
-        NCCL communicator until they go), and let go of the KV cache and the model, so their
-        memory is freed once nothing else holds them. Idempotent."""
-        if self.channel is not None:
+    def close(self, tell_ranks: bool = True) -> None:
+        """Tell the other ranks to stop (rank 0; not when one is known to be gone), free the
+        CUDA graphs (they hold on to the NCCL communicator until they go), and let go of the
+        KV cache and the model, so their memory is freed once nothing else holds them.
+        Idempotent."""
+        if self.channel is not None and tell_ranks:
             self.channel.send_shutdown()
             self.channel = None
         self.graphs = None

@@ -420,7 +420,7 @@ def test_cli_starts_its_ranks_under_torchrun_with_multicast_off(capsys, tiny_mod
         main(argv)
     path, args, env = started.value.args
     assert path == sys.executable
-    assert args[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert args[1:6] == ["-m", "specserve.launch", "--standalone", "--nproc-per-node=2", "-m"]
     assert args[6:] == ["specserve.cli", *argv]
     assert all(env[k] == v for k, v in MULTICAST_OFF.items())
     assert not any(k in os.environ for k in MULTICAST_OFF)  # only the ranks' environment
@@ -440,3 +440,130 @@ def test_cli_generate_with_two_ranks_equals_one(tiny_model_dir):
 
     one, two = generate(), generate("--tensor-parallel-size", "2", "--speculative-method", "ngram")
     assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 12
+
+
+# ---------------------------------------------------------------------- a rank that dies
+def _sleeper(code: str = "import time; time.sleep(60)") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _watch(monkeypatch, ranks: dict, interval: float = 0.02):
+    import specserve.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_RANK_PROCESSES", ranks)
+    lost: list[str] = []
+    return distributed.RankWatch(TPGroup(rank=0, size=len(ranks)), lost.append, interval), lost
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_rank_watch_says_which_rank_ended_and_how(monkeypatch):
+    import socket
+
+    host = socket.gethostname()
+    killed, failed, elsewhere = _sleeper(), _sleeper("raise SystemExit(3)"), _sleeper()
+    try:
+        watch, lost = _watch(monkeypatch, {0: (host, os.getpid()), 1: (host, killed.pid),
+                                           2: ("another-host", elsewhere.pid)})
+        killed.kill()  # not reaped here: the watch sees the zombie and its signal
+        _wait_for(lambda: lost)
+        assert lost == [f"tensor-parallel rank 1 (pid {killed.pid}) was killed by SIGKILL"]
+        watch.stop()
+
+        watch, lost = _watch(monkeypatch, {0: (host, os.getpid()), 1: (host, failed.pid)})
+        _wait_for(lambda: lost)
+        assert lost == [f"tensor-parallel rank 1 (pid {failed.pid}) exited with code 3"]
+    finally:
+        for proc in (killed, failed, elsewhere):
+            proc.kill()
+            proc.wait()
+
+
+def test_rank_watch_ends_quietly_when_the_ranks_were_told_to_stop(monkeypatch):
+    import socket
+    import time
+
+    clean = _sleeper("import time; time.sleep(0.3)")
+    try:
+        host = socket.gethostname()
+        watch, lost = _watch(monkeypatch, {0: (host, os.getpid()), 1: (host, clean.pid)})
+        watch.releasing()
+        _wait_for(lambda: not watch._thread.is_alive())
+        time.sleep(0.1)
+        assert not watch._thread.is_alive() and lost == []
+    finally:
+        clean.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "idle"])
+def test_a_killed_rank_ends_the_server_with_one_clear_line(tiny_model_dir, streaming):
+    """`specserve serve --tensor-parallel-size 2`, rank 1 killed with a stream in flight or
+    none: the stream ends with an error event, and the job exits 1 within seconds with one
+    line saying which rank ended and how (no torchrun traceback)."""
+    import threading
+    import time
+
+    import httpx
+    import psutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+    model = str(tiny_model_dir("llama"))
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--model", model, "--port", "0",
+                             "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
+                             "--block-size", "4", "--tensor-parallel-size", "2"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    lines: list[str] = []
+    url = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving " in line and "http://" in line:
+                url.append("http://" + line.split("http://", 1)[1].split("/v1", 1)[0])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        _wait_for(lambda: url or proc.poll() is not None, timeout=240)
+        assert url, "".join(lines)[-3000:]
+        ranks = {int(p.environ().get("LOCAL_RANK", -1)): p for p in psutil.Process(proc.pid).children()}
+        body = {"model": model, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        received = []
+        if streaming:
+            with httpx.stream("POST", url[0] + "/v1/completions", json=body, timeout=60) as response:
+                for line in filter(None, response.iter_lines()):
+                    received.append(line)
+                    if len(received) == 3:
+                        ranks[1].kill()
+                        killed_at = time.monotonic()
+        else:
+            ranks[1].kill()
+            killed_at = time.monotonic()
+        proc.wait(timeout=30)
+        ended_in = time.monotonic() - killed_at
+        reader.join(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines)
+    if streaming:
+        stream = "\n".join(received)
+        # whether gloo's next collective or the rank watch notices first, the error names the rank
+        assert '"error"' in stream and "tensor-parallel rank 1" in stream, stream[-1000:]
+        assert received[-1] == "data: [DONE]"
+    else:
+        assert "Traceback" not in log, log[-3000:]
+    assert proc.returncode == 1, log[-3000:]
+    assert ended_in < 15
+    assert lines[-1].strip() == (f"specserve: tensor-parallel rank 1 (pid {ranks[1].pid}) was killed by "
+                                 "SIGKILL; the job has ended"), log[-3000:]
+    assert "ChildFailedError" not in log
