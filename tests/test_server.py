@@ -340,6 +340,11 @@ def test_a_client_gone_first_gets_499_once_the_work_has_ended():
     ("/v1/completions", {"prompt": "a\ud800b"}, 400, "not valid text"),  # a lone surrogate (#35)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "not valid text"),
     ("/v1/completions", {"prompt": "a", "temperature": float("inf")}, 400, "temperature"),
+    # strict JSON types, as OpenAI's (the fuzz suite found "0" taken as token id 0)
+    ("/v1/completions", {"prompt": "a", "max_tokens": "16"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 1.0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs"),
+    ("/detokenize", {"tokens": ["0"]}, 400, "tokens"),
     ("/v1/completions", {"prompt": "word " * 300}, 400, "maximum context length"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, 400, "maximum context length"),
     ("/v1/completions", {"prompt": "a", "model": "gpt-4"}, 404, "does not exist"),
@@ -707,6 +712,8 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
                 continue
             if field == "stop":
                 value = _text(base)[len(_text(base)) // 2:][:3]
+            if field == "logprobs" and chat:
+                value = True  # a boolean in chat, a count in completions
             extra = {"temperature": 2.0} if field in ("top_p", "seed") else {}
             if field == "top_logprobs":
                 extra = {"logprobs": True}

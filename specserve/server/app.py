@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -203,7 +204,55 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
                             for i, o in enumerate(outs)],
                 "usage": _usage(outs, run.n)}
 
+    _document_errors(app, api_key is not None)
     return app
+
+
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+# What each kind of route may answer besides 200, in the OpenAPI document.
+ERRORS_BODY = {400: "invalid request: bad JSON, a bad or unknown field, a prompt too long",
+               404: "the model named is not served", 413: "the body is larger than the server takes",
+               429: "the queue is full (Retry-After says when to retry)",
+               503: "the engine is not running"}
+ERRORS_ANY = {401: "missing or invalid API key (when the server has one)"}
+# 200 answers that are not (only) JSON.
+ANSWERS = {"/health": {"description": "the engine is running (no body)"},
+           "/metrics": {"description": "Prometheus metrics",
+                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+           **{path: {"description": "the completion (JSON), or with stream true its chunks (server-sent events)",
+                     "content": {"application/json": {"schema": {"type": "object"}},
+                                 "text/event-stream": {"schema": {"type": "string"}}}}
+              for path in ("/v1/completions", "/v1/chat/completions")}}
+
+
+def _document_errors(app: FastAPI, with_key: bool) -> None:
+    """The OpenAPI document says what the routes really answer: an OpenAI-style error body
+    with the status codes above, never FastAPI's 422 (validation errors are 400 here)."""
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=__version__, routes=app.routes)
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    if path in ANSWERS:
+                        responses["200"] = ANSWERS[path]
+                    errors = {**(ERRORS_BODY if "requestBody" in operation else {}),
+                              **(ERRORS_ANY if with_key and path not in OPEN_PATHS else {})}
+                    if path == "/health":
+                        errors[503] = ERRORS_BODY[503]
+                    for status, why in errors.items():
+                        responses[str(status)] = {"description": why, "content": {
+                            "application/json": {"schema": ERROR_SCHEMA}}}
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _unless_disconnected(request: Request, work):

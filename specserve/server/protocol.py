@@ -74,7 +74,8 @@ REFUSED = _refusals(
 
 class _Strict(BaseModel):
     # Unknown fields are refused by name (the server's validation handler says so).
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as OpenAI's API is: "16" is not a number, 1.0 not an integer, true not 1.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     def refused(self) -> tuple[str, str] | None:
         """The field that asks for something this server does not do, and why; or None."""
