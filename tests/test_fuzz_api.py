@@ -6,7 +6,7 @@ types (the ``openai`` package's) reject, streamed chunks included; a request tha
 longer than ``FUZZ_TIMEOUT_S`` (a hang); and, after the run, an engine that is not alive or
 KV blocks still held.
 
-``SPECSERVE_FUZZ_EXAMPLES`` sets the cases per route and generation mode (CI: the default;
+``SPECSERVE_FUZZ_EXAMPLES`` sets the cases per route and mode, valid or invalid (CI: the default;
 ``benchmarks/fuzz_api.py`` runs many more)."""
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ import os
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
 
 from test_server import make_server, wait_for
 
-EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "100"))
 FUZZ_TIMEOUT_S = 60.0
 CASES: dict[str, int] = {}  # route -> cases sent (reported at the end of the run)
 
@@ -51,7 +52,12 @@ def api_schema(fuzz_server):
     return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+ROUTES = ["GET /health", "GET /metrics", "GET /version", "POST /tokenize", "POST /detokenize", "GET /v1/models",
+          "POST /v1/completions", "POST /v1/chat/completions"]
+
+
+def test_the_document_lists_every_route(api_schema):
+    assert sorted(r.ok().label for r in api_schema.get_all_operations()) == sorted(ROUTES)
 
 
 def _error_body(response) -> None:
@@ -78,10 +84,7 @@ def _openai_shape(path: str, response) -> None:
         whole.model_validate(response.json(), strict=False)
 
 
-@schema.parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-def test_the_api_answers_every_request_within_its_document(case):
+def check_case(case) -> None:
     path = case.operation.path
     CASES[path] = CASES.get(path, 0) + 1
     try:
@@ -95,3 +98,21 @@ def test_the_api_answers_every_request_within_its_document(case):
         _error_body(response)
     elif response.status_code == 200:
         _openai_shape(path, response)
+
+
+# schemathesis's strategies driven by hypothesis directly (not its pytest plugin, which
+# follows pytest's internals): valid bodies and invalid ones for each route.
+# (a GET route here takes no parameters: nothing about it can be invalid)
+@pytest.mark.parametrize("route, mode", [(route, mode) for route in ROUTES for mode in GenerationMode
+                                         if route.startswith("POST") or mode is GenerationMode.POSITIVE],
+                         ids=lambda v: v.value if isinstance(v, GenerationMode) else v)
+def test_the_api_answers_every_request_within_its_document(api_schema, route, mode):
+    operation = next(r.ok() for r in api_schema.get_all_operations() if r.ok().label == route)
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        check_case(case)
+
+    fuzz()
