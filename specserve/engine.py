@@ -5,6 +5,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import Counter
@@ -32,6 +33,7 @@ from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepR
 from specserve.spec.rejection_sampler import PromptRows, RejectionSampler, VerifyRequest
 from specserve.transfer import to_device
 from specserve.spec.speculator import Drafts, Speculator
+from specserve.structured import Grammars
 
 logger = logging.getLogger("specserve")
 
@@ -101,6 +103,8 @@ class LLMEngine:
         self.sampler = RejectionSampler(self.device, config.seed, config.logprobs_mode)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._log_startup(backend.name)
         freeze_heap()
@@ -198,6 +202,8 @@ class LLMEngine:
                 prompt_from = None
         req = Request(req_id, token_ids, params, self.eos_token_ids, prompt=text, prompt_from=prompt_from)
         req.bad_words_token_ids = self._bad_words(params)
+        if params.structured_outputs is not None:  # compiled before, off the step (see .grammars)
+            req.grammar = self.grammars.constraint(params.structured_outputs)
         self.scheduler.add_request(req)
         self.outputs.add_request(req)
         return req_id
@@ -221,6 +227,16 @@ class LLMEngine:
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 words.append(spaced)
         return words
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's compiled grammars for this model's tokenizer, cached. The
+        server compiles a request's grammar here from its prompt worker before it queues
+        the request, so that ``add_request`` on the engine thread finds it compiled."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat, ready for the assistant's turn (see ``prompts.chat_prompt_ids``)."""
@@ -255,7 +271,8 @@ class LLMEngine:
             return outputs
         try:
             drafts = self.speculator.propose(scheduled, self.scheduler)
-            result = self._verify(drafts)
+            masks = self._constrain(drafts)
+            result = self._verify(drafts, masks)
         except RanksOutOfStepError as exc:  # the ranks cannot go on together: end the engine
             why = self._rank_watch.wait(RANK_LOST_GRACE_S / 2) if self._rank_watch else None
             if why is not None:  # say which rank, not just which collective failed
@@ -267,12 +284,33 @@ class LLMEngine:
         updates = self.scheduler.update(*self.speculator.keep_best_paths(drafts, result))
         for update in updates:
             self._apply_stop_strings(update)
+            if update.req.grammar is not None:
+                update.req.grammar.accept(update.new_token_ids)
         self.speculator.record(drafts, updates)  # before the outputs: each carries its counts
         outputs += [self._output(update.req) for update in updates]
         self.speculator.observe(drafts, updates, time.perf_counter() - started)
         return outputs
 
-    def _verify(self, drafts: Drafts) -> StepResult:
+    def _constrain(self, drafts: Drafts) -> dict[str, torch.Tensor]:
+        """Structured output: each constrained request's drafts cut at the first one its
+        grammar refuses, and the grammar's masks of its verify rows (``Constraint``).
+        Drafts still on the device come to the host first (one copy, only then)."""
+        requests = self.scheduler.requests
+        constrained = [p for p in drafts.scheduled.scheduled if p.sample and requests[p.req_id].grammar]
+        if not constrained:
+            return {}
+        if drafts.device_ids is not None and any(p.draft_token_ids for p in constrained):
+            drafts.to_host()
+        masks, cuts = {}, {}
+        for p in constrained:
+            n, masks[p.req_id] = requests[p.req_id].grammar.check_drafts(p.draft_token_ids)
+            if n < len(p.draft_token_ids):
+                cuts[id(p)] = n
+        if cuts:
+            drafts.cut(cuts)
+        return masks
+
+    def _verify(self, drafts: Drafts, masks: dict[str, torch.Tensor]) -> StepResult:
         """The one ragged target pass over every request's tokens and drafts (prefill
         chunks included), then rejection sampling: one device-to-host copy."""
         planned = drafts.scheduled.scheduled
@@ -280,7 +318,7 @@ class LLMEngine:
         requests = self.scheduler.requests
         logits, prompt, owners = self._prompt_rows(planned, logits)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids, first_position=end,
-                                history=requests[p.req_id].history(end))
+                                history=requests[p.req_id].history(end, masks.get(p.req_id)))
                   for p in planned if p.sample for end in (p.start_pos + len(p.token_ids),)]
         # Drafts still on the device come back in the sampler's copy, filling draft_token_ids.
         sampled = self.sampler.sample(logits, verify, drafts.probs, drafts.draft_ids, prompt)

@@ -1,5 +1,5 @@
-"""Logits processing: penalties, logit_bias, min_tokens and bad words, one mechanism for
-the target's verify rows and the draft's steps.
+"""Logits processing: a grammar's mask (structured output), bad words, min_tokens,
+logit_bias and penalties, one mechanism for the target's verify rows and the draft's steps.
 
 Each transform reads a row's *history*: the request's prompt and the output tokens before
 the token the row decides. For the target's row j of a verify span that history is the
@@ -10,8 +10,8 @@ are processed from the very same state and speculative sampling stays exactly lo
 committed tokens (the drafts' part on the device, where they are), so a rejection needs
 no rollback here; within a draft pass ``advance`` adds each step's proposals.
 
-The order is vLLM's: bad words, min_tokens and logit_bias, then the repetition, frequency
-and presence penalties, all before temperature and the top-k / top-p / min-p filters
+The order is vLLM's: the grammar's mask, bad words, min_tokens and logit_bias, then the
+repetition, frequency and presence penalties, all before temperature and the top-k / top-p / min-p filters
 (``sampler.target_probs``).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured import apply_masks
 from specserve.transfer import to_device
 
 _NO_TOKEN = -1  # a history shorter than a bad word's prefix: matches no token id
@@ -38,6 +39,7 @@ class RowHistory:
     end: int                               # the first row decides token ``end``: history is token_ids[:end]
     stop_token_ids: frozenset[int] = frozenset()  # kept out while fewer than min_tokens are out
     bad_words_token_ids: Sequence[Sequence[int]] = ()
+    grammar_masks: torch.Tensor | None = None  # host bitmask row per verify row (structured output)
 
 
 class LogitsProcess:
@@ -78,6 +80,11 @@ class LogitsProcess:
             self._bias = (places_t, values_t)
         if self._words.width:
             self.tail = self._build_tail(draft_ids, draft_index)
+        # Structured output: the grammar's bitmask of each row that has one (row j of a span
+        # is its mask j), gathered on the host; it reaches the device with the logits' use.
+        masked = [(r, row.grammar_masks[j]) for r, (row, j) in enumerate(zip(rows, self.row_drafts))
+                  if row.grammar_masks is not None and j < len(row.grammar_masks)]
+        self._grammar = ([r for r, _ in masked], torch.stack([m for _, m in masked])) if masked else None
 
     @classmethod
     def for_spans(cls, spans: list[RowHistory], num_drafts: list[int], draft_starts: list[int],
@@ -113,6 +120,9 @@ class LogitsProcess:
         out.seen = None if self.seen is None else self.seen[:n]
         out.tail = None if self.tail is None else self.tail[:n]
         out._words = self._words.head(n)
+        if self._grammar is not None:
+            kept = [i for i, r in enumerate(self._grammar[0]) if r < n]
+            out._grammar = ([self._grammar[0][i] for i in kept], self._grammar[1][kept]) if kept else None
         if self._factors is not None:
             out._factors = [f[:n] for f in self._factors]
         if self._bias is not None:
@@ -185,6 +195,8 @@ class LogitsProcess:
         """The rows' logits ``[num_rows, vocab]`` processed: a new float32 tensor."""
         logits = logits.float().clone()
         vocab = logits.shape[1]
+        if self._grammar is not None:
+            apply_masks(logits, self._grammar[1], self._grammar[0])
         if self._words.width or self._words.single:
             self._words.ban(logits, self.tail, self.device)
         flat = logits.view(-1)

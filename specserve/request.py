@@ -53,6 +53,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.spec_stats = SpecDecodeStats()
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenised (by the engine)
+        self.grammar = None  # structured output: its structured.Constraint (set by the engine)
         # Per output token when params.logprobs is set; per prompt token after the first
         # with params.prompt_logprobs (filled as its prefill chunks run).
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -86,13 +87,13 @@ class Request:
         """Whether prompt log-probabilities are wanted and not all computed yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
-    def history(self, end: int) -> RowHistory | None:
+    def history(self, end: int, grammar_masks=None) -> RowHistory | None:
         """What logits processing reads for a row deciding token ``end`` (None: the request
-        asks for none)."""
+        asks for none); ``grammar_masks``: the grammar's bitmask of each row of a verify span."""
         if not self.params.processes_logits:
             return None
         return RowHistory(self.params, self.all_token_ids, self.num_prompt_tokens, end,
-                          self.stop_token_ids, self.bad_words_token_ids)
+                          self.stop_token_ids, self.bad_words_token_ids, grammar_masks)
 
     @property
     def is_finished(self) -> bool:

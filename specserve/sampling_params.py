@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specserve.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs allows 20)
 
 
@@ -34,6 +36,11 @@ class SamplingParams:
     ``logprobs``: report each output token's log-probability and the ``logprobs`` likeliest
     tokens' (0: the chosen token's alone); ``prompt_logprobs`` the same for each prompt
     token after the first. At most ``MAX_LOGPROBS``.
+
+    ``structured_outputs``: constrain the output to a JSON schema, any JSON object, a regex,
+    a choice of strings or an EBNF grammar (``StructuredOutputs``, or a dict of its fields).
+    The grammar ends the output with an end-of-sequence token, so it cannot be combined
+    with ``ignore_eos`` or ``min_tokens``.
     """
 
     temperature: float = 1.0
@@ -55,6 +62,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +81,11 @@ class SamplingParams:
                f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         object.__setattr__(self, "logit_bias", dict(self.logit_bias) if self.logit_bias else None)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +131,13 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
                    f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputs),
+                   f"structured_outputs must be StructuredOutputs or a dict, got {self.structured_outputs!r}")
+            _check(not self.ignore_eos, "ignore_eos cannot be combined with structured output: the grammar "
+                                        "ends the output with an end-of-sequence token")
+            _check(not self.min_tokens, "min_tokens cannot be combined with structured output: the grammar "
+                                        "decides where the output ends")
 
     @property
     def greedy(self) -> bool:
@@ -125,9 +145,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any logits processing (penalties, bias, min_tokens, bad words) is on."""
+        """Whether any logits processing (penalties, bias, min_tokens, bad words, a grammar) is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.bad_words)
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.structured_outputs)
 
 
 def _is_number(x: object) -> bool:

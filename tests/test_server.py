@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -308,6 +309,40 @@ def test_a_client_gone_first_gets_499_once_the_work_has_ended():
 
 
 # ---------------------------------------------------------------------- bad input
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_client(server):
+    """response_format (json_schema, json_object), streamed and not, and vLLM's fields:
+    the outputs follow their structure; bad or conflicting structures are 400s."""
+    import jsonschema
+
+    c = client(server)
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60, temperature=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    whole = c.chat.completions.create(**chat, response_format=fmt)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMA)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(**chat, response_format=fmt, stream=True) if ch.choices)
+    assert streamed == whole.choices[0].message.content
+    obj = c.chat.completions.create(**{**chat, "max_tokens": 200}, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    choice = c.completions.create(model="tiny", prompt="a", max_tokens=10, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = c.completions.create(model="tiny", prompt="a", max_tokens=10,
+                                 extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
+    for extra, fragment in (({"structured_outputs": {"regex": "[0-9"}}, "unclosed character class"),
+                            ({"guided_regex": "a", "guided_choice": ["b"]}, "give one"),
+                            ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+                            ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "exactly one")):
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            c.completions.create(model="tiny", prompt="a", max_tokens=10, extra_body=extra)
+
+
 @pytest.mark.parametrize("path, body, status, fragment", [
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p"),
@@ -661,6 +696,7 @@ HONOURED = {
     "frequency_penalty": (2.0, lambda r, base, _post: _text(r) != _text(base)),
     # The same token six times: a greedy pick biased by +100.
     "logit_bias": ({"300": 100}, lambda r, base, _post: _text(r) == _text(r)[:len(_text(r)) // 6] * 6),
+    "response_format": ({"type": "json_object"}, lambda r, base, _post: _text(r).startswith("{")),
     "stream": (True, None),  # the stream tests above
     "stream_options": ({"include_usage": True}, None),  # the stream tests above
     "prompt": (None, None), "messages": (None, None),  # every request
@@ -669,7 +705,7 @@ REFUSED_VALUES = {
     "suffix": "x",
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
     "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
-    "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
+    "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "store": True,
     "metadata": {"a": "b"}, "moderation": {}, "service_tier": "flex",
@@ -717,6 +753,8 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
             extra = {"temperature": 2.0} if field in ("top_p", "seed") else {}
             if field == "top_logprobs":
                 extra = {"logprobs": True}
+            if field == "response_format":
+                extra = {"ignore_eos": False}  # a grammar ends with the end-of-sequence token
             if field == "seed":
                 check_post = lambda **more: post(temperature=2.0, seed=more.get("seed", value))  # noqa: E731
             else:
@@ -728,13 +766,10 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
 
 @pytest.mark.parametrize("path, body, param, fragment", [
     ("/v1/completions", {"prompt": "a", "foo": 1}, "foo", "unknown field"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {"type": "object"}},
-     "guided_json", "structured output"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
-     "response_format", "text"),
+     None, "needs a schema"),
     ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, "response_format", "unknown field"),
-    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a+"}}, "structured_outputs", "not supported"),
     ("/v1/completions", {"prompt": "a", "priority": 1}, "priority", "arrival order"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
     ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
@@ -784,7 +819,8 @@ def test_every_declared_field_is_classified():
                 "stream_options", "stop", "seed", "prompt", "messages", "top_k", "min_p", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens", "speculative", "echo", "logprobs", "top_logprobs",
                 "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens",
-                "bad_words", "prompt_logprobs"}
+                "bad_words", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar"}  # test_structured_output_through_...
     for model in (CompletionRequest, ChatCompletionRequest):
         loose = set(model.model_fields) - honoured - set(REFUSED) - ADVISORY
         assert not loose, f"{model.__name__} declares fields nobody honours or refuses: {sorted(loose)}"

@@ -160,6 +160,12 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         if refused:
             raise APIError(400, refused[1], param=refused[0])
 
+    async def compile_grammar(params: SamplingParams) -> None:
+        """A structured-output request's grammar, compiled (or found cached) on the
+        tokenising thread, so the engine thread's ``add_request`` never compiles one."""
+        if params.structured_outputs is not None:
+            await prompts.run(llm.grammars.compile, params.structured_outputs)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(body)
@@ -167,6 +173,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             params = [body.sampling_params(None, choice) for choice in range(body.num_generated)]
             prompt_list = body.prompts()
             prompt_ids = await prompts.run(lambda: [prompts.encode(p, params[0].max_tokens) for p in prompt_list])
+            await compile_grammar(params[0])
         run = _Run(engine, metrics, prompt_ids, params, "cmpl")
         await run.start()
         texts = prompts.decode_prompt(prompt_list, prompt_ids) if body.echo else []
@@ -189,6 +196,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
             conversation = body.conversation()
             prompt_ids = [await prompts.run(prompts.encode_chat, conversation, params[0].max_tokens)]
+            await compile_grammar(params[0])
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
         logprobs = (lambda lps: _chat_logprobs(lps, params[0].logprobs, prompts.token_text)) \

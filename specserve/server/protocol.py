@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured import StructuredOutputs
 
 MAX_N = 64  # choices per prompt
 
@@ -47,8 +48,6 @@ REFUSED = _refusals(
     ("parallel_tool_calls", _set, "parallel_tool_calls is not supported (tools are not)"),
     ("functions", _set, "functions are not supported"),
     ("function_call", lambda v: v not in (None, "none"), "function_call is not supported"),
-    ("response_format", lambda v: v not in (None, {"type": "text"}),
-     "response_format is not supported yet: only {\"type\": \"text\"}"),
     ("audio", _given, "audio output is not supported"),
     ("modalities", lambda v: v not in (None, ["text"]), "modalities: only [\"text\"] is supported"),
     ("prediction", _given, "prediction (predicted outputs) is not supported"),
@@ -63,11 +62,6 @@ REFUSED = _refusals(
      "prompt_cache_retention: the prefix cache lives in memory only"),
     ("prompt_cache_options", _given, "prompt_cache_options are not supported"),
     # vLLM's extensions this server does not do yet.
-    ("guided_json", _set, "guided_json is not supported yet (structured output)"),
-    ("guided_regex", _set, "guided_regex is not supported yet (structured output)"),
-    ("guided_choice", _set, "guided_choice is not supported yet (structured output)"),
-    ("guided_grammar", _set, "guided_grammar is not supported yet (structured output)"),
-    ("structured_outputs", _set, "structured_outputs is not supported yet"),
     ("priority", _set, "priority is not supported: requests are served in arrival order"),
 )
 
@@ -90,6 +84,30 @@ class StreamOptions(_Strict):
         if self.include_obfuscation:
             return "stream_options.include_obfuscation", "stream_options.include_obfuscation is not supported"
         return None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class SpeculativeOptions(_Strict):
@@ -125,12 +143,12 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None  # 1.0
     min_tokens: int | None = None            # 0
     bad_words: str | list[str] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None    # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # ... and refused (REFUSED).
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     priority: Any = None
 
     def refused(self) -> tuple[str, str] | None:
@@ -163,7 +181,28 @@ class _SamplingRequest(_Strict):
             presence_penalty=_first(self.presence_penalty, 0.0), frequency_penalty=_first(self.frequency_penalty, 0.0),
             repetition_penalty=_first(self.repetition_penalty, 1.0), logit_bias=_token_biases(self.logit_bias),
             min_tokens=_first(self.min_tokens, 0), bad_words=self.bad_words or [],
-            logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs())
+            logprobs=self._logprobs(), prompt_logprobs=self._prompt_logprobs(),
+            structured_outputs=self.structured())
+
+    def structured(self) -> StructuredOutputs | None:
+        """What output structure the request asks for, from whichever field names it (one
+        at most: ValueError, a 400, for two)."""
+        asked = {name: spec for name, spec in self._structured_fields().items() if spec is not None}
+        if len(asked) > 1:
+            raise ValueError(f"{' and '.join(asked)} both ask for structured output; give one")
+        return next(iter(asked.values()), None)
+
+    def _structured_fields(self) -> dict[str, StructuredOutputs | None]:
+        s = self.structured_outputs
+        return {
+            "structured_outputs": None if s is None else StructuredOutputs(
+                json=s.json_, json_object=bool(s.json_object), regex=s.regex,
+                choice=tuple(s.choice) if s.choice is not None else None, grammar=s.grammar),
+            "guided_json": None if self.guided_json is None else StructuredOutputs(json=self.guided_json),
+            "guided_regex": None if self.guided_regex is None else StructuredOutputs(regex=self.guided_regex),
+            "guided_choice": None if self.guided_choice is None else StructuredOutputs(choice=self.guided_choice),
+            "guided_grammar": None if self.guided_grammar is None else StructuredOutputs(grammar=self.guided_grammar),
+        }
 
     def _logprobs(self) -> int | None:
         return None
@@ -284,7 +323,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -320,6 +359,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def conversation(self) -> list[dict]:
         return [m.as_dict() for m in self.messages]
+
+    def _structured_fields(self) -> dict[str, StructuredOutputs | None]:
+        fields = super()._structured_fields()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            fields["response_format"] = None
+        elif fmt.type == "json_object":
+            fields["response_format"] = StructuredOutputs(json_object=True)
+        else:
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema: a json_schema response format needs a schema")
+            fields["response_format"] = StructuredOutputs(json=fmt.json_schema.schema_)
+        return fields
 
 
 class TokenizeRequest(_Strict):

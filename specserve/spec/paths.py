@@ -58,8 +58,9 @@ class DraftPaths:
         ``output.block_copies``. Returns whether any path was added."""
         if not self.forks or budget <= 0:
             return False
-        drafting = [p for p in output.scheduled
-                    if p.num_lookahead and p.params.greedy and p.req_id not in unforked]
+        drafting = [p for p in output.scheduled  # (a grammar's drafts are checked on one path)
+                    if p.num_lookahead and p.params.greedy and p.req_id not in unforked
+                    and p.params.structured_outputs is None]
         added = False
         for path, (depth, rank) in enumerate(self.forks, start=1):
             for p in drafting:

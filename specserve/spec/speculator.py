@@ -56,6 +56,28 @@ class Drafts:
         """``[Σ k_i]`` the proposals on the device, or None: they are the requests' lists."""
         return None if self.device_ids is None else self.device_ids.ids
 
+    def to_host(self) -> None:
+        """Bring the proposals still on the device into the requests' lists (a sync)."""
+        ids, start = self.device_ids.ids.tolist(), 0
+        for planned, count in zip(self.scheduled.scheduled, self.device_ids.counts):
+            planned.draft_token_ids = ids[start:start + count]
+            start += count
+        self.device_ids = None
+
+    def cut(self, keep: dict[int, int]) -> None:
+        """Keep only the first ``keep[id(entry)]`` drafts of those entries (host drafts), and
+        their rows of q: the rest are never verified."""
+        rows, start = [], 0
+        for planned in self.scheduled.scheduled:
+            k = len(planned.draft_token_ids)
+            n = keep.get(id(planned), k)
+            rows += range(start, start + n)
+            start += k
+            if n < k:
+                planned.draft_token_ids = planned.draft_token_ids[:n]
+        if self.probs is not None:
+            self.probs = self.probs.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.probs.device))
+
 
 class Speculator:
     """Drafting, draft lengths and draft paths for one engine (speculation off: no drafter,

@@ -1,0 +1,212 @@
+"""Structured output: decoding constrained by a JSON schema, a regular expression, a
+choice of strings or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it), through
+llguidance (docs/structured-output.md says why llguidance rather than xgrammar).
+
+- ``StructuredOutputs`` is what a request asks for (``SamplingParams.structured_outputs``).
+- ``Grammars`` compiles it for the engine's tokenizer, cached by what was asked, safe to
+  call from any thread: the server compiles in its prompt worker before the request is
+  queued, so a compilation never runs inside an engine step.
+- ``Constraint`` is one request's place in its grammar. At a verify step it reads the
+  step's drafts in order: the mask of the target's row j is the grammar's state after
+  drafts d1 … d(j-1), and the drafts from the first one the grammar refuses are cut before
+  the pass, so the target never computes them. Then it rolls back to the committed tokens.
+  After rejection sampling it accepts the tokens the step emitted. The matcher's rollback
+  does this; nothing is ever replayed from the start.
+
+Masked rows are -inf outside the grammar before temperature and the filters, so p is the
+target's distribution restricted to the grammar, and rejection sampling stays exact for
+any q. A draft outside the grammar would only be rejected; it is cut instead.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.transfer import to_device
+
+MAX_CACHED_GRAMMARS = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``json_object``
+    (any JSON object), ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or
+    GBNF as llama.cpp writes it). JSON comes with ", " and ": " between items and no other
+    whitespace outside strings."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        elif self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice and "
+                             f"grammar, got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar is cached by."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)  # property order kept
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar
+
+
+class Grammars:
+    """Compiled grammars for one tokenizer and vocabulary, cached by ``StructuredOutputs.key``
+    (the most recent ``MAX_CACHED_GRAMMARS``). Thread-safe. A compiled grammar is an
+    llguidance matcher at its start, which each request's ``Constraint`` copies."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import llguidance.hf  # lazy: only requests with structured output need it
+
+        self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                       eos_token=list(stop_token_ids))
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutputs):
+        """The compiled grammar; ValueError naming what is wrong with a bad schema, regex
+        or grammar."""
+        key = spec.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiled = self._compile(*key)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, text: str):
+        import llguidance
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
+        try:
+            if kind in ("json", "json_object"):
+                schema = json.loads(text) if kind == "json" else {"type": "object"}
+                if not isinstance(schema, dict):
+                    raise ValueError("a JSON schema is an object")
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            elif kind == "choice":
+                # JSON string literals are valid Lark string literals (the same escapes)
+                alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in json.loads(text))
+                grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        except Exception as exc:  # noqa: BLE001 - the library's error on the user's input, whatever its type
+            raise ValueError(f"structured_outputs: the {what} cannot be used: {_first_line(exc)}") from None
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: the {what} cannot be used: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def constraint(self, spec: StructuredOutputs) -> "Constraint":
+        return Constraint(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
+
+
+# JSON as the model writes it most often: ", " and ": " between items, no other whitespace
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _first_line(error) -> str:
+    """An error's first line, with the "error: ..." lines of a multi-line report."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    reasons = [line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")]
+    return "; ".join([lines[0].rstrip(":"), *reasons])
+
+
+class Constraint:
+    """One request's place in its grammar (see the module's docstring)."""
+
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: frozenset[int] = frozenset()) -> None:
+        self.matcher = matcher
+        self.words = (vocab_size + 31) // 32
+        self.stop_token_ids = stop_token_ids
+
+    def check_drafts(self, drafts: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """(n, masks): how many of ``drafts`` lie inside the grammar's masks in a row, and
+        the bitmask ``[n + 1, ceil(vocab / 32)]`` int32 of the target's rows 0 … n (row j:
+        after the first j drafts; bit t allows token t). The matcher ends where it began."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        masks = torch.zeros((len(drafts) + 1, self.words), dtype=torch.int32)
+        n = kept = 0
+        while True:
+            fill_next_token_bitmask(self.matcher, masks, n)
+            if n == len(drafts) or not allows(masks[n], drafts[n]):
+                kept = n
+                break
+            if drafts[n] in self.stop_token_ids:
+                # The output would end here, and the drafts after it are cut. Its row (a
+                # bonus token's, discarded) keeps the last mask. Not consumed: rolling a
+                # finished matcher back does not reopen it.
+                masks[n + 1] = masks[n]
+                kept = n + 1
+                break
+            if not self.matcher.consume_token(drafts[n]):
+                raise RuntimeError(f"token {drafts[n]} is in the grammar's mask but refused: "
+                                   f"{self.matcher.get_error()}")
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return kept, masks[:kept + 1]
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """The tokens a step emitted (each was inside the mask of its row)."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} is outside the request's grammar: {self.matcher.get_error()}")
+
+
+def allows(mask: torch.Tensor, token: int) -> bool:
+    """Whether one bitmask row allows ``token``."""
+    return 0 <= token < 32 * mask.shape[0] and bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set ``logits`` [num_rows, vocab] to -inf outside the bitmasks (``masks`` [len(rows),
+    ceil(vocab / 32)] int32 on the host, bit t of a row allowing token t) of ``rows``, in place."""
+    device, vocab = logits.device, logits.shape[1]
+    masks = masks.to(device, non_blocking=True)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    (rows_t,) = to_device([list(rows)], torch.int64, device)
+    logits.index_copy_(0, rows_t, logits.index_select(0, rows_t).masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,274 @@
+"""Structured output (llguidance): what a request may ask for, grammars compiled once and
+refused clearly, drafts cut where they leave the grammar, and constrained decoding exact
+under speculation — greedy equal to greedy without drafts (float32), sampling with drafts
+equal in distribution to the target restricted to the grammar (chi-square against the exact
+distribution, enumerated with transformers' model and llguidance's masks)."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import jsonschema
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.bench.json_schemas import SCHEMA_TASKS
+from specserve.structured import StructuredOutputs, allows
+from test_logits_process import chi_square_p
+from tiny_models import LLM32, save_perturbed
+
+SMALL = dict(max_num_batched_tokens=32, max_num_seqs=16, block_size=4, num_kv_blocks=800)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "ok": {"enum": ["yes", "no"]}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def near_draft(target, tmp_path_factory):
+    return str(save_perturbed(target, tmp_path_factory.mktemp("structured-near"), 0.004))
+
+
+def drafters(target: str, near: str) -> dict[str, dict]:
+    return {"none": {}, "ngram": dict(speculative_method="ngram"),
+            "layerskip": dict(speculative_method="layerskip", layerskip_layers=1),
+            "draft-near": dict(speculative_method="draft_model", draft_model=near)}
+
+
+# ---------------------------------------------------------------------- what may be asked
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one"),
+    ({"json": SCHEMA, "regex": "a"}, "exactly one"),
+    ({"choice": []}, "choice"),
+    ({"choice": ["a", ""]}, "choice"),
+    ({"regex": ""}, "regex"),
+    ({"json": 5}, "JSON schema"),
+    ({"json_object": "yes"}, "json_object"),
+])
+def test_a_request_asks_for_exactly_one_structure(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputs(**fields)
+
+
+def test_structure_cannot_be_combined_with_ignore_eos_or_min_tokens():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a"})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    assert SamplingParams(structured_outputs={"choice": ["x", "y"]}).structured_outputs.choice == ("x", "y")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"regex": "[0-9"}, "regex cannot be used: .*unclosed character class"),
+    ({"grammar": "root ::= missing"}, "grammar cannot be used"),
+    ({"json": "{not json"}, "JSON schema cannot be used"),
+])
+def test_a_bad_grammar_is_a_value_error_and_queues_nothing(target, fields, message):
+    llm = LLM32(target, **SMALL)
+    good = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["a", "b"], [good, SamplingParams(max_tokens=4, structured_outputs=fields)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_grammars_are_compiled_once_per_structure(target):
+    llm = LLM32(target, **SMALL)
+    grammars = llm.engine.grammars
+    first = grammars.compile(StructuredOutputs(json=SCHEMA))
+    assert grammars.compile(StructuredOutputs(json=dict(SCHEMA))) is first
+    assert grammars.compile(StructuredOutputs(json=json.dumps(SCHEMA))) is first  # the same text
+    assert grammars.compile(StructuredOutputs(regex="a+")) is not first
+
+
+# ---------------------------------------------------------------------- drafts and masks
+def test_drafts_are_cut_where_they_leave_the_grammar(target):
+    llm = LLM32(target, **SMALL)
+    tok = llm.tokenizer
+    ab, b, c = (tok.convert_tokens_to_ids(t) for t in ("ab", "b", "c"))
+    constraint = llm.engine.grammars.constraint(StructuredOutputs(regex="ab+"))
+    n, masks = constraint.check_drafts([ab, b, c, b])
+    assert n == 2 and masks.shape[0] == 3
+    assert allows(masks[0], ab) and not allows(masks[0], b)  # row 0: before any draft
+    assert allows(masks[1], b) and not allows(masks[1], c)   # row 1: after "ab"
+    assert allows(masks[2], b) and not allows(masks[2], c)   # row 2: after "abb"
+    assert constraint.check_drafts([])[0] == 0  # the matcher is back where it began
+    assert constraint.check_drafts([b])[0] == 0
+    stop = min(llm.engine.eos_token_ids)
+    n, masks = constraint.check_drafts([ab, b, stop, b])  # a stop token ends the drafts it allows
+    assert n == 3 and masks.shape[0] == 4 and allows(masks[2], stop) and not allows(masks[0], stop)
+    assert constraint.check_drafts([stop])[0] == 0   # nothing cannot end yet
+    assert constraint.check_drafts([ab, b])[0] == 2  # and the matcher is back at the start
+
+
+def test_n_gram_drafts_outside_the_grammar_are_never_verified(target):
+    """Drafts of a digit then letters under a digits-only grammar: each is cut after the
+    digit before the pass, so the target only ever verifies digits."""
+    llm = LLM32(target, speculative_method="ngram", speculative_adaptive=False, **SMALL)
+    engine, tok = llm.engine, llm.tokenizer
+    proposed, verified = [], []
+    propose, execute = engine.speculator.drafter.propose, engine.runner.execute
+
+    one, a = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("a")
+
+    def spy_propose(scheduled, requests):  # a digit, then letters, whatever n-gram found
+        out = propose(scheduled, requests)
+        out.draft_token_ids = [[one, a, one][:p.num_lookahead] for p in scheduled]
+        proposed.extend(t for d in out.draft_token_ids for t in d)
+        return out
+
+    def spy_execute(output, *args, **kwargs):
+        verified.extend(t for p in output.scheduled for t in p.draft_token_ids)
+        return execute(output, *args, **kwargs)
+
+    engine.speculator.drafter.propose, engine.runner.execute = spy_propose, spy_execute
+    out = llm.generate(["a b c a b c a b c a b c a b"], SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs={"regex": "[0-9]{1,12}"}), use_tqdm=False)[0]
+    assert out.text.isdigit()
+    assert any(not tok.decode([t]).strip().isdigit() for t in proposed)  # letters were proposed ...
+    assert all(tok.decode([t]).strip().isdigit() for t in verified)      # ... and never verified
+
+
+# ---------------------------------------------------------------------- exact under speculation
+def _structures() -> list[dict]:
+    tasks = [SCHEMA_TASKS[i] for i in (0, 1, 3, 8, 10, 16)]
+    return ([{"json": t.schema} for t in tasks] + [{"json": SCHEMA}, {"json_object": True},
+            {"regex": "[a-c]{2,4}-[0-9]{2}"}, {"choice": ["red", "green", "blue"]},
+            {"grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9]+'}])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip", "draft-near"])
+def test_constrained_greedy_with_speculation_equals_without(drafter, target, near_draft):
+    structures = _structures()
+    prompts = ["a b a b a b", "def f(x):", "hello world hello world"]
+    work = [(p, s) for s in structures for p in prompts]
+
+    def run(settings):
+        llm = LLM32(target, num_speculative_tokens=3, speculative_adaptive=False, **SMALL, **settings)
+        params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=s) for _, s in work]
+        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.spec_stats
+
+    settings = drafters(target, near_draft)
+    plain, _ = run(settings["none"])
+    drafted, stats = run(settings[drafter])
+    assert drafted == plain
+    assert stats.num_draft_tokens > 0
+    finished = [out for out, (_, s) in zip(plain, work) if "json" in s and out[1] == "stop"]
+    assert finished  # some JSON completed within 48 tokens
+
+
+def test_constrained_outputs_follow_their_structure(target):
+    """Whatever the (random) model prefers, every output that ended on its own follows its
+    structure: the JSON parses and validates, the regex and the choice match."""
+    import re
+
+    llm = LLM32(target, speculative_method="ngram", **SMALL)
+    structures = _structures()
+    prompts = ["a b a b", "x y z"]
+    for temperature in (0.0, 0.8):
+        work = [(p, s) for s in structures for p in prompts]
+        params = [SamplingParams(temperature=temperature, seed=i, max_tokens=120, structured_outputs=s)
+                  for i, (_, s) in enumerate(work)]
+        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+        for out, (_, s) in zip(outs, work):
+            if out.finish_reason != "stop":
+                continue
+            text = llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            if "json" in s:
+                jsonschema.validate(json.loads(text), s["json"])
+            elif "json_object" in s:
+                assert isinstance(json.loads(text), dict)
+            elif "regex" in s:
+                assert re.fullmatch(s["regex"], text.replace(" ", "")), text
+            elif "choice" in s:
+                assert text in s["choice"]
+        assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) // 2
+
+
+# ---------------------------------------------------------------------- the distribution
+GRAMMAR = {"regex": "[ab]{5}"}
+PROMPT = "abababab"
+NUM_DRAWS = 4000
+PROMPT_IDS: list[int] = []
+EOS: set[int] = set()
+
+
+def exact_distribution(target: str, grammars) -> dict[tuple[int, ...], float]:
+    """The target's distribution of whole outputs under the grammar at temperature 0.9:
+    every prefix's next-token distribution with the grammar's mask applied (llguidance's
+    matcher, copied at each branch), walked to the end-of-sequence token."""
+    from llguidance.torch import fill_next_token_bitmask
+    from transformers import AutoModelForCausalLM
+
+    from specserve.structured import apply_masks
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(matcher, prefix: list[int], output: list[int], prob: float) -> None:
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix + output])).logits[0, -1:].float()
+        mask = torch.zeros((1, (logits.shape[1] + 31) // 32), dtype=torch.int32)
+        fill_next_token_bitmask(matcher, mask, 0)
+        apply_masks(logits, mask, [0])
+        p = torch.softmax(logits[0] / 0.9, dim=-1)
+        for token in p.nonzero()[:, 0].tolist():
+            if matcher.deep_copy().consume_token(token) and token not in EOS:
+                child = matcher.deep_copy()
+                child.consume_token(token)
+                walk(child, prefix, output + [token], prob * p[token].item())
+            else:  # the end of the output
+                out[tuple(output + [token])] = prob * p[token].item()
+
+    walk(grammars.compile(StructuredOutputs(**GRAMMAR)).deep_copy(), PROMPT_IDS, [], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-near"])
+def test_constrained_sampling_with_drafts_has_the_target_distribution(drafter, target, near_draft):
+    """4,000 seeded requests under the grammar [ab]{5} with k = 2, against the exact
+    distribution of the target restricted to the grammar: chi-square p > 0.001."""
+    llm = LLM32(target, num_speculative_tokens=2, speculative_adaptive=False, max_num_seqs=64,
+                max_num_batched_tokens=256, block_size=4, num_kv_blocks=1200, **drafters(target, near_draft)[drafter])
+    global PROMPT_IDS, EOS
+    PROMPT_IDS, EOS = llm.tokenizer.encode(PROMPT), set(llm.engine.eos_token_ids)
+    exact = exact_distribution(target, llm.engine.grammars)
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8, structured_outputs=GRAMMAR)
+              for s in range(NUM_DRAWS)]
+    outs = llm.generate([PROMPT] * NUM_DRAWS, params, use_tqdm=False)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    assert chi_square_p(counts, exact) > 1e-3, counts.most_common(8)
+
+
+# ---------------------------------------------------------------------- the default model
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model"])
+def test_default_model_outputs_validate_against_every_schema(default_model_path, drafter):
+    """Every schema of ``json_schemas.py``, asked through its chat prompt, greedy and at
+    temperature 0.8: 100 % of the outputs parse and validate (jsonschema), with
+    speculation off, n-gram and the built-in draft."""
+    from specserve import LLM
+
+    llm = LLM(None, **({} if drafter == "none" else {"speculative_method": drafter}))  # the embedded model
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t.prompt}], tokenize=False,
+                                                 add_generation_prompt=True) for t in SCHEMA_TASKS]
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(temperature=temperature, seed=i, max_tokens=400,
+                                 structured_outputs={"json": t.schema}) for i, t in enumerate(SCHEMA_TASKS)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for task, out in zip(SCHEMA_TASKS, outs):
+            assert out.finish_reason == "stop", (task.name, out.text)
+            jsonschema.validate(json.loads(out.text), task.schema)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    llm.close()
