@@ -271,8 +271,8 @@ class LLMEngine:
             return outputs
         try:
             drafts = self.speculator.propose(scheduled, self.scheduler)
-            masks = self._constrain(drafts)
-            result = self._verify(drafts, masks)
+            self._constrain(drafts)
+            result = self._verify(drafts)
         except RanksOutOfStepError as exc:  # the ranks cannot go on together: end the engine
             why = self._rank_watch.wait(RANK_LOST_GRACE_S / 2) if self._rank_watch else None
             if why is not None:  # say which rank, not just which collective failed
@@ -291,26 +291,30 @@ class LLMEngine:
         self.speculator.observe(drafts, updates, time.perf_counter() - started)
         return outputs
 
-    def _constrain(self, drafts: Drafts) -> dict[str, torch.Tensor]:
-        """Structured output: each constrained request's drafts cut at the first one its
-        grammar refuses, and the grammar's masks of its verify rows (``Constraint``).
+    def _constrain(self, drafts: Drafts) -> None:
+        """Structured output: a request whose grammar forces its next tokens drafts those;
+        each constrained request's drafts are cut at the first one its grammar refuses;
+        and the grammar's masks of its verify rows go to ``drafts.masks`` (``Constraint``).
         Drafts still on the device come to the host first (one copy, only then)."""
         requests = self.scheduler.requests
         constrained = [p for p in drafts.scheduled.scheduled if p.sample and requests[p.req_id].grammar]
         if not constrained:
-            return {}
-        if drafts.device_ids is not None and any(p.draft_token_ids for p in constrained):
+            return
+        forced = {id(p): requests[p.req_id].forced_drafts[:p.num_lookahead] for p in constrained
+                  if p.num_lookahead and requests[p.req_id].forced_drafts}
+        if drafts.device_ids is not None and (forced or any(p.draft_token_ids for p in constrained)):
             drafts.to_host()
-        masks, cuts = {}, {}
+        if forced:  # the grammar's own drafts take the drafter's place (speculator.plan)
+            drafts.replace(forced)
+        cuts = {}
         for p in constrained:
-            n, masks[p.req_id] = requests[p.req_id].grammar.check_drafts(p.draft_token_ids)
+            n, drafts.masks[p.req_id] = requests[p.req_id].grammar.check_drafts(p.draft_token_ids)
             if n < len(p.draft_token_ids):
                 cuts[id(p)] = n
         if cuts:
             drafts.cut(cuts)
-        return masks
 
-    def _verify(self, drafts: Drafts, masks: dict[str, torch.Tensor]) -> StepResult:
+    def _verify(self, drafts: Drafts) -> StepResult:
         """The one ragged target pass over every request's tokens and drafts (prefill
         chunks included), then rejection sampling: one device-to-host copy."""
         planned = drafts.scheduled.scheduled
@@ -318,7 +322,7 @@ class LLMEngine:
         requests = self.scheduler.requests
         logits, prompt, owners = self._prompt_rows(planned, logits)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids, first_position=end,
-                                history=requests[p.req_id].history(end, masks.get(p.req_id)))
+                                history=requests[p.req_id].history(end, drafts.masks.get(p.req_id)))
                   for p in planned if p.sample for end in (p.start_pos + len(p.token_ids),)]
         # Drafts still on the device come back in the sampler's copy, filling draft_token_ids.
         sampled = self.sampler.sample(logits, verify, drafts.probs, drafts.draft_ids, prompt)
@@ -417,8 +421,13 @@ class LLMEngine:
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
-        """Speculation's counts over the engine's lifetime."""
+        """Speculation's counts over the engine's lifetime (the drafter's)."""
         return self.speculator.stats
+
+    @property
+    def forced_draft_stats(self) -> SpecDecodeStats:
+        """Structured output's grammar-forced drafts, counted as a drafter of their own."""
+        return self.speculator.forced_stats
 
     @property
     def draft_length_counts(self) -> Counter[int]:

@@ -54,6 +54,7 @@ class Request:
         self.spec_stats = SpecDecodeStats()
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenised (by the engine)
         self.grammar = None  # structured output: its structured.Constraint (set by the engine)
+        self.forced_drafts: list[int] = []  # this step's tokens its grammar forces (the speculator's plan)
         # Per output token when params.logprobs is set; per prompt token after the first
         # with params.prompt_logprobs (filled as its prefill chunks run).
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None

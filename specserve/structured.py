@@ -111,6 +111,7 @@ class Grammars:
         return compiled
 
     def _compile(self, kind: str, text: str):
+        # lazy: llguidance only for requests with structured output (as in __init__)
         import llguidance
         from llguidance.gbnf_to_lark import any_to_lark
 
@@ -165,7 +166,7 @@ class Constraint:
         """(n, masks): how many of ``drafts`` lie inside the grammar's masks in a row, and
         the bitmask ``[n + 1, ceil(vocab / 32)]`` int32 of the target's rows 0 … n (row j:
         after the first j drafts; bit t allows token t). The matcher ends where it began."""
-        from llguidance.torch import fill_next_token_bitmask
+        from llguidance.torch import fill_next_token_bitmask  # lazy: as in Grammars
 
         masks = torch.zeros((len(drafts) + 1, self.words), dtype=torch.int32)
         n = kept = 0
@@ -188,6 +189,12 @@ class Constraint:
         if n:
             self.matcher.rollback(n)
         return kept, masks[:kept + 1]
+
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar forces (one continuation only: JSON punctuation, a
+        key the schema fixes, the rest of an enum value), at most ``limit``, tokenised as
+        the tokenizer would; they are drafts whose every position the mask allows."""
+        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
 
     def accept(self, tokens: Sequence[int]) -> None:
         """The tokens a step emitted (each was inside the mask of its row)."""

@@ -145,24 +145,29 @@ def _structures() -> list[dict]:
             {"grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9]+'}])
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layerskip", "draft-near"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "layerskip", "draft-near"])
 def test_constrained_greedy_with_speculation_equals_without(drafter, target, near_draft):
+    """Against no drafts at all (k = 0: no grammar-forced drafts either): forced drafts
+    alone ("none"), and merged with each drafter's."""
     structures = _structures()
     prompts = ["a b a b a b", "def f(x):", "hello world hello world"]
     work = [(p, s) for s in structures for p in prompts]
 
-    def run(settings):
+    def run(settings, k=None):
         llm = LLM32(target, num_speculative_tokens=3, speculative_adaptive=False, **SMALL, **settings)
-        params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=s) for _, s in work]
+        params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=s, num_speculative_tokens=k)
+                  for _, s in work]
         outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
-        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine.spec_stats
+        return [(o.token_ids, o.finish_reason) for o in outs], llm.engine
 
     settings = drafters(target, near_draft)
-    plain, _ = run(settings["none"])
-    drafted, stats = run(settings[drafter])
+    plain, off = run(settings["none"], k=0)
+    assert off.forced_draft_stats.num_draft_tokens == 0
+    drafted, engine = run(settings[drafter])
     assert drafted == plain
-    assert stats.num_draft_tokens > 0
+    assert engine.forced_draft_stats.num_accepted_tokens > 0  # the grammar's own drafts
+    assert drafter == "none" or engine.spec_stats.num_draft_tokens > 0
     finished = [out for out, (_, s) in zip(plain, work) if "json" in s and out[1] == "stop"]
     assert finished  # some JSON completed within 48 tokens
 
@@ -196,7 +201,7 @@ def test_constrained_outputs_follow_their_structure(target):
 
 
 # ---------------------------------------------------------------------- the distribution
-GRAMMAR = {"regex": "[ab]{5}"}
+GRAMMAR = {"regex": "[ab]{2}abab[ab]{2}"}  # its middle is forced: drafts of the grammar's own
 PROMPT = "abababab"
 NUM_DRAWS = 4000
 PROMPT_IDS: list[int] = []
@@ -234,19 +239,21 @@ def exact_distribution(target: str, grammars) -> dict[tuple[int, ...], float]:
     return out
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-near"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft-near"])
 def test_constrained_sampling_with_drafts_has_the_target_distribution(drafter, target, near_draft):
-    """4,000 seeded requests under the grammar [ab]{5} with k = 2, against the exact
-    distribution of the target restricted to the grammar: chi-square p > 0.001."""
+    """4,000 seeded requests under the grammar [ab]{2}abab[ab]{2} with k = 2 (forced drafts
+    alone with "none"), against the exact distribution of the target restricted to the
+    grammar: chi-square p > 0.001."""
     llm = LLM32(target, num_speculative_tokens=2, speculative_adaptive=False, max_num_seqs=64,
                 max_num_batched_tokens=256, block_size=4, num_kv_blocks=1200, **drafters(target, near_draft)[drafter])
     global PROMPT_IDS, EOS
     PROMPT_IDS, EOS = llm.tokenizer.encode(PROMPT), set(llm.engine.eos_token_ids)
     exact = exact_distribution(target, llm.engine.grammars)
-    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8, structured_outputs=GRAMMAR)
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=12, structured_outputs=GRAMMAR)
               for s in range(NUM_DRAWS)]
     outs = llm.generate([PROMPT] * NUM_DRAWS, params, use_tqdm=False)
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.forced_draft_stats.num_accepted_tokens > 0
+    assert drafter == "none" or llm.engine.spec_stats.num_accepted_tokens > 0
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert chi_square_p(counts, exact) > 1e-3, counts.most_common(8)
 
@@ -271,4 +278,6 @@ def test_default_model_outputs_validate_against_every_schema(default_model_path,
             assert out.finish_reason == "stop", (task.name, out.text)
             jsonschema.validate(json.loads(out.text), task.schema)
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    forced = llm.engine.forced_draft_stats  # the grammar's own drafts: the mask allows only them
+    assert forced.num_draft_tokens > 0 and forced.num_accepted_tokens == forced.num_draft_tokens
     llm.close()

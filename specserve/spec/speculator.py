@@ -33,6 +33,10 @@ logger = logging.getLogger("specserve")
 # Steps in a row whose drafting raised before speculation is turned off for good.
 MAX_DRAFTER_FAILURES = 3
 
+# The most grammar-forced drafts a structured-output request verifies in one step (unless
+# it sets its own k): a forced token is accepted wherever the target's tokenisation agrees.
+FORCED_DRAFTS_MAX = 8
+
 # The start-up profile weighs this much against a live step: it times passes alone, live
 # steps the host work around them too, but it varies what a steady state does not.
 PROFILE_WEIGHT = 0.1
@@ -50,6 +54,8 @@ class Drafts:
     drafted: bool = False                    # whether any request drafted
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
+    forced: dict[str, int] = field(default_factory=dict)  # req_id -> its grammar-forced drafts
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> its grammar's row masks
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -63,6 +69,28 @@ class Drafts:
             planned.draft_token_ids = ids[start:start + count]
             start += count
         self.device_ids = None
+
+    def replace(self, tokens: dict[int, list[int]]) -> None:
+        """Those entries' drafts become ``tokens[id(entry)]`` (host drafts), proposed with
+        certainty: their rows of q are one-hot."""
+        if self.probs is not None:
+            parts, start, vocab = [], 0, self.probs.shape[1]
+            for planned in self.scheduled.scheduled:
+                k = len(planned.draft_token_ids)
+                new = tokens.get(id(planned))
+                if new is None:
+                    parts.append(self.probs[start:start + k])
+                elif new:
+                    rows = torch.tensor(new, dtype=torch.int64).to(self.probs.device)
+                    parts.append(torch.nn.functional.one_hot(rows, vocab).to(self.probs.dtype))
+                start += k
+            self.probs = torch.cat(parts)
+        for planned in self.scheduled.scheduled:
+            new = tokens.get(id(planned))
+            if new is not None:
+                planned.draft_token_ids = list(new)
+                self.forced[planned.req_id] = len(new)
+        self.drafted = self.drafted or any(tokens.values())
 
     def cut(self, keep: dict[int, int]) -> None:
         """Keep only the first ``keep[id(entry)]`` drafts of those entries (host drafts), and
@@ -92,6 +120,7 @@ class Speculator:
         self.max_k = config.num_speculative_tokens if drafter else 0
         self.paths = DraftPaths(kv, self._forks(config.num_draft_paths))
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
+        self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
@@ -135,6 +164,24 @@ class Speculator:
 
     # ------------------------------------------------------------------ the step
     def plan(self, scheduler: Scheduler) -> dict[str, int] | None:
+        """k_i for the running requests (``_drafter_plan``), raised where a structured
+        output's grammar forces the next tokens: those are the request's drafts this step
+        (``Request.forced_drafts``), at most its own k if it set one, else
+        ``FORCED_DRAFTS_MAX``. Their acceptance, kept apart from the drafter's, is in
+        ``forced_stats``."""
+        chosen = self._drafter_plan(scheduler)
+        raised = None
+        for req in scheduler.running:
+            if req.grammar is None:
+                continue
+            own = req.params.num_speculative_tokens
+            req.forced_drafts = req.grammar.forced(FORCED_DRAFTS_MAX if own is None else own)
+            if req.forced_drafts:
+                raised = raised if raised is not None else dict(chosen or {})
+                raised[req.req_id] = max(raised.get(req.req_id, 0), len(req.forced_drafts))
+        return chosen if raised is None else raised
+
+    def _drafter_plan(self, scheduler: Scheduler) -> dict[str, int] | None:
         """k_i for the running requests: the engine's k, lowered by the request's own cap;
         with adaptive speculation the controller chooses below that for every decoding
         request that did not set its own k (the API's override wins) or a seed: a seeded
@@ -238,24 +285,26 @@ class Speculator:
 
     def record(self, drafts: Drafts, updates: list[RequestUpdate]) -> None:
         """What each request's drafts came to: counted (the tokens it kept: a stop cuts
-        them) and taught to the controller's acceptance estimates; then the requests that
+        them) and taught to the controller's acceptance estimates; grammar-forced drafts
+        are counted apart and teach the controller nothing. Then the requests that
         finished are forgotten."""
-        if self.drafter is None:
-            return
         controller, paths = self.controller, drafts.paths
         for update in updates:
-            outcome = paths.get(update.req.req_id) if paths else None
-            own_accepted = update.num_accepted if outcome is None else outcome.own_accepted
-            if controller and update.num_planned:
-                controller.observe_acceptance(update.req.req_id, DraftOutcome(
-                    update.num_planned, update.num_draft_tokens, own_accepted,
-                    1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
             accepted = min(update.num_accepted, len(update.new_token_ids))
-            path_won = outcome is not None and outcome.won
-            update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
-            self.stats.record(update.num_draft_tokens, accepted, path_won)
-            if update.req.status is RequestStatus.FINISHED:  # its last observation is queued: forget it
-                self.free(update.req.req_id)
+            if update.req.req_id in drafts.forced:
+                self.forced_stats.record(update.num_draft_tokens, accepted)
+            elif self.drafter is not None:
+                outcome = paths.get(update.req.req_id) if paths else None
+                own_accepted = update.num_accepted if outcome is None else outcome.own_accepted
+                if controller and update.num_planned:
+                    controller.observe_acceptance(update.req.req_id, DraftOutcome(
+                        update.num_planned, update.num_draft_tokens, own_accepted,
+                        1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
+                path_won = outcome is not None and outcome.won
+                update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
+                self.stats.record(update.num_draft_tokens, accepted, path_won)
+            if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
+                self.free(update.req.req_id)  # its last observation is queued: forget it
 
     def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
         """What the step cost: ``elapsed`` seconds of whole step for its updates' tokens,
