@@ -92,6 +92,7 @@ class Grammars:
         self.stop_token_ids = frozenset(stop_token_ids)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                        eos_token=list(stop_token_ids))
+        _check_tokenizer(self._tokenizer, tokenizer)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -139,6 +140,31 @@ class Grammars:
 
     def constraint(self, spec: StructuredOutputs) -> "Constraint":
         return Constraint(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
+
+
+def _check_tokenizer(lltok, tokenizer, samples: int = 4096) -> None:
+    """llguidance reads the tokenizer from its serialised form; a tokenizer built another
+    way (transformers' GGUF conversion, in some versions) can serialise differently, and
+    masks would then allow the wrong tokens. Compare the bytes of a spread of tokens (and
+    every one-character token) with what the tokenizer decodes; refuse on any difference
+    rather than constrain approximately."""
+    vocab = tokenizer.get_vocab()
+    special = set(tokenizer.all_special_ids)
+    step = max(1, len(vocab) // samples)
+    ids = sorted({i for i in range(0, len(vocab), step)} | {i for t, i in vocab.items() if len(t) == 1})
+    wrong = []
+    for token in ids:
+        if token in special or token >= lltok.vocab_size:
+            continue
+        text = tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if "\ufffd" in text:  # a piece of a character: its bytes are not in the text
+            continue
+        if lltok.decode_bytes([token]) != text.encode("utf-8"):
+            wrong.append(token)
+    if wrong:
+        raise ValueError(f"structured output is not available with this tokenizer: llguidance reads "
+                         f"{len(wrong)} of {len(ids)} tokens checked differently from it "
+                         f"(token {wrong[0]}: {tokenizer.convert_ids_to_tokens(wrong[0])!r})")
 
 
 # JSON as the model writes it most often: ", " and ": " between items, no other whitespace

@@ -281,3 +281,30 @@ def test_default_model_outputs_validate_against_every_schema(default_model_path,
     forced = llm.engine.forced_draft_stats  # the grammar's own drafts: the mask allows only them
     assert forced.num_draft_tokens > 0 and forced.num_accepted_tokens == forced.num_draft_tokens
     llm.close()
+
+
+def test_a_tokenizer_llguidance_reads_differently_is_refused(monkeypatch):
+    """llguidance reads a tokenizer from its serialised form. Where that form differs from
+    the tokenizer itself (transformers 5.17's GGUF conversion on the GPU hosts serialised
+    its byte-level tokens so that llguidance read most of them wrong), masks would allow
+    the wrong tokens: structured output is refused instead."""
+    import copy
+
+    import llguidance.hf
+    from tokenizers import decoders
+
+    from specserve.structured import Grammars
+    from tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(512)
+    Grammars(tokenizer, 512, [2])  # as it is: read exactly
+    original = llguidance.hf.from_tokenizer
+
+    def misread(hf_tokenizer, **kwargs):  # the serialised form without its byte-level parts
+        broken = copy.deepcopy(hf_tokenizer)
+        broken.backend_tokenizer.decoder = decoders.ByteFallback()  # "Ā" read as "Ā", not byte 0
+        return original(broken, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", misread)
+    with pytest.raises(ValueError, match="not available with this tokenizer"):
+        Grammars(tokenizer, 512, [2])
