@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -227,7 +227,7 @@ class Speculator:
             drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
         try:
-            proposal = self.drafter.propose(scheduled.scheduled, scheduler.requests)
+            proposal = self.drafter.propose(self._drafting(scheduled, scheduler), scheduler.requests)
         except RanksOutOfStepError:
             raise  # the ranks cannot go on together: the engine ends
         except Exception:
@@ -243,6 +243,17 @@ class Speculator:
         drafts.probs = proposal.draft_probs
         drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
         return drafts
+
+    @staticmethod
+    def _drafting(scheduled: SchedulerOutput, scheduler: Scheduler) -> list[ScheduledRequest]:
+        """The entries as the drafter sees them: a request whose grammar forces its next
+        tokens drafts those (``plan``), so the drafter only keeps up with it (k = 0) and
+        never caches proposals that the forced tokens replace."""
+        requests = scheduler.requests
+        if not any(requests[p.req_id].forced_drafts for p in scheduled.scheduled if p.num_lookahead):
+            return scheduled.scheduled
+        return [replace(p, num_lookahead=0) if p.num_lookahead and requests[p.req_id].forced_drafts
+                else p for p in scheduled.scheduled]
 
     def _drafting_failed(self, drafts: Drafts, start: float) -> Drafts:
         """The drafter raised: this step verifies no drafts (k = 0 for everyone, lossless as
