@@ -104,6 +104,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)
         self._grammars: Grammars | None = None
+        self._grammars_refused: str | None = None  # why this tokenizer cannot constrain output
         self._grammars_lock = threading.Lock()
         self._ids = itertools.count()
         self._log_startup(backend.name)
@@ -235,7 +236,13 @@ class LLMEngine:
         the request, so that ``add_request`` on the engine thread finds it compiled."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+                if self._grammars_refused is not None:  # checked once: the tokenizer does not change
+                    raise ValueError(self._grammars_refused)
+                try:
+                    self._grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+                except ValueError as exc:
+                    self._grammars_refused = str(exc)
+                    raise
             return self._grammars
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -282,12 +289,19 @@ class LLMEngine:
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
             return outputs + self._fail(scheduled, exc)
         updates = self.scheduler.update(*self.speculator.keep_best_paths(drafts, result))
+        left: dict[str, Exception] = {}
         for update in updates:
             self._apply_stop_strings(update)
             if update.req.grammar is not None:
-                update.req.grammar.accept(update.new_token_ids)
+                try:
+                    update.req.grammar.accept(update.new_token_ids)
+                except RuntimeError as exc:  # a token its mask allowed, refused: end it, not the engine
+                    logger.error("request %s left its grammar: %s", update.req.req_id, exc)
+                    left[update.req.req_id] = exc
         self.speculator.record(drafts, updates)  # before the outputs: each carries its counts
-        outputs += [self._output(update.req) for update in updates]
+        outputs += [self._output(update.req) for update in updates if update.req.req_id not in left]
+        for req_id, exc in left.items():
+            outputs += self._fail_requests([req_id], exc)
         self.speculator.observe(drafts, updates, time.perf_counter() - started)
         return outputs
 
@@ -378,10 +392,14 @@ class LLMEngine:
         return self._finish_output(req) if req.is_finished else self.outputs.make_output(req)
 
     def _fail(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        return self._fail_requests([planned.req_id for planned in scheduled.scheduled], exc)
+
+    def _fail_requests(self, req_ids: list[str], exc: Exception) -> list[RequestOutput]:
+        """End these requests with an error (those not already ended); their outputs."""
         message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         failed = []
-        for planned in scheduled.scheduled:
-            req = self.scheduler.finish_request(planned.req_id, FinishReason.ERROR)
+        for req_id in req_ids:
+            req = self.scheduler.finish_request(req_id, FinishReason.ERROR)
             if req is not None:
                 self.speculator.free(req.req_id)
                 failed.append(self._finish_output(req, error=message))

@@ -308,3 +308,24 @@ def test_a_tokenizer_llguidance_reads_differently_is_refused(monkeypatch):
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", misread)
     with pytest.raises(ValueError, match="not available with this tokenizer"):
         Grammars(tokenizer, 512, [2])
+
+
+def test_a_request_that_leaves_its_grammar_ends_with_an_error_and_the_engine_goes_on(target, monkeypatch):
+    """Should a token its mask allowed be refused (a library's fault), that request ends
+    with an error; the others finish, and no block leaks."""
+    from specserve.structured import Constraint
+
+    llm = LLM32(target, **SMALL)
+    accept = Constraint.accept
+
+    def refuse_digits(self, tokens):
+        if any(llm.tokenizer.decode([t]).strip().isdigit() for t in tokens):
+            raise RuntimeError("refused")
+        accept(self, tokens)
+
+    monkeypatch.setattr(Constraint, "accept", refuse_digits)
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[0-9]{4}"}),
+                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)], use_tqdm=False)
+    assert outs[0].finish_reason == "error" and "refused" in outs[0].error
+    assert outs[1].finish_reason == "length"
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
