@@ -310,6 +310,8 @@ class LLMEngine:
         each constrained request's drafts are cut at the first one its grammar refuses;
         and the grammar's masks of its verify rows go to ``drafts.masks`` (``Constraint``).
         Drafts still on the device come to the host first (one copy, only then)."""
+        if not self.scheduler.num_constrained:
+            return
         requests = self.scheduler.requests
         constrained = [p for p in drafts.scheduled.scheduled if p.sample and requests[p.req_id].grammar]
         if not constrained:

@@ -82,6 +82,7 @@ class LogitsProcess:
             self.tail = self._build_tail(draft_ids, draft_index)
         # Structured output: the grammar's bitmask of each row that has one (row j of a span
         # is its mask j), gathered on the host; it reaches the device with the logits' use.
+        # Verify rows only: a draft pass's rows (for_drafting, head) carry no masks.
         masked = [(r, row.grammar_masks[j]) for r, (row, j) in enumerate(zip(rows, self.row_drafts))
                   if row.grammar_masks is not None and j < len(row.grammar_masks)]
         self._grammar = ([r for r, _ in masked], torch.stack([m for _, m in masked])) if masked else None
@@ -120,9 +121,6 @@ class LogitsProcess:
         out.seen = None if self.seen is None else self.seen[:n]
         out.tail = None if self.tail is None else self.tail[:n]
         out._words = self._words.head(n)
-        if self._grammar is not None:
-            kept = [i for i, r in enumerate(self._grammar[0]) if r < n]
-            out._grammar = ([self._grammar[0][i] for i in kept], self._grammar[1][kept]) if kept else None
         if self._factors is not None:
             out._factors = [f[:n] for f in self._factors]
         if self._bias is not None:

@@ -109,6 +109,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_constrained = 0  # requests with a grammar (structured output): steps skip that work at 0
         self.running_version = 0  # changes whenever a request joins or leaves ``running``
         # The joins (True) and leaves (False) that made the versions after _log_start, for a
         # caller that keeps its own view of ``running`` up to date (running_changes); kept
@@ -122,12 +123,14 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
         self.waiting.append(req)
+        self.num_constrained += req.grammar is not None
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
         """End a request (abort, stop string, error); frees its blocks. Idempotent."""
         req = self.requests.pop(req_id, None)
         if req is None:
             return None
+        self.num_constrained -= req.grammar is not None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._log_running(req, False)

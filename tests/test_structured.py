@@ -159,6 +159,7 @@ def test_constrained_greedy_with_speculation_equals_without(drafter, target, nea
                   for _, s in work]
         outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+        assert llm.engine.scheduler.num_constrained == 0  # every one counted out as it ended
         return [(o.token_ids, o.finish_reason) for o in outs], llm.engine
 
     settings = drafters(target, near_draft)
@@ -329,3 +330,4 @@ def test_a_request_that_leaves_its_grammar_ends_with_an_error_and_the_engine_goe
     assert outs[0].finish_reason == "error" and "refused" in outs[0].error
     assert outs[1].finish_reason == "length"
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.scheduler.num_constrained == 0

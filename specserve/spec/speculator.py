@@ -170,6 +170,8 @@ class Speculator:
         ``FORCED_DRAFTS_MAX``. Their acceptance, kept apart from the drafter's, is in
         ``forced_stats``."""
         chosen = self._drafter_plan(scheduler)
+        if not scheduler.num_constrained:
+            return chosen
         raised = None
         for req in scheduler.running:
             if req.grammar is None:
@@ -250,7 +252,8 @@ class Speculator:
         tokens drafts those (``plan``), so the drafter only keeps up with it (k = 0) and
         never caches proposals that the forced tokens replace."""
         requests = scheduler.requests
-        if not any(requests[p.req_id].forced_drafts for p in scheduled.scheduled if p.num_lookahead):
+        if not scheduler.num_constrained or not any(
+                requests[p.req_id].forced_drafts for p in scheduled.scheduled if p.num_lookahead):
             return scheduled.scheduled
         return [replace(p, num_lookahead=0) if p.num_lookahead and requests[p.req_id].forced_drafts
                 else p for p in scheduled.scheduled]
