@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for a slot; more get 429 (default: 256)")
     srv.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                      help="largest request body accepted; larger gets 413 (default: 4 MiB)")
+    srv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                     help="how the model writes tool calls (default: llama3_json for a Llama 3.x chat "
+                          "template, else hermes: <tool_call> JSON, as Qwen and SmolLM2 write it)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM, seconds in-flight requests get to finish before they are "
                           "aborted (default: 30)")
@@ -327,7 +330,8 @@ def _serve(args) -> int:
     serve(_engine_config(args), args.host, args.port,
           api_key=args.api_key or None, served_model_name=args.served_model_name,
           max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-          max_body_bytes=args.max_request_bytes, log_level="warning" if args.quiet else args.log_level)
+          max_body_bytes=args.max_request_bytes, tool_call_parser=args.tool_call_parser,
+          log_level="warning" if args.quiet else args.log_level)
     return 0
 
 

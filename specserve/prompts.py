@@ -40,14 +40,16 @@ def tokenize_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> 
     return text, token_ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of a chat (``[{"role": ..., "content": ...}]``), ready for the assistant's
-    turn unless ``add_generation_prompt`` is False. ValueError when the tokenizer has no
-    chat template or it fails on the messages."""
+    turn unless ``add_generation_prompt`` is False, with ``tools`` (OpenAI's tool objects)
+    for a template that writes them. ValueError when the tokenizer has no chat template or
+    it fails on the messages."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja errors from a conversation the template refuses
         raise ValueError(f"the chat template failed on these messages: {exc}") from None

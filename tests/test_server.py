@@ -30,7 +30,7 @@ KEY = "sk-test-key"
 def make_server(model_dir, *, max_queued_requests=None, api_key=None, max_body_bytes=None,
                 **engine_kwargs) -> tuple[ThreadedServer, AsyncLLMEngine]:
     settings = dict(dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=64,
-                    max_num_seqs=32, max_model_len=256)
+                    max_num_seqs=32, max_model_len=512)
     config = EngineConfig(model=str(model_dir), **{**settings, **engine_kwargs})
     engine = AsyncLLMEngine(LLMEngine(config), max_queued_requests=max_queued_requests)
     kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
@@ -697,14 +697,21 @@ HONOURED = {
     # The same token six times: a greedy pick biased by +100.
     "logit_bias": ({"300": 100}, lambda r, base, _post: _text(r) == _text(r)[:len(_text(r)) // 6] * 6),
     "response_format": ({"type": "json_object"}, lambda r, base, _post: _text(r).startswith("{")),
+    # tools: in the prompt; tool_choice and parallel_tool_calls (with tools): the calls made.
+    # More in test_tools.py.
+    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}],
+              lambda r, base, _post: r["usage"]["prompt_tokens"] > base["usage"]["prompt_tokens"]),
+    "tool_choice": ("required", lambda r, base, _post: r["choices"][0]["message"]["tool_calls"][0]
+                    ["function"]["name"] == "f"),
+    "parallel_tool_calls": (False, lambda r, base, _post: len(r["choices"][0]["message"]["tool_calls"]) == 1),
     "stream": (True, None),  # the stream tests above
     "stream_options": ({"include_usage": True}, None),  # the stream tests above
     "prompt": (None, None), "messages": (None, None),  # every request
 }
 REFUSED_VALUES = {
     "suffix": "x",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
     "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "store": True,
@@ -755,6 +762,9 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
                 extra = {"logprobs": True}
             if field == "response_format":
                 extra = {"ignore_eos": False}  # a grammar ends with the end-of-sequence token
+            if field in ("tool_choice", "parallel_tool_calls"):
+                extra = {"ignore_eos": False, "max_tokens": 40, "tools": HONOURED["tools"][0],
+                         **({"tool_choice": "required"} if field == "parallel_tool_calls" else {})}
             if field == "seed":
                 check_post = lambda **more: post(temperature=2.0, seed=more.get("seed", value))  # noqa: E731
             else:
@@ -775,7 +785,10 @@ def test_every_openai_request_field_is_honoured_or_refused(server, path):
     ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
      "stream_options.x", "unknown field"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-     "messages.0", "tool_calls"),
+     "messages.0.tool_calls.0.type", "Field required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0", "only an assistant"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "colour": "red"}]},
      "messages.0.colour", "unknown field"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "refusal": "no"}]},
@@ -820,7 +833,8 @@ def test_every_declared_field_is_classified():
                 "stop_token_ids", "skip_special_tokens", "speculative", "echo", "logprobs", "top_logprobs",
                 "presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_tokens",
                 "bad_words", "prompt_logprobs", "response_format", "structured_outputs", "guided_json",
-                "guided_regex", "guided_choice", "guided_grammar"}  # test_structured_output_through_...
+                "guided_regex", "guided_choice", "guided_grammar",  # test_structured_output_through_...
+                "tools", "tool_choice", "parallel_tool_calls"}  # test_tools.py
     for model in (CompletionRequest, ChatCompletionRequest):
         loose = set(model.model_fields) - honoured - set(REFUSED) - ADVISORY
         assert not loose, f"{model.__name__} declares fields nobody honours or refuses: {sorted(loose)}"
@@ -1030,6 +1044,6 @@ def test_tokenising_a_large_prompt_blocks_no_other_request(server, monkeypatch):
     slow_status, health_status, waited = asyncio.run(main())
     assert slow_status == 200 and health_status == 200 and waited < 1.0
     monkeypatch.setattr(app_module, "tokenize_prompt", lambda *args: pytest.fail("tokenised"))
-    huge = "word " * 400_000  # 2 MB: more tokens than max_model_len (256) by its bytes alone
+    huge = "word " * 400_000  # 2 MB: more tokens than max_model_len (512) by its bytes alone
     r = httpx.post(server.url + "/v1/completions", json={"prompt": huge, "max_tokens": 2})
     assert r.status_code == 400 and "bytes make at least" in r.json()["error"]["message"]

@@ -6,6 +6,7 @@ distribution, enumerated with transformers' model and llguidance's masks)."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import jsonschema
@@ -260,12 +261,30 @@ def test_constrained_sampling_with_drafts_has_the_target_distribution(drafter, t
 
 
 # ---------------------------------------------------------------------- the default model
+REGEX_TASKS = [
+    ("What is a US phone number for a bakery?", r"\(\d{3}\) \d{3}-\d{4}"),
+    ("When did the first person walk on the moon? Give the date.", r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
+    ("Make up an email address for a florist.", r"[a-z]{3,12}@[a-z]{3,10}\.(com|org|net)"),
+    ("Give an IPv4 address on a home network.", r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"),
+    ("A colour for a sunset, as a hex code:", r"#[0-9a-fA-F]{6}"),
+    ("Name a fruit, in lower case.", r"[a-z]+( [a-z]+)?"),
+    ("How long does an egg boil? Answer like '7 minutes'.", r"[1-9]\d? (minutes|seconds)"),
+    ("Write a short sentence about cats that ends with a full stop.", r"[A-Z][a-z ,']{5,60}\."),
+]
+CHOICE_TASKS = [
+    ("Is this review positive or negative? 'The food was cold and late.'", ["positive", "negative", "neutral"]),
+    ("Is the sky blue on a clear day?", ["yes", "no"]),
+    ("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"]),
+    ("Which is a programming language?", ["Python", "Cobra snake", "Java island"]),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model"])
 def test_default_model_outputs_validate_against_every_schema(default_model_path, drafter):
     """Every schema of ``json_schemas.py``, asked through its chat prompt, greedy and at
-    temperature 0.8: 100 % of the outputs parse and validate (jsonschema), with
-    speculation off, n-gram and the built-in draft."""
+    temperature 0.8: 100 % of the outputs parse and validate (jsonschema), and every
+    regex and choice output matches, with speculation off, n-gram and the built-in draft."""
     from specserve import LLM
 
     llm = LLM(None, **({} if drafter == "none" else {"speculative_method": drafter}))  # the embedded model
@@ -278,6 +297,16 @@ def test_default_model_outputs_validate_against_every_schema(default_model_path,
         for task, out in zip(SCHEMA_TASKS, outs):
             assert out.finish_reason == "stop", (task.name, out.text)
             jsonschema.validate(json.loads(out.text), task.schema)
+        # Regexes and choices: every output matches in full.
+        asks = [(q, {"regex": r}) for q, r in REGEX_TASKS] + [(q, {"choice": c}) for q, c in CHOICE_TASKS]
+        ask_prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                         add_generation_prompt=True) for q, _ in asks]
+        ask_params = [SamplingParams(temperature=temperature, seed=i, max_tokens=60, structured_outputs=spec)
+                      for i, (_, spec) in enumerate(asks)]
+        for (_, spec), out in zip(asks, llm.generate(ask_prompts, ask_params, use_tqdm=False)):
+            assert out.finish_reason == "stop", (spec, out.text)
+            assert re.fullmatch(spec["regex"], out.text) if "regex" in spec else out.text in spec["choice"], \
+                (spec, out.text)
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
     forced = llm.engine.forced_draft_stats  # the grammar's own drafts: the mask allows only them
     assert forced.num_draft_tokens > 0 and forced.num_accepted_tokens == forced.num_draft_tokens

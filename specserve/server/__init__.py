@@ -18,7 +18,8 @@ logger = logging.getLogger("specserve")
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
           api_key: str | None = None, served_model_name: str | None = None,
           max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
-          max_body_bytes: int | None = None, log_level: str = "info") -> None:
+          max_body_bytes: int | None = None, tool_call_parser: str | None = None,
+          log_level: str = "info") -> None:
     """Load the engine and serve until SIGINT/SIGTERM. On shutdown the server stops
     accepting connections, gives in-flight requests ``shutdown_timeout`` seconds to finish,
     then aborts the rest and stops the engine."""
@@ -29,7 +30,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, *,
     sock = bind_socket(host, port)  # before the slow model load, so a busy port fails fast
     engine = AsyncLLMEngine(LLMEngine(config), max_queued_requests=max_queued_requests)
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key,
-                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, tool_call_parser=tool_call_parser)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s on http://%s:%d/v1%s", served_model_name or engine.engine.model_name,
                 host, port, " (API key required)" if api_key else "")

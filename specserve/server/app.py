@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import secrets
 import time
@@ -33,6 +34,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
+from specserve.tools import HERMES_CLOSE, ChatReply, ChatTools
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -56,15 +58,18 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app. The engine thread starts with the app and is stopped (in-flight
-    requests aborted) when the app shuts down."""
+    requests aborted) when the app shuts down. ``tool_call_parser``: how the model writes
+    tool calls (``tools.FORMATS``; None: found from its chat template)."""
     llm = engine.engine
     model_name = served_model_name or llm.model_name
     metrics = ServerMetrics(engine, model_name)
     # The engine thread detokenises with the engine's tokenizer; this copy is the event
     # loop's own, so the two threads never share one tokenizer object.
-    prompts = _PromptEncoder(copy.deepcopy(llm.tokenizer), llm.hf_config.vocab_size, llm.max_model_len)
+    prompts = _PromptEncoder(copy.deepcopy(llm.tokenizer), llm.hf_config.vocab_size, llm.max_model_len,
+                             tool_call_parser)
     created = int(time.time())
 
     @asynccontextmanager
@@ -132,7 +137,7 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         with _bad_input():
             if body.messages is not None:
                 ids = await prompts.run(prompts.chat_ids, [m.as_dict() for m in body.messages],
-                                        body.add_generation_prompt)
+                                        body.add_generation_prompt, body.tool_list())
             else:
                 ids = await prompts.run(prompts.text_ids, body.prompt, body.add_special_tokens)
         strs = prompts.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -194,22 +199,27 @@ def create_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         check_request(body)
         with _bad_input():
             params = [body.sampling_params(None, choice) for choice in range(body.num_choices)]
+            reply = _chat_reply(body, prompts.chat_tools)
+            if body.tool_mode == "auto" and body.parallel_tool_calls is False:
+                params = [dataclasses.replace(p, stop=[*p.stop, HERMES_CLOSE]) for p in params]  # one call
             conversation = body.conversation()
-            prompt_ids = [await prompts.run(prompts.encode_chat, conversation, params[0].max_tokens)]
+            prompt_ids = [await prompts.run(prompts.encode_chat, conversation, params[0].max_tokens,
+                                            body.tool_list())]
             await compile_grammar(params[0])
         run = _Run(engine, metrics, prompt_ids, params, "chatcmpl")
         await run.start()
         logprobs = (lambda lps: _chat_logprobs(lps, params[0].logprobs, prompts.token_text)) \
             if body.logprobs else (lambda lps: None)
         if body.stream:
-            return _sse(_stream_chat(run, model_name, body.include_usage, logprobs), run)
+            return _sse(_stream_chat(run, model_name, body.include_usage, logprobs, reply), run)
         outs = await _unless_disconnected(request, run.collect())
         if isinstance(outs, Response):  # the client left: nobody reads this
             return outs
+        messages = [reply().message(o.text, o.finish_reason) for o in outs]
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": logprobs(o.logprobs), "finish_reason": o.finish_reason}
-                            for i, o in enumerate(outs)],
+                "choices": [{"index": i, "message": message, "logprobs": logprobs(o.logprobs),
+                             "finish_reason": finish}
+                            for i, (o, (message, finish)) in enumerate(zip(outs, messages))],
                 "usage": _usage(outs, run.n)}
 
     _document_errors(app, api_key is not None)
@@ -301,9 +311,11 @@ class _PromptEncoder:
     refuses prompts that cannot fit: by their bytes alone, before tokenising, where that
     already proves it (no token is longer than the longest the vocabulary spells)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, tool_call_parser: str | None = None) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self._worker_tokenizer = copy.deepcopy(tokenizer)  # the event loop keeps the other (decoding)
+        # How the chat template takes tools and how the model calls them (no template: no chat).
+        self.chat_tools = ChatTools(self._worker_tokenizer, tool_call_parser) if tokenizer.chat_template else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenize")
         self._max_token_bytes = _max_token_bytes(tokenizer)
         self._texts: dict[int, str] = {}
@@ -321,10 +333,10 @@ class _PromptEncoder:
         _text, ids = tokenize_prompt(self._worker_tokenizer, prompt, self.vocab_size)
         return self._fits(ids, max_tokens)
 
-    def encode_chat(self, messages: list[dict], max_tokens: int | None) -> list[int]:
+    def encode_chat(self, messages: list[dict], max_tokens: int | None, tools: list[dict] | None = None) -> list[int]:
         self._fits_bytes(sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in messages),
                          max_tokens)
-        return self._fits(chat_prompt_ids(self._worker_tokenizer, messages), max_tokens)
+        return self._fits(self.chat_ids(messages, tools=tools), max_tokens)
 
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's token ids, fitting or not (``/tokenize``; on the tokenising thread)."""
@@ -332,8 +344,13 @@ class _PromptEncoder:
             return tokenize_prompt(self._worker_tokenizer, text, self.vocab_size)[1]
         return self._worker_tokenizer.encode(check_text(text), add_special_tokens=False)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self._worker_tokenizer, messages, add_generation_prompt)
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
+        """A chat's token ids, with tools, tool calls and tool results written as the
+        template takes them (``tools.ChatTools``)."""
+        if self.chat_tools is not None:
+            messages, tools = self.chat_tools.conversation(messages, tools)
+        return chat_prompt_ids(self._worker_tokenizer, messages, add_generation_prompt, tools)
 
     def token_text(self, token_id: int) -> str:
         """A token's text as the API shows it alone (a piece of a character shows as U+FFFD)."""
@@ -535,8 +552,23 @@ def _stream_completion(run: _Run, model: str, include_usage: bool, view: "_Compl
     return _stream_events(run, include_usage, chunk, view.scores_only)
 
 
-async def _stream_chat(run: _Run, model: str, include_usage: bool, logprobs) -> AsyncIterator[dict]:
+def _chat_reply(body: ChatCompletionRequest, chat_tools: ChatTools | None):
+    """A maker of each choice's ``ChatReply``, for the request's ``tool_choice``."""
+    mode = body.tool_mode
+    if mode == "none":
+        return ChatReply
+    if chat_tools is None:
+        raise ValueError("this model's tokenizer has no chat template")
+    if mode == "auto" and body.parallel_tool_calls is False and chat_tools.format != "hermes":
+        raise APIError(400, f"parallel_tool_calls false is not supported with the {chat_tools.format} "
+                       "tool-call format", param="parallel_tool_calls")
+    named = body.tool_choice.function.name if mode == "named" else None
+    return lambda: ChatReply(mode, chat_tools.format, named)
+
+
+async def _stream_chat(run: _Run, model: str, include_usage: bool, logprobs, reply) -> AsyncIterator[dict]:
     run.chunk_object, run.model = "chat.completion.chunk", model
+    replies: dict[int, ChatReply] = {}
 
     def event(index, delta, lps, finish_reason):
         return {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": model,
@@ -544,9 +576,14 @@ async def _stream_chat(run: _Run, model: str, include_usage: bool, logprobs) -> 
 
     def chunk(index, out):
         lps = logprobs(out.delta_logprobs) if out.delta_logprobs else None
-        if not (out.delta_text or out.finished or lps):
+        choice = replies.setdefault(index, reply())
+        content, calls = choice.feed(out.delta_text, final=out.finished)
+        if not (content or calls or out.finished or lps):
             return None
-        return event(index, {"content": out.delta_text}, lps, out.finish_reason if out.finished else None)
+        delta = {"content": content} if content or not calls else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return event(index, delta, lps, choice.finish_reason(out.finish_reason) if out.finished else None)
 
     for index in range(len(run.prompt_ids) * run.n):  # each choice's first chunk names its role
         yield event(index, {"role": "assistant", "content": ""}, None, None)

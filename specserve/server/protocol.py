@@ -4,12 +4,13 @@ Every field of a request is honoured or refused, never ignored. The models decla
 field OpenAI's request types have (``openai.types``), plus vLLM's extensions this server
 implements; any other field is refused with a 400 that names it (``extra="forbid"``). A
 declared field the engine cannot honour yet is refused by name when it asks for anything
-(``REFUSED``): ``n`` = 1 or ``tool_choice: "none"`` ask for nothing and pass. A few of OpenAI's
+(``REFUSED``): ``n`` = 1 or ``function_call: "none"`` ask for nothing and pass. A few of OpenAI's
 fields are advisory by definition (``ADVISORY``: an end user's id, a cache-routing key):
 they never change an output, and are accepted.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
 from specserve.structured import StructuredOutputs
+from specserve.tools import named_schema, required_schema
 
 MAX_N = 64  # choices per prompt
 
@@ -43,11 +45,9 @@ def _refusals(*rules: tuple[str, Callable[[Any], bool], str]) -> dict[str, tuple
 REFUSED = _refusals(
     ("n", lambda v: v is not None and not 1 <= v <= MAX_N, f"n must be between 1 and {MAX_N}"),
     ("suffix", _set, "suffix is not supported"),
-    ("tools", _set, "tools are not supported yet"),
-    ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported yet (tools are not)"),
-    ("parallel_tool_calls", _set, "parallel_tool_calls is not supported (tools are not)"),
-    ("functions", _set, "functions are not supported"),
-    ("function_call", lambda v: v not in (None, "none"), "function_call is not supported"),
+    ("functions", _set, "functions are not supported: use tools (functions is their deprecated form)"),
+    ("function_call", lambda v: v not in (None, "none"),
+     "function_call is not supported: use tool_choice (function_call is its deprecated form)"),
     ("audio", _given, "audio output is not supported"),
     ("modalities", lambda v: v not in (None, ["text"]), "modalities: only [\"text\"] is supported"),
     ("prediction", _given, "prediction (predicted outputs) is not supported"),
@@ -277,28 +277,79 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None   # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_dict(self) -> dict:
+        """The function as chat templates and schemas read it (no nulls)."""
+        return self.function.model_dump(exclude_none=True)
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # a JSON text, as OpenAI returns it
+
+
+class MessageToolCall(_Strict):
+    """A tool call an assistant message carries back (a response's, resent)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None  # given to the chat template (which may or may not use it)
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls ...
+    tool_call_id: str | None = None                  # ... and a tool message's answer to one
     # What an assistant message of a response carries back when a client resends it: null
-    # passes; a tool or function call is refused (tools are not supported yet).
+    # passes; a function call, audio, a refusal or annotations are refused.
     refusal: str | None = None
-    tool_calls: Any = None
-    tool_call_id: str | None = None
     function_call: Any = None
     audio: Any = None
     annotations: Any = None
 
     def problem(self) -> str | None:
-        for field in ("tool_calls", "tool_call_id", "function_call", "audio", "refusal", "annotations"):
+        for field in ("function_call", "audio", "refusal", "annotations"):
             if _set(getattr(self, field)):
-                return f"{field} in a message is not supported (tools, audio, refusals and annotations are not)"
+                return f"{field} in a message is not supported (function_call, audio, refusals and annotations are not)"
+        if self.tool_calls and self.role != "assistant":
+            return "tool_calls: only an assistant message calls tools"
+        if self.role == "tool" and not self.tool_call_id:
+            return "a tool message needs the tool_call_id of the call it answers"
+        if self.tool_call_id is not None and self.role != "tool":
+            return "tool_call_id: only a tool message answers a tool call"
         return None
 
     def as_dict(self) -> dict:
-        """The message as the chat template reads it."""
-        return {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        """The message as the chat template reads it (a call's arguments as an object,
+        as templates expect them; ValueError if they are not JSON)."""
+        message = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -316,11 +367,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False         # each output token's log-probability ...
     top_logprobs: int | None = None       # ... and the N likeliest tokens' at its place
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # True
     # OpenAI's chat fields this server refuses unless they ask for nothing (REFUSED), or
     # takes as advisory (ADVISORY).
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     response_format: ResponseFormat | None = None
@@ -349,7 +400,37 @@ class ChatCompletionRequest(_SamplingRequest):
             return "top_logprobs", "top_logprobs requires logprobs to be true"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs", "prompt_logprobs are returned by /v1/completions (echo or prompt_logprobs)"
-        return super().refused()
+        return self._tools_refused() or super().refused()
+
+    def _tools_refused(self) -> tuple[str, str] | None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            return "tools", "tools: each tool needs a name of its own"
+        if self.tool_choice not in (None, "none") and not names:
+            return "tool_choice", "tool_choice needs tools to choose from"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools"
+        if self.parallel_tool_calls is not None and not names:
+            return "parallel_tool_calls", "parallel_tool_calls needs tools"
+        if self.tool_mode == "auto":
+            if any(t.function.strict for t in self.tools):
+                # Free text may or may not call a tool: no grammar holds the arguments to the schema.
+                return "tools", ("a strict function is held to its schema with tool_choice \"required\" or a "
+                                 "named tool; with tool_choice \"auto\" give strict false or leave it out")
+            if self.response_format is not None and self.response_format.type != "text":
+                return "response_format", "response_format and tool_choice \"auto\": give one"
+        return None
+
+    @property
+    def tool_mode(self) -> str:
+        """``"none"``, ``"auto"``, ``"required"`` or ``"named"`` (OpenAI's default: auto
+        with tools, none without)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_list(self) -> list[dict] | None:
+        return _tool_dicts(self.tools)
 
     def _max_tokens(self) -> int | None:
         return _first(self.max_completion_tokens, self.max_tokens)
@@ -371,6 +452,12 @@ class ChatCompletionRequest(_SamplingRequest):
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise ValueError("response_format.json_schema.schema: a json_schema response format needs a schema")
             fields["response_format"] = StructuredOutputs(json=fmt.json_schema.schema_)
+        tools = {t.function.name: t.as_dict() for t in self.tools or ()}
+        if self.tool_mode == "required":
+            schema = required_schema(list(tools.values()), self.parallel_tool_calls is not False)
+            fields["tool_choice"] = StructuredOutputs(json=schema)
+        elif self.tool_mode == "named":
+            fields["tool_choice"] = StructuredOutputs(json=named_schema(tools[self.tool_choice.function.name]))
         return fields
 
 
@@ -382,11 +469,17 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True       # a text prompt: the tokenizer's BOS and the like
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True    # a chat: ready for the assistant's turn
+    tools: list[ToolDefinition] | None = None  # a chat: the tools, as the template writes them
     return_token_strs: bool = False
+
+    def tool_list(self) -> list[dict] | None:
+        return _tool_dicts(self.tools)
 
     def refused(self) -> tuple[str, str] | None:
         if (self.prompt is None) == (self.messages is None):
             return "prompt", "give exactly one of prompt and messages"
+        if self.tools and self.messages is None:
+            return "tools", "tools go with messages (a chat), not a text prompt"
         for i, message in enumerate(self.messages or ()):
             why = message.problem()
             if why:
@@ -412,6 +505,21 @@ def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
     return out
+
+
+def _tool_dicts(tools: list[ToolDefinition] | None) -> list[dict] | None:
+    """The tools' functions as the chat template and the schemas read them."""
+    return [t.as_dict() for t in tools] if tools else None
+
+
+def _arguments(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"a tool call's arguments must be a JSON object, got {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a tool call's arguments must be a JSON object, got {text[:80]!r}")
+    return value
 
 
 def _first(*values):
