@@ -19,7 +19,9 @@ any q. A draft outside the grammar would only be rejected; it is cut instead.
 """
 from __future__ import annotations
 
+import copy
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -86,12 +88,12 @@ class Grammars:
     llguidance matcher at its start, which each request's ``Constraint`` copies."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        import llguidance.hf  # lazy: only requests with structured output need it
+        import llguidance  # lazy: only requests with structured output need it
 
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(stop_token_ids))
+        self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size)),
+                                                 n_vocab=vocab_size, eos_token=list(stop_token_ids))
         _check_tokenizer(self._tokenizer, tokenizer)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
@@ -142,21 +144,95 @@ class Grammars:
         return Constraint(self.compile(spec).deep_copy(), self.vocab_size, self.stop_token_ids)
 
 
+class _TokenBytes:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` takes it: each token's bytes, read
+    from the vocabulary itself, and the tokenizer to tokenise text.
+
+    Not ``llguidance.hf.from_tokenizer``: that reads the tokenizer's serialised form, and
+    transformers 5.17's GGUF conversion (the GPU hosts') serialises the default model's
+    byte-level tokens so that llguidance reads most of them wrongly. A token's text is
+    written in one of three ways (GPT-2's byte alphabet, SentencePiece's "▁" and
+    ``<0xAB>``, or plain text); the one that agrees with the tokenizer's own decoding of
+    the vocabulary is used, and ``_check_tokenizer`` checks the result."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)  # called from llguidance, on any thread
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if i < vocab_size}
+        self.special_token_ids = sorted(i for i, t in tokenizer.added_tokens_decoder.items()
+                                        if t.special and i < vocab_size)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+        self.tokens = _read_pieces(tokenizer, pieces, added) + [b""] * (vocab_size - len(pieces))
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _read_pieces(tokenizer, pieces: list[str | None], added: dict[int, str]) -> list[bytes]:
+    """Each token's bytes, by whichever way of writing them agrees with the tokenizer."""
+    alphabet = _byte_level_alphabet()
+    hex_byte = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+    def byte_level(piece: str) -> bytes | None:
+        return bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece) else None
+
+    def sentencepiece(piece: str) -> bytes:
+        found = hex_byte.match(piece)
+        return bytes([int(found.group(1), 16)]) if found else piece.replace("\u2581", " ").encode("utf-8")
+
+    def plain(piece: str) -> bytes:
+        return piece.encode("utf-8")
+
+    step = max(1, len(pieces) // 2048)
+    sample = [i for i in range(0, len(pieces), step) if i not in added and pieces[i] is not None]
+    text = _token_text(tokenizer)
+    decoded = {i: text(i) for i in sample}
+    sample = [i for i in sample if "\ufffd" not in decoded[i]]
+    for read in (byte_level, sentencepiece, plain):
+        if all(read(pieces[i]) == decoded[i].encode("utf-8") for i in sample):
+            return [added[i].encode("utf-8") if i in added else (read(p) or b"") if p is not None else b""
+                    for i, p in enumerate(pieces)]
+    raise ValueError("structured output is not available with this tokenizer: its tokens are written in a "
+                     "way specserve cannot read (neither byte-level, SentencePiece nor plain text)")
+
+
+def _token_text(tokenizer):
+    """``text(token)``: one token's text as it reads inside a text, after another token,
+    since a decoder may drop the leading space of a text's first token (SentencePiece's does)."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False,  # noqa: E731
+                                          clean_up_tokenization_spaces=False)
+    skip = len(decode(anchor))
+    return lambda token: decode(anchor + [token])[skip:]
+
+
 def _check_tokenizer(lltok, tokenizer, samples: int = 4096) -> None:
-    """llguidance reads the tokenizer from its serialised form; a tokenizer built another
-    way (transformers' GGUF conversion, in some versions) can serialise differently, and
-    masks would then allow the wrong tokens. Compare the bytes of a spread of tokens (and
-    every one-character token) with what the tokenizer decodes; refuse on any difference
-    rather than constrain approximately."""
+    """Masks are only as right as llguidance's idea of each token's bytes. Compare the
+    bytes of a spread of tokens (and every one-character token) with what the tokenizer
+    decodes; refuse on any difference rather than constrain approximately."""
     vocab = tokenizer.get_vocab()
     special = set(tokenizer.all_special_ids)
     step = max(1, len(vocab) // samples)
     ids = sorted({i for i in range(0, len(vocab), step)} | {i for t, i in vocab.items() if len(t) == 1})
-    wrong = []
+    wrong, token_text = [], _token_text(tokenizer)
     for token in ids:
         if token in special or token >= lltok.vocab_size:
             continue
-        text = tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = token_text(token)
         if "\ufffd" in text:  # a piece of a character: its bytes are not in the text
             continue
         if lltok.decode_bytes([token]) != text.encode("utf-8"):

@@ -313,31 +313,44 @@ def test_default_model_outputs_validate_against_every_schema(default_model_path,
     llm.close()
 
 
-def test_a_tokenizer_llguidance_reads_differently_is_refused(monkeypatch):
-    """llguidance reads a tokenizer from its serialised form. Where that form differs from
-    the tokenizer itself (transformers 5.17's GGUF conversion on the GPU hosts serialised
-    its byte-level tokens so that llguidance read most of them wrong), masks would allow
-    the wrong tokens: structured output is refused instead."""
-    import copy
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_token_bytes_are_read_from_the_vocabulary(kind):
+    """llguidance gets each token's bytes read from the vocabulary (GPT-2's byte alphabet,
+    or SentencePiece's "▁" and <0xAB>), not the tokenizer's serialised form, which
+    transformers 5.17's GGUF conversion wrote so that llguidance misread most tokens of
+    the default model. Every token reads as the tokenizer decodes it inside a text, and a
+    grammar forces text tokenised as the tokenizer would."""
+    from specserve.structured import Grammars, _token_text
+    from tiny_models import make_sentencepiece_tokenizer, make_tokenizer
 
-    import llguidance.hf
-    from tokenizers import decoders
+    tokenizer = make_tokenizer(512) if kind == "byte_level" else make_sentencepiece_tokenizer()
+    grammars = Grammars(tokenizer, len(tokenizer), [2])
+    text = _token_text(tokenizer)
+    for token in range(3, len(tokenizer)):
+        if "\ufffd" not in text(token):
+            assert grammars._tokenizer.decode_bytes([token]) == text(token).encode(), token
+    forced = grammars.constraint(StructuredOutputs(regex="def heapify x")).forced(20)
+    assert tokenizer.decode(forced) == "def heapify x"
+    if kind == "sentencepiece":  # a character the vocabulary cannot spell: its bytes
+        assert tokenizer.decode(grammars.constraint(StructuredOutputs(regex="日本")).forced(20)) == "日本"
 
-    from specserve.structured import Grammars
+
+def test_a_tokenizer_read_wrongly_is_refused(monkeypatch):
+    """Should the bytes read for the tokens differ from what the tokenizer decodes, masks
+    would allow the wrong tokens: structured output is refused instead."""
+    from specserve import structured
     from tiny_models import make_tokenizer
 
-    tokenizer = make_tokenizer(512)
-    Grammars(tokenizer, 512, [2])  # as it is: read exactly
-    original = llguidance.hf.from_tokenizer
+    read = structured._read_pieces
 
-    def misread(hf_tokenizer, **kwargs):  # the serialised form without its byte-level parts
-        broken = copy.deepcopy(hf_tokenizer)
-        broken.backend_tokenizer.decoder = decoders.ByteFallback()  # "Ā" read as "Ā", not byte 0
-        return original(broken, **kwargs)
+    def swapped(*args):
+        tokens = read(*args)
+        tokens[300], tokens[301] = tokens[301], tokens[300]
+        return tokens
 
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", misread)
+    monkeypatch.setattr(structured, "_read_pieces", swapped)
     with pytest.raises(ValueError, match="not available with this tokenizer"):
-        Grammars(tokenizer, 512, [2])
+        structured.Grammars(make_tokenizer(512), 512, [2])
 
 
 def test_a_request_that_leaves_its_grammar_ends_with_an_error_and_the_engine_goes_on(target, monkeypatch):

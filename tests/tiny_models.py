@@ -43,6 +43,29 @@ def make_tokenizer(vocab_size: int):
                                    eos_token="</s>")
 
 
+def make_sentencepiece_tokenizer(vocab_size: int = 600):
+    """A Llama-2-style tokenizer: SentencePiece's "▁" for a space, and the 256 bytes as
+    ``<0x00>`` … ``<0xFF>`` tokens for what the vocabulary cannot spell."""
+    import bisect, string, textwrap  # noqa: E401  stable text
+    import inspect
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    tok.train_from_iterator([inspect.getsource(m) for m in (bisect, string, textwrap)], trainer)
+    spec = json.loads(tok.to_str())  # the byte tokens belong to the vocabulary, as in Llama's
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
 def make_hf_model(variant: str, seed: int = 0, **overrides):
     import transformers
 
