@@ -140,7 +140,8 @@ class EagleDrafter(ModelDrafter):
         logits, outputs = self._forward([e for e, _ in paired], [f for _, f in paired])
         self.last_catch_up_s = time.perf_counter() - began  # as ModelDrafter: runs whatever k is
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[p.req_id]) for p in order],
-                                             [p.params for p in order], logits.shape[1], self.device)
+                                             [p.params for p in order], logits.shape[1], self.device,
+                                             [requests[p.req_id].grammar for p in order])
         tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta, process=process)
         columns, q_columns = [tokens], [q]
         for j in range(1, order[0].num_lookahead):

@@ -164,9 +164,10 @@ class ModelDrafter:
         # The catch-up runs whatever k is (it yields the first proposals too): the cost of
         # drafting is what comes after it.
         self.last_catch_up_s = time.perf_counter() - began
-        # Penalties and the like process q from the same history as the target's p.
+        # Penalties, a grammar and the like process q from the same history as the target's p.
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
-                                             [p.params for p in active], logits.shape[1], self.device)
+                                             [p.params for p in active], logits.shape[1], self.device,
+                                             [requests[p.req_id].grammar for p in active])
         tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, forks if forking else None, 0,
                                  process)
         columns, q_columns = [tokens], [q]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import SamplingParams
-from specserve.structured import apply_masks
+from specserve.structured import Constraint, DraftGuide, apply_masks
 from specserve.transfer import to_device
 
 _NO_TOKEN = -1  # a history shorter than a bad word's prefix: matches no token id
@@ -82,10 +82,11 @@ class LogitsProcess:
             self.tail = self._build_tail(draft_ids, draft_index)
         # Structured output: the grammar's bitmask of each row that has one (row j of a span
         # is its mask j), gathered on the host; it reaches the device with the logits' use.
-        # Verify rows only: a draft pass's rows (for_drafting, head) carry no masks.
+        # A draft pass's rows take theirs from its DraftGuide (for_drafting), step by step.
         masked = [(r, row.grammar_masks[j]) for r, (row, j) in enumerate(zip(rows, self.row_drafts))
                   if row.grammar_masks is not None and j < len(row.grammar_masks)]
         self._grammar = ([r for r, _ in masked], torch.stack([m for _, m in masked])) if masked else None
+        self._guide: DraftGuide | None = None
 
     @classmethod
     def for_spans(cls, spans: list[RowHistory], num_drafts: list[int], draft_starts: list[int],
@@ -102,13 +103,21 @@ class LogitsProcess:
 
     @classmethod
     def for_drafting(cls, histories: list[RowHistory | None], params: list[SamplingParams],
-                     vocab_size: int, device: torch.device) -> "LogitsProcess | None":
+                     vocab_size: int, device: torch.device,
+                     grammars: list[Constraint | None] | None = None) -> "LogitsProcess | None":
         """A draft pass: one row per drafting request, no drafts yet (``advance`` adds
-        them); None when no request asks for processing (``histories`` all None)."""
-        if not any(histories):
+        them); None when no request asks for processing (``histories`` and ``grammars``,
+        the requests' structured-output constraints, all None). A row with a grammar is
+        masked by it along the row's own proposals (``DraftGuide``)."""
+        guided = grammars is not None and any(g is not None for g in grammars)
+        if not any(histories) and not guided:
             return None
         rows = [h if h is not None else RowHistory(p, (), 0, 0) for h, p in zip(histories, params)]
-        return cls(rows, [0] * len(rows), vocab_size, device)
+        process = cls(rows, [0] * len(rows), vocab_size, device)
+        if guided:
+            process._guide = DraftGuide(grammars)
+            process._grammar = process._guide.view(len(rows))
+        return process
 
     def head(self, n: int) -> "LogitsProcess":
         """The first ``n`` rows (a draft pass's requests still drafting are a prefix)."""
@@ -121,6 +130,8 @@ class LogitsProcess:
         out.seen = None if self.seen is None else self.seen[:n]
         out.tail = None if self.tail is None else self.tail[:n]
         out._words = self._words.head(n)
+        if self._guide is not None:
+            out._grammar = self._guide.view(n)
         if self._factors is not None:
             out._factors = [f[:n] for f in self._factors]
         if self._bias is not None:
@@ -132,6 +143,9 @@ class LogitsProcess:
     def advance(self, token_ids: torch.Tensor) -> None:
         """Each row's history grows by one token (``[num_rows]`` on the device): a draft step."""
         self.row_drafts = [d + 1 for d in self.row_drafts]
+        if self._guide is not None:
+            self._guide.advance(token_ids)
+            self._grammar = self._guide.view(len(self.rows))
         column = token_ids.view(-1, 1)
         if self.counts is not None:
             self.counts.scatter_add_(1, column, torch.ones_like(column, dtype=self.counts.dtype))
@@ -194,7 +208,7 @@ class LogitsProcess:
         logits = logits.float().clone()
         vocab = logits.shape[1]
         if self._grammar is not None:
-            apply_masks(logits, self._grammar[1], self._grammar[0])
+            apply_masks(logits, self._grammar[1], self._grammar[0], keep_empty=self._guide is not None)
         if self._words.width or self._words.single:
             self._words.ban(logits, self.tail, self.device)
         flat = logits.view(-1)

@@ -19,6 +19,7 @@ any q. A draft outside the grammar would only be rejected; it is cut instead.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import json
 import re
@@ -305,17 +306,67 @@ class Constraint:
                 raise RuntimeError(f"token {token} is outside the request's grammar: {self.matcher.get_error()}")
 
 
+class DraftGuide:
+    """A grammar along a draft model's own proposals, so that its q is masked as the
+    target's p is: each drafting row whose request has a grammar gets the grammar's mask
+    after that row's proposals so far. On copies of the requests' matchers (a copy costs
+    about a microsecond): the requests' own stay at their committed tokens for the step's
+    constrain stage.
+
+    Reading each step's proposals is one copy to the host per draft step, taken only when
+    a request with a grammar drafts with a model. A row stops being guided at a stop token
+    or a proposal its mask refuses (possible only where the draft's vocabulary and the
+    grammar share no token, and the row was left unmasked): the drafts from there are
+    cut before verification anyway."""
+
+    def __init__(self, constraints: Sequence["Constraint | None"]) -> None:
+        from llguidance.torch import fill_next_token_bitmask  # lazy: as in Grammars
+
+        self._fill = fill_next_token_bitmask
+        self.rows = [r for r, c in enumerate(constraints) if c is not None]
+        self._matchers = [constraints[r].matcher.deep_copy() for r in self.rows]
+        self._stops = [constraints[r].stop_token_ids for r in self.rows]
+        self._live = [True] * len(self.rows)
+        self.masks = torch.zeros((len(self.rows), constraints[self.rows[0]].words), dtype=torch.int32)
+        for k, matcher in enumerate(self._matchers):
+            self._fill(matcher, self.masks, k)
+
+    def view(self, num_rows: int) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, masks) of the guided rows among the first ``num_rows`` (None: none)."""
+        n = bisect.bisect_left(self.rows, num_rows)
+        return (self.rows[:n], self.masks[:n]) if n else None
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """The draft step's proposals (``[rows still drafting]``, on the device)."""
+        live = [k for k, r in enumerate(self.rows) if r < len(tokens) and self._live[k]]
+        if not live:
+            return
+        (index,) = to_device([[self.rows[k] for k in live]], torch.int64, tokens.device)
+        for k, token in zip(live, tokens.index_select(0, index).tolist()):
+            matcher = self._matchers[k]
+            if token in self._stops[k] or not allows(self.masks[k], token) or not matcher.consume_token(token):
+                self._live[k] = False  # its mask stays: the drafts after this one are cut
+            else:
+                self._fill(matcher, self.masks, k)
+
+
 def allows(mask: torch.Tensor, token: int) -> bool:
     """Whether one bitmask row allows ``token``."""
     return 0 <= token < 32 * mask.shape[0] and bool((int(mask[token // 32]) >> (token % 32)) & 1)
 
 
-def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int]) -> None:
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int], keep_empty: bool = False) -> None:
     """Set ``logits`` [num_rows, vocab] to -inf outside the bitmasks (``masks`` [len(rows),
-    ceil(vocab / 32)] int32 on the host, bit t of a row allowing token t) of ``rows``, in place."""
+    ceil(vocab / 32)] int32 on the host, bit t of a row allowing token t) of ``rows``, in
+    place. ``keep_empty``: a row the mask would leave with no finite logit stays as it was
+    (a draft whose vocabulary the grammar does not meet: its proposal is cut later)."""
     device, vocab = logits.device, logits.shape[1]
     masks = masks.to(device, non_blocking=True)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
     (rows_t,) = to_device([list(rows)], torch.int64, device)
-    logits.index_copy_(0, rows_t, logits.index_select(0, rows_t).masked_fill(~allowed, float("-inf")))
+    before = logits.index_select(0, rows_t)
+    masked = before.masked_fill(~allowed, float("-inf"))
+    if keep_empty:
+        masked = torch.where((masked > float("-inf")).any(dim=-1, keepdim=True), masked, before)
+    logits.index_copy_(0, rows_t, masked)

@@ -36,10 +36,18 @@ def near_draft(target, tmp_path_factory):
     return str(save_perturbed(target, tmp_path_factory.mktemp("structured-near"), 0.004))
 
 
-def drafters(target: str, near: str) -> dict[str, dict]:
+@pytest.fixture(scope="module")
+def eagle_head(target, tmp_path_factory):
+    from tiny_models import make_eagle_head
+
+    return make_eagle_head(target, [1], tmp_path_factory.mktemp("structured-eagle"))[0]
+
+
+def drafters(target: str, near: str, eagle: str | None = None) -> dict[str, dict]:
     return {"none": {}, "ngram": dict(speculative_method="ngram"),
             "layerskip": dict(speculative_method="layerskip", layerskip_layers=1),
-            "draft-near": dict(speculative_method="draft_model", draft_model=near)}
+            "draft-near": dict(speculative_method="draft_model", draft_model=near),
+            "eagle": dict(speculative_method="draft_model", draft_model=eagle)}
 
 
 # ---------------------------------------------------------------------- what may be asked
@@ -146,10 +154,11 @@ def _structures() -> list[dict]:
             {"grammar": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9]+'}])
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "layerskip", "draft-near"])
-def test_constrained_greedy_with_speculation_equals_without(drafter, target, near_draft):
+@pytest.mark.parametrize("drafter", ["none", "ngram", "layerskip", "draft-near", "eagle"])
+def test_constrained_greedy_with_speculation_equals_without(drafter, target, near_draft, eagle_head):
     """Against no drafts at all (k = 0: no grammar-forced drafts either): forced drafts
-    alone ("none"), and merged with each drafter's."""
+    alone ("none"), and merged with each drafter's (a draft model's and an EAGLE head's
+    proposals masked by the grammar as they are drafted)."""
     structures = _structures()
     prompts = ["a b a b a b", "def f(x):", "hello world hello world"]
     work = [(p, s) for s in structures for p in prompts]
@@ -163,7 +172,7 @@ def test_constrained_greedy_with_speculation_equals_without(drafter, target, nea
         assert llm.engine.scheduler.num_constrained == 0  # every one counted out as it ended
         return [(o.token_ids, o.finish_reason) for o in outs], llm.engine
 
-    settings = drafters(target, near_draft)
+    settings = drafters(target, near_draft, eagle_head)
     plain, off = run(settings["none"], k=0)
     assert off.forced_draft_stats.num_draft_tokens == 0
     drafted, engine = run(settings[drafter])
@@ -258,6 +267,43 @@ def test_constrained_sampling_with_drafts_has_the_target_distribution(drafter, t
     assert drafter == "none" or llm.engine.spec_stats.num_accepted_tokens > 0
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert chi_square_p(counts, exact) > 1e-3, counts.most_common(8)
+
+
+def test_a_draft_pass_is_masked_along_its_own_proposals():
+    """A draft model's rows with a grammar are masked as the target's are: step j by the
+    grammar after the row's own first j proposals, on a copy of its matcher (the request's
+    stays put); rows without one are untouched; a row the mask would empty keeps its logits."""
+    from specserve.logits_process import LogitsProcess
+    from specserve.structured import Grammars
+    from tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(512)
+    grammars = Grammars(tokenizer, 512, [2])
+    spec = StructuredOutputs(choice=["def heapify", "def heappush", "class Random"])
+    constraint = grammars.constraint(spec)
+    greedy = SamplingParams(temperature=0)
+    process = LogitsProcess.for_drafting([None, None], [greedy, greedy], 512, torch.device("cpu"), [constraint, None])
+    logits = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
+    proposals = []
+    for _ in range(4):
+        out = process.apply(logits)
+        assert torch.equal(out[1], logits[1])
+        token = int(out[0].argmax())
+        fresh = grammars.constraint(spec)  # the grammar after the proposals so far
+        fresh.accept(proposals)
+        _, expected = fresh.check_drafts([])
+        assert all(allows(expected[0], t) == bool(out[0, t] > float("-inf")) for t in range(512))
+        proposals.append(token)
+        process.advance(torch.tensor([token, 7]))
+    assert any(c.startswith(tokenizer.decode(proposals, skip_special_tokens=True)) for c in spec.choice)
+    _, masks = constraint.check_drafts([])  # the request's own matcher has not moved
+    _, start = grammars.constraint(spec).check_drafts([])
+    assert torch.equal(masks, start)
+    # A draft vocabulary the grammar does not meet: the row keeps its logits (its proposal is cut later).
+    empty = torch.full((1, 512), float("-inf"))
+    empty[0, 3] = 1.0
+    process = LogitsProcess.for_drafting([None], [greedy], 512, torch.device("cpu"), [grammars.constraint(spec)])
+    assert torch.equal(process.apply(empty), empty)
 
 
 # ---------------------------------------------------------------------- the default model
