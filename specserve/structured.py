@@ -313,11 +313,12 @@ class DraftGuide:
     about a microsecond): the requests' own stay at their committed tokens for the step's
     constrain stage.
 
-    Reading each step's proposals is one copy to the host per draft step, taken only when
-    a request with a grammar drafts with a model. A row stops being guided at a stop token
-    or a proposal its mask refuses (possible only where the draft's vocabulary and the
-    grammar share no token, and the row was left unmasked): the drafts from there are
-    cut before verification anyway."""
+    Following the proposals means reading them on the host at each draft step: free on a
+    CPU, a sync per draft step on a GPU, where only the first proposal (whose mask needs
+    no proposal) is guided. A row stops being guided at a stop token or a proposal its
+    mask refuses (possible only where the draft's vocabulary and the grammar share no
+    token, and the row was left unmasked): the drafts from there are cut before
+    verification anyway."""
 
     def __init__(self, constraints: Sequence["Constraint | None"]) -> None:
         from llguidance.torch import fill_next_token_bitmask  # lazy: as in Grammars
@@ -332,12 +333,18 @@ class DraftGuide:
             self._fill(matcher, self.masks, k)
 
     def view(self, num_rows: int) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, masks) of the guided rows among the first ``num_rows`` (None: none)."""
-        n = bisect.bisect_left(self.rows, num_rows)
-        return (self.rows[:n], self.masks[:n]) if n else None
+        """(rows, masks) of the rows still guided among the first ``num_rows`` (None: none)."""
+        live = [k for k in range(bisect.bisect_left(self.rows, num_rows)) if self._live[k]]
+        if not live:
+            return None
+        return [self.rows[k] for k in live], self.masks[live] if len(live) < len(self.rows) else self.masks
 
     def advance(self, tokens: torch.Tensor) -> None:
-        """The draft step's proposals (``[rows still drafting]``, on the device)."""
+        """The draft step's proposals (``[rows still drafting]``, on the device). On a
+        GPU, reading them would add a sync to every draft step, which costs more than the
+        drafts it saves (docs/lab-notes.md): there only the first proposal is guided."""
+        if tokens.device.type != "cpu":
+            self._live = [False] * len(self.rows)
         live = [k for k, r in enumerate(self.rows) if r < len(tokens) and self._live[k]]
         if not live:
             return
