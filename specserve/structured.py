@@ -368,7 +368,8 @@ def apply_masks(logits: torch.Tensor, masks: torch.Tensor, rows: Sequence[int], 
     place. ``keep_empty``: a row the mask would leave with no finite logit stays as it was
     (a draft whose vocabulary the grammar does not meet: its proposal is cut later)."""
     device, vocab = logits.device, logits.shape[1]
-    masks = masks.to(device, non_blocking=True)
+    # Through a pinned buffer: a copy from pageable memory would wait for the device.
+    (masks,) = to_device([masks.numpy()], torch.int32, device)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     allowed = ((masks.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
     (rows_t,) = to_device([list(rows)], torch.int64, device)
