@@ -24,6 +24,7 @@ import torch
 from specserve.batch import DeviceTokenIds
 from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
+from specserve.models.rotary import position_limit
 from specserve.request import Request
 from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
@@ -85,7 +86,7 @@ class ModelDrafter:
 
     @property
     def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+        return position_limit(self.model.config)[0]
 
     def free(self, req_id: str) -> None:
         self._fed.pop(req_id, None)

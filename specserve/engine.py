@@ -25,6 +25,7 @@ from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
+from specserve.models.rotary import position_limit
 from specserve.outputs import OutputProcessor, RequestOutput
 from specserve.prompts import chat_prompt_ids, check_text, tokenize_prompt
 from specserve.request import FinishReason, Request
@@ -131,14 +132,15 @@ class LLMEngine:
         self.speculator.enable_graphs(self.max_model_len, capture)
 
     def _max_model_len(self, drafter) -> int:
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2**31
+        limit, why = position_limit(self.hf_config)
+        limit = limit or 2**31
         draft_limit = getattr(drafter, "max_positions", None)
         if draft_limit and draft_limit < limit:
-            limit = draft_limit  # the draft must be able to run every position too
+            limit, why = draft_limit, "the draft's limit"  # the draft must be able to run every position too
         wanted = self.config.max_model_len or limit
         if wanted > limit:
             raise SpecserveError(f"max_model_len {wanted} exceeds the maximum {limit} "
-                                 f"the model{' and draft' if draft_limit else ''} support")
+                                 f"the model{' and draft' if draft_limit else ''} support ({why})")
         return wanted
 
     def _fit_max_model_len_to_cache(self) -> None:

@@ -171,18 +171,23 @@ def load_hf_config(files: ModelFiles):
     return config
 
 
+# config.json's model_type -> architecture, for a config that names no architectures.
+BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def _check_architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
     model_type = getattr(config, "model_type", "?")
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    if not archs and model_type in by_type:
-        config.architectures = [by_type[model_type]]
-        return by_type[model_type]
-    raise ModelLoadError(f"unsupported architecture {archs or model_type}; supported: "
+    if not archs and model_type in BY_MODEL_TYPE:
+        config.architectures = [BY_MODEL_TYPE[model_type]]
+        return BY_MODEL_TYPE[model_type]
+    decided = f"config.json's architectures {archs}" if archs else f"config.json's model_type {model_type!r}"
+    raise ModelLoadError(f"unsupported architecture (decided by {decided}); supported: "
                          f"{', '.join(sorted(ARCHITECTURES))}")
 
 
@@ -265,10 +270,20 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
         return
-    parts = ckpt_name.split(".")
+    parts = [model.RENAMED.get(p, p) for p in ckpt_name.split(".")]
+    fused = next(((i, p) for i, p in enumerate(parts) if p in model.FUSED), None)
+    if fused is not None and ".".join(parts) in params:  # stored merged: load it part by part
+        index, part = fused
+        sizes = model.merged_sizes(".".join(parts), whole=True)
+        if tensor.shape[0] != sum(sizes):
+            raise ModelLoadError(f"tensor {ckpt_name!r} has {tensor.shape[0]} rows, expected {sum(sizes)} "
+                                 f"({' + '.join(map(str, sizes))})")
+        for name, piece in zip(model.FUSED[part], tensor.split(sizes)):
+            _load_one(model, params, filled, ".".join(parts[:index] + [name] + parts[index + 1:]), piece)
+        return
     stacked = next(((i, p) for i, p in enumerate(parts) if p in model.STACKED), None)
     if stacked is None:
-        target, rows, shard = ckpt_name, None, None
+        target, rows, shard = ".".join(parts), None, None
     else:
         index, part = stacked
         merged, shard = model.STACKED[part]

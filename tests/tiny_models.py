@@ -20,6 +20,20 @@ VARIANTS = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16)),
     "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # Phi-3: q/k/v and gate/up stored merged, LongRoPE (served up to its original 256
+    # positions, where it uses the short factors).
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=256, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0]})),
+    # Mixture of experts: top-2 of 4; Qwen2-MoE with a shared expert and a dense layer.
+    "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_shared": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
 }
 
 

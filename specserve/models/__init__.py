@@ -8,6 +8,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "Phi3ForCausalLM": ArchSpec(),  # q/k/v and gate/up stored merged; longrope
+    "MixtralForCausalLM": ArchSpec(moe=True),
+    "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, moe=True),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
 }
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "LlamaForCausalLM"]

@@ -1,8 +1,10 @@
 """Llama-family decoder over a flattened ragged batch (``[num_tokens]``, no padding).
 
-One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias)
-and Qwen3 (per-head q/k RMSNorm); ``ArchSpec`` records how they differ. Q/K/V and
-gate/up projections are merged at load time so each is one matmul.
+One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged) and the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE (``moe.py`` in place of the MLP); ``ArchSpec``
+records how they differ. Q/K/V and gate/up projections are merged at load time so each
+is one matmul.
 
 With a tensor-parallel group of several ranks each rank builds only its shard
 (``parallel.py``): its heads, its MLP rows, its vocabulary rows, and one all-reduce
@@ -24,8 +26,9 @@ from torch import nn
 from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
 from specserve.distributed import SINGLE, TPGroup
-from specserve.errors import ModelLoadError
 from specserve.models.layer_ops import LayerOps, layer_ops_for
+from specserve.models.mlp import MLP
+from specserve.models.moe import SparseMoE, is_sparse_layer
 from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
 from specserve.models.rotary import Rotary, head_dim_of, rope_parameters  # noqa: F401  (re-exported)
@@ -36,6 +39,7 @@ class ArchSpec:
     qkv_bias: bool | None = None   # None: follow config.attention_bias
     o_bias: bool | None = None
     qk_norm: bool = False
+    moe: bool = False              # top-k routed experts in place of the MLP (models/moe.py)
 
 
 class RMSNorm(nn.Module):
@@ -96,28 +100,15 @@ def _sliding_window(config, layer_idx: int) -> int | None:
     return window or None
 
 
-class MLP(nn.Module):
-    def __init__(self, config, ops: LayerOps, layout: ShardLayout, tp: TPGroup) -> None:
-        super().__init__()
-        self.ops = ops
-        self.tp = tp
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = layout.local_intermediate  # this rank's rows
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
-        if config.hidden_act not in ("silu", "swish"):
-            raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (silu only)")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config, spec: ArchSpec, layer_idx: int, backend: AttentionBackend,
                  ops: LayerOps, layout: ShardLayout, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = Attention(config, spec, layer_idx, backend, ops, layout, tp)
-        self.mlp = MLP(config, ops, layout, tp)
+        if spec.moe and is_sparse_layer(config, layer_idx):
+            self.mlp = SparseMoE(config, ops, tp)
+        else:
+            self.mlp = MLP(config, ops, layout.local_intermediate, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -218,14 +209,29 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint name -> (our parameter, shard index) for the merged projections.
     STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # Projections a checkpoint may store merged already (Phi-3): their parts, in order.
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # Checkpoint names written another way (Mixtral's experts), as (old, new) name parts.
+    RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
         """Row range of shard ``shard`` inside merged parameter ``param_name`` (this
         rank's rows: the checkpoint tensor is cut to them by ``layout.shard``)."""
+        return _part_range(self.merged_sizes(param_name), shard)
+
+    def merged_sizes(self, param_name: str, whole: bool = False) -> list[int]:
+        """The parts' rows of merged parameter ``param_name`` on this rank (``whole``: in
+        the whole model, as a checkpoint stores them merged)."""
+        owner = self.get_submodule(param_name.rsplit(".", 2)[0])
         if ".qkv_proj." in param_name:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return start, start + sizes[shard]
+            heads, kv_heads = owner.num_heads, owner.num_kv_heads
+            if whole:
+                heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
+            return [heads * owner.head_dim, kv_heads * owner.head_dim, kv_heads * owner.head_dim]
+        rows = owner.intermediate_size * (self.tp.size if whole else 1)  # (experts: at tp 1 only)
+        return [rows, rows]
+
+
+def _part_range(sizes: list[int], part: int) -> tuple[int, int]:
+    start = sum(sizes[:part])
+    return start, start + sizes[part]

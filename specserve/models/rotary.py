@@ -53,17 +53,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + (halves.flip(-2) * sin).flatten(-2)
 
 
-def rope_parameters(config) -> tuple[torch.Tensor, float]:
+def _rope_params(config) -> dict:
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:  # transformers < 5: rope_theta + rope_scaling
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def position_limit(config) -> tuple[int | None, str]:
+    """(the most positions this model runs exactly, why): ``max_position_embeddings``;
+    with LongRoPE (Phi-3.5, Phi-3 128k) its ``original_max_position_embeddings``. Past
+    that length transformers switches every position of the sequence to the long
+    factors, the cached ones included (its generate recomputes the cache), which a paged
+    cache does not do: specserve serves LongRoPE models up to that length, with its short
+    factors, exactly."""
+    limit = getattr(config, "max_position_embeddings", None)
+    params = _rope_params(config)
+    if params["rope_type"] == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None) or limit
+        return original, ("LongRoPE switches a whole sequence to its long factors past "
+                          f"original_max_position_embeddings ({original})")
+    return limit, "max_position_embeddings"
+
+
+def rope_parameters(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling); LongRoPE's short factors (see ``position_limit``)."""
+    params = _rope_params(config)
+    rope_type = params["rope_type"]
+    if (getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
+        raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor "
+                             f"{config.partial_rotary_factor}) are not supported")
     if rope_type == "default":
         dim = head_dim_of(config)
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
-    if rope_type in ("dynamic", "longrope"):
+    if rope_type == "dynamic":
         raise ModelLoadError(f"rope type {rope_type!r} (length-dependent) is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: transformers, only to build
 

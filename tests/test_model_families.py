@@ -1,0 +1,131 @@
+"""The families beyond Llama: Phi-3 (merged projections as stored, LongRoPE) and mixture
+of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE). Logits against
+transformers are in test_model.py and test_cpu_kernels.py (every variant); here: greedy
+generation against transformers' ``generate``, speculation against plain decoding, and
+what is particular to each family."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.errors import ModelLoadError, SpecserveError
+from test_engine import hf_greedy, mixed_prompts
+from test_model import load_ours, ragged_logits
+from tiny_models import LLM32, make_hf_model, save_perturbed
+
+FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=160)
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_greedy_generation_equals_transformers(variant, tiny_model_dir):
+    """Continuous batching with chunked prefill (prompts of 1 to 60 tokens, budget 16)."""
+    llm = LLM32(str(tiny_model_dir(variant)), **SMALL)
+    hf = make_hf_model(variant)
+    prompts = mixed_prompts()
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert out.token_ids == hf_greedy(hf, prompt, 20), variant
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def family_draft(tiny_model_dir, tmp_path_factory):
+    """A draft of the same family: the target's weights, perturbed."""
+    made = {}
+
+    def build(variant: str) -> str:
+        if variant not in made:
+            made[variant] = save_perturbed(tiny_model_dir(variant), tmp_path_factory.mktemp(f"draft-{variant}"), 0.01)
+        return made[variant]
+
+    return build
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip", "draft_model"])
+def test_speculation_equals_plain_greedy(variant, drafter, tiny_model_dir, family_draft):
+    target = str(tiny_model_dir(variant))
+    settings = {"ngram": dict(speculative_method="ngram"),
+                "layerskip": dict(speculative_method="layerskip", layerskip_layers=1),
+                "draft_model": dict(speculative_method="draft_model", draft_model=family_draft(variant))}[drafter]
+    prompts = mixed_prompts() + [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]]  # one that n-gram drafts well
+    plain = [o.token_ids for o in LLM32(target, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM32(target, num_speculative_tokens=3, speculative_adaptive=False, **SMALL, **settings)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_longrope_is_served_up_to_its_original_length(tiny_model_dir):
+    """Past ``original_max_position_embeddings`` transformers switches the whole sequence
+    to the long factors (its generate recomputes the cache): served up to that length,
+    where it is exact, and a longer max_model_len is refused with the reason."""
+    llm = LLM32(str(tiny_model_dir("phi3_longrope")), **SMALL)
+    assert llm.engine.max_model_len == 256
+    with pytest.raises(SpecserveError, match=r"max_model_len 300 exceeds the maximum 256 .*LongRoPE"):
+        LLM32(str(tiny_model_dir("phi3_longrope")), max_model_len=300, **SMALL)
+
+
+def test_merged_projections_as_stored_are_split_exactly(tiny_model_dir):
+    """Phi-3 stores q/k/v and gate/up merged: they load part by part, to the same values."""
+    hf = make_hf_model("phi3_longrope")
+    ours = load_ours(tiny_model_dir("phi3_longrope"))
+    assert torch.equal(ours.model.layers[1].self_attn.qkv_proj.weight, hf.model.layers[1].self_attn.qkv_proj.weight)
+    assert torch.equal(ours.model.layers[0].mlp.gate_up_proj.weight, hf.model.layers[0].mlp.gate_up_proj.weight)
+
+
+@pytest.mark.parametrize("variant", ["mixtral_moe", "qwen2_moe_shared"])
+def test_only_the_routed_experts_run_and_equal_every_expert_weighted(variant, tiny_model_dir):
+    """The CPU path (the chosen experts over their tokens) equals the GPU path's form (all
+    experts, weighted by the routing); each token picks its own experts."""
+    ours = load_ours(tiny_model_dir(variant))
+    moe = ours.model.layers[0].mlp
+    x = torch.randn(9, ours.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, experts = moe.routing(x)
+    assert len({tuple(sorted(e)) for e in experts.tolist()}) > 1
+    assert torch.allclose(moe._routed(x, weights, experts), moe._dense(x, weights, experts), atol=1e-6)
+    calls = []
+    for i, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda _m, inp, _out, i=i: calls.append((i, inp[0].shape[0])))
+    moe._routed(x[:1], *moe.routing(x[:1]))
+    assert sorted(i for i, _ in calls) == sorted(moe.routing(x[:1])[1][0].tolist())  # k experts, no more
+
+
+def test_a_dense_layer_of_a_moe_model_stays_dense(tiny_model_dir):
+    """Qwen2-MoE's ``mlp_only_layers``: layer 1 has the plain MLP."""
+    from specserve.models.mlp import MLP
+    from specserve.models.moe import SparseMoE
+
+    ours = load_ours(tiny_model_dir("qwen2_moe_shared"))
+    assert isinstance(ours.model.layers[0].mlp, SparseMoE) and ours.model.layers[0].mlp.shared_expert is not None
+    assert isinstance(ours.model.layers[1].mlp, MLP)
+
+
+def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "phi4-mini-like"
+    shutil.copytree(tiny_model_dir("phi3_longrope"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.75}))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+        load_ours(path)
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma2ForCausalLM"],
+                                                  "model_type": "gemma2"}))
+    with pytest.raises(ModelLoadError, match=r"decided by config.json's architectures \['Gemma2ForCausalLM'\]\); "
+                                             r"supported: .*MixtralForCausalLM.*Phi3ForCausalLM"):
+        load_ours(path)
+    (path / "config.json").write_text(json.dumps({**config, "architectures": None, "model_type": "gemma2"}))
+    with pytest.raises(ModelLoadError, match="decided by config.json's model_type 'gemma2'"):
+        load_ours(path)
+
+
+def test_chunked_prefill_routes_each_token_on_its_own(tiny_model_dir):
+    """A prompt's logits are the same whole or in chunks of 3 (verify spans route the same way)."""
+    ours = load_ours(tiny_model_dir("qwen3_moe"))
+    prompt = [[(7 * i) % 500 + 3 for i in range(30)]]
+    assert (ragged_logits(ours, prompt, chunk=64)[0] - ragged_logits(ours, prompt, chunk=3)[0]).abs().max() < 1e-4
