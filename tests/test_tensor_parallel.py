@@ -118,6 +118,32 @@ def test_sharded_build_keeps_only_this_ranks_part(tmp_path, tiny_tokenizer):
     assert ours.num_parameters < sum(p.numel() for p in hf.parameters()) * 0.6
 
 
+def test_merged_projections_as_stored_are_sharded_part_by_part(tmp_path, tiny_tokenizer):
+    """Phi-3 stores q/k/v and gate/up merged: rank 1 of 2 takes its q rows, its KV head's
+    k and v rows, and its gate and up rows, each from its part of the merged tensor. A
+    mixture of experts under tensor parallelism is refused."""
+    from specserve.attention import TorchAttentionBackend
+    from specserve.errors import ModelLoadError
+    from specserve.loader import ModelFiles, build_model, load_hf_config
+
+    hf = make_hf_model("phi3_longrope")
+    hf.save_pretrained(tmp_path / "phi3")
+    files = ModelFiles("tiny", tmp_path / "phi3")
+    ours = build_model(files, load_hf_config(files), torch.float32, torch.device("cpu"),
+                       TorchAttentionBackend(), tp=TPGroup(rank=1, size=2))
+    qkv = hf.model.layers[1].self_attn.qkv_proj.weight  # q 64 rows, k 32, v 32; 2 KV heads of 16
+    q, k, v = ours.model.layers[1].self_attn.qkv_proj.weight.split([32, 16, 16])
+    assert torch.equal(q, qkv[32:64]) and torch.equal(k, qkv[64 + 16:96]) and torch.equal(v, qkv[96 + 16:])
+    gate_up = hf.model.layers[0].mlp.gate_up_proj.weight  # gate 128 rows, up 128
+    gate, up = ours.model.layers[0].mlp.gate_up_proj.weight.split([64, 64])
+    assert torch.equal(gate, gate_up[64:128]) and torch.equal(up, gate_up[192:])
+    make_hf_model("mixtral_moe").save_pretrained(tmp_path / "moe")
+    files = ModelFiles("tiny", tmp_path / "moe")
+    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+        build_model(files, load_hf_config(files), torch.float32, torch.device("cpu"),
+                    TorchAttentionBackend(), tp=TPGroup(rank=1, size=2))
+
+
 # ---------------------------------------------------------------------- the step messages
 class _Loopback(TPGroup):
     """A 'group' whose broadcasts rank 0 sends into a queue the receiver reads from."""
@@ -280,6 +306,7 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
     for name, variant, overrides in (("llama", "llama", {}),
                                      ("kv1", "qwen2_bias", dict(num_key_value_heads=1)),
                                      ("vocab515", "qwen3_qknorm", dict(vocab_size=515)),
+                                     ("phi3", "phi3_longrope", {}),  # q/k/v, gate/up stored merged
                                      ("draft", "llama", dict(seed=1, num_hidden_layers=1))):
         path = tmp_path_factory.mktemp(f"tp-{name}")
         make_hf_model(variant, **overrides).save_pretrained(path)
@@ -315,13 +342,13 @@ def _engine_kwargs(run: dict, tp_models) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_job(tp_models, tmp_path_factory):
-    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515")}, "prompts": _prompts(),
+    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi3")}, "prompts": _prompts(),
             "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS,
                              engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS]}
     return run_tp_job(spec, tmp_path_factory.mktemp("tp-job"))
 
 
-@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515"])
+@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515", "phi3"])
 def test_sharded_logits_equal_unsharded(tp_job, tp_models, name):
     want = ragged_logits(load_ours(tp_models[name]), _prompts(), chunk=5)
     for rank in tp_job:  # every rank ends with the whole (gathered) logits
