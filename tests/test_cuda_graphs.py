@@ -59,7 +59,7 @@ def test_the_gpu_memory_budget_reserves_the_graph_outputs():
     assert reserve(cuda_graph_max_tokens=0) - reserve(enforce_eager=True) == graph_logits_rows(64, 5, 0) * 49152 * 6
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral_window"])
+@pytest.mark.parametrize("variant", ["llama", "mistral_window", "qwen2_moe_shared"])
 @pytest.mark.parametrize("method", ["none", "ngram"])
 def test_padded_graph_path_equals_eager(tiny_model_dir, variant, method):
     kwargs = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
