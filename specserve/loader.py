@@ -258,6 +258,9 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[0]}")
     model.model.rotary.to(device)
+    for module in model.modules():  # mixture-of-experts layers stack their experts for the GPU
+        if hasattr(module, "stack_experts"):
+            module.stack_experts()
     model.num_parameters = sum(p.numel() for p in params.values())
     model.shared_modules = tuple(shared_modules)
     if device.type == "cpu" and dtype == torch.bfloat16:

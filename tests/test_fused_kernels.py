@@ -427,3 +427,37 @@ def test_draft_model_on_the_padded_graph_path_with_fused_kernels(tiny_model_dir)
     want = LLM32(target, attention_backend="torch", **kwargs).generate(prompts, params, use_tqdm=False)
     assert calls and llm.engine.spec_stats.acceptance_rate == 1.0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+# ---------------------------------------------------------------------- mixture of experts
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_grouped_moe_gemms_equal_the_experts_one_by_one(dtype):
+    """The two grouped launches (pairs sorted by expert, padded blocks) against each
+    token's k experts computed one by one in fp32, weighted and summed; every pair is in
+    exactly one padded row, and every block holds one expert's pairs."""
+    from specserve.kernels import fused_moe
+
+    tokens, num_experts, top_k, hidden, inter = (37, 64, 8, 256, 128) if CUDA else (9, 6, 2, 32, 48)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
+    probs = torch.randn(tokens, num_experts, generator=g).softmax(-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights, experts = weights.to(DEVICE, dtype), experts.to(DEVICE)
+    rows, block_expert = fused_moe.align(experts, num_experts)
+    used = rows[rows < tokens * top_k]
+    assert sorted(used.tolist()) == list(range(tokens * top_k))
+    flat = experts.flatten().cpu()
+    for b, e in enumerate(block_expert.tolist()):
+        block = [r for r in rows[b * fused_moe.BLOCK_M:(b + 1) * fused_moe.BLOCK_M].tolist() if r < tokens * top_k]
+        assert all(flat[r] == e for r in block) and (e < num_experts or not block)
+    got = fused_moe.moe_forward(x, w13, w2, weights, experts, fused_act.silu_and_mul).float()
+    want = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(experts[t, j])
+            gate, up = (x[t].float().cpu() @ w13[e].float().cpu().T).chunk(2)
+            want[t] += float(weights[t, j]) * ((torch.nn.functional.silu(gate) * up) @ w2[e].float().cpu().T)
+    tol = 1e-4 if dtype == F32 else 3e-2
+    assert (got.cpu() - want).abs().max().item() < tol * max(1.0, want.abs().max().item())

@@ -7,9 +7,10 @@ cast to the activations' dtype. Every token is routed on its own, so a verify pa
 1 + k tokens routes each draft as a decode step would.
 
 On a CPU only the experts some token chose run, each over its tokens (the routing is on
-the host already). On a GPU every expert runs over every token and the routing weights
-(zero for the experts not chosen) pick the results: no sync, and a step CUDA graphs can
-capture, at num_experts / k times the routed work; a grouped expert GEMM is to come.
+the host already). On a GPU the chosen experts run in two grouped GEMM launches, the
+(token, expert) pairs sorted by expert on the device (``kernels/fused_moe.py``): no sync,
+a step CUDA graphs can capture. ``_dense`` (every expert over every token, weighted) is
+the GPU's fallback for experts with a bias, and the tests' reference.
 """
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ class SparseMoE(nn.Module):
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = MLP(config, ops, shared, tp) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
+        self.ops = ops
+        self.w13 = self.w2 = None  # the experts' weights stacked, for the grouped GEMMs (``stack_experts``)
+
+    def stack_experts(self) -> None:
+        """On a GPU: the experts' gate/up and down weights as ``[E, 2I, H]`` and
+        ``[E, H, I]`` tensors for the grouped GEMMs, each expert's own weights becoming
+        views into them (no second copy). Called once the weights are loaded."""
+        if self.experts[0].gate_up_proj.weight.device.type != "cuda" or self.experts[0].gate_up_proj.bias is not None:
+            return
+        for name, attr in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            stacked = torch.stack([getattr(e, attr).weight.data for e in self.experts])
+            for i, expert in enumerate(self.experts):
+                getattr(expert, attr).weight = nn.Parameter(stacked[i], requires_grad=False)
+            setattr(self, name, stacked)
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights ``[num_tokens, k]`` in x's dtype, experts ``[num_tokens, k]``)."""
@@ -64,6 +79,8 @@ class SparseMoE(nn.Module):
         weights, experts = self.routing(x)
         if x.device.type == "cpu":
             out = self._routed(x, weights, experts)
+        elif self.w13 is not None:
+            out = self._grouped(x, weights, experts)
         else:
             out = self._dense(x, weights, experts)
         if self.shared_expert is not None:
@@ -84,6 +101,12 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, self.experts[expert](x[rows]) * flat_weights[start:start + count, None])
                 start += count
         return out
+
+    def _grouped(self, x, weights, experts) -> torch.Tensor:
+        """The chosen experts in two grouped GEMM launches (``kernels/fused_moe.py``)."""
+        from specserve.kernels import fused_moe  # lazy: triton, only on a GPU
+
+        return fused_moe.moe_forward(x, self.w13, self.w2, weights, experts, self.ops.silu_and_mul)
 
     def _dense(self, x, weights, experts) -> torch.Tensor:
         """Every expert over every token, weighted by its routing weight (0 if not chosen)."""
