@@ -258,10 +258,11 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[0]}")
     model.model.rotary.to(device)
+    model.num_parameters = sum(p.numel() for p in params.values())
+    del own, params  # (their references would keep the experts' unstacked weights alive)
     for module in model.modules():  # mixture-of-experts layers stack their experts for the GPU
         if hasattr(module, "stack_experts"):
             module.stack_experts()
-    model.num_parameters = sum(p.numel() for p in params.values())
     model.shared_modules = tuple(shared_modules)
     if device.type == "cpu" and dtype == torch.bfloat16:
         if bf16_packing_supported():
@@ -273,7 +274,9 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
         return
-    parts = [model.RENAMED.get(p, p) for p in ckpt_name.split(".")]
+    parts = ckpt_name.split(".")
+    if model.RENAMED_UNDER in parts:  # Mixtral's experts
+        parts = [model.RENAMED.get(p, p) for p in parts]
     fused = next(((i, p) for i, p in enumerate(parts) if p in model.FUSED), None)
     if fused is not None and ".".join(parts) in params:  # stored merged: load it part by part
         index, part = fused

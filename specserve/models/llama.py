@@ -211,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # Projections a checkpoint may store merged already (Phi-3): their parts, in order.
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    # Checkpoint names written another way (Mixtral's experts), as (old, new) name parts.
+    # Checkpoint names written another way, old part -> new, in names with RENAMED_UNDER (Mixtral's experts).
+    RENAMED_UNDER = "block_sparse_moe"
     RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
