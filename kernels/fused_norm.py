@@ -21,9 +21,10 @@ import triton.language as tl
 def _rms_norm_kernel(
     out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr, eps,
     stride_x, stride_r, stride_o, stride_n,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
 ):
-    """One row: ``out = weight · norm(x [+ residual])``, and the sum to ``new_residual``."""
+    """One row: ``out = weight · norm(x [+ residual])``, and the sum to ``new_residual``.
+    GEMMA: ``(1 + weight) · norm(x)`` in fp32, rounded once (Gemma's norm)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -34,8 +35,12 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * stride_n + cols, x, mask=mask)
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        normed = x * rstd
+        weight = weight + 1.0
+    else:
+        normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -49,13 +54,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one launch; x and residual
     ``[num_tokens, hidden]`` of one dtype. Both results are new tensors."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                         f"x {tuple(x.shape)} {x.dtype}")
+    _check_residual(x, residual)
     return _launch(x, residual, weight, eps)
 
 
-def _launch(x, residual, weight, eps):
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference.gemma_rms_norm``: ``(1 + weight) · x / rms(x)`` in fp32, rounded once."""
+    return _launch(x, None, weight, eps, gemma=True)[0]
+
+
+def gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemma_rms_norm(x + residual), x + residual)`` in one launch."""
+    _check_residual(x, residual)
+    return _launch(x, residual, weight, eps, gemma=True)
+
+
+def _check_residual(x, residual) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+
+
+def _launch(x, residual, weight, eps, gemma: bool = False):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden}")
@@ -69,7 +90,7 @@ def _launch(x, residual, weight, eps):
     _rms_norm_kernel[(rows.shape[0],)](
         out, new_residual, rows, residual_rows, weight.contiguous(), eps,
         rows.stride(0), residual_rows.stride(0), hidden, hidden,
-        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None,
+        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None, GEMMA=gemma,
         num_warps=min(max(block // 256, 1), 8))
     return out, new_residual
 

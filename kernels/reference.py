@@ -167,6 +167,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return weight * normed.to(residual.dtype), residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, as transformers does it: ``(1 + weight) · x / rms(x)`` all in
+    fp32, rounded to x's dtype once."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemma_rms_norm(x + residual), x + residual)``, the sum rounded to x's dtype."""
+    residual = x + residual
+    return gemma_rms_norm(residual, weight, eps), residual
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) · up`` (GeGLU, Gemma's MLP) of the merged gate/up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up`` of the merged gate/up projection ``[num_tokens, 2 · intermediate]``."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -174,7 +174,8 @@ def load_hf_config(files: ModelFiles):
 # config.json's model_type -> architecture, for a config that names no architectures.
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _check_architecture(config) -> str:
@@ -258,6 +259,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
                              f"e.g. {missing[0]}")
     model.model.rotary.to(device)
+    if model.model.rotary_local is not None:
+        model.model.rotary_local.to(device)
     model.num_parameters = sum(p.numel() for p in params.values())
     del own, params  # (their references would keep the experts' unstacked weights alive)
     for module in model.modules():  # mixture-of-experts layers stack their experts for the GPU

@@ -106,6 +106,21 @@ def test_add_rms_norm(num_tokens, hidden, dtype):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # out of place
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_gemma_rms_norm_with_and_without_the_residual(hidden, dtype):
+    """Gemma's norm: (1 + weight) in fp32, one rounding (its weights sit near 0)."""
+    x = randn(7, hidden, dtype=dtype, seed=2)
+    residual = randn(7, hidden, dtype=dtype, seed=3, scale=4.0)
+    weight = randn(hidden, seed=4, scale=0.2).to(dtype)
+    out = fused_norm.gemma_rms_norm(x, weight, 1e-6)
+    assert_close(out, reference.gemma_rms_norm(x.float(), weight.float(), 1e-6), dtype)
+    assert_same_roundings(out, reference.gemma_rms_norm(x, weight, 1e-6))
+    out, new_residual = fused_norm.gemma_add_rms_norm(x, residual, weight, 1e-6)
+    exact_unless_interpreted_bf16(new_residual, x + residual)
+    assert_same_roundings(out, reference.gemma_rms_norm(new_residual, weight, 1e-6))
+
+
 def test_rms_norm_rows_of_a_strided_view_and_3d_input():
     """q-norm style input: heads of a merged qkv tensor, normalised over head_dim."""
     qkv = randn(5, 7, 32)
@@ -136,6 +151,16 @@ def test_silu_and_mul(num_tokens, intermediate, dtype):
     assert out.shape == (num_tokens, intermediate)
     assert_close(out, reference.silu_and_mul(gate_up.float()), dtype)
     assert_same_roundings(out, reference.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", INTERMEDIATE)
+def test_gelu_tanh_and_mul(intermediate, dtype):
+    """GeGLU (Gemma's MLP): transformers' gelu_pytorch_tanh of the gate, times up."""
+    gate_up = randn(9, 2 * intermediate, dtype=dtype, seed=6, scale=3.0)
+    out = fused_act.gelu_tanh_and_mul(gate_up)
+    assert_close(out, reference.gelu_tanh_and_mul(gate_up.float()), dtype)
+    assert_same_roundings(out, reference.gelu_tanh_and_mul(gate_up))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy: exp(1e4)

@@ -16,7 +16,7 @@ from test_engine import hf_greedy, mixed_prompts
 from test_model import load_ours, ragged_logits
 from tiny_models import LLM32, make_hf_model, save_perturbed
 
-FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe"]
+FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe", "gemma3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=160)
 

@@ -32,6 +32,12 @@ VARIANTS = {
     "qwen2_moe_shared": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
         norm_topk_prob=False, mlp_only_layers=[1])),
+    # Gemma 3 (text): (1 + w) norms around the attention and the MLP, GeGLU, scaled
+    # embeddings, q/k norms, a local rope for sliding layers and a global one, logit softcap.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
 }

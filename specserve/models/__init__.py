@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(moe=True),
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, moe=True),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),  # Gemma 3 text (1B, or a text checkpoint)
 }
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "LlamaForCausalLM"]

@@ -30,6 +30,10 @@ class TorchLayerOps:
     rms_norm = staticmethod(reference.rms_norm)
     add_rms_norm = staticmethod(reference.add_rms_norm)
     silu_and_mul = staticmethod(reference.silu_and_mul)
+    # Gemma's norm and GeGLU: the references here and on the CPU (no C++ kernels for them).
+    gemma_rms_norm = staticmethod(reference.gemma_rms_norm)
+    gemma_add_rms_norm = staticmethod(reference.gemma_add_rms_norm)
+    gelu_tanh_and_mul = staticmethod(reference.gelu_tanh_and_mul)
 
     def __init__(self, backend) -> None:
         self.backend = backend
@@ -78,6 +82,9 @@ class TritonLayerOps:
         self.rms_norm = fused_norm.rms_norm
         self.add_rms_norm = fused_norm.add_rms_norm
         self.silu_and_mul = fused_act.silu_and_mul
+        self.gemma_rms_norm = fused_norm.gemma_rms_norm
+        self.gemma_add_rms_norm = fused_norm.gemma_add_rms_norm
+        self.gelu_tanh_and_mul = fused_act.gelu_tanh_and_mul
         self._rotary_store_kv = fused_rotary.rotary_store_kv
 
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):

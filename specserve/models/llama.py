@@ -31,7 +31,9 @@ from specserve.models.mlp import MLP
 from specserve.models.moe import SparseMoE, is_sparse_layer
 from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
-from specserve.models.rotary import Rotary, head_dim_of, rope_parameters  # noqa: F401  (re-exported)
+from specserve.errors import ModelLoadError
+from specserve.models.rotary import (Rotary, global_rope_config, head_dim_of, local_rope_config,  # noqa: F401
+                                     rope_parameters)  # (head_dim_of, rope_parameters: re-exported)
 
 
 @dataclass(frozen=True)
@@ -40,20 +42,27 @@ class ArchSpec:
     o_bias: bool | None = None
     qk_norm: bool = False
     moe: bool = False              # top-k routed experts in place of the MLP (models/moe.py)
+    # Gemma: (1 + weight) norms, embeddings scaled by √hidden, a norm before and after
+    # the attention and the MLP, query_pre_attn_scalar, a rope per layer type.
+    gemma: bool = False
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: LayerOps) -> None:
+    """``gemma``: Gemma's norm, ``(1 + weight)`` in fp32 (``reference.gemma_rms_norm``)."""
+
+    def __init__(self, dim: int, eps: float, ops: LayerOps, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.ops = ops
+        self._norm = ops.gemma_rms_norm if gemma else ops.rms_norm
+        self._add_norm = ops.gemma_add_rms_norm if gemma else ops.add_rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -72,10 +81,12 @@ class Attention(nn.Module):
         o_bias = bias if spec.o_bias is None else spec.o_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, spec.gemma) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, spec.gemma) if spec.qk_norm else None
+        self.scale = (config.query_pre_attn_scalar if spec.gemma else self.head_dim) ** -0.5
         self.sliding_window = _sliding_window(config, layer_idx)
+        # A model with a rope per layer type (Gemma 3) gives sliding layers the local one.
+        self.local_rope = local_rope_config(config) is not None and self.sliding_window is not None
         self.backend = backend
         self.ops = ops
         self.tp = tp
@@ -109,8 +120,13 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(config, ops, tp)
         else:
             self.mlp = MLP(config, ops, layout.local_intermediate, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, ops, spec.gemma)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.gemma  # Gemma: the attention's and the MLP's outputs normed too
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, hidden, residual, rotary_tables, kv_cache, batch):
         """The residual stream is ``hidden + residual`` (``residual`` None: just ``hidden``,
@@ -120,6 +136,9 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rotary_tables, kv_cache, batch)
+        if self.sandwich:
+            hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -133,8 +152,19 @@ class LlamaModel(nn.Module):
             else VocabParallelEmbedding(layout, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, i, backend, self.ops, layout, tp)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops)
-        self.rotary = Rotary(config, config.max_position_embeddings if self.ops.fused else None)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.ops, spec.gemma)
+        max_positions = config.max_position_embeddings if self.ops.fused else None
+        local = local_rope_config(config)
+        self.rotary = Rotary(global_rope_config(config), max_positions)
+        self.rotary_local = Rotary(local, max_positions) if local is not None else None
+        # Gemma scales the embeddings by √hidden, rounded to their dtype as transformers does.
+        self.embed_scale = config.hidden_size ** 0.5 if spec.gemma else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ModelLoadError(f"attention logit soft-capping (attn_logit_softcapping "
+                                 f"{config.attn_logit_softcapping}: Gemma 2) is not supported yet")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ModelLoadError("bidirectional attention (use_bidirectional_attention) is not supported")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,16 +190,24 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                 num_layers: int | None = None) -> torch.Tensor:
         """``num_layers`` stops after the first layers (the layer-skip draft), then norms."""
-        return self.decode(self.model.embed_tokens(input_ids), positions, kv_caches, batch, num_layers)
+        hidden = self.model.embed_tokens(input_ids)
+        if self.model.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.model.embed_scale, dtype=hidden.dtype)
+        return self.decode(hidden, positions, kv_caches, batch, num_layers)
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                num_layers: int | None = None) -> torch.Tensor:
         """The decoder layers and the final norm over input vectors ``hidden``."""
-        rotary_tables = self.model.ops.rotary_tables(self.model.rotary, positions, hidden.dtype)
+        ops = self.model.ops
+        rotary_tables = ops.rotary_tables(self.model.rotary, positions, hidden.dtype)
+        local_tables = rotary_tables
+        if self.model.rotary_local is not None:
+            local_tables = ops.rotary_tables(self.model.rotary_local, positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            hidden, residual = layer(hidden, residual, rotary_tables, kv_cache, batch)
+            tables = local_tables if layer.self_attn.local_rope else rotary_tables
+            hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
         if residual is None:  # no layer ran
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
@@ -200,11 +238,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.vocab_ids is not None:
             out = hidden.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32)
-            return out.index_copy_(1, self.vocab_ids, self.vocab_head(hidden).float())
-        logits = self.lm_head(hidden)
+            return out.index_copy_(1, self.vocab_ids, self._softcap(self.vocab_head(hidden).float()))
+        logits = self._softcap(self.lm_head(hidden))
         if self.tp.size == 1:
             return logits
         return self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap · tanh(logits / cap)`` (``final_logit_softcapping``, Gemma 2), else as they are."""
+        cap = self.model.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # Checkpoint name -> (our parameter, shard index) for the merged projections.
     STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -102,3 +102,27 @@ def rope_parameters(config) -> tuple[torch.Tensor, float]:
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _typed_rope(config, layer_type: str):
+    """``config`` with the rope of one layer type (a shallow copy), or None if its rope
+    is not given per layer type."""
+    import copy
+
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type not in params or not isinstance(params[layer_type], dict):
+        return None
+    view = copy.copy(config)
+    view.rope_parameters = dict(params[layer_type])
+    return view
+
+
+def global_rope_config(config):
+    """The config whose rope the full-attention layers use: ``config`` itself, or its
+    ``full_attention`` rope where the rope is given per layer type (Gemma 3)."""
+    return _typed_rope(config, "full_attention") or config
+
+
+def local_rope_config(config):
+    """The config of the sliding-window layers' own rope (Gemma 3's local base), or None."""
+    return _typed_rope(config, "sliding_attention")
