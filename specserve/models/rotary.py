@@ -7,6 +7,8 @@ reads a cos/sin cache over every position, built once when the model is
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from specserve.errors import ModelLoadError
@@ -107,8 +109,6 @@ def head_dim_of(config) -> int:
 def _typed_rope(config, layer_type: str):
     """``config`` with the rope of one layer type (a shallow copy), or None if its rope
     is not given per layer type."""
-    import copy
-
     params = getattr(config, "rope_parameters", None) or {}
     if layer_type not in params or not isinstance(params[layer_type], dict):
         return None
