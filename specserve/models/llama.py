@@ -1,9 +1,9 @@
 """Llama-family decoder over a flattened ragged batch (``[num_tokens]``, no padding).
 
 One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged) and the mixtures of
-experts Mixtral, Qwen2-MoE and Qwen3-MoE (``moe.py`` in place of the MLP); ``ArchSpec``
-records how they differ. Q/K/V and gate/up projections are merged at load time so each
+Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged), Gemma 3 (its norms,
+GeGLU and local rope) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE
+(``moe.py`` in place of the MLP); ``ArchSpec`` records how they differ. Q/K/V and gate/up projections are merged at load time so each
 is one matmul.
 
 With a tensor-parallel group of several ranks each rank builds only its shard
@@ -26,12 +26,12 @@ from torch import nn
 from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
 from specserve.distributed import SINGLE, TPGroup
+from specserve.errors import ModelLoadError
 from specserve.models.layer_ops import LayerOps, layer_ops_for
 from specserve.models.mlp import MLP
 from specserve.models.moe import SparseMoE, is_sparse_layer
 from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
-from specserve.errors import ModelLoadError
 from specserve.models.rotary import (Rotary, global_rope_config, head_dim_of, local_rope_config,  # noqa: F401
                                      rope_parameters)  # (head_dim_of, rope_parameters: re-exported)
 
