@@ -118,12 +118,11 @@ def test_sharded_build_keeps_only_this_ranks_part(tmp_path, tiny_tokenizer):
     assert ours.num_parameters < sum(p.numel() for p in hf.parameters()) * 0.6
 
 
-def test_merged_projections_as_stored_are_sharded_part_by_part(tmp_path, tiny_tokenizer):
+def test_merged_projections_and_experts_are_sharded_part_by_part(tmp_path, tiny_tokenizer):
     """Phi-3 stores q/k/v and gate/up merged: rank 1 of 2 takes its q rows, its KV head's
-    k and v rows, and its gate and up rows, each from its part of the merged tensor. A
-    mixture of experts under tensor parallelism is refused."""
+    k and v rows, and its gate and up rows, each from its part of the merged tensor."""
     from specserve.attention import TorchAttentionBackend
-    from specserve.errors import ModelLoadError
+    from specserve.errors import SpecserveError
     from specserve.loader import ModelFiles, build_model, load_hf_config
 
     hf = make_hf_model("phi3_longrope")
@@ -137,11 +136,27 @@ def test_merged_projections_as_stored_are_sharded_part_by_part(tmp_path, tiny_to
     gate_up = hf.model.layers[0].mlp.gate_up_proj.weight  # gate 128 rows, up 128
     gate, up = ours.model.layers[0].mlp.gate_up_proj.weight.split([64, 64])
     assert torch.equal(gate, gate_up[64:128]) and torch.equal(up, gate_up[192:])
-    make_hf_model("mixtral_moe").save_pretrained(tmp_path / "moe")
+    # Experts: each rank holds every expert's share of its rows, the router whole.
+    make_hf_model("qwen2_moe_shared").save_pretrained(tmp_path / "moe")
     files = ModelFiles("tiny", tmp_path / "moe")
-    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+    moe = build_model(files, load_hf_config(files), torch.float32, torch.device("cpu"),
+                      TorchAttentionBackend(), tp=TPGroup(rank=1, size=2)).model.layers[0].mlp
+    from safetensors.torch import load_file
+
+    stored = {k.removeprefix("model.layers.0.mlp."): v for k, v in load_file(tmp_path / "moe" / "model.safetensors").items()
+              if k.startswith("model.layers.0.mlp.")}
+    gate, up = moe.experts[3].gate_up_proj.weight.split([16, 16])  # moe_intermediate 32, halved
+    assert torch.equal(gate, stored["experts.3.gate_proj.weight"][16:])
+    assert torch.equal(up, stored["experts.3.up_proj.weight"][16:])
+    assert torch.equal(moe.experts[3].down_proj.weight, stored["experts.3.down_proj.weight"][:, 16:])
+    assert torch.equal(moe.shared_expert.down_proj.weight, stored["shared_expert.down_proj.weight"][:, 32:])
+    assert torch.equal(moe.gate.weight, stored["gate.weight"])
+    assert torch.equal(moe.shared_expert_gate.weight, stored["shared_expert_gate.weight"])
+    make_hf_model("qwen3_moe", moe_intermediate_size=34).save_pretrained(tmp_path / "moe34")
+    files = ModelFiles("tiny", tmp_path / "moe34")
+    with pytest.raises(SpecserveError, match="moe intermediate size 34"):
         build_model(files, load_hf_config(files), torch.float32, torch.device("cpu"),
-                    TorchAttentionBackend(), tp=TPGroup(rank=1, size=2))
+                    TorchAttentionBackend(), tp=TPGroup(rank=0, size=4))
 
 
 # ---------------------------------------------------------------------- the step messages
@@ -307,6 +322,7 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
                                      ("kv1", "qwen2_bias", dict(num_key_value_heads=1)),
                                      ("vocab515", "qwen3_qknorm", dict(vocab_size=515)),
                                      ("phi3", "phi3_longrope", {}),  # q/k/v, gate/up stored merged
+                                     ("moe", "qwen2_moe_shared", {}),  # experts, a shared one, a dense layer
                                      ("draft", "llama", dict(seed=1, num_hidden_layers=1))):
         path = tmp_path_factory.mktemp(f"tp-{name}")
         make_hf_model(variant, **overrides).save_pretrained(path)
@@ -342,13 +358,14 @@ def _engine_kwargs(run: dict, tp_models) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_job(tp_models, tmp_path_factory):
-    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi3")}, "prompts": _prompts(),
+    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi3", "moe")},
+            "prompts": _prompts(),
             "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS,
                              engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS]}
     return run_tp_job(spec, tmp_path_factory.mktemp("tp-job"))
 
 
-@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515", "phi3", "moe"])
 def test_sharded_logits_equal_unsharded(tp_job, tp_models, name):
     want = ragged_logits(load_ours(tp_models[name]), _prompts(), chunk=5)
     for rank in tp_job:  # every rank ends with the whole (gathered) logits

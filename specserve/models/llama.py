@@ -272,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
             if whole:
                 heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
             return [heads * owner.head_dim, kv_heads * owner.head_dim, kv_heads * owner.head_dim]
-        rows = owner.intermediate_size * (self.tp.size if whole else 1)  # (experts: at tp 1 only)
+        rows = owner.intermediate_size * (self.tp.size if whole else 1)
         return [rows, rows]
 
 

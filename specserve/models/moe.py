@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.distributed import TPGroup
+from specserve.distributed import SINGLE, TPGroup
 from specserve.errors import ModelLoadError
 from specserve.models.mlp import MLP
 
@@ -37,8 +37,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 class SparseMoE(nn.Module):
     def __init__(self, config, ops, tp: TPGroup) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ModelLoadError("mixture-of-experts models do not run under tensor parallelism yet")
+        self.tp = tp
         self.num_experts = num_experts_of(config)
         self.top_k = int(config.num_experts_per_tok)
         if not 1 <= self.top_k <= self.num_experts:
@@ -46,11 +45,14 @@ class SparseMoE(nn.Module):
                                  f"{self.num_experts} experts")
         # Mixtral's config has no norm_topk_prob: it always renormalises.
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", True))
+        # Under tensor parallelism each rank holds every expert's share of its rows (as a
+        # dense MLP's); the router is replicated, and one all-reduce sums the layer.
         intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(config, ops, intermediate, tp) for _ in range(self.num_experts))
+        self.experts = nn.ModuleList(MLP(config, ops, intermediate // tp.size, SINGLE)
+                                     for _ in range(self.num_experts))
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-        self.shared_expert = MLP(config, ops, shared, tp) if shared else None
+        self.shared_expert = MLP(config, ops, shared // tp.size, SINGLE) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.ops = ops
         self.w13 = self.w2 = None  # the experts' weights stacked, for the grouped GEMMs (``stack_experts``)
@@ -85,7 +87,7 @@ class SparseMoE(nn.Module):
             out = self._dense(x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
     def _routed(self, x, weights, experts) -> torch.Tensor:
         """Only the chosen experts, each over the tokens that chose it."""

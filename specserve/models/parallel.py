@@ -41,9 +41,11 @@ def check_tensor_parallel(config, size: int) -> None:
     if kv_heads % size and size % kv_heads:
         raise SpecserveError(f"the model's {kv_heads} KV heads can be neither split over nor "
                              f"replicated across {size} ranks")
-    if config.intermediate_size % size:
-        raise SpecserveError(f"tensor_parallel_size {size} must divide the model's "
-                             f"intermediate size {config.intermediate_size}")
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        rows = getattr(config, name, None) or 0
+        if rows % size:
+            raise SpecserveError(f"tensor_parallel_size {size} must divide the model's "
+                                 f"{name.replace('_', ' ')} {rows}")
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,11 @@ class ShardLayout:
             first = self.rank * self.num_kv_heads // self.size
         return slice(first * self.head_dim, (first + self.local_kv_heads) * self.head_dim)
 
-    def mlp_rows(self) -> slice:
-        """This rank's rows of gate_proj / up_proj (and columns of down_proj)."""
-        return slice(self.rank * self.local_intermediate, (self.rank + 1) * self.local_intermediate)
+    def mlp_rows(self, intermediate: int | None = None) -> slice:
+        """This rank's rows of gate_proj / up_proj (and columns of down_proj), of a dense
+        MLP or of an MLP of ``intermediate`` rows (an expert's)."""
+        local = (intermediate or self.intermediate_size) // self.size
+        return slice(self.rank * local, (self.rank + 1) * local)
 
     def shard(self, param_name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``tensor`` bound for our parameter
@@ -112,10 +116,10 @@ class ShardLayout:
             return tensor
         if ".qkv_proj." in param_name:
             return tensor[self.q_rows() if index == 0 else self.kv_rows()]
-        if ".gate_up_proj." in param_name:
-            return tensor[self.mlp_rows()]
+        if ".gate_up_proj." in param_name:  # gate or up: its own rows, a dense MLP's or an expert's
+            return tensor[self.mlp_rows(tensor.shape[0])]
         if param_name.endswith((".o_proj.weight", ".down_proj.weight")):
-            return tensor[:, self.q_rows() if ".o_proj." in param_name else self.mlp_rows()]
+            return tensor[:, self.q_rows() if ".o_proj." in param_name else self.mlp_rows(tensor.shape[1])]
         if param_name.endswith((".o_proj.bias", ".down_proj.bias")):
             return tensor if self.rank == 0 else torch.zeros_like(tensor)  # summed once
         if param_name in ("model.embed_tokens.weight", "lm_head.weight"):
