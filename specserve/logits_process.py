@@ -106,15 +106,15 @@ class LogitsProcess:
                      vocab_size: int, device: torch.device,
                      grammars: list[Constraint | None] | None = None) -> "LogitsProcess | None":
         """A draft pass: one row per drafting request, no drafts yet (``advance`` adds
-        them); None when no request asks for processing (``histories`` and ``grammars``,
-        the requests' structured-output constraints, all None). A row with a grammar is
-        masked by it along the row's own proposals (``DraftGuide``)."""
-        guided = grammars is not None and any(g is not None for g in grammars)
-        if not any(histories) and not guided:
+        them); None when no request asks for processing (``histories`` all None: a request
+        with a grammar has one). A row with a grammar (``grammars``: the requests'
+        structured-output constraints) is masked by it along the row's own proposals
+        (``DraftGuide``)."""
+        if not any(histories):
             return None
         rows = [h if h is not None else RowHistory(p, (), 0, 0) for h, p in zip(histories, params)]
         process = cls(rows, [0] * len(rows), vocab_size, device)
-        if guided:
+        if grammars is not None and any(g is not None for g in grammars):
             process._guide = DraftGuide(grammars)
             process._grammar = process._guide.view(len(rows))
         return process

@@ -309,9 +309,8 @@ class Constraint:
 class DraftGuide:
     """A grammar along a draft model's own proposals, so that its q is masked as the
     target's p is: each drafting row whose request has a grammar gets the grammar's mask
-    after that row's proposals so far. On copies of the requests' matchers (a copy costs
-    about a microsecond): the requests' own stay at their committed tokens for the step's
-    constrain stage.
+    after that row's proposals so far. On copies of the requests' matchers: the requests'
+    own stay at their committed tokens for the step's constrain stage.
 
     Following the proposals means reading them on the host at each draft step: free on a
     CPU, a sync per draft step on a GPU, where only the first proposal (whose mask needs

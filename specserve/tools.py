@@ -21,7 +21,6 @@ call one, and the parsing of the calls out of its text, streamed or whole.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -115,7 +114,6 @@ class CallParser:
         self._in_call = False   # _pending is (the rest of) a call
         self._started = False   # llama3_json: some non-blank text has been seen
         self._after_call = False  # hermes: no content since the last call
-        self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> Parsed:
         self._pending += text
@@ -154,7 +152,6 @@ class CallParser:
                 out.calls += calls
                 self._after_call = True
             self._pending, self._in_call = self._pending[len(whole):], False
-        self.calls += out.calls
         return out
 
     def _content(self, out: Parsed, text: str) -> None:
@@ -182,7 +179,6 @@ class CallParser:
                 out.content = self._pending
             else:
                 out.calls = calls
-                self.calls += calls
             self._pending = ""
         return out
 
@@ -347,8 +343,6 @@ def _probe_tool(name: str) -> dict:
     return {"type": "function", "function": {"name": name, "description": "probe",
                                              "parameters": {"type": "object", "properties": {}}}}
 
-
-NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 # ---------------------------------------------------------------------- a chat reply

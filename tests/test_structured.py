@@ -281,8 +281,12 @@ def test_a_draft_pass_is_masked_along_its_own_proposals():
     grammars = Grammars(tokenizer, 512, [2])
     spec = StructuredOutputs(choice=["def heapify", "def heappush", "class Random"])
     constraint = grammars.constraint(spec)
-    greedy = SamplingParams(temperature=0)
-    process = LogitsProcess.for_drafting([None, None], [greedy, greedy], 512, torch.device("cpu"), [constraint, None])
+    from specserve.logits_process import RowHistory
+
+    greedy, constrained = SamplingParams(temperature=0), SamplingParams(temperature=0, structured_outputs=spec)
+    history = RowHistory(constrained, (), 0, 0)  # a request with a grammar has a history (processes_logits)
+    process = LogitsProcess.for_drafting([history, None], [constrained, greedy], 512, torch.device("cpu"),
+                                         [constraint, None])
     logits = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
     proposals = []
     for _ in range(4):
@@ -302,7 +306,8 @@ def test_a_draft_pass_is_masked_along_its_own_proposals():
     # A draft vocabulary the grammar does not meet: the row keeps its logits (its proposal is cut later).
     empty = torch.full((1, 512), float("-inf"))
     empty[0, 3] = 1.0
-    process = LogitsProcess.for_drafting([None], [greedy], 512, torch.device("cpu"), [grammars.constraint(spec)])
+    process = LogitsProcess.for_drafting([history], [constrained], 512, torch.device("cpu"),
+                                         [grammars.constraint(spec)])
     assert torch.equal(process.apply(empty), empty)
 
 

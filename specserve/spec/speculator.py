@@ -27,6 +27,7 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
+from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
 
@@ -81,7 +82,7 @@ class Drafts:
                 if new is None:
                     parts.append(self.probs[start:start + k])
                 elif new:
-                    rows = torch.tensor(new, dtype=torch.int64).to(self.probs.device)
+                    (rows,) = to_device([new], torch.int64, self.probs.device)
                     parts.append(torch.nn.functional.one_hot(rows, vocab).to(self.probs.dtype))
                 start += k
             self.probs = torch.cat(parts)
@@ -104,7 +105,7 @@ class Drafts:
             if n < k:
                 planned.draft_token_ids = planned.draft_token_ids[:n]
         if self.probs is not None:
-            self.probs = self.probs.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.probs.device))
+            self.probs = self.probs.index_select(0, to_device([rows], torch.int64, self.probs.device)[0])
 
 
 class Speculator:
