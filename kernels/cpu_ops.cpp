@@ -309,12 +309,13 @@ inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32
 // One KV head of one short span (a decode row or a verify span), with every query head
 // that shares it: its keys and values are read and widened once for all of them. Query
 // vector v = i · group + g is row i, head kv_head · group + g; row i attends causally to
-// positions [max(lo, first_pos + i - window + 1), first_pos + i].
+// positions [max(lo, first_pos + i - window + 1), first_pos + i]. ``softcap`` > 0 caps each
+// score s (already scaled) to softcap · tanh(s / softcap) before the softmax (Gemma 2).
 template <typename T>
 void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
                  const int32_t* block_tables, int64_t table_width, int64_t block_size,
                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                 int64_t window, T* out, std::vector<float>& scores, std::vector<float>& rows,
+                 int64_t window, float softcap, T* out, std::vector<float>& scores, std::vector<float>& rows,
                  std::vector<float>& buf) {
   const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
   const int64_t packs = (nq + kPack - 1) / kPack;
@@ -357,6 +358,10 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
     }
     float* st = scores.data() + p * span * kPack;
     score_pack(qt + p * head_dim * kPack, rows.data(), span, head_dim, st);
+    if (softcap > 0.f) {
+      const float inv_cap = 1.f / softcap;
+      for (int64_t j = 0; j < span * kPack; ++j) st[j] = softcap * std::tanh(st[j] * inv_cap);
+    }
     softmax_pack(st, span, key_lo, key_hi);
   }
   widen_rows(v_cache);
@@ -394,11 +399,11 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
 // ``max_span`` rows, written into ``out`` (the other requests' rows are left as they are).
 // Same semantics as reference.paged_attention: request r's rows cu_query_lens[r] ..
 // cu_query_lens[r+1] are the last of its seq_lens[r] cached positions; ``window`` > 0
-// keeps only the last ``window`` positions.
+// keeps only the last ``window`` positions; ``softcap`` > 0 soft-caps the scores.
 void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& cu_query_lens_in,
-                           const at::Tensor& seq_lens_in, double scale, int64_t window, int64_t max_span,
-                           at::Tensor out) {
+                           const at::Tensor& seq_lens_in, double scale, int64_t window, double softcap,
+                           int64_t max_span, at::Tensor out) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
                   query.dim() == 3, "query and out must be contiguous [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -438,7 +443,8 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
         attend_span<scalar_t>(tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
                               block_size, num_heads, kv_heads, query.size(2),
-                              static_cast<float>(scale), window, out.data_ptr<scalar_t>(), scores, rows, buf);
+                              static_cast<float>(scale), window, static_cast<float>(softcap),
+                              out.data_ptr<scalar_t>(), scores, rows, buf);
     });
   });
 }
@@ -452,7 +458,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("rotary_store_kv(Tensor qk, Tensor value, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("paged_attention_short(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, int max_span, Tensor(a!) out) -> ()");
+        "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, float softcap, int max_span, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {

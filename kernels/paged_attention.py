@@ -3,7 +3,7 @@
 Same semantics as ``reference.paged_attention``: request i owns query rows
 ``cu_query_lens[i]:cu_query_lens[i+1]``, which are the last ``q_i`` of its ``seq_lens[i]``
 cached tokens; they attend causally (and only to the last ``sliding_window`` positions when
-a window is set) through ``block_tables[i]``.
+a window is set) through ``block_tables[i]``, scores soft-capped when ``softcap`` is set.
 
 How the work is split. The grid is ``(query tile, kv head, kv split)``:
 
@@ -77,16 +77,18 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
-    num_reqs, num_splits, qk_scale, window,
+    num_reqs, num_splits, qk_scale, softcap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, USE_WINDOW: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
-    """One (query tile, kv head, kv split): online softmax over the split's KV chunk."""
+    """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
+    Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
+    cap, the tanh's argument, and ``softcap_log2`` = cap·log2(e)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,6 +139,8 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
                     + d[None, :], mask=kv_mask, other=0.0)       # [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(k), UPCAST_DOT, IEEE_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if SOFTCAP:  # cap · tanh(x), tanh(x) = 2σ(2x) − 1 (saturates to ±1, never NaN)
+            s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap_log2
         allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
@@ -227,7 +231,7 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                    *, max_query_len: int | None = None, max_seq_len: int | None = None,
+                    *, softcap: float | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache, in one launch (two with
     KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
@@ -264,7 +268,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
         out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
-        block_tables.shape[0], plan.num_splits, scale * LOG2E, sliding_window or 0,
+        block_tables.shape[0], plan.num_splits, scale / softcap if softcap else scale * LOG2E,
+        (softcap or 0.0) * LOG2E, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
@@ -273,7 +278,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SPLIT_KV=split_kv, USE_WINDOW=sliding_window is not None,
-        UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
+        SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -86,14 +86,16 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                     scale: float, sliding_window: int | None = None,
-                    plan: AttentionPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    plan: AttentionPlan | None = None, out: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_dim]``, request i owning ``query_lens[i]``
     consecutive rows. Request i has ``seq_lens[i]`` cached tokens (this step's included);
     its queries are the last ``query_lens[i]`` of them and attend causally, and only to the
-    last ``sliding_window`` positions when a window is set. Returns ``[num_tokens,
-    num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
+    last ``sliding_window`` positions when a window is set. ``softcap`` (Gemma 2's
+    attention logit soft-capping) maps each scaled score s to ``softcap · tanh(s /
+    softcap)`` before the softmax. Returns ``[num_tokens, num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
     lets many layers share the index work; ``out`` receives the rows the plan covers.
     """
     if plan is None:
@@ -111,14 +113,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             # block: zero them so masked-out keys cannot poison the row.
             valid = plan.short_keys_valid[:, :, None, None]
             k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
-        attended = _sdpa(q, k, v, plan.short_mask, scale)
+        attended = _sdpa(q, k, v, plan.short_mask, scale, softcap)
         if plan.short_real is None:
             out[plan.short_rows.flatten()] = attended.flatten(0, 1)
         else:
             out[plan.short_rows[plan.short_real]] = attended[plan.short_real]
     for rows, slots, mask in plan.spans:
         out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0),
-                          values.index_select(0, slots).unsqueeze(0), mask[None], scale)[0]
+                          values.index_select(0, slots).unsqueeze(0), mask[None], scale, softcap)[0]
     return out
 
 
@@ -139,10 +141,17 @@ def _mask(first_pos: int, q_len: int, kv_len: int, sliding_window: int | None, d
     return mask
 
 
-def _sdpa(q, k, v, mask, scale):
+def _sdpa(q, k, v, mask, scale, softcap=None):
     """q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hkv, D]``, mask ``[B or 1, Lq, Lk]``."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = None if mask is None else mask.unsqueeze(1)
+    if softcap:  # not a form SDPA takes: scores, capped, masked, softmax in fp32
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (scale / softcap)) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1).to(q.dtype) @ v.to(q.dtype)).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

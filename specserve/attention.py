@@ -30,7 +30,9 @@ class AttentionBackend(Protocol):
                  v_cache: torch.Tensor, batch: ForwardBatch) -> None: ...
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               batch: ForwardBatch, scale: float, sliding_window: int | None) -> torch.Tensor: ...
+               batch: ForwardBatch, scale: float, sliding_window: int | None,
+               softcap: float | None = None) -> torch.Tensor:
+        """``softcap``: attention logit soft-capping (``reference.paged_attention``)."""
 
 
 class TorchAttentionBackend:
@@ -50,7 +52,7 @@ class TorchAttentionBackend:
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
 
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None):
         # Index work is done once per step (per window) and shared by all layers. With the
         # CPU kernels, the short spans go to one C++ call and the plan keeps the long ones.
         plan = batch.attn_plans.get(sliding_window)
@@ -63,12 +65,13 @@ class TorchAttentionBackend:
         if self.cpu_kernels:
             out = torch.empty_like(query)
             cpu_ops.paged_attention_short(query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens,
-                                          batch.seq_lens, scale, sliding_window, reference.SHORT_SPAN, out)
+                                          batch.seq_lens, scale, sliding_window, reference.SHORT_SPAN, out,
+                                          softcap)
             if not plan.spans:
                 return out
         return reference.paged_attention(query, k_cache, v_cache, batch.block_tables,
                                          batch.query_lens_host, batch.seq_lens_host,
-                                         scale, sliding_window, plan, out)
+                                         scale, sliding_window, plan, out, softcap)
 
 
 class TritonAttentionBackend:
@@ -91,7 +94,7 @@ class TritonAttentionBackend:
     def store_kv(self, key, value, k_cache, v_cache, batch):
         self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window):
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None):
         key = ("triton", *query.shape[1:], k_cache.shape[2])
         plan = batch.attn_plans.get(key)
         if plan is None:
@@ -100,7 +103,7 @@ class TritonAttentionBackend:
             batch.attn_plans[key] = plan
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
-            scale, sliding_window, plan=plan)
+            scale, sliding_window, plan=plan, softcap=softcap)
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -109,23 +109,23 @@ def paged_batch(spans, dtype, seed: int = 0):
     return make_batch(spans, 9, 3, 64, 16, dtype, torch.device("cpu"), num_blocks=128, seed=seed)
 
 
-def attend_short(b, window=None, max_span=reference.SHORT_SPAN) -> torch.Tensor:
+def attend_short(b, window=None, max_span=reference.SHORT_SPAN, softcap=None) -> torch.Tensor:
     out = torch.full_like(b.query, float("nan"))
     cpu_ops.paged_attention_short(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
-                                  b.seq_lens, 0.125, window, max_span, out)
+                                  b.seq_lens, 0.125, window, max_span, out, softcap)
     return out
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 0.5), (7, 0.5)])
 @pytest.mark.parametrize("seed", range(4))
-def test_paged_attention_short_matches_reference(dtype, window, seed):
+def test_paged_attention_short_matches_reference(dtype, window, softcap, seed):
     """Against the reference on random ragged batches; NaN in every slot a request does
     not own, so reading past a request's length or into another's block shows."""
     b = paged_batch(random_spans(seed), dtype, seed)
     want = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
-                                     b.seq_lens_host, 0.125, window)
-    out = attend_short(b, window)
+                                     b.seq_lens_host, 0.125, window, softcap=softcap)
+    out = attend_short(b, window, softcap=softcap)
     short = torch.cat([torch.full((n,), n <= reference.SHORT_SPAN) for n in b.query_lens_host])
     assert torch.isnan(out[~short]).all()  # long spans are left to the caller
     if dtype == F32:

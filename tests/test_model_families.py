@@ -1,4 +1,4 @@
-"""The families beyond Llama: Phi-3 (merged projections as stored, LongRoPE) and mixture
+"""The families beyond Llama: Phi-3 (merged projections as stored, LongRoPE), Gemma 1/2/3 and mixture
 of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE). Logits against
 transformers are in test_model.py and test_cpu_kernels.py (every variant); here: greedy
 generation against transformers' ``generate``, speculation against plain decoding, and
@@ -16,7 +16,7 @@ from test_engine import hf_greedy, mixed_prompts
 from test_model import load_ours, ragged_logits
 from tiny_models import LLM32, make_hf_model, save_perturbed
 
-FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe", "gemma3"]
+FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe", "gemma3", "gemma2", "gemma"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=160)
 
@@ -114,13 +114,13 @@ def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.75}))
     with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
         load_ours(path)
-    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma2ForCausalLM"],
-                                                  "model_type": "gemma2"}))
-    with pytest.raises(ModelLoadError, match=r"decided by config.json's architectures \['Gemma2ForCausalLM'\]\); "
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"],
+                                                  "model_type": "falcon"}))
+    with pytest.raises(ModelLoadError, match=r"decided by config.json's architectures \['FalconForCausalLM'\]\); "
                                              r"supported: .*MixtralForCausalLM.*Phi3ForCausalLM"):
         load_ours(path)
-    (path / "config.json").write_text(json.dumps({**config, "architectures": None, "model_type": "gemma2"}))
-    with pytest.raises(ModelLoadError, match="decided by config.json's model_type 'gemma2'"):
+    (path / "config.json").write_text(json.dumps({**config, "architectures": None, "model_type": "falcon"}))
+    with pytest.raises(ModelLoadError, match="decided by config.json's model_type 'falcon'"):
         load_ours(path)
 
 
@@ -129,3 +129,18 @@ def test_chunked_prefill_routes_each_token_on_its_own(tiny_model_dir):
     ours = load_ours(tiny_model_dir("qwen3_moe"))
     prompt = [[(7 * i) % 500 + 3 for i in range(30)]]
     assert (ragged_logits(ours, prompt, chunk=64)[0] - ragged_logits(ours, prompt, chunk=3)[0]).abs().max() < 1e-4
+
+
+def test_gemma2_soft_caps_are_applied(tiny_model_dir, tmp_path):
+    """Without its attention and final logit caps the tiny Gemma 2 gives other logits (so
+    the logit test against transformers sees a cap that is ignored)."""
+    import shutil
+
+    prompt = [[(5 * i) % 400 + 3 for i in range(24)]]
+    capped = ragged_logits(load_ours(tiny_model_dir("gemma2")), prompt, chunk=64)[0]
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        path = tmp_path / field
+        shutil.copytree(tiny_model_dir("gemma2"), path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, field: None}))
+        assert (ragged_logits(load_ours(path), prompt, chunk=64)[0] - capped).abs().max() > 0.5, field

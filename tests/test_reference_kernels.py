@@ -7,12 +7,15 @@ import torch
 from specserve.kernels import reference
 
 
-def dense_attention(q, k, v, scale, window=None):
-    """q [Lq, H, D] are the last Lq positions of k/v [Lk, Hkv, D]."""
+def dense_attention(q, k, v, scale, window=None, softcap=None):
+    """q [Lq, H, D] are the last Lq positions of k/v [Lk, Hkv, D]; as transformers' eager
+    attention writes soft-capping (Gemma 2): scores / cap, tanh, × cap, then the mask."""
     lq, lk = q.shape[0], k.shape[0]
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     qpos = torch.arange(lk - lq, lk)[:, None]
     kpos = torch.arange(lk)[None, :]
     allowed = kpos <= qpos
@@ -22,9 +25,10 @@ def dense_attention(q, k, v, scale, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("heads, kv_heads, window", [(8, 2, None), (5, 1, None), (4, 4, 6)])
+@pytest.mark.parametrize("heads, kv_heads, window, softcap", [(8, 2, None, None), (5, 1, None, None),
+                                                              (4, 4, 6, None), (8, 2, None, 0.5), (4, 4, 6, 0.5)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_dense(heads, kv_heads, window, block_size):
+def test_paged_attention_matches_dense(heads, kv_heads, window, softcap, block_size):
     g = torch.Generator().manual_seed(0)
     head_dim, num_blocks = 16, 400
     # (query len, kv len): decode rows, verify-length spans and a whole short prompt share
@@ -48,9 +52,13 @@ def test_paged_attention_matches_dense(heads, kv_heads, window, block_size):
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     out = reference.paged_attention(torch.cat(qs), k_cache, v_cache, block_tables,
-                                    [s[0] for s in spans], [s[1] for s in spans], 0.25, window)
-    want = torch.cat([dense_attention(q, k, v, 0.25, window) for q, (k, v) in zip(qs, dense_kv)])
+                                    [s[0] for s in spans], [s[1] for s in spans], 0.25, window,
+                                    softcap=softcap)
+    want = torch.cat([dense_attention(q, k, v, 0.25, window, softcap) for q, (k, v) in zip(qs, dense_kv)])
     assert (out - want).abs().max().item() < 1e-5
+    if softcap is not None:  # a cap this low changes most rows (not one with a single key)
+        uncapped = torch.cat([dense_attention(q, k, v, 0.25, window) for q, (k, v) in zip(qs, dense_kv)])
+        assert (out - uncapped).abs().amax(dim=(1, 2)).median() > 0.05
 
 
 def test_short_spans_share_one_batched_call():

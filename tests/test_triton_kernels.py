@@ -49,17 +49,18 @@ def make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype, num_
                                     DEVICE, num_blocks, seed)
 
 
-def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None):
+def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None, softcap=None):
     query = b.query if query is None else query
     return pa.paged_attention(query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
                               b.seq_lens, scale, window, max_query_len=max(b.query_lens_host),
-                              max_seq_len=max(b.seq_lens_host), num_splits=num_splits)
+                              max_seq_len=max(b.seq_lens_host), num_splits=num_splits, softcap=softcap)
 
 
-def reference_attention(b: Batch, scale, window=None):
+def reference_attention(b: Batch, scale, window=None, softcap=None):
     """The torch reference in fp32 on the same (upcast) inputs."""
     return reference.paged_attention(b.query.float(), b.k_cache.float(), b.v_cache.float(),
-                                     b.block_tables, b.query_lens_host, b.seq_lens_host, scale, window)
+                                     b.block_tables, b.query_lens_host, b.seq_lens_host, scale, window,
+                                     softcap=softcap)
 
 
 def assert_close(out, want, dtype):
@@ -103,6 +104,17 @@ def test_paged_attention_mixed_batch(case):
     scale = head_dim ** -0.5
     out = triton_attention(b, scale, window, num_splits)
     assert_close(out, reference_attention(b, scale, window), dtype)
+
+
+@pytest.mark.parametrize("dtype, window, num_splits", [(F32, None, None), (BF16, 7, 2), (F32, 20, 3)]
+                         if not CUDA else [(dt, w, s) for dt in (BF16, F32) for w, s in ((None, None), (4096, 3))])
+def test_paged_attention_softcap(dtype, window, num_splits):
+    """Gemma 2's attention logit soft-capping, with windows and KV splits; the cap is low
+    enough to change most rows."""
+    b = make_batch(MIXED_SPANS, 8, 2, 128 if CUDA else 64, 16, dtype)
+    out = triton_attention(b, 0.125, window, num_splits, softcap=0.5)
+    assert_close(out, reference_attention(b, 0.125, window, softcap=0.5), dtype)
+    assert (out.float() - reference_attention(b, 0.125, window)).abs().amax(dim=(1, 2)).median() > 0.05
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, dtype", [(8, 2, BF16), (5, 1, F32), (4, 4, F16)])

@@ -38,6 +38,14 @@ VARIANTS = {
         num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0)),
+    # Gemma 2: Gemma 3's layer without q/k norms or a local rope, with attention logit
+    # soft-capping (caps low enough to matter at these weights). Gemma 1: (1 + w) norms,
+    # GeGLU and scaled embeddings, no norms after the attention and the MLP.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True, pad_token_id=0)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, tie_word_embeddings=True, pad_token_id=0)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32)),
 }

@@ -12,7 +12,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(moe=True),
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, moe=True),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=True),
-    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),  # Gemma 3 text (1B, or a text checkpoint)
+    "GemmaForCausalLM": ArchSpec(gemma=True),
+    "Gemma2ForCausalLM": ArchSpec(gemma=True, sandwich=True),  # + attention and final logit soft-capping
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, sandwich=True),  # Gemma 3 text (1B, or a text checkpoint)
 }
 
 __all__ = ["ARCHITECTURES", "ArchSpec", "LlamaForCausalLM"]

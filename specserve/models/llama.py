@@ -1,8 +1,8 @@
 """Llama-family decoder over a flattened ragged batch (``[num_tokens]``, no padding).
 
 One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged), Gemma 3 (its norms,
-GeGLU and local rope) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE
+Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged), Gemma 1/2/3 (their
+norms, GeGLU, Gemma 2's soft-capped attention, Gemma 3's local rope) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE
 (``moe.py`` in place of the MLP); ``ArchSpec`` records how they differ. Q/K/V and gate/up projections are merged at load time so each
 is one matmul.
 
@@ -42,9 +42,10 @@ class ArchSpec:
     o_bias: bool | None = None
     qk_norm: bool = False
     moe: bool = False              # top-k routed experts in place of the MLP (models/moe.py)
-    # Gemma: (1 + weight) norms, embeddings scaled by √hidden, a norm before and after
-    # the attention and the MLP, query_pre_attn_scalar, a rope per layer type.
+    # Gemma: (1 + weight) norms, embeddings scaled by √hidden.
     gemma: bool = False
+    # Gemma 2/3: the attention's and the MLP's outputs normed too (pre/post-feedforward).
+    sandwich: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +84,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, spec.gemma) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, spec.gemma) if spec.qk_norm else None
-        self.scale = (config.query_pre_attn_scalar if spec.gemma else self.head_dim) ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None) or None  # Gemma 2
         self.sliding_window = _sliding_window(config, layer_idx)
         # A model with a rope per layer type (Gemma 3) gives sliding layers the local one.
         self.local_rope = local_rope_config(config) is not None and self.sliding_window is not None
@@ -99,7 +101,7 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch)
         k_cache, v_cache = kv_cache
-        out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -123,7 +125,7 @@ class DecoderLayer(nn.Module):
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, ops, spec.gemma)  # noqa: E731
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
-        self.sandwich = spec.gemma  # Gemma: the attention's and the MLP's outputs normed too
+        self.sandwich = spec.sandwich
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
@@ -160,9 +162,6 @@ class LlamaModel(nn.Module):
         # Gemma scales the embeddings by √hidden, rounded to their dtype as transformers does.
         self.embed_scale = config.hidden_size ** 0.5 if spec.gemma else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        if getattr(config, "attn_logit_softcapping", None):
-            raise ModelLoadError(f"attention logit soft-capping (attn_logit_softcapping "
-                                 f"{config.attn_logit_softcapping}: Gemma 2) is not supported yet")
         if getattr(config, "use_bidirectional_attention", False):
             raise ModelLoadError("bidirectional attention (use_bidirectional_attention) is not supported")
 
