@@ -58,8 +58,8 @@ def random_model(name: str, device: torch.device):
         if rotary is not None:
             rotary.reset_tables(device)
     for module in model.modules():
-        if hasattr(module, "stack_experts"):
-            module.stack_experts()
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     return model.eval()
 
 

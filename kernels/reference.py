@@ -201,9 +201,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rotary_cos_sin_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:
+def rotary_cos_sin_cache(inv_freq: torch.Tensor, scaling: float | torch.Tensor,
+                         max_positions: int) -> torch.Tensor:
     """``[max_positions, head_dim]`` fp32: ``cos`` of each position's angles in the first
-    half, ``sin`` in the second, both times the rope type's attention scaling."""
+    half, ``sin`` in the second, both times the rope type's attention scaling (a scalar,
+    or one per frequency)."""
     angles = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq
     return torch.cat((angles.cos() * scaling, angles.sin() * scaling), dim=-1)
 

@@ -263,9 +263,9 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         model.model.rotary_local.to(device)
     model.num_parameters = sum(p.numel() for p in params.values())
     del own, params  # (their references would keep the experts' unstacked weights alive)
-    for module in model.modules():  # mixture-of-experts layers stack their experts for the GPU
-        if hasattr(module, "stack_experts"):
-            module.stack_experts()
+    for module in model.modules():  # e.g. MoE layers stack their experts for the GPU
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     model.shared_modules = tuple(shared_modules)
     if device.type == "cpu" and dtype == torch.bfloat16:
         if bf16_packing_supported():

@@ -16,7 +16,7 @@ from test_engine import hf_greedy, mixed_prompts
 from test_model import load_ours, ragged_logits
 from tiny_models import LLM32, make_hf_model, save_perturbed
 
-FAMILIES = ["phi3_longrope", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe", "gemma3", "gemma2", "gemma"]
+FAMILIES = ["phi3_longrope", "phi4_mini_partial", "mixtral_moe", "qwen2_moe_shared", "qwen3_moe", "gemma3", "gemma2", "gemma"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=160)
 
@@ -108,11 +108,11 @@ def test_a_dense_layer_of_a_moe_model_stays_dense(tiny_model_dir):
 def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
     import shutil
 
-    path = tmp_path / "phi4-mini-like"
+    path = tmp_path / "phi3-like"
     shutil.copytree(tiny_model_dir("phi3_longrope"), path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.75}))
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75"):
+    (path / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.7}))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.7 gives 11 rotary dimensions of 16"):
         load_ours(path)
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"],
                                                   "model_type": "falcon"}))
@@ -144,3 +144,18 @@ def test_gemma2_soft_caps_are_applied(tiny_model_dir, tmp_path):
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, field: None}))
         assert (ragged_logits(load_ours(path), prompt, chunk=64)[0] - capped).abs().max() > 0.5, field
+
+
+def test_partial_rotary_reorders_each_head_once_and_rotates_only_its_share():
+    """Phi-4-mini's 3/4 rotary: the reordering puts stored pairs (j, j + 6) of a 16-wide
+    head at (j, j + 8); the 4 unrotated dimensions get angle 0 and scaling 1."""
+    from specserve.models.rotary import rope_parameters, rotary_order
+    from tiny_models import hf_config
+
+    config = hf_config("phi4_mini_partial")
+    order = rotary_order(config)
+    assert order.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    inv_freq, scaling = rope_parameters(config)
+    assert inv_freq[6:].tolist() == [0, 0] and inv_freq[:6].min() > 0
+    assert scaling[6:].tolist() == [1, 1] and scaling[0] > 1  # LongRoPE's attention factor on the rotated ones
+    assert rotary_order(hf_config("phi3_longrope")) is None

@@ -321,7 +321,8 @@ def tp_models(tmp_path_factory, tiny_tokenizer):
     for name, variant, overrides in (("llama", "llama", {}),
                                      ("kv1", "qwen2_bias", dict(num_key_value_heads=1)),
                                      ("vocab515", "qwen3_qknorm", dict(vocab_size=515)),
-                                     ("phi3", "phi3_longrope", {}),  # q/k/v, gate/up stored merged
+                                     # q/k/v, gate/up stored merged; partial rotary (reordered per shard)
+                                     ("phi4mini", "phi4_mini_partial", {}),
                                      ("moe", "qwen2_moe_shared", {}),  # experts, a shared one, a dense layer
                                      ("draft", "llama", dict(seed=1, num_hidden_layers=1))):
         path = tmp_path_factory.mktemp(f"tp-{name}")
@@ -358,14 +359,14 @@ def _engine_kwargs(run: dict, tp_models) -> dict:
 
 @pytest.fixture(scope="module")
 def tp_job(tp_models, tmp_path_factory):
-    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi3", "moe")},
+    spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi4mini", "moe")},
             "prompts": _prompts(),
             "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS,
                              engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS]}
     return run_tp_job(spec, tmp_path_factory.mktemp("tp-job"))
 
 
-@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515", "phi3", "moe"])
+@pytest.mark.parametrize("name", ["llama", "kv1", "vocab515", "phi4mini", "moe"])
 def test_sharded_logits_equal_unsharded(tp_job, tp_models, name):
     want = ragged_logits(load_ours(tp_models[name]), _prompts(), chunk=5)
     for rank in tp_job:  # every rank ends with the whole (gathered) logits

@@ -27,6 +27,12 @@ VARIANTS = {
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
             "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0]})),
+    # Phi-4-mini: LongRoPE over the first 3/4 of each head (partial rotary), tied embeddings.
+    "phi4_mini_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, original_max_position_embeddings=256, partial_rotary_factor=0.75,
+        tie_word_embeddings=True, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.2, 1.5, 2.1, 2.8, 3.6], "long_factor": [1.0, 1.6, 2.5, 3.9, 5.2, 8.0]})),
     # Mixture of experts: top-2 of 4; Qwen2-MoE with a shared expert and a dense layer.
     "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe_shared": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
@@ -94,11 +100,18 @@ def make_sentencepiece_tokenizer(vocab_size: int = 600):
                                    bos_token="<s>", eos_token="</s>")
 
 
+def hf_config(variant: str, **overrides):
+    import transformers
+
+    config_cls, _, extra = VARIANTS[variant]
+    return getattr(transformers, config_cls)(**{**TINY_COMMON, **extra, **overrides})
+
+
 def make_hf_model(variant: str, seed: int = 0, **overrides):
     import transformers
 
-    config_cls, model_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**{**TINY_COMMON, **extra, **overrides})
+    config = hf_config(variant, **overrides)
+    model_cls = VARIANTS[variant][1]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # larger-than-default weights so logits are far from uniform

@@ -33,7 +33,7 @@ from specserve.models.moe import SparseMoE, is_sparse_layer
 from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
 from specserve.models.rotary import (Rotary, global_rope_config, head_dim_of, local_rope_config,  # noqa: F401
-                                     rope_parameters)  # (head_dim_of, rope_parameters: re-exported)
+                                     rope_parameters, rotary_order)  # (head_dim_of, rope_parameters: re-exported)
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,27 @@ class Attention(nn.Module):
         self.sliding_window = _sliding_window(config, layer_idx)
         # A model with a rope per layer type (Gemma 3) gives sliding layers the local one.
         self.local_rope = local_rope_config(config) is not None and self.sliding_window is not None
+        self.rotary_order = rotary_order(config)  # partial rotary: q/k dimensions reordered at load
         self.backend = backend
         self.ops = ops
         self.tp = tp
+
+    def finish_loading(self) -> None:
+        """Under partial rotary, reorder each q and k head's rows (and their norms' weights)
+        by ``rotary_order``, so the kernels' whole-head rotation rotates just the stored
+        rotary dimensions (``models/rotary.py``)."""
+        order = self.rotary_order
+        if order is None:
+            return
+        order = order.to(self.qkv_proj.weight.device)
+        with torch.no_grad():
+            for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+                if param is not None:
+                    heads = param[:self.q_size + self.kv_size].unflatten(0, (-1, self.head_dim))
+                    heads.copy_(heads[:, order])
+            for norm in (self.q_norm, self.k_norm):
+                if norm is not None:
+                    norm.weight.copy_(norm.weight[order])
 
     def forward(self, hidden: torch.Tensor, rotary_tables,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:

@@ -57,6 +57,9 @@ class SparseMoE(nn.Module):
         self.ops = ops
         self.w13 = self.w2 = None  # the experts' weights stacked, for the grouped GEMMs (``stack_experts``)
 
+    def finish_loading(self) -> None:
+        self.stack_experts()
+
     def stack_experts(self) -> None:
         """On a GPU: the experts' gate/up and down weights as ``[E, 2I, H]`` and
         ``[E, H, I]`` tensors for the grouped GEMMs, each expert's own weights becoming

@@ -1,5 +1,11 @@
 """Rotary position embedding (rotate-half layout) for any static rope type transformers knows.
 
+Partial rotary (``partial_rotary_factor`` < 1, Phi-4-mini) rotates only the first
+``rotary_dim`` dimensions of each head, rotate-half within them. The kernels rotate whole
+heads, so q/k rows are reordered per head once at load (``rotary_order``): the rotated
+dimensions' halves land in the head's halves, and the other dimensions get angle 0 and
+scaling 1, which leaves them as they are. q·k is the same under one reordering of both.
+
 Two forms of the same tables: the torch path computes cos/sin of the step's positions
 each step (``Rotary.forward`` + ``apply_rotary``, the CPU path); the fused Triton path
 reads a cos/sin cache over every position, built once when the model is
@@ -16,8 +22,9 @@ from specserve.kernels import reference
 
 
 class Rotary(nn.Module):
-    """``inv_freq`` and the rope type's attention ``scaling`` of one model; with
-    ``max_positions`` also its ``cos_sin_cache`` ``[max_positions, head_dim]`` fp32."""
+    """``inv_freq`` ``[head_dim / 2]`` and the rope type's attention ``scaling`` (per
+    frequency) of one model; with ``max_positions`` also its ``cos_sin_cache``
+    ``[max_positions, head_dim]`` fp32."""
 
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
@@ -28,14 +35,15 @@ class Rotary(nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables, on ``device`` when given: a model built on the meta
         device (then ``to_empty``) has garbage in them until this runs."""
-        inv_freq, self.scaling = rope_parameters(self.config)
+        inv_freq, scaling = rope_parameters(self.config)
         cache = None
         if self.max_positions is not None:
-            cache = reference.rotary_cos_sin_cache(inv_freq, self.scaling, self.max_positions)
+            cache = reference.rotary_cos_sin_cache(inv_freq, scaling, self.max_positions)
         if device is not None:
-            inv_freq = inv_freq.to(device)
+            inv_freq, scaling = inv_freq.to(device), scaling.to(device)
             cache = None if cache is None else cache.to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("scaling", scaling, persistent=False)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,25 +89,53 @@ def position_limit(config) -> tuple[int | None, str]:
     return limit, "max_position_embeddings"
 
 
-def rope_parameters(config) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention scaling); LongRoPE's short factors (see ``position_limit``)."""
+def rope_parameters(config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inv_freq, attention scaling), both ``[head_dim / 2]`` fp32; LongRoPE's short
+    factors (see ``position_limit``). Under partial rotary the frequencies past the
+    rotated ones are 0 with scaling 1 (see the module docstring)."""
     params = _rope_params(config)
     rope_type = params["rope_type"]
-    if (getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
-        raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor "
-                             f"{config.partial_rotary_factor}) are not supported")
     if rope_type == "default":
-        dim = head_dim_of(config)
+        dim = rotary_dim(config)
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (params["rope_theta"] ** exponent), 1.0
-    if rope_type == "dynamic":
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+    elif rope_type == "dynamic":
         raise ModelLoadError(f"rope type {rope_type!r} (length-dependent) is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: transformers, only to build
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: transformers, only to build
 
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ModelLoadError(f"unknown rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv_freq.float(), float(scaling)
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ModelLoadError(f"unknown rope type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    half = head_dim_of(config) // 2
+    if inv_freq.numel() != rotary_dim(config) // 2:
+        raise ModelLoadError(f"rope type {rope_type!r} gave {inv_freq.numel()} frequencies for a rotary "
+                             f"dimension of {rotary_dim(config)}")
+    padding = half - inv_freq.numel()
+    return (torch.cat((inv_freq.float(), torch.zeros(padding))),
+            torch.cat((torch.full((inv_freq.numel(),), float(scaling)), torch.ones(padding))))
+
+
+def rotary_dim(config) -> int:
+    """How many dimensions of each head are rotated (all but under partial rotary)."""
+    factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim_of(config) * factor)
+    if not 0 < factor <= 1 or dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {factor} gives {dim} rotary dimensions of "
+                             f"{head_dim_of(config)}; an even number is needed")
+    return dim
+
+
+def rotary_order(config) -> torch.Tensor | None:
+    """Under partial rotary, the per-head reordering of q/k dimensions (new index ->
+    stored index) that puts rotated dimension pairs (j, j + r/2) at (j, j + D/2) and the
+    unrotated ones between; None when every dimension is rotated."""
+    dim, rot = head_dim_of(config), rotary_dim(config)
+    if rot == dim:
+        return None
+    half, rot_half, rest = dim // 2, rot // 2, (dim - rot) // 2
+    passing = torch.arange(rot, dim)
+    return torch.cat((torch.arange(rot_half), passing[:rest], torch.arange(rot_half, rot), passing[rest:]))
 
 
 def head_dim_of(config) -> int:
