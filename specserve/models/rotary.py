@@ -133,7 +133,7 @@ def rotary_order(config) -> torch.Tensor | None:
     dim, rot = head_dim_of(config), rotary_dim(config)
     if rot == dim:
         return None
-    half, rot_half, rest = dim // 2, rot // 2, (dim - rot) // 2
+    rot_half, rest = rot // 2, (dim - rot) // 2
     passing = torch.arange(rot, dim)
     return torch.cat((torch.arange(rot_half), passing[:rest], torch.arange(rot_half, rot), passing[rest:]))
 
