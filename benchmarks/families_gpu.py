@@ -1,13 +1,15 @@
 """The new model families at real shapes on one GPU, random bf16 weights made on the GPU:
 the batch-1 decode step (CUDA graph replay) against its bandwidth floor, the verify pass
-of 1 + 4 tokens against it, and a batch-64 decode step.
+of 1 + 4 tokens against it, and batch-64 decode steps: every request feeding the same
+token (a mixture of experts then runs top-k experts a layer, its best case) and each its
+own token (experts routed apart, as in a real batch).
 
 The floor is the bytes a step must read over the measured copy bandwidth: every weight
 of a dense model; for a mixture of experts the weights outside the experts plus the
-experts the step's tokens chose (top-k per layer: every request feeds the same token, so
-at batch 64 too), and the KV cache of 512 tokens per request.
+experts the step's tokens chose (counted from the router in an eager run of the same
+step), and the KV cache of 512 tokens per request.
 
-    python benchmarks/families_gpu.py --json out.json [--models phi3_mini,qwen3_30b_a3b,mixtral_8x7b]
+    python benchmarks/families_gpu.py --json out.json [--models gemma2_9b,phi4_mini,...]
 """
 from __future__ import annotations
 
@@ -22,6 +24,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_bench import _copy_bandwidth, decode_step, kv_read_bytes, log, median_ms  # noqa: E402
 
 SHAPES = {
+    "gemma2_9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, vocab_size=200064, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, partial_rotary_factor=0.75, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0] * 48, "long_factor": [1.0] * 48})),
     "phi3_mini": ("Phi3Config", "Phi3ForCausalLM", dict(
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096)),
@@ -45,11 +58,12 @@ def random_model(name: str, device: torch.device):
     from specserve.models import ARCHITECTURES, LlamaForCausalLM
 
     config_cls, arch, shape = SHAPES[name]
-    config = getattr(transformers, config_cls)(**shape, tie_word_embeddings=False)
+    config = getattr(transformers, config_cls)(**{"tie_word_embeddings": False, **shape})
     config.architectures = [arch]
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ARCHITECTURES[arch], get_backend("triton", device), SINGLE)
     model = model.to(torch.bfloat16).to_empty(device=device)
+    model.tie_weights()
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -63,18 +77,41 @@ def random_model(name: str, device: torch.device):
     return model.eval()
 
 
-def read_bytes(model) -> int:
-    """Weight bytes a decode step reads: for a MoE, top-k experts per layer. Every request
-    of ``gpu_bench.decode_step`` feeds the same token after the same cache, so at batch 64
-    too they all choose the same k experts (a best case for MoE, said in the results)."""
+def experts_touched(model, runner, scheduled) -> list[int]:
+    """How many distinct experts each MoE layer's router picks for ``scheduled``'s tokens,
+    from one eager run of the step (before graphs are captured); [] for a dense model."""
     from specserve.models.moe import SparseMoE
 
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    counts: list[int] = []
+
+    def counting(route):
+        def routing(x):
+            weights, experts = route(x)
+            counts.append(int(experts.unique().numel()))
+            return weights, experts
+        return routing
+
+    for layer in layers:
+        layer.routing = counting(layer.routing)
+    try:
+        runner.execute(scheduled)
+    finally:
+        for layer in layers:
+            del layer.routing  # the class's method again
+    return counts
+
+
+def read_bytes(model, touched: list[int]) -> int:
+    """Weight bytes a step reads: the weights outside the experts, and for each MoE layer
+    the ``touched`` experts (``experts_touched``)."""
+    from specserve.models.moe import SparseMoE
+
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     total = 0
-    for module in model.modules():
-        if isinstance(module, SparseMoE):
-            per_expert = sum(p.numel() * p.element_size() for p in module.experts[0].parameters())
-            total += module.top_k * per_expert
-    expert_params = {id(p) for m in model.modules() if isinstance(m, SparseMoE) for p in m.experts.parameters()}
+    for layer, count in zip(layers, touched, strict=True):
+        total += count * sum(p.numel() * p.element_size() for p in layer.experts[0].parameters())
+    expert_params = {id(p) for m in layers for p in m.experts.parameters()}
     return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
 
 
@@ -100,17 +137,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
                            num_kv_blocks=2304, block_size=16)
         runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=2304)
+        runner.kv_storage.normal_()  # cached context that is not all zeros: tokens attend, and route, apart
+        steps = {"decode": decode_step(1, 0, context), "verify": decode_step(1, 4, context),
+                 "batch64": decode_step(64, 0, context), "batch64_mixed": decode_step(64, 0, context, distinct=True)}
+        touched = {key: experts_touched(model, runner, step) for key, step in steps.items()}
         runner.enable_graphs(5, 1024)
+        ms = {key: time_step(runner, step, args.reps, device) for key, step in steps.items()}
 
-        decode, verify, b64 = (time_step(runner, decode_step(b, d, context), args.reps, device)
-                               for b, d in ((1, 0), (1, 4), (64, 0)))
-        floor = 1000 * (read_bytes(model) + kv_read_bytes(model, context)) / bandwidth
-        floor64 = 1000 * (read_bytes(model) + kv_read_bytes(model, context, 64)) / bandwidth
+        def floor(key: str, batch: int) -> float:
+            return 1000 * (read_bytes(model, touched[key]) + kv_read_bytes(model, context, batch)) / bandwidth
+
         row = {"model": name, "card": torch.cuda.get_device_name(), "bandwidth_tb_s": round(bandwidth / 1e12, 2),
                "weights_gb": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9, 1),
-               "decode_ms": round(decode, 3), "floor_ms": round(floor, 3), "decode_vs_floor": round(decode / floor, 2),
-               "verify_ms": round(verify, 3), "verify_vs_decode": round(verify / decode, 3),
-               "batch64_ms": round(b64, 3), "batch64_floor_ms": round(floor64, 3)}
+               "decode_ms": round(ms["decode"], 3), "floor_ms": round(floor("decode", 1), 3),
+               "decode_vs_floor": round(ms["decode"] / floor("decode", 1), 2),
+               "verify_ms": round(ms["verify"], 3), "verify_vs_decode": round(ms["verify"] / ms["decode"], 3),
+               "verify_floor_vs_decode_floor": round(floor("verify", 1) / floor("decode", 1), 3)}
+        for key in ("batch64", "batch64_mixed"):
+            row |= {f"{key}_ms": round(ms[key], 3), f"{key}_floor_ms": round(floor(key, 64), 3)}
+        if touched["decode"]:  # mean experts a layer runs, per step
+            row["experts_per_layer"] = {key: round(sum(c) / len(c), 1) for key, c in touched.items()}
         rows.append(row)
         log(json.dumps(row))
         runner = model = None  # freed before the next model is built

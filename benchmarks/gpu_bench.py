@@ -265,16 +265,22 @@ def random_llama(config, device: torch.device, dtype=torch.bfloat16, tp=None, se
     return model.eval()
 
 
-def decode_step(batch: int, drafts: int, context: int, block_size: int = 16):
+def decode_step(batch: int, drafts: int, context: int, block_size: int = 16, distinct: bool = False):
     """A SchedulerOutput of ``batch`` requests each feeding 1 token + ``drafts`` drafts
-    after ``context`` cached tokens (distinct blocks per request)."""
+    after ``context`` cached tokens (distinct blocks per request). ``distinct``: request i
+    feeds token 3 + i (and drafts after it) instead of all feeding token 1, so a mixture of
+    experts routes them apart as a real batch's would."""
     from specserve.sampling_params import SamplingParams
     from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
     blocks_per = -(-(context + 1 + drafts) // block_size)
     greedy = SamplingParams(temperature=0)
-    return SchedulerOutput([ScheduledRequest(f"r{i}", [1], context, list(range(i * blocks_per, (i + 1) * blocks_per)),
-                                             greedy, num_lookahead=drafts, draft_token_ids=[2] * drafts)
+    token = (lambda i: 3 + 97 * i) if distinct else (lambda i: 1)
+    return SchedulerOutput([ScheduledRequest(f"r{i}", [token(i)], context,
+                                             list(range(i * blocks_per, (i + 1) * blocks_per)), greedy,
+                                             num_lookahead=drafts,
+                                             draft_token_ids=[token(i) + 1 + j for j in range(drafts)] if distinct
+                                             else [2] * drafts)
                             for i in range(batch)], [])
 
 

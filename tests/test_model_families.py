@@ -154,7 +154,7 @@ def test_partial_rotary_reorders_each_head_once_and_rotates_only_its_share():
 
     config = hf_config("phi4_mini_partial")
     order = rotary_order(config)
-    assert order.tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    assert order == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
     inv_freq, scaling = rope_parameters(config)
     assert inv_freq[6:].tolist() == [0, 0] and inv_freq[:6].min() > 0
     assert scaling[6:].tolist() == [1, 1] and scaling[0] > 1  # LongRoPE's attention factor on the rotated ones

@@ -111,6 +111,10 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
     import transformers
 
     config = hf_config(variant, **overrides)
+    if getattr(config, "attn_logit_softcapping", None):
+        # Only transformers' eager attention soft-caps on every version (5.17's default SDPA
+        # for Gemma 2 leaves the cap out).
+        config._attn_implementation = "eager"
     model_cls = VARIANTS[variant][1]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

@@ -101,7 +101,7 @@ class Attention(nn.Module):
         order = self.rotary_order
         if order is None:
             return
-        order = order.to(self.qkv_proj.weight.device)
+        order = torch.tensor(order, device=self.qkv_proj.weight.device)
         with torch.no_grad():
             for param in (self.qkv_proj.weight, self.qkv_proj.bias):
                 if param is not None:

@@ -111,9 +111,10 @@ def rope_parameters(config) -> tuple[torch.Tensor, torch.Tensor]:
     if inv_freq.numel() != rotary_dim(config) // 2:
         raise ModelLoadError(f"rope type {rope_type!r} gave {inv_freq.numel()} frequencies for a rotary "
                              f"dimension of {rotary_dim(config)}")
-    padding = half - inv_freq.numel()
-    return (torch.cat((inv_freq.float(), torch.zeros(padding))),
-            torch.cat((torch.full((inv_freq.numel(),), float(scaling)), torch.ones(padding))))
+    padding, device = half - inv_freq.numel(), inv_freq.device
+    return (torch.cat((inv_freq.float(), torch.zeros(padding, device=device))),
+            torch.cat((torch.full((inv_freq.numel(),), float(scaling), device=device),
+                       torch.ones(padding, device=device))))
 
 
 def rotary_dim(config) -> int:
@@ -126,7 +127,7 @@ def rotary_dim(config) -> int:
     return dim
 
 
-def rotary_order(config) -> torch.Tensor | None:
+def rotary_order(config) -> list[int] | None:
     """Under partial rotary, the per-head reordering of q/k dimensions (new index ->
     stored index) that puts rotated dimension pairs (j, j + r/2) at (j, j + D/2) and the
     unrotated ones between; None when every dimension is rotated."""
@@ -134,8 +135,8 @@ def rotary_order(config) -> torch.Tensor | None:
     if rot == dim:
         return None
     rot_half, rest = rot // 2, (dim - rot) // 2
-    passing = torch.arange(rot, dim)
-    return torch.cat((torch.arange(rot_half), passing[:rest], torch.arange(rot_half, rot), passing[rest:]))
+    passing = list(range(rot, dim))
+    return [*range(rot_half), *passing[:rest], *range(rot_half, rot), *passing[rest:]]
 
 
 def head_dim_of(config) -> int:
