@@ -119,7 +119,7 @@ class EagleDrafter(ModelDrafter):
             if fed < start:
                 tokens = requests[planned.req_id].all_token_ids[fed + 1:start + 1]
                 entries.append(ScheduledRequest(planned.req_id, tokens, fed, planned.block_table,
-                                                planned.params, sample=k > 0))
+                                                planned.params, sample=k > 0, long_rope=planned.long_rope))
                 features.append(self._feature_rows(planned.req_id, fed, start))
             self._fed[planned.req_id] = start
             if k:
@@ -151,8 +151,8 @@ class EagleDrafter(ModelDrafter):
                 process = process.head(n)
                 process.advance(tokens[:n])
             # Proposal d_j at position s - 1 + j (= end + j - 2), the head's output as its feature.
-            step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params)
-                    for p in active]
+            step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params,
+                                     long_rope=p.long_rope) for p in active]
             logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
             tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
                                      meta and _head(meta, n), process=process)

@@ -137,7 +137,7 @@ class ModelDrafter:
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))
             tokens = requests[req_id].all_token_ids[fed:end]
             entries.append((i, ScheduledRequest(req_id, tokens, fed, planned.block_table,
-                                                planned.params, sample=k > 0)))
+                                                planned.params, sample=k > 0, long_rope=planned.long_rope)))
             if not self.shares_target_cache:
                 self._fed[req_id] = end
             if k:
@@ -179,8 +179,8 @@ class ModelDrafter:
                 process = process.head(n)
                 process.advance(tokens[:n])
             # Feed the step-(j-1) proposal d_j at position end + j - 1; its id is on the device.
-            step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params)
-                    for i, p in zip(order, active)]
+            step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params,
+                                     long_rope=p.long_rope) for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
             tokens, q = self._choose(logits, active, [ends[i] + j for i in order[:n]],
                                      meta and _head(meta, n), forks[:n] if forking else None, j, process)

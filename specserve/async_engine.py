@@ -41,6 +41,7 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0           # fraction of KV blocks in use
     num_free_blocks: int = 0
     num_preemptions: int = 0
+    num_rope_restarts: int = 0            # LongRoPE requests recomputed in long mode
     prefix_cache_queries: int = 0         # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0            # of which found there
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
@@ -266,6 +267,7 @@ class AsyncLLMEngine:
             num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
             kv_cache_usage=1.0 - kv.num_free_blocks / kv.num_blocks,
             num_free_blocks=kv.num_free_blocks, num_preemptions=engine.scheduler.num_preemptions,
+            num_rope_restarts=engine.scheduler.num_rope_restarts,
             prefix_cache_queries=kv.num_query_tokens, prefix_cache_hits=kv.num_hit_tokens,
             spec_stats=engine.spec_stats.copy(), draft_length_counts=dict(engine.draft_length_counts),
             num_steps=self._num_steps)

@@ -98,7 +98,7 @@ class HostBatch:
 
 
 def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
-               span: int | None = None) -> HostBatch:
+               span: int | None = None, long_offset: int = 0) -> HostBatch:
     """The host lists of a step, for the eager pass and both graph layouts alike.
 
     Per request, in order: its tokens (fed, then drafts), their positions and cache slots,
@@ -107,7 +107,8 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
     ``device_counts[i]``). ``span``: every request is padded to that many rows (a padded
     CUDA graph), the extra rows after its real ones, token 0 at slot -1, so causal
     attention keeps them out of the real rows. A graph adds padding requests after them
-    (``HostBatch.add_padding``)."""
+    (``HostBatch.add_padding``). ``long_offset``: the model's ``Rotary.long_offset``, by
+    which a LongRoPE long-mode request's positions are shifted (0: no long mode)."""
     out = HostBatch([], [], [], [], [], [], [])
     input_ids, positions, slots, logits_rows, query_lens, seq_lens, device_rows = (
         out.input_ids, out.positions, out.slots, out.logits_rows, out.query_lens, out.seq_lens,
@@ -128,7 +129,8 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
             if span > n:
                 input_ids += [0] * (span - n)
                 slots += [-1] * (span - n)
-        positions += range(p.start_pos, p.start_pos + width)
+        first = p.start_pos + long_offset if p.long_rope else p.start_pos
+        positions += range(first, first + width)
         end = num_rows + n
         if p.prompt_logits:  # every fed token's but a sampling row's, before it
             logits_rows += range(num_rows, num_rows + len(p.token_ids) - p.sample)

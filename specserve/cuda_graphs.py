@@ -274,7 +274,7 @@ class GraphRunner:
         if key[0] == 0:
             return self._prepare_ragged(planned, key[1], key[2], block_size, counts, device_ids)
         bucket, q = key
-        host = host_batch(planned, block_size, counts, span=q)
+        host = host_batch(planned, block_size, counts, span=q, long_offset=self.model.model.rotary.long_offset)
         host.add_padding(q, bucket - len(planned))
         count = bucket * q
         keep_all = len(host.logits_rows) == count
@@ -295,7 +295,7 @@ class GraphRunner:
         """The ragged layout: the requests' rows, then one padding request up to
         ``tokens`` (slot -1, positions 0.., keys from block 0), then requests without
         rows; the rows to sample padded with row 0 up to ``num_rows``."""
-        host = host_batch(planned, block_size, counts)
+        host = host_batch(planned, block_size, counts, long_offset=self.model.model.rotary.long_offset)
         host.add_padding(tokens - len(host.input_ids))
         copy_into(self._long, [host.input_ids, host.positions, host.slots,
                                host.logits_rows + [0] * (num_rows - len(host.logits_rows)), host.device_rows])

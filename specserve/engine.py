@@ -25,7 +25,7 @@ from specserve.kv_cache import KVCacheManager
 from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
-from specserve.models.rotary import position_limit
+from specserve.models.rotary import long_rope_start, position_limit
 from specserve.outputs import OutputProcessor, RequestOutput
 from specserve.prompts import chat_prompt_ids, check_text, tokenize_prompt
 from specserve.request import FinishReason, Request
@@ -99,8 +99,9 @@ class LLMEngine:
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.enable_graphs()
         self.speculator.profile_step_cost()  # over the passes as they will run: graphs included
+        long_from = long_rope_start(self.hf_config)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
+                                   self.max_model_len, long_from if long_from and long_from < self.max_model_len else None)
         self.sampler = RejectionSampler(self.device, config.seed, config.logprobs_mode)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # finished outside step() (aborts)

@@ -230,17 +230,18 @@ class KVCacheManager:
         return self._block_tables.get(req_id, [])
 
     # ------------------------------------------------------------------ prefix cache
-    def find_prefix(self, req_id: str, token_ids: Sequence[int]) -> PrefixHit:
+    def find_prefix(self, req_id: str, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> PrefixHit:
         """The cached blocks that start ``token_ids``, for a request about to be admitted
         with nothing computed. The last token is never covered (its logits are needed), and
         the rule of ``draft_cache`` applies. Allocates nothing: ``allocate_slots`` takes
-        the hit."""
+        the hit. ``root``: the parent of the first block, for KV computed another way (the
+        same root in ``commit``)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         hashes = self._hashes.setdefault(req_id, [])
         bs, pool = self.block_size, self.pool
         blocks: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             if i == len(hashes):
@@ -258,7 +259,7 @@ class KVCacheManager:
             valid = len(blocks)
         return PrefixHit(blocks, valid)
 
-    def commit(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def commit(self, req_id: str, token_ids: Sequence[int], num_tokens: int, root: bytes = ROOT_HASH) -> None:
         """Hash ``req_id``'s blocks wholly within its first ``num_tokens`` tokens (its
         committed ones: computed, and accepted where they were drafts), so that later
         requests can share them."""
@@ -275,7 +276,7 @@ class KVCacheManager:
         bs, pool = self.block_size, self.pool
         for i in range(done, full):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else root
             if i == len(hashes):
                 hashes.append(block_hash(parent, tokens, self.extra_key))
             pool.set_hash(table[i], parent, tokens, hashes[i])

@@ -245,7 +245,8 @@ class ModelRunner:
         """The step's tensors: built on the host in one pass over the requests (runs of
         tokens at a time) and sent in one asynchronous copy per dtype, no sync."""
         planned = output.scheduled
-        host = host_batch(planned, self.block_size, device_ids.counts if device_ids is not None else None)
+        host = host_batch(planned, self.block_size, device_ids.counts if device_ids is not None else None,
+                          long_offset=self.model.model.rotary.long_offset)
         input_ids_t, positions_t, slots_t, logits_t, device_rows_t = to_device(
             [host.input_ids, host.positions, host.slots, host.logits_rows, host.device_rows],
             torch.int64, self.device)

@@ -50,6 +50,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        # LongRoPE: its cache is rotated with the long factors (set at admission, Scheduler).
+        self.long_rope = False
         self.arrival_time = time.monotonic()
         self.spec_stats = SpecDecodeStats()
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words tokenised (by the engine)

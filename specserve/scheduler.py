@@ -6,12 +6,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from specserve.kv_cache import KVCacheManager, PrefixHit
+from specserve.kv_cache import ROOT_HASH, KVCacheManager, PrefixHit
 from specserve.logprobs import TokenLogprob
 from specserve.request import FinishReason, Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 
 RUNNING_LOG_MAX = 1024  # joins and leaves kept for running_changes' reader
+LONG_ROPE_ROOT = b"long-rope"  # the hash chain root of LongRoPE long-mode blocks
 
 
 @dataclass
@@ -34,6 +35,8 @@ class ScheduledRequest:
     # Logits for each fed prompt token too, before the sampling rows: the request wants
     # its prompt's log-probabilities (``Request.needs_prompt_logits``).
     prompt_logits: bool = False
+    # LongRoPE: the request's positions are rotated with the long factors (``Request.long_rope``).
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -97,11 +100,20 @@ class Scheduler:
     request cannot get blocks, the newest running request is preempted (its blocks freed,
     the committed ones staying cached) and put back at the front of the waiting queue to be
     recomputed from what is still cached.
+
+    LongRoPE (``long_rope_from``: the model's original length L): as transformers does, a
+    sequence longer than L is rotated with the long factors at every position. A request
+    admitted with more than L tokens runs in long mode. One admitted shorter drafts no
+    further than position L - 1, and once its pending token sits at position L it is
+    recomputed from scratch in long mode (counted in ``num_rope_restarts``). Long-mode
+    blocks are cached under their own hash chain, so the modes never share a block.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, long_rope_from: int | None = None) -> None:
         self.kv = kv
+        self.long_rope_from = long_rope_from
+        self.num_rope_restarts = 0
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -193,6 +205,10 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget this step
+            if self._long_rope(req) and not req.long_rope:  # grew past LongRoPE's original length
+                self._preempt(req, restart=True)
+                preempted.append(req.req_id)
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk_limit(req))
             k = drafts.get(req.req_id, 0) if num_new == 1 else 0
             if k:
@@ -221,6 +237,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
             req.num_computed_tokens = num_cached
+            req.long_rope = self._long_rope(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._log_running(req, True)
@@ -242,7 +259,16 @@ class Scheduler:
         prompt's tokens (its prompt log-probabilities), which a cached block has not kept."""
         if req.needs_prompt_logits:
             return PrefixHit([], 0)
-        return self.kv.find_prefix(req.req_id, req.all_token_ids)
+        return self.kv.find_prefix(req.req_id, req.all_token_ids, self._cache_root(req, self._long_rope(req)))
+
+    def _long_rope(self, req: Request) -> bool:
+        """Whether ``req``'s sequence is past LongRoPE's original length (its long mode)."""
+        return self.long_rope_from is not None and req.num_tokens > self.long_rope_from
+
+    @staticmethod
+    def _cache_root(req: Request, long_rope: bool) -> bytes:
+        """The root of the request's hash chain: long-mode KV is another cache's."""
+        return LONG_ROPE_ROOT if long_rope else ROOT_HASH
 
     def _waits_for_prompt(self, req: Request) -> bool:
         """Whether ``req`` waits for the request it shares its prompt with to have the
@@ -280,6 +306,10 @@ class Scheduler:
         room = self.max_model_len - req.num_tokens - 1
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        if self.long_rope_from is not None and not req.long_rope:
+            # A short-mode row must sit below the original length: a draft at position L
+            # would be verified in the wrong mode.
+            room = min(room, self.long_rope_from - req.num_tokens)
         return max(room, 0)
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
@@ -297,7 +327,9 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, restart: bool = False) -> None:
+        """Back to the front of the waiting queue, to be recomputed. ``restart``: not for
+        want of blocks, but to recompute it in LongRoPE's long mode."""
         self.running.remove(req)
         self._log_running(req, False)
         if self.kv.holds(req.req_id):
@@ -305,7 +337,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        if restart:
+            self.num_rope_restarts += 1
+        else:
+            self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _plan(self, req: Request, num_new: int, k: int) -> ScheduledRequest:
@@ -315,7 +350,8 @@ class Scheduler:
             req_id=req.req_id, token_ids=token_ids, start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)), params=req.params,
             sample=start + num_new == req.num_tokens, num_lookahead=k,
-            prompt_logits=req.needs_prompt_logits and start < req.num_prompt_tokens - 1)
+            prompt_logits=req.needs_prompt_logits and start < req.num_prompt_tokens - 1,
+            long_rope=req.long_rope)
 
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
@@ -339,13 +375,15 @@ class Scheduler:
             if planned.num_lookahead:  # rollback: free blocks wholly past the accepted length
                 self.kv.truncate(req.req_id, req.num_computed_tokens)
             if sampled is None:
-                self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
+                self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens,
+                               self._cache_root(req, req.long_rope))
                 continue
             appended, reason = self._append(req, sampled)
             if req.logprobs is not None and sampled_logprobs is not None:
                 req.logprobs += sampled_logprobs[:len(appended)]
             # Accepted drafts are committed; the bonus token is not computed yet.
-            self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens,
+                           self._cache_root(req, req.long_rope))
             if reason is not None:
                 self.finish_request(req.req_id, reason)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,

@@ -63,8 +63,8 @@ class StepChannel:
         meta, tokens, tables = [], [], []
         counts = device_ids.counts if device_ids is not None else [0] * len(output.scheduled)
         for p, count in zip(output.scheduled, counts):
-            meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), int(p.sample) | int(p.prompt_logits) << 1,
-                     len(p.block_table), count)
+            flags = int(p.sample) | int(p.prompt_logits) << 1 | int(p.long_rope) << 2
+            meta += (p.start_pos, len(p.token_ids), len(p.draft_token_ids), flags, len(p.block_table), count)
             tokens += p.token_ids
             tokens += p.draft_token_ids
             tables += p.block_table
@@ -137,5 +137,6 @@ def _unpack(payload: list[int], num_reqs: int, num_tokens: int) -> tuple[Schedul
         tables_at += num_blocks
         scheduled.append(ScheduledRequest(str(i), ids[:num_ids], start_pos, table, _NO_PARAMS,
                                           sample=bool(sample & 1), num_lookahead=num_drafts,
-                                          draft_token_ids=ids[num_ids:], prompt_logits=bool(sample & 2)))
+                                          draft_token_ids=ids[num_ids:], prompt_logits=bool(sample & 2),
+                                          long_rope=bool(sample & 4)))
     return SchedulerOutput(scheduled, []), counts

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve import SamplingParams
-from specserve.errors import ModelLoadError, SpecserveError
+from specserve.errors import ModelLoadError
 from test_engine import hf_greedy, mixed_prompts
 from test_model import load_ours, ragged_logits
 from tiny_models import LLM32, make_hf_model, save_perturbed
@@ -60,14 +60,73 @@ def test_speculation_equals_plain_greedy(variant, drafter, tiny_model_dir, famil
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_longrope_is_served_up_to_its_original_length(tiny_model_dir):
-    """Past ``original_max_position_embeddings`` transformers switches the whole sequence
-    to the long factors (its generate recomputes the cache): served up to that length,
-    where it is exact, and a longer max_model_len is refused with the reason."""
-    llm = LLM32(str(tiny_model_dir("phi3_longrope")), **SMALL)
-    assert llm.engine.max_model_len == 256
-    with pytest.raises(SpecserveError, match=r"max_model_len 300 exceeds the maximum 256 .*LongRoPE"):
-        LLM32(str(tiny_model_dir("phi3_longrope")), max_model_len=300, **SMALL)
+def longrope_prompts() -> list[list[int]]:
+    """Against the tiny models' original length of 256: one prompt that crosses it while
+    decoding, one past it from the start, one that stays short."""
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in (250, 300, 10)]
+
+
+@pytest.mark.parametrize("variant", ["phi3_longrope", "phi4_mini_partial"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft_model"])
+def test_longrope_past_its_original_length_equals_transformers(variant, drafter, tiny_model_dir, family_draft):
+    """transformers rotates a sequence longer than ``original_max_position_embeddings``
+    with the long factors at every position (its generate recomputes the cache when it
+    crosses): the request that crosses is recomputed once, in long mode, and every
+    output equals transformers' generate, drafts (capped below the crossing) included."""
+    spec = {} if drafter is None else dict(speculative_method=drafter, num_speculative_tokens=3,
+                                          speculative_adaptive=False)
+    if drafter == "draft_model":  # a LongRoPE draft: its own cache recomputed in long mode too
+        spec["draft_model"] = family_draft(variant)
+    llm = LLM32(str(tiny_model_dir(variant)), **{**SMALL, "num_kv_blocks": 400}, **spec)
+    assert llm.engine.max_model_len == 512 and llm.engine.scheduler.long_rope_from == 256
+    hf = make_hf_model(variant)
+    prompts = longrope_prompts()
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert out.token_ids == hf_greedy(hf, prompt, 20), len(prompt)
+    assert llm.engine.scheduler.num_rope_restarts == 1  # the 250-token prompt, at position 256
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_longrope_modes_never_share_cached_blocks(tiny_model_dir):
+    """With prefix caching, a long-mode request does not take the short-mode blocks of a
+    prompt it starts with (their keys were rotated otherwise); a second long-mode request
+    takes the first one's."""
+    llm = LLM32(str(tiny_model_dir("phi3_longrope")), **{**SMALL, "num_kv_blocks": 400},
+                enable_prefix_caching=True)
+    hf = make_hf_model("phi3_longrope")
+    short = longrope_prompts()[0][:200]
+    long_a, long_b = short + list(range(3, 103)), short + list(range(3, 100)) + [7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [first] = llm.generate([short], params, use_tqdm=False)
+    assert first.token_ids == hf_greedy(hf, short, 4)
+    [second] = llm.generate([long_a], params, use_tqdm=False)
+    assert second.num_cached_tokens == 0 and second.token_ids == hf_greedy(hf, long_a, 4)
+    [third] = llm.generate([long_b], params, use_tqdm=False)
+    assert third.num_cached_tokens == 296 and third.token_ids == hf_greedy(hf, long_b, 4)
+
+
+def test_longrope_long_positions_rotate_with_the_long_factors():
+    """A long-mode position (shifted by ``long_offset``) gets transformers' long
+    frequencies, in the per-step tables and in the fused path's cache alike."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specserve.kernels import reference
+    from specserve.models.rotary import Rotary, apply_rotary
+    from tiny_models import hf_config
+
+    config = hf_config("phi3_longrope")
+    rotary, cached = Rotary(config), Rotary(config, config.max_position_embeddings)
+    assert rotary.long_offset == 512
+    long_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=257)
+    short_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    positions = torch.tensor([3, 300, 3 + 512, 300 + 512])
+    cos, _ = rotary(positions, torch.float32)
+    angles = positions[:, None].remainder(512).float() * torch.stack([short_freq, short_freq, long_freq, long_freq])
+    torch.testing.assert_close(cos[:, 0, :8], angles.cos() * scaling)
+    x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(reference.rotary_embedding(x, x, positions, cached.cos_sin_cache)[0],
+                               apply_rotary(x, *rotary(positions, torch.float32)), atol=1e-6, rtol=1e-5)
 
 
 def test_merged_projections_as_stored_are_split_exactly(tiny_model_dir):

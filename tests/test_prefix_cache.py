@@ -329,7 +329,7 @@ def test_greedy_output_is_the_same_with_prefix_caching_on_and_off(method, drafts
     off = LLM32(str(target), **SMALL, **spec, **options[method], enable_prefix_caching=False)
     found, unseen = [], []
     real = on.engine.kv.find_prefix
-    on.engine.kv.find_prefix = lambda req_id, tokens: found.append(real(req_id, tokens)) or found[-1]
+    on.engine.kv.find_prefix = lambda req_id, tokens, *root: found.append(real(req_id, tokens, *root)) or found[-1]
     if method == "eagle":  # the head must get the target's features for every entry it makes
         drafter = on.engine.speculator.drafter
         rows = drafter._feature_rows

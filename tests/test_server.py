@@ -437,7 +437,7 @@ def test_models_health_and_metrics(server):
     for expected in ("specserve:time_to_first_token_seconds", "specserve:inter_token_latency_seconds",
                      "specserve:e2e_request_latency_seconds", "specserve:num_requests_running",
                      "specserve:num_requests_waiting", "specserve:kv_cache_usage_perc",
-                     "specserve:num_preemptions", "specserve:prompt_tokens",
+                     "specserve:num_preemptions", "specserve:num_rope_restarts", "specserve:prompt_tokens",
                      "specserve:generation_tokens", "specserve:spec_decode_num_drafts",
                      "specserve:spec_decode_num_draft_tokens",
                      "specserve:spec_decode_num_accepted_tokens",

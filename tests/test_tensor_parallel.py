@@ -190,7 +190,8 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     step = SchedulerOutput([ScheduledRequest(f"r{i}", list(range(i, i + 1 + i % 3)), context + i,
                                              list(range(7 * i, 7 * i + context // 16 + 1)), params,
                                              sample=i % 4 != 1, num_lookahead=i % 2,
-                                             draft_token_ids=[9] * (i % 2), prompt_logits=i % 3 == 0)
+                                             draft_token_ids=[9] * (i % 2), prompt_logits=i % 3 == 0,
+                                             long_rope=i % 5 == 2)
                             for i in range(num_reqs)], [])
     # A model drafter's proposals still on rank 0's device follow the message, device to device.
     on_device = DeviceTokenIds(torch.arange(100, 100 + sum(i % 2 for i in range(num_reqs))),
@@ -204,7 +205,7 @@ def test_step_messages_rebuild_the_schedule(num_reqs, context):
     for num_layers, device_ids in ((None, None), (3, None), (None, on_device)):
         got = receive.receive()
         assert got.kind == STEP and got.num_layers == num_layers
-        fields = ("token_ids", "start_pos", "block_table", "sample", "draft_token_ids", "prompt_logits")
+        fields = ("token_ids", "start_pos", "block_table", "sample", "draft_token_ids", "prompt_logits", "long_rope")
         assert [[getattr(p, f) for f in fields] for p in got.output.scheduled] == \
             [[getattr(p, f) for f in fields] for p in step.scheduled]
         if device_ids is None:

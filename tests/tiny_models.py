@@ -20,19 +20,19 @@ VARIANTS = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16)),
     "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
-    # Phi-3: q/k/v and gate/up stored merged, LongRoPE (served up to its original 256
-    # positions, where it uses the short factors).
+    # Phi-3: q/k/v and gate/up stored merged, LongRoPE (short factors up to 256 positions,
+    # long ones, far enough apart to change greedy tokens, past them).
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, original_max_position_embeddings=256, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.5, 7.2, 9.0]})),
+            "long_factor": [1.0, 6.0, 20.0, 50.0, 90.0, 140.0, 200.0, 260.0]})),
     # Phi-4-mini: LongRoPE over the first 3/4 of each head (partial rotary), tied embeddings.
     "phi4_mini_partial": ("Phi3Config", "Phi3ForCausalLM", dict(
         pad_token_id=0, original_max_position_embeddings=256, partial_rotary_factor=0.75,
         tie_word_embeddings=True, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": [1.0, 1.2, 1.5, 2.1, 2.8, 3.6], "long_factor": [1.0, 1.6, 2.5, 3.9, 5.2, 8.0]})),
+            "short_factor": [1.0, 1.2, 1.5, 2.1, 2.8, 3.6], "long_factor": [1.0, 6.0, 20.0, 50.0, 90.0, 140.0]})),
     # Mixture of experts: top-2 of 4; Qwen2-MoE with a shared expert and a dense layer.
     "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe_shared": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(

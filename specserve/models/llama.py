@@ -177,6 +177,8 @@ class LlamaModel(nn.Module):
         local = local_rope_config(config)
         self.rotary = Rotary(global_rope_config(config), max_positions)
         self.rotary_local = Rotary(local, max_positions) if local is not None else None
+        if self.rotary_local is not None and (self.rotary.long_offset or self.rotary_local.long_offset):
+            raise ModelLoadError("LongRoPE with a rope per layer type is not supported")
         # Gemma scales the embeddings by √hidden, rounded to their dtype as transformers does.
         self.embed_scale = config.hidden_size ** 0.5 if spec.gemma else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None)

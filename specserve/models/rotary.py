@@ -6,6 +6,14 @@ heads, so q/k rows are reordered per head once at load (``rotary_order``): the r
 dimensions' halves land in the head's halves, and the other dimensions get angle 0 and
 scaling 1, which leaves them as they are. q·k is the same under one reordering of both.
 
+LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) has two sets of frequencies: transformers
+rotates every position of a sequence with the short factors while the sequence is at most
+``original_max_position_embeddings`` long and with the long factors once it is longer
+(its Phi-3 ``generate`` recomputes the cache at that point). Here a request is in one mode
+for all its cached positions (``Scheduler`` decides it, and recomputes a request that
+grows past the length); the runner feeds a long-mode request's positions shifted by
+``Rotary.long_offset``, and the tables hold the long frequencies there.
+
 Two forms of the same tables: the torch path computes cos/sin of the step's positions
 each step (``Rotary.forward`` + ``apply_rotary``, the CPU path); the fused Triton path
 reads a cos/sin cache over every position, built once when the model is
@@ -24,33 +32,50 @@ from specserve.kernels import reference
 class Rotary(nn.Module):
     """``inv_freq`` ``[head_dim / 2]`` and the rope type's attention ``scaling`` (per
     frequency) of one model; with ``max_positions`` also its ``cos_sin_cache``
-    ``[max_positions, head_dim]`` fp32."""
+    ``[max_positions, head_dim]`` fp32. With LongRoPE, positions from ``long_offset`` on
+    are a long-mode request's (position + ``long_offset``): the long frequencies'
+    ``inv_freq_long``, and cache rows ``max_positions`` on."""
 
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.max_positions = max_positions
+        self.long_offset = config.max_position_embeddings if long_rope_start(config) is not None else 0
+        if self.long_offset and max_positions not in (None, self.long_offset):
+            raise ValueError("a LongRoPE table covers max_position_embeddings positions per mode")
         self.reset_tables()
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables, on ``device`` when given: a model built on the meta
         device (then ``to_empty``) has garbage in them until this runs."""
-        inv_freq, scaling = rope_parameters(self.config)
+        tables = [rope_parameters(self.config)]
+        if self.long_offset:
+            tables.append(rope_parameters(self.config, long=True))
         cache = None
         if self.max_positions is not None:
-            cache = reference.rotary_cos_sin_cache(inv_freq, scaling, self.max_positions)
+            cache = torch.cat([reference.rotary_cos_sin_cache(inv_freq, scaling, self.max_positions)
+                               for inv_freq, scaling in tables])
         if device is not None:
-            inv_freq, scaling = inv_freq.to(device), scaling.to(device)
+            tables = [(inv_freq.to(device), scaling.to(device)) for inv_freq, scaling in tables]
             cache = None if cache is None else cache.to(device)
+        (inv_freq, scaling), (inv_freq_long, scaling_long) = tables[0], tables[-1]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("scaling", scaling, persistent=False)
+        self.register_buffer("inv_freq_long", inv_freq_long if self.long_offset else None, persistent=False)
+        self.register_buffer("scaling_long", scaling_long if self.long_offset else None, persistent=False)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos ``[num_tokens, 1, head_dim]`` and a signed sin ``[num_tokens, 1, 2, head_dim/2]``
         (−sin on the first half), shaped for ``apply_rotary``; computed once per step."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        inv_freq, scaling = self.inv_freq, self.scaling
+        if self.long_offset:  # a long-mode request's positions come shifted by long_offset
+            long = (positions >= self.long_offset)[:, None]
+            positions = positions - self.long_offset * long[:, 0]
+            inv_freq = torch.where(long, self.inv_freq_long, inv_freq)
+            scaling = torch.where(long, self.scaling_long, scaling)
+        freqs = positions[:, None].float() * inv_freq
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         cos = torch.cat((cos, cos), dim=-1)[:, None, :]
         sin = torch.stack((-sin, sin), dim=1)[:, None]
         return cos.to(dtype), sin.to(dtype)
@@ -73,25 +98,26 @@ def _rope_params(config) -> dict:
 
 
 def position_limit(config) -> tuple[int | None, str]:
-    """(the most positions this model runs exactly, why): ``max_position_embeddings``;
-    with LongRoPE (Phi-3.5, Phi-3 128k) its ``original_max_position_embeddings``. Past
-    that length transformers switches every position of the sequence to the long
-    factors, the cached ones included (its generate recomputes the cache), which a paged
-    cache does not do: specserve serves LongRoPE models up to that length, with its short
-    factors, exactly."""
-    limit = getattr(config, "max_position_embeddings", None)
+    """(the most positions this model runs, why): ``max_position_embeddings``."""
+    return getattr(config, "max_position_embeddings", None), "max_position_embeddings"
+
+
+def long_rope_start(config) -> int | None:
+    """LongRoPE's ``original_max_position_embeddings``: a sequence longer than this is
+    rotated with the long factors, every position of it; None for other ropes (or a
+    LongRoPE model that never runs past it)."""
     params = _rope_params(config)
-    if params["rope_type"] == "longrope":
-        original = params.get("original_max_position_embeddings") or getattr(
-            config, "original_max_position_embeddings", None) or limit
-        return original, ("LongRoPE switches a whole sequence to its long factors past "
-                          f"original_max_position_embeddings ({original})")
-    return limit, "max_position_embeddings"
+    if params["rope_type"] != "longrope":
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None) or limit
+    return original if limit is not None and original < limit else None
 
 
-def rope_parameters(config) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_parameters(config, long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(inv_freq, attention scaling), both ``[head_dim / 2]`` fp32; LongRoPE's short
-    factors (see ``position_limit``). Under partial rotary the frequencies past the
+    factors, or with ``long`` its long ones. Under partial rotary the frequencies past the
     rotated ones are 0 with scaling 1 (see the module docstring)."""
     params = _rope_params(config)
     rope_type = params["rope_type"]
@@ -106,7 +132,9 @@ def rope_parameters(config) -> tuple[torch.Tensor, torch.Tensor]:
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ModelLoadError(f"unknown rope type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        # transformers picks LongRoPE's long factors for a sequence longer than the original length
+        long_len = {"seq_len": long_rope_start(config) + 1} if long else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **long_len)
     half = head_dim_of(config) // 2
     if inv_freq.numel() != rotary_dim(config) // 2:
         raise ModelLoadError(f"rope type {rope_type!r} gave {inv_freq.numel()} frequencies for a rotary "

@@ -103,6 +103,9 @@ class _EngineCollector:
             yield _gauge(name, doc, self.labels, value)
         for name, doc, value in (
                 ("specserve:num_preemptions", "Requests preempted (recomputed later).", snap.num_preemptions),
+                ("specserve:num_rope_restarts",
+                 "Requests recomputed with LongRoPE's long factors on growing past its original length.",
+                 snap.num_rope_restarts),
                 ("specserve:engine_steps", "Engine steps run.", snap.num_steps),
                 ("specserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.",
                  snap.prefix_cache_queries),

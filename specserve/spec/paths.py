@@ -77,7 +77,7 @@ class DraftPaths:
                 output.block_copies.append(copy)
                 output.scheduled.append(PathEntry(
                     p.req_id, p.token_ids, p.start_pos, self.kv.branch_block_table(p.req_id, path),
-                    p.params, num_lookahead=k, path=path, fork=(depth, rank)))
+                    p.params, num_lookahead=k, long_rope=p.long_rope, path=path, fork=(depth, rank)))
                 budget -= 1 + k
                 added = True
         return added
