@@ -259,15 +259,15 @@ class Scheduler:
         prompt's tokens (its prompt log-probabilities), which a cached block has not kept."""
         if req.needs_prompt_logits:
             return PrefixHit([], 0)
-        return self.kv.find_prefix(req.req_id, req.all_token_ids, self._cache_root(req, self._long_rope(req)))
+        return self.kv.find_prefix(req.req_id, req.all_token_ids, self._cache_root(self._long_rope(req)))
 
     def _long_rope(self, req: Request) -> bool:
         """Whether ``req``'s sequence is past LongRoPE's original length (its long mode)."""
         return self.long_rope_from is not None and req.num_tokens > self.long_rope_from
 
     @staticmethod
-    def _cache_root(req: Request, long_rope: bool) -> bytes:
-        """The root of the request's hash chain: long-mode KV is another cache's."""
+    def _cache_root(long_rope: bool) -> bytes:
+        """The root of a request's hash chain: long-mode KV is another cache's."""
         return LONG_ROPE_ROOT if long_rope else ROOT_HASH
 
     def _waits_for_prompt(self, req: Request) -> bool:
@@ -376,14 +376,14 @@ class Scheduler:
                 self.kv.truncate(req.req_id, req.num_computed_tokens)
             if sampled is None:
                 self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens,
-                               self._cache_root(req, req.long_rope))
+                               self._cache_root(req.long_rope))
                 continue
             appended, reason = self._append(req, sampled)
             if req.logprobs is not None and sampled_logprobs is not None:
                 req.logprobs += sampled_logprobs[:len(appended)]
             # Accepted drafts are committed; the bonus token is not computed yet.
             self.kv.commit(req.req_id, req.all_token_ids, req.num_computed_tokens,
-                           self._cache_root(req, req.long_rope))
+                           self._cache_root(req.long_rope))
             if reason is not None:
                 self.finish_request(req.req_id, reason)
             updates.append(RequestUpdate(req, appended, len(planned.draft_token_ids), num_accepted,

@@ -1,10 +1,11 @@
 """Llama-family decoder over a flattened ragged batch (``[num_tokens]``, no padding).
 
 One implementation covers Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (qkv bias),
-Qwen3 (per-head q/k RMSNorm), Phi-3 (projections stored merged), Gemma 1/2/3 (their
-norms, GeGLU, Gemma 2's soft-capped attention, Gemma 3's local rope) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE
-(``moe.py`` in place of the MLP); ``ArchSpec`` records how they differ. Q/K/V and gate/up projections are merged at load time so each
-is one matmul.
+Qwen3 (per-head q/k RMSNorm), Phi-3/Phi-4 (projections stored merged, partial rotary),
+Gemma 1/2/3 (their norms, GeGLU, Gemma 2's soft-capped attention, Gemma 3's local rope)
+and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (``moe.py`` in place of the
+MLP); ``ArchSpec`` records how they differ. Q/K/V and gate/up projections are merged at
+load time so each is one matmul.
 
 With a tensor-parallel group of several ranks each rank builds only its shard
 (``parallel.py``): its heads, its MLP rows, its vocabulary rows, and one all-reduce
