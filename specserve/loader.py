@@ -168,7 +168,30 @@ def load_hf_config(files: ModelFiles):
         raise ModelLoadError(f"{files.name}: unreadable config.json "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     _check_architecture(config)
+    _check_quantization(config, files.name)
     return config
+
+
+def _check_quantization(config, where: str) -> None:
+    """Refuse a quantized checkpoint (config.json's ``quantization_config``, as
+    transformers and compressed-tensors write it) in one line that names its scheme: none
+    runs here yet, and loading one as if it were float weights would be silently wrong."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return
+    quant = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: vars(quant))()
+    method = quant.get("quant_method", "unknown")
+    details = [f"{key} {quant[key]!r}" for key in ("format", "bits", "fmt", "weight_block_size")
+               if quant.get(key) is not None]
+    for group in (quant.get("config_groups") or {}).values():  # compressed-tensors: what the weights hold
+        weights = (group or {}).get("weights") or {}
+        if weights:
+            details.append(f"weights {weights.get('num_bits')}-bit {weights.get('type')} "
+                           f"per {weights.get('strategy')}")
+            break
+    scheme = f"quant_method {method!r}" + (f" ({', '.join(details)})" if details else "")
+    raise ModelLoadError(f"{where}: a quantized checkpoint (config.json's quantization_config: {scheme}), "
+                         "which specserve does not run yet; use its bf16/fp16/fp32 checkpoint or a GGUF file")
 
 
 # config.json's model_type -> architecture, for a config that names no architectures.
@@ -367,18 +390,33 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def dequantized_int8(names: list[str], read, where: str, progress=iter):
     """(name, tensor) for each tensor ``names`` lists, ``read(name)`` giving it: an int8
     weight dequantised with its scales, which are not yielded themselves. ``progress``
-    wraps the walk over ``names`` (a progress bar)."""
+    wraps the walk over ``names`` (a progress bar).
+
+    Any other tensor that is not floating point, or is float8, is refused with its name
+    and dtype: it is a quantized layout (FP8 with scales, AWQ/GPTQ's packed int32) that
+    cast to the model's dtype would load silently wrong. A scale beside a weight that is
+    not int8 is yielded like any tensor, so the model refuses it as unexpected."""
     present = set(names)
+    scales_read: set[str] = set()
+    deferred: list[str] = []  # scales met before their weight, resolved once it is read
     for name in progress(names):
         if name.endswith(INT8_SCALE_SUFFIX) and name[:-len(INT8_SCALE_SUFFIX)] in present:
-            continue  # read with its weight
+            deferred.append(name)
+            continue
         tensor = read(name)
         if tensor.dtype == torch.int8:
             scale = name + INT8_SCALE_SUFFIX
             if scale not in present:
                 raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {scale!r}")
             tensor = dequantize_int8_rows(tensor, read(scale))
+            scales_read.add(scale)
+        elif not tensor.is_floating_point() or tensor.element_size() == 1:
+            raise ModelLoadError(f"{where}: tensor {name!r} is {str(tensor.dtype)[6:]}, a quantized layout "
+                                 "specserve does not run yet (float weights, or its own int8 drafts, only)")
         yield name, tensor
+    for name in deferred:
+        if name not in scales_read:
+            yield name, read(name)
 
 
 def dequantize_int8_state(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:

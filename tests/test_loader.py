@@ -106,3 +106,77 @@ def test_default_model_is_converted_once(default_model_path, monkeypatch):
     assert (files.path / "model.safetensors").is_file() and (files.path / "tokenizer.json").is_file()
     config = loader.load_hf_config(files)
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+
+
+# quantization_config as each library writes it (transformers' FineGrainedFP8Config, AWQ,
+# GPTQ, bitsandbytes; compressed-tensors' FP8 "float-quantized" layout, as llm-compressor saves it).
+QUANTIZED = {
+    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            r"quant_method 'fp8' \(weight_block_size \[128, 128\]\)"),
+    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}},
+                           r"quant_method 'compressed-tensors' \(format 'float-quantized', "
+                           r"weights 8-bit float per channel\)"),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+            r"quant_method 'awq' \(bits 4\)"),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, r"quant_method 'gptq'"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                     r"quant_method 'bitsandbytes'"),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(QUANTIZED))
+def test_a_quantized_checkpoint_is_refused_by_its_scheme(scheme, tmp_path, tiny_model_dir):
+    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    quant, message = QUANTIZED[scheme]
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ModelLoadError, match=f"a quantized checkpoint \\(config.json's quantization_config: {message}"):
+        LLM32(str(model))
+
+
+def fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' FP8 layout: float8_e4m3fn values and one float32 scale per row."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 448
+    return (weight / scale).to(torch.float8_e4m3fn), scale.float()
+
+
+def test_fp8_weights_without_a_config_are_refused_not_cast(tmp_path, tiny_model_dir):
+    """The defect: FP8 values with their scales, and no quantization_config, were cast to
+    the model's dtype with the scales dropped (weights 448 where they should be 0.3)."""
+    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name], tensors[name + "_scale"] = fp8_per_channel(tensors[name])
+    save_file(tensors, model / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=f"tensor '{name}' is float8_e4m3fn, a quantized layout"):
+        LLM32(str(model))
+
+
+def test_packed_int4_weights_are_refused_by_dtype(tmp_path, tiny_model_dir):
+    """AWQ/GPTQ's packed layout (int32 ``qweight``) without its config: named, not 'unexpected'."""
+    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(16, 64, dtype=torch.int32)
+    save_file(tensors, model / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="'model.layers.0.mlp.down_proj.qweight' is int32, a quantized layout"):
+        LLM32(str(model))
+
+
+def test_a_scale_beside_a_float_weight_is_never_dropped(tmp_path, tiny_model_dir):
+    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight_scale"] = torch.ones(64)
+    save_file(tensors, model / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.weight_scale'"):
+        LLM32(str(model))
+
+
+def test_int8_rows_load_whichever_comes_first_the_weight_or_its_scale():
+    weight = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    values, scale = loader.quantize_int8_rows(weight)
+    state = {"a.weight_scale": scale, "a.weight": values, "b.weight": weight}
+    got = loader.dequantize_int8_state(state, "test")
+    assert list(got) == ["a.weight", "b.weight"]
+    torch.testing.assert_close(got["a.weight"], values.float() * scale[:, None])
