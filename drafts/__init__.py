@@ -21,9 +21,9 @@ from specserve.attention import get_backend
 from specserve.drafts.eagle import EagleDrafter
 from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
-from specserve.drafts.shipped import is_eagle_head, shares_target_embeddings, shipped_draft_for
+from specserve.drafts.shipped import is_eagle_head, published_layout, shares_target_embeddings, shipped_draft_for
 from specserve.errors import ModelLoadError, SpecserveError
-from specserve.loader import build_model, load_hf_config, load_tokenizer, resolve_model
+from specserve.loader import build_model, checkpoint_names, load_hf_config, load_tokenizer, resolve_model
 from specserve.models.eagle import EagleForCausalLM
 
 logger = logging.getLogger("specserve")
@@ -64,6 +64,9 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
             raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint "
                                  "(--draft-model); only the embedded default model has one built in")
     draft_config = load_hf_config(files)
+    found = published_layout(checkpoint_names(files))
+    if found is not None:
+        draft_config.specserve_draft = {**(getattr(draft_config, "specserve_draft", None) or {}), **found}
     if draft_config.vocab_size != target_hf_config.vocab_size:
         raise SpecserveError(f"draft model {files.name} has a vocabulary of {draft_config.vocab_size} "
                              f"tokens, the target {target_hf_config.vocab_size}: they must share one")

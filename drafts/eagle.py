@@ -70,7 +70,8 @@ class EagleDrafter(ModelDrafter):
 
     def describe(self) -> str:
         cfg = self.model.config
-        return (f"draft_model (EAGLE head: {cfg.num_hidden_layers} layer(s) over the target's hidden "
+        layout = " in the published EAGLE-1/2 layout" if self.model.weights_layout == "eagle1" else ""
+        return (f"draft_model (EAGLE head{layout}: {cfg.num_hidden_layers} layer(s) over the target's hidden "
                 f"states, {self.model.num_parameters / 1e6:.0f}M parameters + the target's "
                 f"embeddings and LM head{self._among()})")
 

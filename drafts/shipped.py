@@ -37,3 +37,19 @@ def is_eagle_head(config) -> bool:
 def shares_target_embeddings(config) -> bool:
     """Whether a draft checkpoint's config says it takes the target's embeddings and LM head."""
     return bool((getattr(config, "specserve_draft", None) or {}).get("shares_target_embeddings"))
+
+
+def published_layout(names: list[str]) -> dict | None:
+    """The ``specserve_draft`` entries of a published draft head found by its tensor names:
+    an EAGLE-1/EAGLE-2 head (``fc.weight`` and ``layers.N.*`` with no ``model.`` prefix, as
+    the EAGLE repository's ``eagle/model/cnets.py`` saves it; ``models/eagle.py``), or None
+    for a checkpoint in our own layouts. Published layouts not run yet are refused by name."""
+    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
+        raise ModelLoadError("an EAGLE-3 head (midlayer.*, d2t/t2d, its own draft vocabulary): "
+                             "not supported yet; EAGLE-1/EAGLE-2 heads are")
+    if any(n.startswith("medusa_head") for n in names):
+        raise ModelLoadError("Medusa heads (medusa_head.*): not supported yet; EAGLE-1/EAGLE-2 heads are")
+    if "fc.weight" in names and not any(n.startswith("model.") for n in names):
+        return {"kind": "eagle", "layout": "eagle1", "shares_target_embeddings": True,
+                "fc_bias": "fc.bias" in names}
+    return None

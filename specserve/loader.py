@@ -274,6 +274,7 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     if "lm_head" not in shared_modules:
         model.tie_weights()
     params = {name: p for name, p in model.named_parameters() if name in own}
+    model.shared_parameters = {name: p for name, p in model.named_parameters() if name not in own}
     filled: dict[str, int] = {name: 0 for name in params}
     for ckpt_name, tensor in _iter_checkpoint(files):
         _load_one(model, params, filled, ckpt_name, tensor)
@@ -297,8 +298,12 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
 
 
 def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> None:
+    ckpt_name = model.checkpoint_name(ckpt_name)  # a layout's names as ours (an EAGLE-1 head's)
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
+        return
+    if ckpt_name in model.shared_parameters:  # a copy of a module taken from another model
+        _check_shared(model.shared_parameters[ckpt_name], ckpt_name, tensor)
         return
     parts = ckpt_name.split(".")
     if model.RENAMED_UNDER in parts:  # Mixtral's experts
@@ -337,30 +342,83 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     filled[target] += view.shape[0]
 
 
-def _iter_checkpoint(files: ModelFiles):
-    index = files.path / "model.safetensors.index.json"
-    if index.is_file():  # follow the index: some repos also ship other *.safetensors layouts
+def _check_shared(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """A checkpoint that stores its own copy of a module it takes from its target (an
+    EAGLE-1 head's ``embed_tokens``) must hold the target's values: else it was trained
+    for another model."""
+    if tuple(param.shape) != tuple(tensor.shape) or not torch.equal(
+            param.detach().cpu(), tensor.to(param.dtype)):
+        raise ModelLoadError(f"tensor {name!r} differs from the target's, whose module this draft "
+                             "shares: it was trained for another model")
+
+
+def checkpoint_names(files: ModelFiles) -> list[str]:
+    """The names of the checkpoint's tensors, none of them read."""
+    return [name for name, _ in _checkpoint_handles(files)]
+
+
+def _checkpoint_handles(files: ModelFiles) -> list[tuple[str, object]]:
+    """(tensor name, a handle whose ``get_tensor(name)`` reads it) for every tensor: from
+    the safetensors shards (following their index), else from PyTorch ``.bin`` shards
+    (``pytorch_model.bin``, as many published draft heads ship), read with
+    ``weights_only`` and memory-mapped."""
+    shards = _shards(files, "model.safetensors", "*.safetensors")
+    if shards:
+        try:
+            handles = [safe_open(str(shard), framework="pt") for shard in shards]
+            return [(key, h) for h in handles for key in h.keys()]
+        except Exception as exc:
+            raise ModelLoadError(f"{files.name}: corrupt safetensors file "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    shards = _shards(files, "pytorch_model.bin", "pytorch_model*.bin")
+    if not shards:
+        raise ModelLoadError(f"{files.name}: no .safetensors (or pytorch_model.bin) weights in {files.path}")
+    names = []
+    for shard in shards:
+        try:
+            state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ModelLoadError(f"{files.name}: unreadable {shard.name} "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ModelLoadError(f"{files.name}: {shard.name} is not a state dict of tensors")
+        handle = _StateHandle(state)
+        names += [(key, handle) for key in state]
+    return names
+
+
+class _StateHandle:
+    """A loaded ``.bin`` state dict behind safetensors' ``get_tensor``."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.state[key]
+
+
+def _shards(files: ModelFiles, single: str, pattern: str) -> list[Path]:
+    """The weight files of one format: those its index names, else ``single``, else
+    every file matching ``pattern``."""
+    index = files.path / f"{single}.index.json"
+    if index.is_file():  # follow the index: some repos also ship other layouts
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError) as exc:
-            raise ModelLoadError(f"{files.name}: corrupt model.safetensors.index.json ({exc})") from None
+            raise ModelLoadError(f"{files.name}: corrupt {index.name} ({exc})") from None
         shards = [files.path / name for name in names]
         missing = [s.name for s in shards if not s.is_file()]
         if missing:
             raise ModelLoadError(f"{files.name}: weight shard {missing[0]} named by the index is missing")
-    elif (files.path / "model.safetensors").is_file():
-        shards = [files.path / "model.safetensors"]
-    else:
-        shards = sorted(files.path.glob("*.safetensors"))
-    if not shards:
-        raise ModelLoadError(f"{files.name}: no .safetensors weights in {files.path}")
-    try:
-        handles = [safe_open(str(shard), framework="pt") for shard in shards]
-        names = [(h, key) for h in handles for key in h.keys()]
-    except Exception as exc:
-        raise ModelLoadError(f"{files.name}: corrupt safetensors file "
-                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    handle_of = {key: handle for handle, key in names}
+        return shards
+    if (files.path / single).is_file():
+        return [files.path / single]
+    return sorted(files.path.glob(pattern))
+
+
+def _iter_checkpoint(files: ModelFiles):
+    names = _checkpoint_handles(files)
+    handle_of = {key: handle for key, handle in names}
 
     def read(key: str) -> torch.Tensor:
         try:
@@ -369,7 +427,7 @@ def _iter_checkpoint(files: ModelFiles):
             raise ModelLoadError(f"{files.name}: corrupt tensor {key!r} "
                                  f"({type(exc).__name__})") from None
 
-    yield from dequantized_int8([key for _, key in names], read, files.name,
+    yield from dequantized_int8([key for key, _ in names], read, files.name,
                                 lambda keys: tqdm(keys, desc=f"Loading {files.name}", unit="tensor",
                                                   leave=False, disable=None))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_models import LLM32, make_eagle_head
 
 from specserve import SamplingParams
@@ -337,3 +338,103 @@ def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_mod
         assert f.get_tensor("fc.weight")[:, hidden:].float().abs().max() > 1e-4
         assert all(torch.equal(f.get_tensor(name), g.get_tensor(name)) for name in g.keys())
     assert "`fc` at 1e+10× that" in (tmp_path / "head2" / "MODEL_CARD.md").read_text()
+
+
+# ---------------------------------------------------------------------------- published EAGLE-1/2 heads
+def make_eagle1_head(target_dir, path: Path, num_layers: int = 1, fc_bias: bool = True, seed: int = 0):
+    """A head in the layout the EAGLE repository saves (eagle/model/cnets.py: ``fc`` over
+    [embedding; feature], ``layers.N.*`` with no ``model.`` prefix, no input norm in layer 0,
+    no final norm, a copy of the target's ``embed_tokens``), as ``pytorch_model.bin`` beside
+    a Llama config. Returns (path, its state dict)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = num_layers
+    config.save_pretrained(path)
+    target = load_file(Path(target_dir) / "model.safetensors")
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * 16, config.num_key_value_heads * 16
+    g = torch.Generator().manual_seed(seed)
+    state = {"fc.weight": torch.randn(h, 2 * h, generator=g) * 0.08, "embed_tokens.weight": target["model.embed_tokens.weight"]}
+    if fc_bias:
+        state["fc.bias"] = torch.randn(h, generator=g) * 0.05
+    for i in range(num_layers):
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                  "mlp.down_proj": (h, inter)}
+        for name, shape in shapes.items():
+            state[f"layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) * 0.08
+        norms = ["post_attention_layernorm"] + (["input_layernorm"] if i else [])
+        for name in norms:
+            state[f"layers.{i}.{name}.weight"] = 1 + torch.randn(h, generator=g) * 0.1
+    torch.save(state, path / "pytorch_model.bin")
+    return str(path), state
+
+
+def eagle1_drafts(target, config, state, tokens: list[int], start: int, k: int) -> list[int]:
+    """The head's k greedy drafts after ``tokens[:start + 1]``, straight from the EAGLE-1
+    definition (a whole forward per draft, no cache): entry j is fc([embed(x_{j+1}); f_j]),
+    f_j the target's final hidden state where it computed one, else the head's own output."""
+    from transformers import LlamaModel
+
+    ref = LlamaModel(config).eval()
+    missing, unexpected = ref.load_state_dict({k: v for k, v in state.items() if k.startswith("layers.")},
+                                              strict=False)
+    assert not unexpected and set(missing) == {"embed_tokens.weight", "norm.weight", "layers.0.input_layernorm.weight"}
+    ref.layers[0].input_layernorm, ref.norm = torch.nn.Identity(), torch.nn.Identity()
+    ids = torch.tensor([tokens[:start + 1]])
+    with torch.no_grad():
+        features = target.model(input_ids=ids[:, :start]).last_hidden_state
+        fed, drafts = ids[:, 1:], []
+        for _ in range(k):
+            x = torch.cat([target.model.embed_tokens(fed), features], dim=-1) @ state["fc.weight"].T
+            out = ref(inputs_embeds=x + state.get("fc.bias", 0)).last_hidden_state[:, -1]
+            drafts.append(target.lm_head(out).argmax().item())
+            fed, features = torch.cat([fed, torch.tensor([[drafts[-1]]])], 1), torch.cat([features, out[:, None]], 1)
+    return drafts
+
+
+@pytest.mark.parametrize("num_layers, fc_bias", [(1, True), (2, False)])
+def test_a_published_eagle1_head_drafts_what_its_definition_predicts(num_layers, fc_bias, tiny_model_dir, tmp_path):
+    """Loaded from ``pytorch_model.bin`` in EAGLE's own layout: the engine's first proposals
+    equal an independent whole-sequence forward of the head, and decoding stays lossless."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir = tiny_model_dir("llama")
+    head_dir, state = make_eagle1_head(target_dir, tmp_path, num_layers, fc_bias)
+    llm = eagle_llm(target_dir, head_dir, k=4, max_num_batched_tokens=64)
+    drafter = llm.engine.speculator.drafter
+    assert "published EAGLE-1/2 layout" in drafter.describe() and (drafter.model.fc.bias is not None) == fc_bias
+    proposals, propose = [], drafter.propose
+
+    def spy(scheduled, requests):
+        out = propose(scheduled, requests)
+        if out.draft_ids is not None:
+            proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
+                              out.draft_ids.tolist()))
+        return out
+
+    drafter.propose = spy
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    config = drafter.model.config
+    for prompt in PROMPTS[:3]:
+        proposals.clear()
+        got = llm.generate([prompt], greedy(4, max_tokens=8), use_tqdm=False)[0]
+        start, tokens, drafts = proposals[0]
+        assert start == len(prompt) and drafts == eagle1_drafts(target, config, state, tokens, start, 4)
+        assert got.token_ids == LLM32(str(target_dir), **SMALL).generate([prompt], greedy(max_tokens=8),
+                                                                          use_tqdm=False)[0].token_ids
+
+
+def test_a_published_head_is_refused_when_not_its_targets_or_not_run(tiny_model_dir, tmp_path):
+    target_dir = tiny_model_dir("llama")
+    head_dir, state = make_eagle1_head(target_dir, tmp_path / "other")
+    state["embed_tokens.weight"] = state["embed_tokens.weight"] + 1  # trained for another model
+    torch.save(state, Path(head_dir) / "pytorch_model.bin")
+    with pytest.raises(SpecserveError, match="'model.embed_tokens.weight' differs from the target's"):
+        eagle_llm(target_dir, head_dir)
+    for extra, name in (({"midlayer.fc.weight": torch.zeros(1), "d2t": torch.zeros(1)}, "an EAGLE-3 head"),
+                        ({"medusa_head.0.0.linear.weight": torch.zeros(1)}, "Medusa heads")):
+        torch.save({**state, **extra}, Path(head_dir) / "pytorch_model.bin")
+        with pytest.raises(SpecserveError, match=f"{name} .*not supported yet"):
+            eagle_llm(target_dir, head_dir)

@@ -278,6 +278,11 @@ class LlamaForCausalLM(nn.Module):
     RENAMED_UNDER = "block_sparse_moe"
     RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's checkpoints write it (a layout that
+        names tensors otherwise maps them here)."""
+        return name
+
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
         """Row range of shard ``shard`` inside merged parameter ``param_name`` (this
         rank's rows: the checkpoint tensor is cut to them by ``layout.shard``)."""
