@@ -344,10 +344,13 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
 
 def _check_shared(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     """A checkpoint that stores its own copy of a module it takes from its target (an
-    EAGLE-1 head's ``embed_tokens``) must hold the target's values: else it was trained
-    for another model."""
-    if tuple(param.shape) != tuple(tensor.shape) or not torch.equal(
-            param.detach().cpu(), tensor.to(param.dtype)):
+    EAGLE-1 head's ``embed_tokens``: the head runs with the target's, as EAGLE does) must
+    hold the target's values, up to the rounding of whichever dtype either is held in
+    (a head saved in fp16 beside a bf16 target): else it was trained for another model."""
+    param = param.detach()
+    tensor = tensor.to(param.device)
+    if tuple(param.shape) != tuple(tensor.shape) or not (
+            torch.equal(param.to(tensor.dtype), tensor) or torch.equal(param, tensor.to(param.dtype))):
         raise ModelLoadError(f"tensor {name!r} differs from the target's, whose module this draft "
                              "shares: it was trained for another model")
 
@@ -376,7 +379,10 @@ def _checkpoint_handles(files: ModelFiles) -> list[tuple[str, object]]:
     names = []
     for shard in shards:
         try:
-            state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file saved in torch's legacy format cannot be memory-mapped
+                state = torch.load(shard, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise ModelLoadError(f"{files.name}: unreadable {shard.name} "
                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None

@@ -438,3 +438,12 @@ def test_a_published_head_is_refused_when_not_its_targets_or_not_run(tiny_model_
         torch.save({**state, **extra}, Path(head_dir) / "pytorch_model.bin")
         with pytest.raises(SpecserveError, match=f"{name} .*not supported yet"):
             eagle_llm(target_dir, head_dir)
+
+
+def test_a_published_heads_embeddings_may_be_stored_in_another_dtype(tiny_model_dir, tmp_path):
+    """A head saved in fp16 beside a float32 target holds the target's embeddings rounded to
+    fp16: that is the target's, and it loads."""
+    target_dir = tiny_model_dir("llama")
+    head_dir, state = make_eagle1_head(target_dir, tmp_path)
+    torch.save({k: v.half() for k, v in state.items()}, Path(head_dir) / "pytorch_model.bin")
+    assert "EAGLE-1/2" in eagle_llm(target_dir, head_dir).engine.speculator.drafter.describe()
