@@ -40,17 +40,22 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 // out = round(weight · round(x / rms(x))), x already in fp32 (``row``); as transformers:
-// normalise in fp32, cast back to the model's dtype, then scale.
-template <typename T>
+// normalise in fp32, cast back to the model's dtype, then scale. ``Gemma``: Gemma's norm,
+// round((1 + weight) · x / rms(x)), all in fp32, rounded once.
+template <typename T, bool Gemma>
 inline void normalize_row(const float* row, const T* weight, T* out, int64_t hidden, double eps) {
   float sum = 0.f;
   for (int64_t i = 0; i < hidden; ++i) sum += row[i] * row[i];
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
-  for (int64_t i = 0; i < hidden; ++i)
-    out[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(row[i] * inv));
+  for (int64_t i = 0; i < hidden; ++i) {
+    if constexpr (Gemma)
+      out[i] = static_cast<T>(row[i] * inv * (1.f + static_cast<float>(weight[i])));
+    else
+      out[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(row[i] * inv));
+  }
 }
 
-template <typename T>
+template <typename T, bool Gemma>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps) {
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
   const T* xp = x.data_ptr<T>();
@@ -60,12 +65,12 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
     std::vector<float> row(hidden);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(xp[r * hidden + i]);
-      normalize_row<T>(row.data(), wp, op + r * hidden, hidden, eps);
+      normalize_row<T, Gemma>(row.data(), wp, op + r * hidden, hidden, eps);
     }
   });
 }
 
-template <typename T>
+template <typename T, bool Gemma>
 void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                        at::Tensor& out, at::Tensor& sum_out, double eps) {
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
@@ -84,35 +89,39 @@ void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at
         sp[r * hidden + i] = s;
         row[i] = static_cast<float>(s);
       }
-      normalize_row<T>(row.data(), wp, op + r * hidden, hidden, eps);
+      normalize_row<T, Gemma>(row.data(), wp, op + r * hidden, hidden, eps);
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+template <bool Gemma>
+at::Tensor norm_op(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   check_rows(x_in, weight);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
-                                  [&] { rms_norm_rows<scalar_t>(x, weight, out, eps); });
+                                  [&] { rms_norm_rows<scalar_t, Gemma>(x, weight, out, eps); });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& residual_in,
-                                                const at::Tensor& weight, double eps) {
+template <bool Gemma>
+std::tuple<at::Tensor, at::Tensor> add_norm_op(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                               const at::Tensor& weight, double eps) {
   check_rows(x_in, weight);
   TORCH_CHECK(x_in.sizes() == residual_in.sizes() && x_in.scalar_type() == residual_in.scalar_type(),
               "x and residual must have the same shape and dtype");
   const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous();
   at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm",
-                                  [&] { add_rms_norm_rows<scalar_t>(x, residual, weight, out, sum, eps); });
+                                  [&] { add_rms_norm_rows<scalar_t, Gemma>(x, residual, weight, out, sum, eps); });
   return {out, sum};
 }
 
-// silu(gate) · up of the merged projection [rows, 2 · inter]: silu rounded to the dtype,
-// then the product (as F.silu(gate) * up).
-at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
+// act(gate) · up of the merged projection [rows, 2 · inter]: the activation rounded to
+// the dtype, then the product (as F.silu(gate) * up). ``GeluTanh``: GeGLU's
+// 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))) (F.gelu(approximate="tanh")) for silu.
+template <bool GeluTanh>
+at::Tensor act_and_mul(const at::Tensor& gate_up_in) {
   TORCH_CHECK(gate_up_in.device().is_cpu() && gate_up_in.dim() == 2 && gate_up_in.size(1) % 2 == 0,
               "gate_up must be a [rows, 2 * intermediate] CPU tensor");
   const at::Tensor gate_up = gate_up_in.contiguous();
@@ -127,8 +136,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
         const scalar_t* u = g + inter;
         for (int64_t i = 0; i < inter; ++i) {
           const float gv = static_cast<float>(g[i]);
-          const float silu = round_to<scalar_t>(gv / (1.f + std::exp(-gv)));
-          op[r * inter + i] = static_cast<scalar_t>(silu * static_cast<float>(u[i]));
+          float act;
+          if constexpr (GeluTanh)
+            act = 0.5f * gv * (1.f + std::tanh(0.7978845608028654f * (gv + 0.044715f * gv * gv * gv)));
+          else
+            act = gv / (1.f + std::exp(-gv));
+          op[r * inter + i] = static_cast<scalar_t>(round_to<scalar_t>(act) * static_cast<float>(u[i]));
         }
       }
     });
@@ -455,6 +468,9 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("gemma_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_store_kv(Tensor qk, Tensor value, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("paged_attention_short(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -462,9 +478,12 @@ TORCH_LIBRARY(specserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
-  m.impl("rms_norm", rms_norm);
-  m.impl("add_rms_norm", add_rms_norm);
-  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("rms_norm", norm_op<false>);
+  m.impl("add_rms_norm", add_norm_op<false>);
+  m.impl("silu_and_mul", act_and_mul<false>);
+  m.impl("gemma_rms_norm", norm_op<true>);
+  m.impl("gemma_add_rms_norm", add_norm_op<true>);
+  m.impl("gelu_tanh_and_mul", act_and_mul<true>);
   m.impl("rotary_store_kv", rotary_store_kv);
   m.impl("paged_attention_short", paged_attention_short);
 }

@@ -1,6 +1,6 @@
 """C++ kernels for the CPU path: the decoder layer's glue (RMSNorm with the residual add,
-SiLU·mul, rotary + KV store) and paged attention for decode rows and verify spans, one op
-each (source: ``cpu_ops.cpp``).
+Gemma's norm, SiLU·mul and GeGLU, rotary + KV store) and paged attention for decode rows
+and verify spans, one op each (source: ``cpu_ops.cpp``).
 
 On a CPU a small model's decode step spends about as long outside its projections as in
 them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
@@ -60,6 +60,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.specserve_cpu.silu_and_mul(gate_up)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.specserve_cpu.gemma_rms_norm(x, weight, eps)
+
+
+def gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.specserve_cpu.gemma_add_rms_norm(x, residual, weight, eps)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch.ops.specserve_cpu.gelu_tanh_and_mul(gate_up)
 
 
 def rotary_store_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

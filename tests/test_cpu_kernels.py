@@ -62,9 +62,27 @@ def test_norms_match_reference(dtype, tokens):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_silu_and_mul_matches_reference(dtype):
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_gemma_norms_match_reference(dtype, tokens):
+    """Gemma's (1 + weight) norm, in fp32 and rounded once; weights near 0, as Gemma's are.
+    Within one bf16 step: rounded once from fp32, a last-bit difference from torch's fp32
+    rsqrt can round the other way."""
+    x, res = randn(tokens, 640, dtype=dtype, seed=1), randn(tokens, 640, dtype=dtype, seed=2)
+    weight = (randn(640, seed=3) * 0.1).to(dtype)
+    exact = False
+    assert_matches(cpu_ops.gemma_rms_norm(x, weight, 1e-6), reference.gemma_rms_norm(x, weight, 1e-6), exact)
+    normed, summed = cpu_ops.gemma_add_rms_norm(x, res, weight, 1e-6)
+    want_normed, want_summed = reference.gemma_add_rms_norm(x, res, weight, 1e-6)
+    assert torch.equal(summed, want_summed)
+    assert_matches(normed, want_normed, exact)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_and_mul_matches_reference(dtype, act):
     gate_up = randn(7, 2 * 1536, dtype=dtype, seed=5, scale=3.0)
-    assert_matches(cpu_ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), exact=True)
+    op, ref = getattr(cpu_ops, f"{act}_and_mul"), getattr(reference, f"{act}_and_mul")
+    assert_matches(op(gate_up), ref(gate_up), exact=act == "silu")
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

@@ -62,6 +62,9 @@ class CpuLayerOps(TorchLayerOps):
         self.rms_norm = cpu_ops.rms_norm
         self.add_rms_norm = cpu_ops.add_rms_norm
         self.silu_and_mul = cpu_ops.silu_and_mul
+        self.gemma_rms_norm = cpu_ops.gemma_rms_norm
+        self.gemma_add_rms_norm = cpu_ops.gemma_add_rms_norm
+        self.gelu_tanh_and_mul = cpu_ops.gelu_tanh_and_mul
         self._rotary_store_kv = cpu_ops.rotary_store_kv
 
     def rotary_store_kv(self, qk, value, tables, kv_cache, batch):
