@@ -10,6 +10,7 @@ from tiny_models import LLM32
 import torch
 from safetensors.torch import load_file, save_file
 
+from specserve import SamplingParams
 from specserve.errors import ModelLoadError
 from specserve import loader
 
@@ -180,3 +181,24 @@ def test_int8_rows_load_whichever_comes_first_the_weight_or_its_scale():
     got = loader.dequantize_int8_state(state, "test")
     assert list(got) == ["a.weight", "b.weight"]
     torch.testing.assert_close(got["a.weight"], values.float() * scale[:, None])
+
+
+def test_pytorch_bin_weights_load_like_safetensors(tmp_path, tiny_model_dir):
+    """A checkpoint as ``pytorch_model.bin`` shards with their index (read weights_only)
+    gives the same model as its safetensors."""
+    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for shard, keys in shards.items():
+        torch.save({k: tensors[k] for k in keys}, model / shard)
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    prompt = [[5, 9, 11, 40, 2, 7]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM32(str(tiny_model_dir("llama"))).generate(prompt, params, use_tqdm=False)[0].token_ids
+    assert LLM32(str(model)).generate(prompt, params, use_tqdm=False)[0].token_ids == want
+    (model / next(iter(shards))).write_bytes(b"not a pickle")
+    with pytest.raises(ModelLoadError, match="unreadable pytorch_model-00001-of-00002.bin"):
+        LLM32(str(model))
