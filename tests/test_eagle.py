@@ -98,17 +98,7 @@ def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, inpu
     k = 4
     llm = eagle_llm(target_dir, head_dir, k=k, max_num_batched_tokens=64)
     drafter = llm.engine.speculator.drafter
-    proposals = []
-    propose = drafter.propose
-
-    def spy(scheduled, requests):
-        out = propose(scheduled, requests)
-        if out.draft_ids is not None:
-            proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
-                              out.draft_ids.tolist()))
-        return out
-
-    drafter.propose = spy
+    proposals = record_proposals(drafter)
     for prompt in PROMPTS[:3]:
         proposals.clear()
         llm.generate([prompt], greedy(k, max_tokens=8), use_tqdm=False)
@@ -120,6 +110,22 @@ def test_the_engine_drafts_what_the_training_head_predicts(variant, layers, inpu
             outs = head(ids, features, k)
             predicted = [target.lm_head(outs[t][0, start - 1 + t]).argmax().item() for t in range(k)]
         assert predicted == drafts
+
+
+def record_proposals(drafter) -> list[tuple[int, list[int], list[int]]]:
+    """Spy on ``drafter.propose``: the list it returns gets (start position, the request's
+    tokens, its proposals) of the first request of each step that drafted."""
+    proposals, propose = [], drafter.propose
+
+    def spy(scheduled, requests):
+        out = propose(scheduled, requests)
+        if out.draft_ids is not None:
+            proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
+                              out.draft_ids.tolist()))
+        return out
+
+    drafter.propose = spy
+    return proposals
 
 
 def llm_config_input_norms(head_dir) -> bool:
@@ -355,7 +361,8 @@ def make_eagle1_head(target_dir, path: Path, num_layers: int = 1, fc_bias: bool 
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * 16, config.num_key_value_heads * 16
     g = torch.Generator().manual_seed(seed)
-    state = {"fc.weight": torch.randn(h, 2 * h, generator=g) * 0.08, "embed_tokens.weight": target["model.embed_tokens.weight"]}
+    state = {"fc.weight": torch.randn(h, 2 * h, generator=g) * 0.08,
+             "embed_tokens.weight": target["model.embed_tokens.weight"]}
     if fc_bias:
         state["fc.bias"] = torch.randn(h, generator=g) * 0.05
     for i in range(num_layers):
@@ -405,16 +412,7 @@ def test_a_published_eagle1_head_drafts_what_its_definition_predicts(num_layers,
     llm = eagle_llm(target_dir, head_dir, k=4, max_num_batched_tokens=64)
     drafter = llm.engine.speculator.drafter
     assert "published EAGLE-1/2 layout" in drafter.describe() and (drafter.model.fc.bias is not None) == fc_bias
-    proposals, propose = [], drafter.propose
-
-    def spy(scheduled, requests):
-        out = propose(scheduled, requests)
-        if out.draft_ids is not None:
-            proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
-                              out.draft_ids.tolist()))
-        return out
-
-    drafter.propose = spy
+    proposals = record_proposals(drafter)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     config = drafter.model.config
     for prompt in PROMPTS[:3]:

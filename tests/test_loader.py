@@ -20,6 +20,15 @@ def copy_model(src, dst):
     return dst
 
 
+def edited_checkpoint(tiny_model_dir, path, edit):
+    """The tiny llama's checkpoint copied to ``path`` with ``edit(tensors)`` applied."""
+    model = copy_model(tiny_model_dir("llama"), path)
+    tensors = load_file(model / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, model / "model.safetensors")
+    return model
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="no such file or directory"):
         LLM32(str(tmp_path / "nope"))
@@ -54,19 +63,14 @@ def test_corrupt_safetensors(tmp_path, tiny_model_dir):
 
 
 def test_missing_tensor(tmp_path, tiny_model_dir):
-    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
-    tensors = load_file(model / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_proj.weight"]
-    save_file(tensors, model / "model.safetensors")
+    model = edited_checkpoint(tiny_model_dir, tmp_path / "m",
+                              lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(ModelLoadError, match="lacks 1 tensors.*qkv_proj"):
         LLM32(str(model))
 
 
 def test_wrong_shape(tmp_path, tiny_model_dir):
-    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.norm.weight"] = torch.ones(3)
-    save_file(tensors, model / "model.safetensors")
+    model = edited_checkpoint(tiny_model_dir, tmp_path / "m", lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(ModelLoadError, match="model.norm.weight.*shape"):
         LLM32(str(model))
 
@@ -146,30 +150,24 @@ def fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_fp8_weights_without_a_config_are_refused_not_cast(tmp_path, tiny_model_dir):
     """The defect: FP8 values with their scales, and no quantization_config, were cast to
     the model's dtype with the scales dropped (weights 448 where they should be 0.3)."""
-    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
-    tensors = load_file(model / "model.safetensors")
     name = "model.layers.0.self_attn.q_proj.weight"
-    tensors[name], tensors[name + "_scale"] = fp8_per_channel(tensors[name])
-    save_file(tensors, model / "model.safetensors")
+    model = edited_checkpoint(tiny_model_dir, tmp_path / "m", lambda t: t.update(
+        zip((name, name + "_scale"), fp8_per_channel(t[name]))))
     with pytest.raises(ModelLoadError, match=f"tensor '{name}' is float8_e4m3fn, a quantized layout"):
         LLM32(str(model))
 
 
 def test_packed_int4_weights_are_refused_by_dtype(tmp_path, tiny_model_dir):
     """AWQ/GPTQ's packed layout (int32 ``qweight``) without its config: named, not 'unexpected'."""
-    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.layers.0.mlp.down_proj.qweight"] = torch.zeros(16, 64, dtype=torch.int32)
-    save_file(tensors, model / "model.safetensors")
+    model = edited_checkpoint(tiny_model_dir, tmp_path / "m", lambda t: t.update(
+        {"model.layers.0.mlp.down_proj.qweight": torch.zeros(16, 64, dtype=torch.int32)}))
     with pytest.raises(ModelLoadError, match="'model.layers.0.mlp.down_proj.qweight' is int32, a quantized layout"):
         LLM32(str(model))
 
 
 def test_a_scale_beside_a_float_weight_is_never_dropped(tmp_path, tiny_model_dir):
-    model = copy_model(tiny_model_dir("llama"), tmp_path / "m")
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.layers.0.self_attn.o_proj.weight_scale"] = torch.ones(64)
-    save_file(tensors, model / "model.safetensors")
+    model = edited_checkpoint(tiny_model_dir, tmp_path / "m", lambda t: t.update(
+        {"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(64)}))
     with pytest.raises(ModelLoadError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.weight_scale'"):
         LLM32(str(model))
 
