@@ -1,6 +1,7 @@
 """C++ kernels for the CPU path: the decoder layer's glue (RMSNorm with the residual add,
 Gemma's norm, SiLU·mul and GeGLU, rotary + KV store) and paged attention for decode rows
-and verify spans, one op each (source: ``cpu_ops.cpp``).
+and verify spans, one op each (source: ``cpu_ops.cpp``); and batch-invariant linear
+layers for the deterministic mode (``cpu_gemm.cpp``).
 
 On a CPU a small model's decode step spends about as long outside its projections as in
 them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
@@ -21,7 +22,7 @@ import torch
 
 logger = logging.getLogger("specserve")
 
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_SOURCES = [Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("cpu_gemm.cpp")]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).
@@ -38,8 +39,12 @@ def available() -> bool:
         from torch.utils import cpp_extension  # lazy: it imports setuptools, only to build
 
         capability = torch.backends.cpu.get_cpu_capability()  # what this CPU runs, e.g. AVX512
-        cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(_SOURCE)],
-                           extra_cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
+        flags = list(_VECTOR_FLAGS.get(capability, []))
+        if capability == "AVX512" and _avx512_bf16():
+            flags.append("-mavx512bf16")  # cpu_gemm.cpp's vdpbf16ps
+            capability += "_bf16"
+        cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(s) for s in _SOURCES],
+                           extra_cflags=["-O3", "-fopenmp", *flags],
                            extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
         return hasattr(torch.ops.specserve_cpu, "add_rms_norm")
@@ -47,6 +52,22 @@ def available() -> bool:
         logger.warning("CPU kernels unavailable, using the torch ops (slower): %s",
                        str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
         return False
+
+
+def _avx512_bf16() -> bool:
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (bf16 or fp32) in ``linear_invariant``'s blocked layout."""
+    return torch.ops.specserve_cpu.pack_linear_weight(weight)
+
+
+def linear_invariant(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    """``x · Wᵀ + bias`` with each output element summed in one fixed order whatever the
+    number of rows (``cpu_gemm.cpp``): a row's result does not depend on its batch."""
+    return torch.ops.specserve_cpu.linear_invariant(x, packed, bias, out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,6 +35,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
 _MAX_SPLITS = 32
+DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -83,7 +84,7 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, USE_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_TOKENS: tl.constexpr, USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
@@ -118,9 +119,14 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         kv_lo = tl.maximum(kv_len - q_len + q_first - window + 1, 0)
     kv_lo = kv_lo // BLOCK_N * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, BLOCK_N), num_splits) * BLOCK_N
-    start = kv_lo + split * chunk
-    end = tl.minimum(start + chunk, kv_hi)
+    if SPLIT_TOKENS > 0:  # splits at absolute multiples of SPLIT_TOKENS, whatever the batch
+        chunk_lo = (kv_lo // SPLIT_TOKENS + split) * SPLIT_TOKENS
+        start = tl.maximum(chunk_lo, kv_lo)
+        end = tl.minimum(chunk_lo + SPLIT_TOKENS, kv_hi)
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, BLOCK_N), num_splits) * BLOCK_N
+        start = kv_lo + split * chunk
+        end = tl.minimum(start + chunk, kv_hi)
 
     # m starts finite so fully masked rows and empty splits give exp2(-inf) = 0, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -171,21 +177,25 @@ def _reduce_splits_kernel(
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s)."""
+    """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
+    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(cu_query_lens_ptr + num_reqs):  # padding row past every request
         return
     s = tl.arange(0, BLOCK_S)
-    s_valid = s < num_splits
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + s, mask=s_valid,
-                  other=float("-inf"))                          # [BLOCK_S]
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    part = part_out_ptr + token * stride_pt + head * stride_ph + s * stride_ps
-    parts = tl.load(part[:, None] + d[None, :], mask=s_valid[:, None] & (d < HEAD_DIM)[None, :],
-                    other=0.0)                                  # [BLOCK_S, BLOCK_D]
-    result = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+    d_valid = d < HEAD_DIM
+    lse_row = part_lse_ptr + token * stride_lt + head * stride_lh
+    top = tl.max(tl.load(lse_row + s, mask=s < num_splits, other=float("-inf")), 0)
+    part = part_out_ptr + token * stride_pt + head * stride_ph
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    for split in range(num_splits):
+        weight = tl.exp2(tl.load(lse_row + split) - top)
+        acc += weight * tl.load(part + split * stride_ps + d, mask=d_valid, other=0.0)
+        total += weight
+    result = acc / total
     out = out_ptr + token * stride_ot + head * stride_oh + d
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -202,16 +212,29 @@ class LaunchPlan:
     num_splits: int    # grid axis 2
     num_warps: int
     num_stages: int
+    split_tokens: int = 0  # > 0: splits at fixed multiples of this many tokens (deterministic)
 
 
 def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_query_len: int,
-                max_seq_len: int, num_splits: int | None = None) -> LaunchPlan:
+                max_seq_len: int, num_splits: int | None = None, deterministic: bool = False) -> LaunchPlan:
     """Tile sizes from the group size and the longest query span; the number of KV splits
     so that about two programs per SM run, never fewer than _MIN_SPLIT_TOKENS keys a split.
-    Only shapes are read from ``query`` / ``k_cache``. ``num_splits`` forces the count."""
+    Only shapes are read from ``query`` / ``k_cache``. ``num_splits`` forces the count.
+
+    ``deterministic``: the same tiles for every batch, and KV splits at fixed multiples of
+    DETERMINISTIC_SPLIT_TOKENS, so a row's keys are summed in the same chunks and order
+    whether it decodes, verifies or prefills, alone or beside others (programs and splits
+    a row does not reach add exact zeros)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    wide = head_dim > 128 or query.element_size() > 2  # keep K/V stages within shared memory
+    if deterministic:
+        block_m = max(64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        return LaunchPlan(block_q, block_m, 32 if wide else 64, num_tokens // block_q + num_reqs,
+                          triton.cdiv(max(max_seq_len, 1), DETERMINISTIC_SPLIT_TOKENS), num_warps=4,
+                          num_stages=2, split_tokens=DETERMINISTIC_SPLIT_TOKENS)
     # Decode: one token per tile. Longer spans: up to 128 rows, so prefill tiles reuse each
     # K/V tile for many queries; decode rows in such a batch waste compute, not bandwidth.
     block_m = max(16, triton.next_power_of_2(max_query_len * group))
@@ -222,7 +245,6 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
         wanted = triton.cdiv(2 * _num_sms(query.device), num_tiles * num_kv_heads)
         by_length = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
         num_splits = max(1, min(wanted, by_length, _MAX_SPLITS))
-    wide = head_dim > 128 or query.element_size() > 2  # keep K/V stages within shared memory
     block_n = 32 if wide and block_m >= 64 else 64
     num_warps = 8 if block_m >= 128 else 4
     return LaunchPlan(block_q, block_m, block_n, num_tiles, num_splits, num_warps, num_stages=2)
@@ -277,7 +299,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, SPLIT_KV=split_kv, USE_WINDOW=sliding_window is not None,
+        BLOCK_N=plan.block_n, SPLIT_KV=split_kv, SPLIT_TOKENS=plan.split_tokens, USE_WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split_kv:

@@ -46,8 +46,10 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                   block_size: int, sliding_window: int | None, short_spans: bool = True) -> AttentionPlan:
-    """``short_spans=False``: plan only the long spans (another kernel does the short ones)."""
+                   block_size: int, sliding_window: int | None, short_spans: bool = True,
+                   long_spans: bool = True) -> AttentionPlan:
+    """``short_spans=False``: plan only the long spans (another kernel does the short ones);
+    ``long_spans=False``: none of them (another kernel does them all)."""
     device = block_tables.device
     starts = [0]
     for q_len in query_lens:
@@ -76,7 +78,7 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
         mask = None if bool(mask.all()) else mask
     spans = []
     for i, q_len in enumerate(query_lens):
-        if q_len > SHORT_SPAN:
+        if q_len > SHORT_SPAN and long_spans:
             span_slots = _slots(block_tables[i:i + 1], seq_lens[i], block_size)[0]
             span_mask = _mask(seq_lens[i] - q_len, q_len, seq_lens[i], sliding_window, device)
             spans.append((slice(starts[i], starts[i + 1]), span_slots, span_mask))

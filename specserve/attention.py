@@ -25,6 +25,9 @@ class AttentionBackend(Protocol):
     # Whether it needs the step's real host-side lengths (else upper bounds will do, as a
     # CUDA graph captured for the worst case gives it).
     exact_lengths: bool
+    # Batch-invariant numerics: a row's result does not depend on the rest of its step
+    # (the model's linears then run invariant kernels too; models/invariant.py).
+    deterministic: bool
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, batch: ForwardBatch) -> None: ...
@@ -43,11 +46,19 @@ class TorchAttentionBackend:
     name = "torch"
     exact_lengths = True
 
-    def __init__(self, cpu_kernels: bool = False) -> None:
+    def __init__(self, cpu_kernels: bool = False, deterministic: bool = False) -> None:
         self.cpu_kernels = cpu_kernels
+        self.deterministic = deterministic
+        if deterministic and not cpu_kernels:
+            raise SpecserveError("deterministic mode on a CPU needs the C++ CPU kernels, which did not "
+                                 "build here (see the warning above) or are switched off "
+                                 f"({cpu_ops.ENV_SWITCH}=0)")
         # The references attend decode rows and verify spans together, padded to the
-        # longest; the C++ kernel attends each span's own rows.
+        # longest; the C++ kernel attends each span's own rows. Deterministic: every span,
+        # prefill chunks too, goes to the C++ kernel, which sums a row's keys in position
+        # order whatever its span (SDPA's order depends on the chunk's shape).
         self.padded_span = 0 if cpu_kernels else reference.SHORT_SPAN
+        self.max_kernel_span = (1 << 30) if deterministic else reference.SHORT_SPAN
 
     def store_kv(self, key, value, k_cache, v_cache, batch):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
@@ -59,13 +70,14 @@ class TorchAttentionBackend:
         if plan is None:
             plan = reference.plan_attention(batch.block_tables, batch.query_lens_host,
                                             batch.seq_lens_host, k_cache.shape[1], sliding_window,
-                                            short_spans=not self.cpu_kernels)
+                                            short_spans=not self.cpu_kernels,
+                                            long_spans=not self.deterministic)
             batch.attn_plans[sliding_window] = plan
         out = None
         if self.cpu_kernels:
             out = torch.empty_like(query)
             cpu_ops.paged_attention_short(query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens,
-                                          batch.seq_lens, scale, sliding_window, reference.SHORT_SPAN, out,
+                                          batch.seq_lens, scale, sliding_window, self.max_kernel_span, out,
                                           softcap)
             if not plan.spans:
                 return out
@@ -83,7 +95,8 @@ class TritonAttentionBackend:
     padded_span = 0
     exact_lengths = False  # lengths only plan tiles and splits; the kernels read the real ones
 
-    def __init__(self) -> None:
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
         # lazy: triton, only for this backend; the kernels are compiled (or interpreted, under
         # TRITON_INTERPRET=1) as decided when their module is first imported.
         from specserve.kernels import paged_attention, store_kv
@@ -99,7 +112,8 @@ class TritonAttentionBackend:
         plan = batch.attn_plans.get(key)
         if plan is None:
             plan = self._attention.plan_launch(query, k_cache, len(batch.seq_lens_host),
-                                               max(batch.query_lens_host), max(batch.seq_lens_host))
+                                               max(batch.query_lens_host), max(batch.seq_lens_host),
+                                               deterministic=self.deterministic)
             batch.attn_plans[key] = plan
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
@@ -109,9 +123,10 @@ class TritonAttentionBackend:
 BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, deterministic: bool = False) -> AttentionBackend:
     """``auto``: Triton on CUDA (when triton is installed), the torch reference elsewhere
-    (on a CPU with the C++ layer kernels, where they build).
+    (on a CPU with the C++ layer kernels, where they build). ``deterministic``: batch-
+    invariant kernels (the C++ kernels on a CPU, Triton on CUDA).
     ``triton`` on a CPU device runs only under the Triton interpreter (TRITON_INTERPRET=1,
     set before the kernels are first imported) — slow, for tests."""
     if name not in BACKENDS:
@@ -120,8 +135,10 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" and _triton_installed() else "torch"
     if name == "torch":
         if device.type != "cpu":
+            if deterministic:
+                raise SpecserveError("deterministic mode on CUDA needs the triton attention backend")
             return TorchAttentionBackend()
-        return TorchAttentionBackend(cpu_kernels=cpu_ops.available())
+        return TorchAttentionBackend(cpu_kernels=cpu_ops.available(), deterministic=deterministic)
     if not _triton_installed():
         raise SpecserveError("attention backend 'triton' needs the triton package (pip install triton)")
     from specserve.kernels.paged_attention import interpreted  # lazy: triton, only for its backend
@@ -129,7 +146,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if device.type != "cuda" and not interpreted():
         raise SpecserveError(f"attention backend 'triton' needs a CUDA device, not {device.type}; "
                              "use 'torch', or run under the Triton interpreter (TRITON_INTERPRET=1)")
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(deterministic)
 
 
 def _triton_installed() -> bool:

@@ -71,6 +71,10 @@ class EngineConfig:
     # What reported log-probabilities are: the model's own distribution (raw_logprobs) or
     # the one sampled from, after penalties, bias, temperature and filters (processed_logprobs).
     logprobs_mode: str = "raw_logprobs"
+    # Batch-invariant kernels: a request's logits, and so its greedy tokens and logprobs, do
+    # not depend on the other requests in its steps, on chunked prefill or on speculation
+    # (draft length, drafter, acceptance), in bf16 as in float32.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size")
@@ -117,6 +121,8 @@ class EngineConfig:
             raise SpecserveError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise SpecserveError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.deterministic, bool):
+            raise SpecserveError(f"deterministic must be true or false, got {self.deterministic!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
@@ -140,6 +146,17 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise SpecserveError(
                 f"dtype must be 'auto' or one of {sorted(set(_DTYPES))}, got {self.dtype!r}")
+        if self.deterministic:
+            self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        if self.tensor_parallel_size > 2:
+            # Two ranks' partial sums add the same either way round (a + b = b + a); with
+            # more, the all-reduce's order follows its chunking, which follows the batch.
+            raise SpecserveError("deterministic mode supports tensor_parallel_size 1 or 2, got "
+                                 f"{self.tensor_parallel_size}")
+        if self.torch_device.type == "cpu" and self.torch_dtype == torch.float16:
+            raise SpecserveError("deterministic mode on a CPU runs bfloat16 or float32, not float16")
 
     @classmethod
     def field_names(cls) -> set[str]:

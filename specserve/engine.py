@@ -73,7 +73,7 @@ class LLMEngine:
         self.hf_config = load_hf_config(files)
         self.tokenizer = load_tokenizer(files, config.tokenizer)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
-        backend = get_backend(config.attention_backend, self.device)
+        backend = get_backend(config.attention_backend, self.device, config.deterministic)
         model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp)
         drafter = build_drafter(config, model, self.hf_config, self.tokenizer, self.device, self.dtype)
         self.max_model_len = self._max_model_len(drafter)

@@ -61,6 +61,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="what reported log-probabilities are: the model's own distribution "
                         "(raw_logprobs, default) or the one sampled from, after penalties, "
                         "logit_bias, temperature, top-k/top-p/min-p (processed_logprobs)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="batch-invariant kernels: each request's output (greedy tokens, logprobs) "
+                        "is the same whatever else runs beside it, with or without speculation, in "
+                        "bf16 too; costs some speed (default: off)")
     g.add_argument("-q", "--quiet", action="store_true", help="no start-up log or progress bars")
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,

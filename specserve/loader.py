@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from specserve.distributed import SINGLE
 from specserve.errors import ModelLoadError
 from specserve.models import ARCHITECTURES, LlamaForCausalLM
+from specserve.models.invariant import make_batch_invariant
 from specserve.models.packed_linear import bf16_packing_supported, pack_linears
 
 logger = logging.getLogger("specserve")
@@ -291,9 +292,10 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     model.shared_modules = tuple(shared_modules)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        if bf16_packing_supported():
-            pack_linears(model)
+    if getattr(backend, "deterministic", False):
+        make_batch_invariant(model)
+    elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
+        pack_linears(model)
     return model.eval()
 
 

@@ -54,7 +54,7 @@ def run_worker(config) -> None:
     hf_config = load_hf_config(files)
     dtype = config.torch_dtype
     model = build_model(files, hf_config, dtype, tp.device,
-                        get_backend(config.attention_backend, tp.device), tp=tp)
+                        get_backend(config.attention_backend, tp.device, config.deterministic), tp=tp)
     runner = ModelRunner(model, config, tp.device, dtype, tp=tp)
     logger.info("rank %d of %d: following rank 0", tp.rank, tp.size)
     freeze_heap()  # as rank 0's engine does: steps allocate, collections walk only what they make

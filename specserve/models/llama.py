@@ -31,7 +31,6 @@ from specserve.errors import ModelLoadError
 from specserve.models.layer_ops import LayerOps, layer_ops_for
 from specserve.models.mlp import MLP
 from specserve.models.moe import SparseMoE, is_sparse_layer
-from specserve.models.packed_linear import PackedLinear
 from specserve.models.parallel import ShardLayout, VocabParallelEmbedding
 from specserve.models.rotary import (Rotary, global_rope_config, head_dim_of, local_rope_config,  # noqa: F401
                                      rope_parameters, rotary_order)  # (head_dim_of, rope_parameters: re-exported)
@@ -240,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         as FR-Spec): its LM head becomes those rows of its own, and every other token gets
         logit -inf — probability 0 in q, never proposed, so verification stays exact. On a
         CPU the full LM head is most of a draft step's cost. Returns False (the full head
-        kept) where the head's weights cannot be read: an untied head prepacked for the CPU."""
+        kept) where the head's weights cannot be read: an untied head already repacked."""
         if isinstance(self.lm_head, nn.Linear):
             weight = self.lm_head.weight
         elif self.tie_word_embeddings:
@@ -251,7 +250,8 @@ class LlamaForCausalLM(nn.Module):
         head = nn.Linear(weight.shape[1], len(ids), bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             head.weight.copy_(weight.index_select(0, ids))
-        self.vocab_head = PackedLinear(head) if isinstance(self.lm_head, PackedLinear) else head
+        # The same kind of layer as the full head (prepacked, batch-invariant or plain).
+        self.vocab_head = head if isinstance(self.lm_head, nn.Linear) else type(self.lm_head)(head)
         self.vocab_ids = ids
         return True
 

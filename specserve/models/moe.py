@@ -60,6 +60,11 @@ class SparseMoE(nn.Module):
     def finish_loading(self) -> None:
         self.stack_experts()
 
+    def linears_replaced(self) -> None:
+        """The experts' linears became other layers (batch-invariant ones): the grouped
+        GEMMs, which read the stacked weights, give way to the experts' own layers."""
+        self.w13 = self.w2 = None
+
     def stack_experts(self) -> None:
         """On a GPU: the experts' gate/up and down weights as ``[E, 2I, H]`` and
         ``[E, H, I]`` tensors for the grouped GEMMs, each expert's own weights becoming
