@@ -49,15 +49,25 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
 
 
 @functools.cache
-def tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a weight ``[n, k]`` on ``device``: from the
-    weight's shape and the GPU only, never from the rows. Column tiles narrow until a
-    decode step's single row tile has about one program per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    block_n = 128
+def tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` on
+    ``device``: from the weight's shape and the GPU only, never from the rows. Column tiles
+    narrow until a decode step's single row tile has about one program per SM; narrow
+    tiles read deeper K tiles, so each program keeps enough bytes in flight (measured on an
+    H200 at Llama-3.1-8B's shapes), as far as the GPU's shared memory allows."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        sms = props.multi_processor_count
+        smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    else:  # the interpreter: small tiles, any memory
+        sms, smem = 4, 1 << 30
+    block_m, block_n, stages = 64, 128, 3
     while block_n > 16 and triton.cdiv(n, block_n) < sms:
         block_n //= 2
-    return 64, block_n, 64, 4
+    block_k = 256 if block_n <= 32 else 64
+    while block_k > 32 and (block_m + block_n) * block_k * 2 * stages > smem - 4096:
+        block_k //= 2
+    return block_m, block_n, block_k, 4, stages
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,12 +79,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        block_m, block_n, block_k, num_warps = tiles(n, k, weight.device)
+        block_m, block_n, block_k, num_warps, num_stages = tiles(n, k, weight.device)
         interpreted = x.device.type != "cuda"
         _matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             x2, weight, bias if bias is not None else weight, out, m, n, k,
             x2.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             UPCAST=interpreted and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32,
-            num_warps=num_warps, num_stages=3)
+            num_warps=num_warps, num_stages=num_stages)
     return out.view(*x.shape[:-1], n)
