@@ -30,8 +30,10 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // output columns per packed block
-constexpr int64_t kRows = 4;    // rows whose accumulators share registers
-constexpr int64_t kBlocks = 4;  // column blocks whose accumulators share registers
+// Rows × column blocks whose accumulators share registers: 4 × 4 for a few rows; 8 × 3
+// from 8 rows on, where each weight vector loaded then serves twice the rows (fewer L2
+// reads a multiply). Any tiling gives the same bits: it only groups the accumulators.
+constexpr int64_t kRows = 4, kBlocks = 4, kRowsMany = 8, kBlocksMany = 3;
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -115,27 +117,20 @@ inline void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t b
   std::memcpy(out, acc, sizeof(acc));
 }
 
-// Runs TILE<R, B>(args...) for the tile's real size (R, B <= 4), so every size has its
-// accumulators in registers.
-#define SPECSERVE_DISPATCH_TILE(rows, blocks, TILE, ...)                         \
-  switch ((rows) * 8 + (blocks)) {                                                \
-    case 1 * 8 + 1: TILE<1, 1>(__VA_ARGS__); break;                               \
-    case 1 * 8 + 2: TILE<1, 2>(__VA_ARGS__); break;                               \
-    case 1 * 8 + 3: TILE<1, 3>(__VA_ARGS__); break;                               \
-    case 1 * 8 + 4: TILE<1, 4>(__VA_ARGS__); break;                               \
-    case 2 * 8 + 1: TILE<2, 1>(__VA_ARGS__); break;                               \
-    case 2 * 8 + 2: TILE<2, 2>(__VA_ARGS__); break;                               \
-    case 2 * 8 + 3: TILE<2, 3>(__VA_ARGS__); break;                               \
-    case 2 * 8 + 4: TILE<2, 4>(__VA_ARGS__); break;                               \
-    case 3 * 8 + 1: TILE<3, 1>(__VA_ARGS__); break;                               \
-    case 3 * 8 + 2: TILE<3, 2>(__VA_ARGS__); break;                               \
-    case 3 * 8 + 3: TILE<3, 3>(__VA_ARGS__); break;                               \
-    case 3 * 8 + 4: TILE<3, 4>(__VA_ARGS__); break;                               \
-    case 4 * 8 + 1: TILE<4, 1>(__VA_ARGS__); break;                               \
-    case 4 * 8 + 2: TILE<4, 2>(__VA_ARGS__); break;                               \
-    case 4 * 8 + 3: TILE<4, 3>(__VA_ARGS__); break;                               \
-    case 4 * 8 + 4: TILE<4, 4>(__VA_ARGS__); break;                               \
-    default: TORCH_CHECK(false, "tile size out of range");                        \
+// Runs TILE<R, B>(args...) for the tile's real size (R <= 8, B <= 4), so every size has
+// its accumulators in registers.
+#define SPECSERVE_TILE_ROW(R, TILE, ...)                 \
+  case R * 8 + 1: TILE<R, 1>(__VA_ARGS__); break;       \
+  case R * 8 + 2: TILE<R, 2>(__VA_ARGS__); break;       \
+  case R * 8 + 3: TILE<R, 3>(__VA_ARGS__); break;       \
+  case R * 8 + 4: TILE<R, 4>(__VA_ARGS__); break;
+#define SPECSERVE_DISPATCH_TILE(rows, blocks, TILE, ...)                                      \
+  switch ((rows) * 8 + (blocks)) {                                                            \
+    SPECSERVE_TILE_ROW(1, TILE, __VA_ARGS__) SPECSERVE_TILE_ROW(2, TILE, __VA_ARGS__)         \
+    SPECSERVE_TILE_ROW(3, TILE, __VA_ARGS__) SPECSERVE_TILE_ROW(4, TILE, __VA_ARGS__)         \
+    SPECSERVE_TILE_ROW(5, TILE, __VA_ARGS__) SPECSERVE_TILE_ROW(6, TILE, __VA_ARGS__)         \
+    SPECSERVE_TILE_ROW(7, TILE, __VA_ARGS__) SPECSERVE_TILE_ROW(8, TILE, __VA_ARGS__)         \
+    default: TORCH_CHECK(false, "tile size out of range");                                    \
   }
 
 // Pack ``weight`` [N, K] (bf16 or fp32) into the blocked layout described above.
@@ -186,14 +181,16 @@ at::Tensor linear_invariant(const at::Tensor& x_in, const at::Tensor& packed,
     std::memcpy(bias.data(), b.data_ptr<float>(), out_features * sizeof(float));
   }
   if (m == 0) return out.view(shape);
-  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
+  const int64_t tile_rows = m >= kRowsMany ? kRowsMany : kRows;
+  const int64_t group_blocks = m >= kRowsMany ? kBlocksMany : kBlocks;
+  const int64_t groups = (blocks + group_blocks - 1) / group_blocks;
   // Threads split the columns only: every output element is made by one thread, whole.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    float tile[kRows * kBlocks * kLanes];
+    float tile[kRowsMany * kBlocks * kLanes];
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t b0 = g * kBlocks, nb = std::min(kBlocks, blocks - b0);
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const int64_t nr = std::min(kRows, m - r0);
+      const int64_t b0 = g * group_blocks, nb = std::min(group_blocks, blocks - b0);
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int64_t nr = std::min(tile_rows, m - r0);
         if (bf16) {
           const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r0 * k;
           const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()) +

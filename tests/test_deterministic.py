@@ -80,15 +80,19 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(dtype, shape):
     assert layer(x[:0]).shape == (0, n)
 
 
+@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
-    """Compiled on a GPU; under the Triton interpreter on a CPU."""
+def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype, split_k):
+    """Compiled on a GPU; under the Triton interpreter on a CPU. ``split_k``: a shape whose
+    few column tiles make the kernel cut K into fixed chunks."""
     pytest.importorskip("triton")
     from specserve.kernels import matmul
 
     device = torch.device("cuda" if ON_GPU else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
-    n, k = (4096, 1536) if ON_GPU else (40, 96)
+    n, k = {(True, False): (4096, 1536), (True, True): (4096, 4096),
+            (False, False): (40, 96), (False, True): (16, 2048)}[ON_GPU, split_k]
+    assert (matmul.tiles(n, k, device)[-1] < k) == split_k
     w = torch.randn(n, k, device=device, generator=g).to(dtype)
     b = torch.randn(n, device=device, generator=g).to(dtype)
     x = torch.randn(70, k, device=device, generator=g).to(dtype)
@@ -108,6 +112,9 @@ def test_a_request_gives_the_same_logprobs_alone_in_a_batch_and_chunked(wide_dir
     assert results(together.generate(batch, params(), use_tqdm=False)) == baseline
     chunked = LLM(wide_dir, max_num_batched_tokens=16, **BF16)  # prompts prefill in chunks beside decodes
     assert results(chunked.generate(batch, params(), use_tqdm=False)) == baseline
+    if ON_GPU:  # the baseline replayed CUDA graphs (padded batches); eager steps give the same
+        eager = LLM(wide_dir, max_num_batched_tokens=16, enforce_eager=True, **BF16)
+        assert results(eager.generate(batch, params(), use_tqdm=False)) == baseline
     # Prompt logprobs too: a prompt prefilled whole, or in chunks of 16 with others.
     want = LLM(wide_dir, max_num_batched_tokens=512, **BF16).generate(
         [batch[9]], params(4, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
@@ -132,7 +139,8 @@ def test_greedy_with_every_drafter_equals_speculation_off_bitwise(drafter, adapt
               **drafters[drafter], **BF16)
     assert results(llm.generate(prompts(), params(), use_tqdm=False)) == baseline
     engine = llm.engine
-    assert engine.spec_stats.num_drafts > 0 and (adaptive or engine.spec_stats.num_accepted_tokens > 0)
+    if not adaptive:  # adaptive: whatever k the controller picks from measured timings, even none
+        assert engine.spec_stats.num_accepted_tokens > 0
     assert engine.num_free_blocks == engine.kv.num_blocks
 
 

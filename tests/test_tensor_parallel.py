@@ -313,6 +313,16 @@ ENGINE_RUNS = [
 ]
 
 
+# The deterministic mode in bf16 under TP 2 (the row-parallel partial sums of two ranks add
+# the same either way round): speculation in small chunks gives speculation off's tokens.
+DETERMINISTIC_RUNS = [
+    dict(name=f"deterministic_{method}", variant="llama",
+         engine=dict(block_size=4, num_kv_blocks=128, dtype="bfloat16", deterministic=True,
+                     max_num_batched_tokens=8, speculative_method=method, num_speculative_tokens=3),
+         params=[GREEDY])
+    for method in ("none", "ngram")]
+
+
 @pytest.fixture(scope="module")
 def tp_models(tmp_path_factory, tiny_tokenizer):
     """Tiny checkpoints: GQA split over the ranks (llama: 4 heads, 2 KV heads), one KV
@@ -363,7 +373,7 @@ def tp_job(tp_models, tmp_path_factory):
     spec = {"models": {k: str(tp_models[k]) for k in ("llama", "kv1", "vocab515", "phi4mini", "moe")},
             "prompts": _prompts(),
             "engines": [dict(r, model=str(tp_models[r["variant"]]), prompts=PROMPTS,
-                             engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS]}
+                             engine=_engine_kwargs(r, tp_models)) for r in ENGINE_RUNS + DETERMINISTIC_RUNS]}
     return run_tp_job(spec, tmp_path_factory.mktemp("tp-job"))
 
 
@@ -613,3 +623,9 @@ def test_a_killed_rank_ends_the_server_with_one_clear_line(tiny_model_dir, strea
     assert lines[-1].strip() == (f"specserve: tensor-parallel rank 1 (pid {ranks[1].pid}) was killed by "
                                  "SIGKILL; the job has ended"), log[-3000:]
     assert "ChildFailedError" not in log
+
+
+def test_deterministic_mode_under_tensor_parallelism(tp_job):
+    off, ngram = (tp_job[0]["outputs"][run["name"]] for run in DETERMINISTIC_RUNS)
+    assert ngram == off
+    assert tp_job[0]["free_blocks"]["deterministic_ngram"][2] > 0  # it drafted

@@ -43,7 +43,7 @@ def main(spec_path: str, out_dir: str) -> None:
         seen["shapes"][name] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for run in spec["engines"]:
         config = EngineConfig(model=run["model"], tensor_parallel_size=2, device="cpu",
-                              dtype="float32", **run["engine"])
+                              **{"dtype": "float32", **run["engine"]})
         if not tp.is_driver:
             run_worker(config)
             continue
