@@ -23,7 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
+#include <cmath>
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -50,6 +51,25 @@ inline v16f bf16_hi(v16u pair) {  // the second
   v16f out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+// acc + x · w per lane, rounded once. Always a fused multiply-add, written out: left to
+// the compiler, ``acc + x * w`` is contracted into one in some instantiations and not in
+// others (GCC 13 did so between tile sizes), and rows would round differently by tile.
+inline v16f fma16(float x, v16f w, v16f acc) {
+#if defined(__AVX512F__)
+  __m512 a, b;
+  std::memcpy(&a, &w, sizeof(a));
+  std::memcpy(&b, &acc, sizeof(b));
+  const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(x), a, b);
+  v16f out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+#else
+  v16f out;
+  for (int l = 0; l < kLanes; ++l) out[l] = std::fma(x, w[l], acc[l]);
+  return out;
+#endif
 }
 
 inline uint16_t bf16_round(float v) {  // round to nearest even, as at::BFloat16 does
@@ -94,7 +114,7 @@ inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint32_t* w, in
       float x0, x1;
       std::memcpy(&x0, &bits0, 4);
       std::memcpy(&x1, &bits1, 4);
-      for (int b = 0; b < B; ++b) acc[r][b] = acc[r][b] + (x0 * lo[b] + x1 * hi[b]);
+      for (int b = 0; b < B; ++b) acc[r][b] = fma16(x1, hi[b], fma16(x0, lo[b], acc[r][b]));
     }
   }
   std::memcpy(out, acc, sizeof(acc));
@@ -111,7 +131,7 @@ inline void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t b
     for (int b = 0; b < B; ++b) std::memcpy(&wv[b], w + b * block_stride + k * kLanes, sizeof(v16f));
     for (int r = 0; r < R; ++r) {
       const float xk = x[r * x_stride + k];
-      for (int b = 0; b < B; ++b) acc[r][b] = acc[r][b] + xk * wv[b];
+      for (int b = 0; b < B; ++b) acc[r][b] = fma16(xk, wv[b], acc[r][b]);
     }
   }
   std::memcpy(out, acc, sizeof(acc));

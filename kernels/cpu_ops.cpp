@@ -267,6 +267,9 @@ constexpr int64_t kKeys = 4;
 constexpr int64_t kValueChunk = 64;
 
 // Scores of one pack: st[j][l] = q_l · key_j for the span's keys (rows of ``keys``).
+// Multiply-adds are written as std::fma here and below, so every key's score and every
+// value sum rounds the same way in the blocked loop and its tail, whatever the compiler
+// would contract: a row's attention is then the same in any span (the deterministic mode).
 inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t head_dim, float* st) {
   int64_t j = 0;
   for (; j + kKeys <= span; j += kKeys) {
@@ -276,7 +279,7 @@ inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t
       for (int64_t t = 0; t < kKeys; ++t) {
         const float k = keys[(j + t) * head_dim + d];
 #pragma omp simd
-        for (int64_t l = 0; l < kPack; ++l) acc[t][l] += k * qd[l];
+        for (int64_t l = 0; l < kPack; ++l) acc[t][l] = std::fma(k, qd[l], acc[t][l]);
       }
     }
     std::memcpy(st + j * kPack, acc, sizeof(acc));
@@ -286,7 +289,7 @@ inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t
     for (int64_t d = 0; d < head_dim; ++d) {
       const float k = keys[j * head_dim + d];
 #pragma omp simd
-      for (int64_t l = 0; l < kPack; ++l) acc[l] += k * qt[d * kPack + l];
+      for (int64_t l = 0; l < kPack; ++l) acc[l] = std::fma(k, qt[d * kPack + l], acc[l]);
     }
     std::memcpy(st + j * kPack, acc, sizeof(acc));
   }
@@ -393,8 +396,8 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
         const float* val = rows.data() + j * head_dim + d0;
 #pragma omp simd
         for (int64_t d = 0; d < kValueChunk; ++d) {
-          sums[0][d] += a * val[d];
-          sums[1][d] += b * val[d];
+          sums[0][d] = std::fma(a, val[d], sums[0][d]);
+          sums[1][d] = std::fma(b, val[d], sums[1][d]);
         }
       }
       std::copy(sums[0], sums[0] + width, acc + v0 * head_dim + d0);

@@ -75,24 +75,20 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(dtype, shape):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(full.double(), want, rtol=tol, atol=tol * want.abs().max().item())
     for m in (1, 2, 3, 5, 8, 17, 36):  # every row-tile tail, alone and in blocks
-        assert torch.equal(layer(x[:m]), full[:m])
-        assert torch.equal(layer(x[m:m + 1]), full[m:m + 1])
+        assert torch.equal(layer(x[:m]), full[:m]), m
+        assert torch.equal(layer(x[m:m + 1]), full[m:m + 1]), m
     assert layer(x[:0]).shape == (0, n)
 
 
-@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype, split_k):
-    """Compiled on a GPU; under the Triton interpreter on a CPU. ``split_k``: a shape whose
-    few column tiles make the kernel cut K into fixed chunks."""
+def test_triton_matmul_rows_do_not_depend_on_the_batch(dtype):
+    """Compiled on a GPU; under the Triton interpreter on a CPU."""
     pytest.importorskip("triton")
     from specserve.kernels import matmul
 
     device = torch.device("cuda" if ON_GPU else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
-    n, k = {(True, False): (4096, 1536), (True, True): (4096, 4096),
-            (False, False): (40, 96), (False, True): (16, 2048)}[ON_GPU, split_k]
-    assert (matmul.tiles(n, k, device)[-1] < k) == split_k
+    n, k = (4096, 1536) if ON_GPU else (40, 96)
     w = torch.randn(n, k, device=device, generator=g).to(dtype)
     b = torch.randn(n, device=device, generator=g).to(dtype)
     x = torch.randn(70, k, device=device, generator=g).to(dtype)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from specserve.kernels import cpu_ops
+from specserve.models.packed_linear import replace_linears
 
 
 class InvariantLinear(nn.Module):
@@ -44,12 +45,7 @@ def make_batch_invariant(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by an InvariantLinear; returns how many.
     Modules that keep their own views of linear weights (MoE's stacked experts for the
     grouped GEMMs) are told through ``linears_replaced()``."""
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, InvariantLinear(child))
-                replaced += 1
+    replaced = replace_linears(model, InvariantLinear)
     for module in model.modules():
         if hasattr(module, "linears_replaced"):
             module.linears_replaced()

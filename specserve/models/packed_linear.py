@@ -8,6 +8,7 @@ which is what speculation on a CPU needs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,10 +51,15 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a bf16 CPU model by a PackedLinear; returns how many."""
+    return replace_linears(model, PackedLinear)
+
+
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by ``make(linear)``; returns how many."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, make(child))
                 replaced += 1
     return replaced
