@@ -85,7 +85,9 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                                  f"hidden size {draft_config.hidden_size}, the target "
                                  f"{target_hf_config.hidden_size}: it was trained for another model")
         shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
-    backend = get_backend(config.attention_backend, device, config.deterministic)
+    # Never the deterministic kernels: a draft's numerics only change which tokens are
+    # proposed, never the output, which the target's verification decides alone.
+    backend = get_backend(config.attention_backend, device)
     if is_eagle_head(draft_config):
         if shared is None:
             raise SpecserveError(f"draft model {files.name} is an EAGLE head without "
