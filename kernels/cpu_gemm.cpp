@@ -178,7 +178,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-// y [M, N] = x [M, K] · Wᵀ + bias, W packed by pack_linear_weight; ``out_features`` = N.
+// y [M, N] = x [M, K] · Wᵀ + bias, W packed by pack_linear_weight; ``out_features`` = N;
+// ``bias`` (optional) fp32, added before the one rounding to x's dtype.
 at::Tensor linear_invariant(const at::Tensor& x_in, const at::Tensor& packed,
                             const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
   TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "linear_invariant runs on CPU tensors");
@@ -194,11 +195,12 @@ at::Tensor linear_invariant(const at::Tensor& x_in, const at::Tensor& packed,
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out_features;
   at::Tensor out = at::empty({m, out_features}, x.options());
-  std::vector<float> bias(blocks * kLanes, 0.f);
+  const float* bias = nullptr;  // kept in fp32 by the layer, so no step converts it
   if (bias_in.has_value() && bias_in->defined()) {
-    const at::Tensor b = bias_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == out_features, "bias must have out_features elements");
-    std::memcpy(bias.data(), b.data_ptr<float>(), out_features * sizeof(float));
+    TORCH_CHECK(bias_in->scalar_type() == at::kFloat && bias_in->is_contiguous() &&
+                    bias_in->numel() == out_features,
+                "bias must be a contiguous float32 tensor of out_features elements");
+    bias = bias_in->data_ptr<float>();
   }
   if (m == 0) return out.view(shape);
   const int64_t tile_rows = m >= kRowsMany ? kRowsMany : kRows;
@@ -228,10 +230,10 @@ at::Tensor linear_invariant(const at::Tensor& x_in, const at::Tensor& packed,
             const float* acc = tile + (r * nb + b) * kLanes;
             if (bf16) {
               uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + (r0 + r) * out_features + col0;
-              for (int64_t l = 0; l < width; ++l) dst[l] = bf16_round(acc[l] + bias[col0 + l]);
+              for (int64_t l = 0; l < width; ++l) dst[l] = bf16_round(bias ? acc[l] + bias[col0 + l] : acc[l]);
             } else {
               float* dst = out.data_ptr<float>() + (r0 + r) * out_features + col0;
-              for (int64_t l = 0; l < width; ++l) dst[l] = acc[l] + bias[col0 + l];
+              for (int64_t l = 0; l < width; ++l) dst[l] = bias ? acc[l] + bias[col0 + l] : acc[l];
             }
           }
       }

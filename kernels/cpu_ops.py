@@ -66,7 +66,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear_invariant(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                      out_features: int) -> torch.Tensor:
     """``x · Wᵀ + bias`` with each output element summed in one fixed order whatever the
-    number of rows (``cpu_gemm.cpp``): a row's result does not depend on its batch."""
+    number of rows (``cpu_gemm.cpp``): a row's result does not depend on its batch.
+    ``bias``: float32 (added before the one rounding to ``x``'s dtype)."""
     return torch.ops.specserve_cpu.linear_invariant(x, packed, bias, out_features)
 
 

@@ -19,7 +19,10 @@ How the work is split. The grid is ``(query tile, kv head, kv split)``:
   into ``num_splits`` chunks of whole ``BLOCK_N`` tiles (flash-decoding), so a small decode
   batch still fills the GPU. Each program runs an online softmax in fp32 over its chunk.
   With one split it writes the output directly; otherwise it writes a normalised partial
-  output and its log-sum-exp, and ``_reduce_splits_kernel`` combines the splits.
+  output and its log-sum-exp, and ``_reduce_splits_kernel`` combines the splits in order.
+  The deterministic plan instead splits at absolute multiples of
+  ``DETERMINISTIC_SPLIT_TOKENS`` with fixed tiles, so a row's result does not depend on its
+  batch.
 
 All index math that can exceed 2**31 (cache block offsets, token offsets) is int64.
 """
@@ -197,7 +200,7 @@ def _reduce_splits_kernel(
         total += weight
     result = acc / total
     out = out_ptr + token * stride_ot + head * stride_oh + d
-    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 # ---------------------------------------------------------------------------- host side

@@ -128,6 +128,25 @@ def test_paged_attention_decode_batch(num_heads, num_kv_heads, dtype):
     assert_close(out, reference_attention(b, 128 ** -0.5), dtype)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_deterministic_plan_splits_at_fixed_positions(window, monkeypatch):
+    """The deterministic plan: fixed tiles, KV splits at absolute multiples of the split
+    size (made small here so the CPU-sized spans cross several, windows starting inside
+    one). It equals the reference, and a plan for longer sequences (a CUDA graph's upper
+    bound: more splits, the extra ones empty) gives the same bits."""
+    monkeypatch.setattr(pa, "DETERMINISTIC_SPLIT_TOKENS", 512 if CUDA else 64)
+    b = make_batch(MIXED_SPANS, 8, 2, 64, 16, F32, seed=4)
+    outs = []
+    for max_seq_len in (max(b.seq_lens_host), 4 * max(b.seq_lens_host)):
+        plan = pa.plan_launch(b.query, b.k_cache, len(MIXED_SPANS), max(b.query_lens_host), max_seq_len,
+                              deterministic=True)
+        assert plan.split_tokens == pa.DETERMINISTIC_SPLIT_TOKENS and plan.num_splits > 1
+        outs.append(pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
+                                       b.seq_lens, 0.125, window, plan=plan))
+    assert_close(outs[0], reference_attention(b, 0.125, window), F32)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_paged_attention_padding_rows_and_strided_query():
     """Rows past the last request (CUDA-graph padding) are ignored; a query that is a
     strided view (q sliced out of a fused qk tensor, as the model passes it) works."""

@@ -33,7 +33,10 @@ class InvariantLinear(nn.Module):
 
             self._matmul = matmul
             self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        if bias is not None and self.on_cpu:
+            bias = bias.float()  # the C++ kernel adds it in fp32 before rounding once
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cpu:
