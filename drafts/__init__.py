@@ -23,8 +23,10 @@ from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
 from specserve.drafts.shipped import is_eagle_head, published_layout, shares_target_embeddings, shipped_draft_for
 from specserve.errors import ModelLoadError, SpecserveError
-from specserve.loader import build_model, checkpoint_names, load_hf_config, load_tokenizer, resolve_model
+from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
+                              resolve_model)
 from specserve.models.eagle import EagleForCausalLM
+from specserve.models.quantized import quantize_linears
 
 logger = logging.getLogger("specserve")
 
@@ -96,9 +98,32 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                             model_class=EagleForCausalLM)
         _restrict_vocab(model, files)
         return EagleDrafter(model, config, device, dtype)
-    model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared)
+    model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
+                        quantized=quantized_gguf(files, "auto", device))
     _restrict_vocab(model, files)
     return ModelDrafter("draft_model", model, config, device, dtype)
+
+
+def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):
+    """The target drafting for itself from a quantized copy of its weights: a GGUF's own
+    blocks where the target came from one (it then runs dequantised itself), else its
+    linear layers quantized to Q4_1 at load. It shares the target's embeddings, has its
+    own KV cache, and reads 4.5 to 8.5 bits per weight a draft step instead of 16."""
+    if device.type != "cpu":
+        raise SpecserveError("speculative_method 'quantized' runs on the CPU (its kernels are the C++ CPU kernels)")
+    if target.tp.size > 1:
+        raise SpecserveError("speculative_method 'quantized' runs without tensor parallelism")
+    files = resolve_model(config.model)
+    shared = {"model.embed_tokens": target.model.embed_tokens}
+    backend = get_backend(config.attention_backend, device)
+    from_blocks = quantized_gguf(files, "auto", device)
+    model = build_model(files, target_hf_config, dtype, device, backend, shared_modules=shared, quantized=from_blocks)
+    if not from_blocks:
+        try:
+            quantize_linears(model, "Q4_1")
+        except ValueError as exc:
+            raise SpecserveError(f"speculative_method 'quantized': {exc}") from None
+    return ModelDrafter("quantized", model, config, device, dtype)
 
 
 def _restrict_vocab(model, files) -> None:
@@ -119,4 +144,4 @@ def _restrict_vocab(model, files) -> None:
                        "prepacked here; drafting over the whole vocabulary", files.name)
 
 
-_BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model}
+_BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model, "quantized": _quantized}

@@ -107,6 +107,9 @@ class ModelDrafter:
             return f"layerskip (first {self.num_layers} target layers + norm + LM head)"
         cfg = self.model.config
         params = self.model.num_parameters / 1e6
+        if self.name == "quantized":
+            formats = sorted({f for m in self.model.modules() for f in getattr(m, "formats", ())})
+            return f"quantized (the target's weights in {'+'.join(formats)}, {params:.0f}M parameters)"
         shared = " + the target's embeddings and LM head" if self.model.shared_modules else ""
         return (f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, "
                 f"{params:.0f}M parameters{shared}{self._among()})")

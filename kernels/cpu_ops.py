@@ -1,7 +1,8 @@
 """C++ kernels for the CPU path: the decoder layer's glue (RMSNorm with the residual add,
 Gemma's norm, SiLU·mul and GeGLU, rotary + KV store) and paged attention for decode rows
 and verify spans, one op each (source: ``cpu_ops.cpp``); and batch-invariant linear
-layers for the deterministic mode (``cpu_gemm.cpp``).
+layers for the deterministic mode (``cpu_gemm.cpp``); and linear layers over
+quantized (GGUF) weights (``cpu_quant.cpp``).
 
 On a CPU a small model's decode step spends about as long outside its projections as in
 them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
@@ -22,7 +23,7 @@ import torch
 
 logger = logging.getLogger("specserve")
 
-_SOURCES = [Path(__file__).with_name("cpu_ops.cpp"), Path(__file__).with_name("cpu_gemm.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_quant.cpp")]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).
@@ -43,6 +44,9 @@ def available() -> bool:
         if capability == "AVX512" and _avx512_bf16():
             flags.append("-mavx512bf16")  # cpu_gemm.cpp's vdpbf16ps
             capability += "_bf16"
+        if capability.startswith("AVX512") and _avx512_vnni():
+            flags.append("-mavx512vnni")  # cpu_quant.cpp's vpdpbusd
+            capability += "_vnni"
         cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(s) for s in _SOURCES],
                            extra_cflags=["-O3", "-fopenmp", *flags],
                            extra_ldflags=["-fopenmp"],
@@ -58,6 +62,10 @@ def _avx512_bf16() -> bool:
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
+def _avx512_vnni() -> bool:
+    return bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)())
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[out, in]`` (bf16 or fp32) in ``linear_invariant``'s blocked layout."""
     return torch.ops.specserve_cpu.pack_linear_weight(weight)
@@ -69,6 +77,14 @@ def linear_invariant(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     number of rows (``cpu_gemm.cpp``): a row's result does not depend on its batch.
     ``bias``: float32 (added before the one rounding to ``x``'s dtype)."""
     return torch.ops.specserve_cpu.linear_invariant(x, packed, bias, out_features)
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 bits: int, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x · Wᵀ + bias`` with W = scale · q + min held in ``bits`` bits per weight and one
+    scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
+    32, VNNI integer dot products). ``bias``: float32. The result has ``x``'s dtype."""
+    return torch.ops.specserve_cpu.quant_linear(x, packed, scales, mins, bits, group, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

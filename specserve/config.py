@@ -11,7 +11,10 @@ from specserve.errors import SpecserveError
 from specserve.logprobs import LOGPROBS_MODES
 from specserve.models.packed_linear import bf16_packing_supported
 
-SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip")
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized")
+# A .gguf model's weights: quantized (kept in their blocks, run by the C++ CPU kernels),
+# dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
+GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 
 _DTYPES = {
@@ -33,6 +36,7 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                  # auto: bfloat16 on CUDA, float32 on CPU
+    gguf_weights: str = "auto"           # a .gguf model: auto | quantized | dequantized (GGUF_WEIGHTS)
     seed: int = 0
     # Scheduling: one token budget per step shared by decode/verify and prefill chunks.
     max_num_batched_tokens: int = 512
@@ -57,7 +61,7 @@ class EngineConfig:
     # one GPU each, started by torchrun); rank 0 runs the engine (see tp_worker.py).
     tensor_parallel_size: int = 1
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
-    speculative_method: str = "none"     # none | ngram | draft_model | layerskip
+    speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
@@ -121,6 +125,8 @@ class EngineConfig:
             raise SpecserveError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise SpecserveError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise SpecserveError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if not isinstance(self.deterministic, bool):
             raise SpecserveError(f"deterministic must be true or false, got {self.deterministic!r}")
         if not isinstance(self.speculative_adaptive, bool):
@@ -139,6 +145,9 @@ class EngineConfig:
             raise SpecserveError(f"num_draft_paths {self.num_draft_paths} needs speculative_method "
                                  f"draft_model or layerskip (a drafter that ranks candidates), "
                                  f"not {self.speculative_method!r}")
+        if self.speculative_method == "quantized" and self.gguf_weights == "quantized":
+            raise SpecserveError("speculative_method 'quantized' drafts with the target's quantized weights for "
+                                 "its full-precision ones: gguf_weights must not be 'quantized'")
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
         _ = self.torch_device  # raises on a bad or unavailable device
@@ -189,6 +198,15 @@ class EngineConfig:
                 return torch.bfloat16
             return torch.bfloat16 if bf16_packing_supported() else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def target_gguf_weights(self) -> str:
+        """``gguf_weights`` for the target: ``auto`` keeps a GGUF quantized, except when the
+        quantized copy is the draft (``speculative_method`` 'quantized'): the target then
+        runs dequantised, so that the two differ."""
+        if self.gguf_weights == "auto" and self.speculative_method == "quantized":
+            return "dequantized"
+        return self.gguf_weights
 
 
 def _is_int(value: object) -> bool:

@@ -22,7 +22,8 @@ from specserve.drafts import build_drafter
 from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.heap import freeze_heap
 from specserve.kv_cache import KVCacheManager
-from specserve.loader import build_model, eos_token_ids, load_hf_config, load_tokenizer, resolve_model
+from specserve.loader import (build_model, eos_token_ids, load_hf_config, load_tokenizer, quantized_gguf,
+                              resolve_model)
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
 from specserve.models.rotary import long_rope_start, position_limit
@@ -74,7 +75,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(files, config.tokenizer)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         backend = get_backend(config.attention_backend, self.device, config.deterministic)
-        model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp)
+        self.quantized_weights = quantized_gguf(files, config.target_gguf_weights, self.device, self.tp.size)
+        model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp,
+                            quantized=self.quantized_weights)
         drafter = build_drafter(config, model, self.hf_config, self.tokenizer, self.device, self.dtype)
         self.max_model_len = self._max_model_len(drafter)
         extra = drafter.kv_bytes_per_block() if drafter else 0
@@ -162,12 +165,13 @@ class LLMEngine:
         per_rank = " per rank" if self.tp.size > 1 else ""
         logger.info(
             "specserve engine ready\n"
-            "  model       %s (%s, %.0fM parameters%s)\n"
+            "  model       %s (%s, %.0fM parameters%s%s)\n"
             "  device      %s, dtype %s, attention backend %s%s\n"
             "  KV cache    %d blocks x %d tokens = %d tokens (%.2f GiB%s)\n"
             "  scheduling  max_num_batched_tokens=%d max_num_seqs=%d max_model_len=%d\n"
             "  speculation %s",
             self.model_name, self.hf_config.architectures[0], params / 1e6, per_rank,
+            ", GGUF weights kept quantized" if self.quantized_weights else "",
             f"{self.device} (rank 0 of {self.tp.size}, tensor parallel)" if self.tp.size > 1 else self.device,
             str(self.dtype).removeprefix("torch."), backend,
             f", {self.cpu_threads} threads ({available_cpus()} cores available), which {waiting()}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from specserve.config import SPECULATIVE_METHODS, EngineConfig
+from specserve.config import GGUF_WEIGHTS, SPECULATIVE_METHODS, EngineConfig
 from specserve.logprobs import LOGPROBS_MODES
 
 # The flags' destinations: EngineConfig's fields, so that one always matches the other.
@@ -23,6 +23,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CUDA and on CPUs with native bf16 GEMM such as AMX, "
                         "else float32), float32, bfloat16, float16; float32 for bit-exact output")
+    g.add_argument("--gguf-weights", default="auto", choices=GGUF_WEIGHTS,
+                   help="a .gguf model's weights: quantized (kept in their 4/8-bit blocks and run "
+                        "by the C++ CPU kernels; llama architecture, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K), "
+                        "dequantized (to --dtype), or auto: quantized on a CPU where it can be "
+                        "(default), else dequantized")
     g.add_argument("--seed", type=int, default=0,
                    help="random seed; the same seed gives the same sampled output (default: 0)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -69,7 +74,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS,
                    help="how draft tokens are proposed: ngram (prompt lookup), layerskip (the "
-                        "target's first layers), draft_model (a separate checkpoint); default: none")
+                        "target's first layers), draft_model (a separate checkpoint), quantized (the "
+                        "target's own weights in 4/8 bits: a GGUF's blocks, else Q4_1 made at load; "
+                        "CPU); default: none")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="k, the most draft tokens per request per step (default: 4)")
     s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,

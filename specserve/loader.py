@@ -28,8 +28,11 @@ from tqdm.auto import tqdm
 from specserve.distributed import SINGLE
 from specserve.errors import ModelLoadError
 from specserve.models import ARCHITECTURES, LlamaForCausalLM
+from specserve.gguf_weights import GGUFCheckpoint
+from specserve.kernels import cpu_ops
 from specserve.models.invariant import make_batch_invariant
 from specserve.models.packed_linear import bf16_packing_supported, pack_linears
+from specserve.models.quantized import GGUFWeight, QuantLinear
 
 logger = logging.getLogger("specserve")
 
@@ -50,6 +53,7 @@ class ModelFiles:
 
     name: str          # what to show the user
     path: Path
+    gguf: Path | None = None  # the .gguf file it was converted from, whose blocks can run quantized
 
 
 def resolve_model(model: str | None) -> ModelFiles:
@@ -123,7 +127,7 @@ def _convert_gguf(gguf: Path, name: str) -> ModelFiles:
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "converted" / f"{name}-{key}"
     if (target / "model.safetensors").is_file():
-        return ModelFiles(name, target)
+        return ModelFiles(name, target, gguf)
     logger.info("converting %s to safetensors once (cached in %s)", gguf.name, target)
     try:
         _write_converted(gguf, target)
@@ -132,7 +136,37 @@ def _convert_gguf(gguf: Path, name: str) -> ModelFiles:
     except Exception as exc:
         raise ModelLoadError(f"{gguf}: could not read this GGUF file "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    return ModelFiles(name, target)
+    return ModelFiles(name, target, gguf)
+
+
+def quantized_gguf(files: ModelFiles, choice: str, device: torch.device, tp_size: int = 1) -> bool:
+    """Whether to run ``files``' GGUF weights quantized (``EngineConfig.gguf_weights``).
+    ``quantized`` refuses, in one line, a model that cannot; ``auto`` then loads it
+    dequantized (exact too, only larger), and says why."""
+    if choice == "dequantized":
+        return False
+    why = None
+    if files.gguf is None:
+        why = "the model is not a .gguf file"
+    elif device.type != "cpu":
+        why = f"quantized GGUF kernels run on the CPU, not {device.type}"
+    elif tp_size > 1:
+        why = "quantized GGUF weights run without tensor parallelism"
+    elif not cpu_ops.available():
+        why = "the C++ CPU kernels are unavailable (see the log above)"
+    else:
+        try:
+            why = GGUFCheckpoint(files.gguf).refusal()
+        except Exception as exc:
+            raise ModelLoadError(f"{files.gguf}: could not read this GGUF file "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if why is None:
+        return True
+    if choice == "quantized":
+        raise ModelLoadError(f"gguf_weights 'quantized' cannot run {files.name}: {why}")
+    if files.gguf is not None:
+        logger.info("%s: loading the GGUF weights dequantized: %s", files.name, why)
+    return False
 
 
 def _write_converted(gguf: Path, target: Path) -> None:
@@ -244,7 +278,7 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 # ---------------------------------------------------------------------------- weights
 def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
-                shared_modules: dict | None = None, tp=None, model_class=None):
+                shared_modules: dict | None = None, tp=None, model_class=None, quantized: bool = False):
     """Build our model on the meta device (no random init), then stream the checkpoint's
     tensors into it on ``device``, merging q/k/v and gate/up as they arrive.
 
@@ -254,6 +288,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     ``shared_modules`` (module path -> module of another model already on ``device``) are
     used as they are, same storage: a draft that shares its target's embeddings and LM
     head takes them this way, and its checkpoint holds only its own tensors.
+    ``quantized`` (see ``quantized_gguf``): the weights come from ``files.gguf``, and its
+    quantized linear weights stay in their blocks (``QuantLinear``).
     ``model.num_parameters`` counts the model's own parameters. ``model_class``: a
     subclass of ``LlamaForCausalLM`` to build instead (an EAGLE draft head)."""
     # lazy: accelerate imports much of transformers, only to load weights
@@ -277,8 +313,13 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     params = {name: p for name, p in model.named_parameters() if name in own}
     model.shared_parameters = {name: p for name, p in model.named_parameters() if name not in own}
     filled: dict[str, int] = {name: 0 for name in params}
-    for ckpt_name, tensor in _iter_checkpoint(files):
-        _load_one(model, params, filled, ckpt_name, tensor)
+    blocks: dict[str, list] = {}  # parameter -> (first row, GGUFWeight) parts kept quantized
+    gguf = GGUFCheckpoint(files.gguf) if quantized else None
+    try:
+        for ckpt_name, tensor in (gguf.items() if gguf else _iter_checkpoint(files)):
+            _load_one(model, params, filled, ckpt_name, tensor, blocks)
+    except ValueError as exc:  # a GGUF file's names or formats
+        raise ModelLoadError(str(exc)) from None
     missing = [name for name, rows in filled.items() if rows < params[name].shape[0]]
     if missing:
         raise ModelLoadError(f"{files.name}: checkpoint lacks {len(missing)} tensors, "
@@ -292,6 +333,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     model.shared_modules = tuple(shared_modules)
+    if gguf is not None:
+        _keep_quantized(model, blocks, gguf)
     if getattr(backend, "deterministic", False):
         make_batch_invariant(model)
     elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
@@ -299,7 +342,21 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> None:
+def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> None:
+    """Replace each linear layer whose weight came as GGUF blocks by a QuantLinear over
+    them (the layer's float storage, never filled, is dropped). A head tied to quantized
+    embeddings runs those blocks, while the embedding lookup keeps its dequantised rows."""
+    if gguf.tied_head is not None and model.tie_word_embeddings:
+        blocks["lm_head.weight"] = [(0, gguf.tied_head)]
+    for name, parts in blocks.items():
+        path = name.rsplit(".", 1)[0]
+        linear = model.get_submodule(path)
+        model.set_submodule(path, QuantLinear(parts, linear.in_features, linear.out_features, linear.bias))
+    formats = ", ".join(f"{count} {kind}" for kind, count in sorted(gguf.formats().items()))
+    logger.info("%s: %d linear layers run quantized (tensors: %s)", gguf.path.name, len(blocks), formats)
+
+
+def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, blocks: dict | None = None) -> None:
     ckpt_name = model.checkpoint_name(ckpt_name)  # a layout's names as ours (an EAGLE-1 head's)
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
@@ -318,7 +375,7 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
             raise ModelLoadError(f"tensor {ckpt_name!r} has {tensor.shape[0]} rows, expected {sum(sizes)} "
                                  f"({' + '.join(map(str, sizes))})")
         for name, piece in zip(model.FUSED[part], tensor.split(sizes)):
-            _load_one(model, params, filled, ".".join(parts[:index] + [name] + parts[index + 1:]), piece)
+            _load_one(model, params, filled, ".".join(parts[:index] + [name] + parts[index + 1:]), piece, blocks)
         return
     stacked = next(((i, p) for i, p in enumerate(parts) if p in model.STACKED), None)
     if stacked is None:
@@ -340,7 +397,10 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor) -> No
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(view.shape)}")
-    view.copy_(tensor)
+    if isinstance(tensor, GGUFWeight):  # kept in its blocks: the layer becomes a QuantLinear
+        blocks.setdefault(target, []).append((rows[0] if rows else 0, tensor))
+    else:
+        view.copy_(tensor)
     filled[target] += view.shape[0]
 
 

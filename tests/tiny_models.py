@@ -146,11 +146,12 @@ def save_perturbed(target_dir, path, noise: float, seed: int = 7) -> str:
 
 
 def LLM32(*args, **kwargs):  # noqa: N802  (reads like the class it builds)
-    """``LLM`` in float32: exact comparisons with transformers need it, and ``auto`` picks
-    bfloat16 on CPUs with native bf16 GEMM."""
+    """``LLM`` in float32 with a GGUF model's weights dequantised: exact comparisons with
+    transformers need both (``auto`` picks bfloat16 on CPUs with native bf16 GEMM, and
+    keeps a GGUF's weights quantized on a CPU)."""
     from specserve import LLM
 
-    return LLM(*args, dtype="float32", **kwargs)
+    return LLM(*args, dtype="float32", gguf_weights="dequantized", **kwargs)
 
 
 def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_norms: bool = False):
@@ -177,3 +178,99 @@ def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_no
     save_head(head, resolve_model(str(target_dir)), layers, path)
     return str(path), head.eval()
 
+
+
+# A tiny llama as a GGUF file: each weight's ggml type, by the name llama.cpp gives it.
+GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q4_0",
+              "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+TINY_GGUF = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                 rope_theta=10000.0)
+
+
+def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
+    """A tiny tied-embedding llama written as llama.cpp writes a GGUF: q and k rows
+    permuted for its rotary layout, every weight in its block format (``types``, default
+    GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection). The K-quants get
+    random blocks (the ``gguf`` package cannot quantize to them), the others quantize
+    random weights. Writes ``model.gguf`` plus config.json and a tokenizer beside it (the
+    parts ``resolve_model`` takes from transformers' conversion), and returns
+    (gguf path, the HF model holding exactly the dequantised weights)."""
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.models.quantized import FORMATS
+
+    types = {**GGUF_TYPES, **(types or {})}
+    directory = Path(directory)
+    rng = np.random.default_rng(seed)
+    config = LlamaConfig(**TINY_GGUF)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(directory)  # config.json (the weights come from the GGUF below)
+    make_tokenizer(config.vocab_size).save_pretrained(directory)
+    for stale in directory.glob("*.safetensors"):
+        stale.unlink()
+
+    def blocks(weight: torch.Tensor, kind: str) -> np.ndarray:
+        qtype = gguf.GGMLQuantizationType[kind]
+        rows, k = weight.shape
+        if kind not in FORMATS:  # a format without a kernel: zeros
+            per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+            return np.zeros((rows, k // per * nbytes), np.uint8)
+        if kind.endswith("_K"):  # random blocks with small, finite fp16 scales
+            per, nbytes, _ = FORMATS[kind]
+            raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
+            offsets = {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]
+            for off in offsets:
+                scale = (rng.uniform(0.2, 1.0, (rows, k // per, 1)) * 0.02 / (16 if kind == "Q6_K" else 1))
+                raw[..., off:off + 2] = scale.astype(np.float16).view(np.uint8)
+            return raw.reshape(rows, -1)
+        return quantize(weight.float().numpy(), qtype)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(str(directory / "model.gguf"), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(TINY_GGUF["rope_theta"])
+    state = hf.state_dict()
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    ours = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(config.num_hidden_layers):
+        for hf_part, gguf_part in ours.items():
+            names[f"model.layers.{i}.{hf_part}.weight"] = f"blk.{i}.{gguf_part}.weight"
+    dequantised = {}
+    for hf_name, gguf_name in names.items():
+        weight = state[hf_name]
+        if weight.dim() == 1:
+            writer.add_tensor(gguf_name, weight.float().numpy())
+            continue
+        kind = types[gguf_name.split(".")[-2]]
+        raw = blocks(weight, kind)
+        dequantised[hf_name] = torch.from_numpy(
+            dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(weight.shape).copy())
+        part = gguf_name.split(".")[-2]
+        if part in ("attn_q", "attn_k"):  # llama.cpp's convert_hf_to_gguf.py permute()
+            n = heads if part == "attn_q" else kv_heads
+            raw = raw[np.arange(raw.shape[0]).reshape(n, 2, raw.shape[0] // n // 2).swapaxes(1, 2).reshape(-1)]
+        writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with torch.no_grad():
+        for name, value in dequantised.items():
+            state[name].copy_(value)
+    return directory / "model.gguf", hf

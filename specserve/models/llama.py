@@ -240,6 +240,10 @@ class LlamaForCausalLM(nn.Module):
         logit -inf — probability 0 in q, never proposed, so verification stays exact. On a
         CPU the full LM head is most of a draft step's cost. Returns False (the full head
         kept) where the head's weights cannot be read: an untied head already repacked."""
+        if hasattr(self.lm_head, "select_rows"):  # quantized: its rows, still quantized
+            self.vocab_head = self.lm_head.select_rows(ids)
+            self.vocab_ids = ids.to(dtype=torch.int64)
+            return True
         if isinstance(self.lm_head, nn.Linear):
             weight = self.lm_head.weight
         elif self.tie_word_embeddings:

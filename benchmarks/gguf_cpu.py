@@ -1,0 +1,122 @@
+"""GGUF on the CPU: the default model's own Q4_1 file run by llama.cpp and by specserve,
+side by side, in one run.
+
+llama.cpp is ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``, built on the
+machine), on the same file with the same thread count. specserve runs the file with its
+weights kept quantized (the default on a CPU), dequantised to bf16 (the path before), and
+with speculation: n-gram, the built-in draft (both over the quantized target) and the
+quantized self-draft (the file's Q4_1 blocks drafting for the bf16 target).
+
+Held-out chat and code prompts (``specserve.bench.prompt_sets``) with the chat template,
+batch 1 (one prompt after another), greedy, at most ``--max-tokens`` new tokens, stopping
+at EOS on both sides; tokens/s counts the tokens each produced over its wall time, prompt
+processing included. Each engine is built, warmed up on one prompt, run and closed in turn.
+
+    python benchmarks/gguf_cpu.py [--threads 2,8] [--prompts 4] [--max-tokens 128] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_acceptance import machine_name  # noqa: E402
+
+# specserve configurations: label -> engine settings
+METHODS = {
+    "specserve, Q4_1 kept quantized": {},
+    "specserve, dequantized to bf16": {"gguf_weights": "dequantized"},
+    "specserve quantized + n-gram": {"speculative_method": "ngram"},
+    "specserve quantized + built-in draft": {"speculative_method": "draft_model"},
+    "specserve bf16 + quantized self-draft": {"speculative_method": "quantized"},
+}
+
+
+def run_llama_cpp(path: str, prompts: list[str], threads: int, max_tokens: int) -> dict | None:
+    try:
+        from llama_cpp import Llama  # lazy: optional, the baseline only
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp baseline", file=sys.stderr)
+        return None
+    llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, seed=0, verbose=False)
+    llm.create_completion(prompts[0], max_tokens=8, temperature=0.0)  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+        seconds += time.perf_counter() - start
+        tokens += out["usage"]["completion_tokens"]
+    del llm
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens}
+
+
+def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: int) -> dict:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(cpu_threads=threads, kv_cache_memory_gib=0.25, max_num_seqs=4, **settings)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+    stats = llm.engine.spec_stats
+    drafts0, accepted0 = stats.num_drafts, stats.num_accepted_tokens
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        seconds += time.perf_counter() - start
+        tokens += len(out.token_ids)
+    drafts, accepted = stats.num_drafts - drafts0, stats.num_accepted_tokens - accepted0
+    result = {"tokens_per_s": tokens / seconds, "tokens": tokens,
+              "acceptance_length": 1 + accepted / drafts if drafts else None,
+              "quantized_target": llm.engine.quantized_weights}
+    llm.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="2", help="comma-separated thread counts")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
+    from specserve.loader import default_model_gguf, load_tokenizer, resolve_model
+
+    gguf = str(default_model_gguf())
+    tokenizer = load_tokenizer(resolve_model(None))
+    workloads = {kind: chat_prompts(tokenizer, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
+    cpu = machine_name(torch.device("cpu"))
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        for workload, prompts in workloads.items():
+            base = run_llama_cpp(gguf, prompts, threads, args.max_tokens)
+            entries = [("llama.cpp (llama-cpp-python)", base)] if base else []
+            for label, settings in METHODS.items():
+                entries.append((label, run_specserve(settings, prompts, threads, args.max_tokens)))
+            for label, r in entries:
+                row = {"threads": threads, "workload": workload, "method": label,
+                       "tokens_per_s": round(r["tokens_per_s"], 1), "tokens": r["tokens"],
+                       "vs_llama_cpp": round(r["tokens_per_s"] / base["tokens_per_s"], 2) if base else None,
+                       "acceptance_length": round(r["acceptance_length"], 2) if r.get("acceptance_length") else None}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{Path(gguf).name} on {cpu}; batch 1, greedy, at most {args.max_tokens} new tokens per prompt, "
+          f"{args.prompts} held-out prompts per workload\n")
+    print("| threads | workload | method | tokens/s | vs llama.cpp | acceptance length |")
+    print("| ---: | --- | --- | ---: | ---: | ---: |")
+    for row in rows:
+        vs = f"{row['vs_llama_cpp']:.2f}x" if row["vs_llama_cpp"] else ""
+        print(f"| {row['threads']} | {row['workload']} | {row['method']} | {row['tokens_per_s']:.1f} | {vs} | "
+              f"{row['acceptance_length'] or ''} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": cpu, "file": Path(gguf).name, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,385 @@
+// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4 or 8 bits,
+// as GGUF files hold it (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; specserve/models/quantized.py
+// repacks each into the one form below, exactly).
+//
+// Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
+// or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
+// inputs (G = 16 or 32). Q4_0 is q · d − 8d, Q8_0 is (q + 128) · d − 128d, Q6_K's groups
+// of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32.
+//
+// Activations are quantized per row and per block of 32 inputs to int16 with one fp32
+// scale: a = round(x / d), d = max|x| / 32767. A group's dot product is then an integer
+// sum, two AVX-512 VNNI instructions per 64 weights and row (vpdpwssd: 2 signed 16-bit
+// products per int32 lane), and
+//   y = Σ_groups  scale · d · Σ q·a  +  min · d · Σ a.
+// llama.cpp quantizes activations to int8 (d = max|x| / 127), which costs half the integer
+// work but moves the default model's answers: on "What is the capital of France?" its Q4_1
+// file answers "L'Étoile, la Cité, …" with int8 activations and "The capital of France is
+// Paris." with 12 bits or more, as it does dequantised. 16 bits keep the file's model.
+//
+// Inputs are reordered inside blocks so that each int32 lane sums one group only: a block
+// is 16 groups (512 inputs at G = 32, 256 at G = 16; the last blocks of a row may be
+// 8, 4 or 2 groups, see ``blocks``), and lane l of each of its 64-input chunks holds 4
+// inputs of group l (of group l / L when the block has 16 / L groups). The integer sums then
+// run across the whole block in the lanes, and the scales apply once per block: one
+// multiply and two FMAs per 16 groups, where the integer work is two vpdpwssd per 64 weights.
+//
+// Layout, per output row n, inputs padded with zeros to Kp (a multiple of 64), in block order:
+//  - 4 bits: Kp/2 bytes; each pair of 64-input chunks in 64 bytes, byte j holding input j
+//    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
+//    bytes, byte j holding its inputs j and 32 + j.
+//  - 8 bits: Kp bytes.
+//  - scales, mins: [N, Kp/G] fp32, in group order (not reordered).
+// Every output element is summed in one fixed order (block by block, then the 16 lanes),
+// with rows and columns tiled only to share loads: a row's result does not depend on how
+// many rows share the call, so the layer is batch-invariant as it stands.
+// Registered (TORCH_LIBRARY_FRAGMENT) beside cpu_ops.cpp's ops as torch.ops.specserve_cpu.*.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 64;    // inputs per weight vector
+constexpr int64_t kABlock = 32;   // inputs per activation scale
+constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
+constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
+
+// The blocks of a row of kp inputs, in chunks: as many 16-group blocks as fit, then
+// blocks of half, a quarter, ... of that (the layout's order; models/quantized.py: blocks).
+std::vector<int64_t> blocks(int64_t kp, int64_t group) {
+  const int64_t full = 16 * group / kChunk;  // chunks in a 16-group block
+  std::vector<int64_t> out;
+  int64_t left = kp / kChunk;
+  for (; left >= full; left -= full) out.push_back(full);
+  for (int64_t size = full / 2; size >= 1; size /= 2)
+    if (left >= size) {
+      out.push_back(size);
+      left -= size;
+    }
+  return out;
+}
+
+// Activations of one call, quantized: a [M, Kp] int16 in block order, each 64-input chunk
+// as two halves of 16 pairs: pair l of the first half is the chunk's inputs 4l, 4l + 1, of
+// the second 4l + 2, 4l + 3 (int32 lane l of a vpdpwssd sums one pair); per weight group
+// (G inputs), d of the group's 32-input block and d · Σ a over the group, [M, Kp / G].
+struct QuantizedRows {
+  std::vector<int16_t> a;
+  std::vector<float> group_scale, group_sum;
+  std::vector<int64_t> blocks;
+  int64_t kp = 0, group = 32;
+};
+
+template <typename T>
+float to_float(T v) { return static_cast<float>(v); }
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
+  const int64_t kp = out.kp, g = out.group, groups = kp / g;
+  out.a.assign(m * kp, 0);
+  out.group_scale.assign(m * groups, 0.f);
+  out.group_sum.assign(m * groups, 0.f);
+  out.blocks = blocks(kp, g);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> natural(kp, 0);
+    float block[kABlock];
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b0 = 0; b0 < k; b0 += kABlock) {
+        const int64_t width = std::min(kABlock, k - b0);
+        float amax = 0.f;
+        for (int64_t i = 0; i < kABlock; ++i) {
+          block[i] = i < width ? to_float(x[r * k + b0 + i]) : 0.f;
+          amax = std::max(amax, std::fabs(block[i]));
+        }
+        const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
+        int16_t* a = natural.data() + b0;
+        for (int64_t i = 0; i < kABlock; ++i)
+          a[i] = static_cast<int16_t>(std::nearbyint(block[i] * id));  // ties to even, as torch.round
+        for (int64_t g0 = 0; g0 < kABlock; g0 += g) {  // a weight group lies inside one block
+          int32_t sum = 0;
+          for (int64_t i = 0; i < g; ++i) sum += a[g0 + i];
+          out.group_scale[r * groups + (b0 + g0) / g] = d;
+          out.group_sum[r * groups + (b0 + g0) / g] = d * static_cast<float>(sum);
+        }
+      }
+      // Into block order: chunk j, lane l of a block of 16 / L groups holds inputs
+      // (j · L + l % L) · 4 … + 3 of its group l / L, the first two in the chunk's first
+      // half, the other two in its second.
+      int16_t* dst = out.a.data() + r * kp;
+      int64_t k0 = 0;
+      for (const int64_t size : out.blocks) {
+        const int64_t per_lane = g / (kLaneIn * size);  // L
+        for (int64_t j = 0; j < size; ++j)
+          for (int64_t l = 0; l < 16; ++l) {
+            const int16_t* src = natural.data() + k0 + (l / per_lane) * g + (j * per_lane + l % per_lane) * kLaneIn;
+            int16_t* chunk = dst + k0 + j * kChunk;
+            chunk[2 * l] = src[0];
+            chunk[2 * l + 1] = src[1];
+            chunk[32 + 2 * l] = src[2];
+            chunk[32 + 2 * l + 1] = src[3];
+          }
+        k0 += size * kChunk;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w.
+template <int Bits>
+inline __m512i weight_chunk(const uint8_t* w, int64_t c, int64_t chunks) {
+  if constexpr (Bits == 8) {
+    return _mm512_loadu_si512(w + c * kChunk);
+  } else if ((c & 1) == 0 && c + 1 == chunks) {  // an odd last chunk
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (kChunk / 2)));
+    const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const __m512i packed = _mm512_loadu_si512(w + (c & ~int64_t(1)) * (kChunk / 2));
+    const __m512i nibbles = (c & 1) ? _mm512_srli_epi16(packed, 4) : packed;
+    return _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F));
+  }
+}
+
+// Per lane, the value of its group: the block's `count` groups from p, each over 16 / count lanes.
+inline __m512 per_lane(const float* p, int64_t count) {
+  if (count == 16) return _mm512_loadu_ps(p);
+  const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << count) - 1), p);
+  const int per = int(16 / count);
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l) idx[l] = l / per;
+  return _mm512_permutexvar_ps(_mm512_load_si512(idx), v);
+}
+
+// Cols weight rows × Rows activation rows, one accumulator each.
+template <int Rows, int Cols, int Bits, int G>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm, const QuantizedRows& q,
+                     int64_t r0, float* out /* [Rows][Cols] */) {
+  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
+  __m512 acc[Cols][Rows];
+  for (int n = 0; n < Cols; ++n)
+    for (int r = 0; r < Rows; ++r) acc[n][r] = _mm512_setzero_ps();
+  const int16_t* a = q.a.data() + r0 * kp;
+  // Bytes 4l, 4l + 1 (first) and 4l + 2, 4l + 3 (second) of each dword as int16 pairs.
+  const __m512i first = _mm512_set4_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
+  const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi32(0x0002'0002));
+  // acc += w · a over one 64-input chunk: the weight bytes widened to int16 pairs.
+  auto madd = [&](__m512i dot, __m512i wv, const int16_t* ac) __attribute__((always_inline)) {
+    dot = _mm512_dpwssd_epi32(dot, _mm512_shuffle_epi8(wv, first), _mm512_loadu_si512(ac));
+    return _mm512_dpwssd_epi32(dot, _mm512_shuffle_epi8(wv, second), _mm512_loadu_si512(ac + 32));
+  };
+  int64_t c = 0, g0 = 0;
+  for (const int64_t size : q.blocks) {
+    const int64_t count = size * kChunk / G;  // groups in this block
+    __m512i dots[Cols][Rows];
+    for (int n = 0; n < Cols; ++n)
+      for (int r = 0; r < Rows; ++r) dots[n][r] = _mm512_setzero_si512();
+    if (Bits == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int64_t j = 0; j < size; j += 2, c += 2)
+        for (int n = 0; n < Cols; ++n) {
+          const __m512i packed = _mm512_loadu_si512(w + n * row_bytes + c * (kChunk / 2));
+          const __m512i lo = _mm512_and_si512(packed, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          for (int r = 0; r < Rows; ++r) {
+            dots[n][r] = madd(dots[n][r], lo, a + r * kp + c * kChunk);
+            dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
+          }
+        }
+    } else {
+      for (int64_t j = 0; j < size; ++j, ++c)
+        for (int n = 0; n < Cols; ++n) {
+          const __m512i wv = weight_chunk<Bits>(w + n * row_bytes, c, chunks);
+          for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
+        }
+    }
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 d = per_lane(q.group_scale.data() + (r0 + r) * groups + g0, count);
+      const __m512 sums = _mm512_maskz_loadu_ps(valid, q.group_sum.data() + (r0 + r) * groups + g0);
+      for (int n = 0; n < Cols; ++n) {
+        const __m512 scale = _mm512_mul_ps(per_lane(ws + n * groups + g0, count), d);
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[n][r]), scale, acc[n][r]);
+        // the min term, once per group: Σ min · d·Σa
+        acc[n][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, wm + n * groups + g0), sums, acc[n][r]);
+      }
+    }
+    g0 += count;
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int n = 0; n < Cols; ++n) out[r * Cols + n] = _mm512_reduce_add_ps(acc[n][r]);
+}
+#else
+// Portable: the same sums, lane by lane, in the same order as the vector path.
+template <int Rows, int Cols, int Bits, int G>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm, const QuantizedRows& q,
+                     int64_t r0, float* out) {
+  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
+  for (int n = 0; n < Cols; ++n) {
+    const uint8_t* wn = w + n * row_bytes;
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t row = r0 + r;
+      const int16_t* a = q.a.data() + row * kp;
+      float acc[16] = {};
+      int64_t c = 0, g0 = 0;
+      for (const int64_t size : q.blocks) {
+        const int64_t count = size * kChunk / G, per = 16 / count;
+        int32_t dots[16] = {};
+        for (int64_t j = 0; j < size; ++j, ++c)
+          for (int64_t i = 0; i < kChunk; ++i) {
+            int32_t wq = wn[c * kChunk + i];
+            if (Bits == 4 && (c & 1) == 0 && c + 1 == chunks) {  // an odd last chunk
+              const uint8_t byte = wn[c * (kChunk / 2) + (i % 32)];
+              wq = i < 32 ? (byte & 0x0F) : (byte >> 4);
+            } else if (Bits == 4) {
+              const uint8_t byte = wn[(c & ~int64_t(1)) * (kChunk / 2) + i];
+              wq = (c & 1) ? (byte >> 4) : (byte & 0x0F);
+            }
+            const int64_t lane = i / kLaneIn, in_lane = i % kLaneIn;  // where the chunk's halves keep it
+            dots[lane] += wq * int32_t(a[c * kChunk + (in_lane < 2 ? 0 : 32) + 2 * lane + in_lane % 2]);
+          }
+        for (int64_t l = 0; l < 16; ++l) {
+          const int64_t grp = g0 + l / per;
+          acc[l] = std::fma(float(dots[l]), ws[n * groups + grp] * q.group_scale[row * groups + grp], acc[l]);
+          if (l < count) acc[l] = std::fma(wm[n * groups + g0 + l], q.group_sum[row * groups + g0 + l], acc[l]);
+        }
+        g0 += count;
+      }
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += acc[l];
+      out[r * Cols + n] = s;
+    }
+  }
+}
+#endif
+
+// Rows activation rows against `cols` weight rows, in column tiles of kCols: out [Rows][cols].
+template <int Rows, int Bits, int G, int kCols>
+void dot_rows_c(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
+                const QuantizedRows& q, int64_t r0, float* out) {
+  float tile[Rows * kCols];
+  const int64_t groups = q.kp / G;
+  for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
+    const int64_t width = std::min<int64_t>(kCols, cols - n0);
+    if (width == kCols) {
+      dot_tile<Rows, kCols, Bits, G>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, q, r0, tile);
+      for (int r = 0; r < Rows; ++r)
+        for (int n = 0; n < kCols; ++n) out[r * cols + n0 + n] = tile[r * kCols + n];
+    } else {
+      for (int64_t n = n0; n < cols; ++n) {
+        dot_tile<Rows, 1, Bits, G>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, q, r0, tile);
+        for (int r = 0; r < Rows; ++r) out[r * cols + n] = tile[r];
+      }
+    }
+  }
+}
+template <int Rows, int Bits, int G>
+void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
+              const QuantizedRows& q, int64_t r0, float* out) {
+  // Column tiles of 4 for 1 or 2 rows, 2 for 3 or 4 (measured best on an AVX-512 Xeon).
+  dot_rows_c<Rows, Bits, G, (Rows <= 2 ? 4 : 2)>(cols, w, row_bytes, ws, wm, q, r0, out);
+}
+
+template <int Bits, int G, typename T>
+void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* packed, int64_t row_bytes,
+                  const float* scales, const float* mins, const float* bias, T* out) {
+  const int64_t groups = q.kp / G;
+  constexpr int64_t kSpan = 32;  // columns a thread takes at once
+  // Threads split the output columns only: each output element is made whole by one thread.
+  at::parallel_for(0, (n + kSpan - 1) / kSpan, 1, [&](int64_t begin, int64_t end) {
+    float res[kTileRows * kSpan];
+    for (int64_t span = begin; span < end; ++span) {
+      const int64_t c0 = span * kSpan, cols = std::min(kSpan, n - c0);
+      const uint8_t* w = packed + c0 * row_bytes;
+      const float* ws = scales + c0 * groups;
+      const float* wm = mins + c0 * groups;
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, m - r0);
+        switch (rows) {
+          case 1: dot_rows<1, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          case 2: dot_rows<2, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          case 3: dot_rows<3, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          default: dot_rows<4, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < cols; ++j) {
+            const float y = res[r * cols + j];
+            out[(r0 + r) * n + c0 + j] = static_cast<T>(bias ? y + bias[c0 + j] : y);
+          }
+      }
+    }
+  });
+}
+
+// y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8 [N, Kp·bits/8],
+// ``scales``/``mins`` fp32 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype.
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                        const at::Tensor& mins, int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "quant_linear runs on CPU tensors");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed must be a contiguous uint8 [N, bytes] tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  const int64_t n = packed.size(0), kp = packed.size(1) * 8 / bits, k = x_in.size(-1);
+  TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
+                    t->size(1) == kp / group,
+                "scales and mins must be contiguous float32 [N, Kp / group]");
+  const float* bias = nullptr;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->scalar_type() == at::kFloat && bias_in->is_contiguous() && bias_in->numel() == n,
+                "bias must be a contiguous float32 tensor of N elements");
+    bias = bias_in->data_ptr<float>();
+  }
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const at::Tensor x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out.view(shape);
+  QuantizedRows q;
+  q.kp = kp;
+  q.group = group;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* mn = mins.data_ptr<float>();
+  const int64_t row_bytes = packed.size(1);
+#define SPECSERVE_QUANT_CASES(T, OUT)                                                          \
+  if (bits == 4 && group == 32) quant_matmul<4, 32>(q, m, n, w, row_bytes, s, mn, bias, OUT);   \
+  else if (bits == 4) quant_matmul<4, 16>(q, m, n, w, row_bytes, s, mn, bias, OUT);             \
+  else if (group == 32) quant_matmul<8, 32>(q, m, n, w, row_bytes, s, mn, bias, OUT);           \
+  else quant_matmul<8, 16>(q, m, n, w, row_bytes, s, mn, bias, OUT);
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), m, k, q);
+    SPECSERVE_QUANT_CASES(float, out.data_ptr<float>())
+  } else {
+    quantize_rows(x.data_ptr<at::BFloat16>(), m, k, q);
+    SPECSERVE_QUANT_CASES(at::BFloat16, out.data_ptr<at::BFloat16>())
+  }
+#undef SPECSERVE_QUANT_CASES
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group, "
+        "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
+  m.impl("quant_linear", quant_linear);
+}

@@ -1,0 +1,274 @@
+"""Linear layers that keep a GGUF file's quantized weights, run by ``kernels/cpu_quant.cpp``.
+
+A GGUF weight arrives as rows of blocks (``GGUFWeight``). Every supported block format is
+decoded here into one form the kernel runs: an unsigned integer q per weight (4 or 8
+bits), one fp32 scale and one fp32 min per group of 16 or 32 inputs, w = scale · q + min.
+The decoding is exact: each format's dequantised value is that expression (see
+``decode``), which the tests check against the ``gguf`` package's own dequantisation.
+
+Formats (block layouts as ggml's ``ggml-common.h`` defines them):
+  Q4_0  d:f16, 16 bytes of nibbles          w = d · (q − 8)
+  Q4_1  d:f16, m:f16, 16 bytes of nibbles   w = d · q + m
+  Q8_0  d:f16, 32 int8                      w = d · q
+  Q4_K  256 inputs: d, dmin:f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
+        8 groups of 32: w = d·sc · q − dmin·m
+  Q6_K  256 inputs: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d:f16;
+        16 groups of 16: w = d·sc · (q − 32)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.kernels import cpu_ops
+
+CHUNK = 64  # the kernel's inputs per weight vector: rows are padded to a multiple
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A weight ``[rows, in_features]`` still in its GGUF blocks: ``raw`` uint8
+    ``[rows, bytes per row]``. Rows are independent, so they can be cut and reordered."""
+
+    qtype: str
+    raw: np.ndarray
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.in_features)
+
+    def take_rows(self, index) -> GGUFWeight:
+        return GGUFWeight(self.qtype, self.raw[index], self.in_features)
+
+
+@dataclass
+class Decoded:
+    """w = scale · q + min: q uint8 ``[rows, K]``, scale/min fp32 ``[rows, K / group]``."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    min: np.ndarray
+    bits: int
+    group: int
+
+    def dequantize(self) -> np.ndarray:
+        rows, k = self.q.shape
+        q = self.q.reshape(rows, k // self.group, self.group).astype(np.float32)
+        return (q * self.scale[..., None] + self.min[..., None]).reshape(rows, k)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[..., start:start + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's nibble order in a block of 32: byte j holds input j (low) and 16 + j (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _decode_q4_0(b: np.ndarray) -> tuple:
+    d = _f16(b, 0)
+    return _nibbles(b[..., 2:18]), d, -8.0 * d, 4, 32
+
+
+def _decode_q4_1(b: np.ndarray) -> tuple:
+    return _nibbles(b[..., 4:20]), _f16(b, 0), _f16(b, 2), 4, 32
+
+
+def _decode_q8_0(b: np.ndarray) -> tuple:
+    d = _f16(b, 0)
+    q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128.0 * d, 8, 32
+
+
+def _decode_q4_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    s = b[..., 4:16].astype(np.uint8)
+    low = np.arange(4)
+    sc = np.concatenate([s[..., low] & 63, (s[..., low + 8] & 0x0F) | ((s[..., low] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., low + 4] & 63, (s[..., low + 8] >> 4) | ((s[..., low + 4] >> 6) << 4)], axis=-1)
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)  # 4 × 32 bytes: groups 2j (low), 2j+1 (high)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 256)
+    scale = d[..., None] * sc.astype(np.float32)
+    return q, scale, -(dmin[..., None] * mn.astype(np.float32)), 4, 32
+
+
+def _decode_q6_k(b: np.ndarray) -> tuple:
+    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 64), b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b, 208)
+    parts = [(ql[..., :32] & 0x0F) | ((qh & 3) << 4), (ql[..., 32:] & 0x0F) | (((qh >> 2) & 3) << 4),
+             (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+    q = np.stack(parts, axis=-2).reshape(*b.shape[:-1], 256)  # per half: 4 runs of 32 inputs
+    scale = d[..., None] * sc
+    return q.astype(np.uint8), scale, -32.0 * scale, 8, 16
+
+
+# ggml type name -> (inputs per block, bytes per block, decoder)
+FORMATS = {"Q4_0": (32, 18, _decode_q4_0), "Q4_1": (32, 20, _decode_q4_1), "Q8_0": (32, 34, _decode_q8_0),
+           "Q4_K": (256, 144, _decode_q4_k), "Q6_K": (256, 210, _decode_q6_k)}
+
+
+def decode(weight: GGUFWeight) -> Decoded:
+    """The exact (q, scale, min) form of a GGUF weight; a format without a kernel raises."""
+    if weight.qtype not in FORMATS:
+        raise ValueError(f"GGUF type {weight.qtype} has no quantized CPU kernel; "
+                         f"supported: {', '.join(FORMATS)}")
+    per_block, nbytes, decoder = FORMATS[weight.qtype]
+    rows, k = weight.shape
+    if k % per_block or weight.raw.shape[1] != k // per_block * nbytes:
+        raise ValueError(f"a {weight.qtype} weight of {k} inputs must be {k // per_block * nbytes} bytes "
+                         f"per row, got {weight.raw.shape[1]}")
+    blocks = np.ascontiguousarray(weight.raw).reshape(rows, k // per_block, nbytes)
+    q, scale, mins, bits, group = decoder(blocks)
+    groups = k // group
+    return Decoded(np.ascontiguousarray(q.reshape(rows, k)), scale.reshape(rows, groups).astype(np.float32),
+                   mins.reshape(rows, groups).astype(np.float32), bits, group)
+
+
+def _merge(parts: list[Decoded]) -> Decoded:
+    """Row-stack parts (q, k and v of one projection may differ in format): to the widest
+    q and the finest groups any part has, which holds each part's values exactly."""
+    bits, group = max(p.bits for p in parts), min(p.group for p in parts)
+    scales, mins = [], []
+    for p in parts:
+        repeat = p.group // group
+        scales.append(np.repeat(p.scale, repeat, axis=1))
+        mins.append(np.repeat(p.min, repeat, axis=1))
+    return Decoded(np.concatenate([p.q for p in parts]), np.concatenate(scales), np.concatenate(mins), bits, group)
+
+
+def blocks(kp: int, group: int) -> list[int]:
+    """The kernel's blocks of a row of ``kp`` inputs, in 64-input chunks: 16-group blocks,
+    then one each of half, a quarter, ... as the rest needs (``cpu_quant.cpp``: blocks)."""
+    full = 16 * group // CHUNK
+    chunks = kp // CHUNK
+    out = [full] * (chunks // full)
+    left = chunks % full
+    size = full // 2
+    while size >= 1:
+        if left >= size:
+            out.append(size)
+            left -= size
+        size //= 2
+    return out
+
+
+def block_order(kp: int, group: int) -> np.ndarray:
+    """Input index at each position of the kernel's order: in a block of 16 / L groups,
+    chunk j's lane l holds inputs (j · L + l % L) · 4 … + 3 of the block's group l / L, so
+    each int32 lane of the integer dot products sums one group."""
+    order, k0 = [], 0
+    for size in blocks(kp, group):
+        per_lane = group // (4 * size)
+        j, lane, i = np.meshgrid(np.arange(size), np.arange(16), np.arange(4), indexing="ij")
+        order.append((k0 + (lane // per_lane) * group + (j * per_lane + lane % per_lane) * 4 + i).reshape(-1))
+        k0 += size * CHUNK
+    return np.concatenate(order)
+
+
+def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout (``cpu_quant.cpp``): inputs padded with zero weights to a
+    multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
+    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j)."""
+    rows, k = decoded.q.shape
+    kp = -(-k // CHUNK) * CHUNK
+    q = np.zeros((rows, kp), np.uint8)
+    q[:, :k] = decoded.q
+    q = q[:, block_order(kp, decoded.group)]
+    pad_groups = (kp - k) // decoded.group
+    scale = np.pad(decoded.scale, ((0, 0), (0, pad_groups)))
+    mins = np.pad(decoded.min, ((0, 0), (0, pad_groups)))
+    if decoded.bits == 4:
+        pairs = kp // (2 * CHUNK)
+        paired = q[:, :pairs * 2 * CHUNK].reshape(rows, pairs, 2, CHUNK)
+        packed = [(paired[:, :, 0] | (paired[:, :, 1] << 4)).reshape(rows, pairs * CHUNK)]
+        if kp % (2 * CHUNK):  # an odd last chunk
+            tail = q[:, pairs * 2 * CHUNK:]
+            packed.append(tail[:, :32] | (tail[:, 32:] << 4))
+        q = np.concatenate(packed, axis=1)
+    return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale)),
+            torch.from_numpy(np.ascontiguousarray(mins)))
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: about 4.5 to
+    8.5 bits per weight read per step instead of 16. ``parts``: (first row, GGUFWeight)
+    filling the layer's rows, in any order."""
+
+    def __init__(self, parts: list[tuple[int, GGUFWeight]], in_features: int, out_features: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if not cpu_ops.available():
+            raise ValueError("quantized GGUF weights run on the C++ CPU kernels, which are unavailable here "
+                             "(see the log); load the weights dequantized instead")
+        self.in_features, self.out_features = in_features, out_features
+        decoded = [decode(w) for _, w in sorted(parts, key=lambda part: part[0])]
+        merged = _merge(decoded)
+        if merged.q.shape != (out_features, in_features):
+            raise ValueError(f"quantized parts make {merged.q.shape}, the layer is {(out_features, in_features)}")
+        self.bits, self.group = merged.bits, merged.group
+        self.formats = sorted({w.qtype for _, w in parts})
+        packed, scales, mins = pack(merged)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def select_rows(self, ids: torch.Tensor) -> QuantLinear:
+        """A layer of rows ``ids`` of this one (output features), still quantized."""
+        head = QuantLinear.__new__(QuantLinear)
+        nn.Module.__init__(head)
+        head.in_features, head.out_features = self.in_features, len(ids)
+        head.bits, head.group, head.formats = self.bits, self.group, self.formats
+        for name in ("packed", "scales", "mins"):
+            head.register_buffer(name, getattr(self, name).index_select(0, ids.cpu()).contiguous())
+        head.register_buffer("bias", None if self.bias is None else self.bias.index_select(0, ids.cpu()))
+        return head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.quant_linear(x, self.packed, self.scales, self.mins, self.bits, self.group, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"formats={'+'.join(self.formats)}, bits={self.bits}, group={self.group}")
+
+
+def quantize_linears(model: nn.Module, kind: str = "Q4_1") -> int:
+    """Quantize every float ``nn.Linear`` of ``model`` to GGUF format ``kind`` (one the
+    ``gguf`` package quantizes: Q4_0, Q4_1, Q8_0) and run it as a QuantLinear; returns how
+    many. For a model whose checkpoint holds float weights (the quantized self-draft)."""
+    # lazy: the gguf package, only to quantize at load
+    import gguf
+    from gguf.quants import quantize
+
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if child.in_features % 32:
+                raise ValueError(f"{kind} needs input widths that are multiples of 32, got {child.in_features}")
+            raw = quantize(child.weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType[kind])
+            weight = GGUFWeight(kind, raw, child.in_features)
+            setattr(module, name, QuantLinear([(0, weight)], child.in_features, child.out_features, child.bias))
+            replaced += 1
+    return replaced
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch (the tests' reference): per row and
+    block of 32 inputs, a = round(x / d) with d = max|x| / 32767 (int16). Returns (a as
+    float, d per input), both ``x``'s shape padded to a multiple of 32 inputs."""
+    x = x.float()
+    k = x.shape[-1]
+    x = torch.nn.functional.pad(x, (0, -k % 32))
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 32767.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    a = torch.round(blocks * inverse)
+    return a.reshape(x.shape), d.expand_as(blocks).reshape(x.shape)

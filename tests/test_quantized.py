@@ -1,0 +1,198 @@
+"""GGUF weights kept quantized (models/quantized.py, gguf_weights.py, kernels/cpu_quant.cpp):
+every block format decodes to exactly the values ggml dequantises to, the C++ kernel
+computes what its torch reference does, a whole GGUF model loads with llama.cpp's q/k
+permutation undone and agrees with transformers on the dequantised weights, and the
+default model runs from its own Q4_1 file."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from specserve import EngineConfig, LLM, SamplingParams
+from specserve.attention import TorchAttentionBackend
+from specserve.errors import ModelLoadError
+from specserve.kernels import cpu_ops
+from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
+from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, quantize_activations
+from test_model import ragged_logits
+from tiny_models import write_tiny_gguf
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
+CPU = torch.device("cpu")
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+# Input widths per format: block multiples with an odd number of 64-input chunks, a tail
+# that needs padding (Q4_0 at 96), tail blocks of 8, 4, 2 and 1 chunks, and full blocks.
+WIDTHS = {"Q4_0": (32, 96, 576, 1536), "Q4_1": (64, 576, 864, 1536), "Q8_0": (32, 448, 576),
+          "Q4_K": (256, 768, 1792), "Q6_K": (256, 512, 1792)}
+
+
+def random_weight(kind: str, rows: int, k: int, seed: int = 0) -> GGUFWeight:
+    """Random blocks of ``kind`` (every bit pattern is a valid block) with finite fp16 scales."""
+    rng = np.random.default_rng(seed)
+    per, nbytes, _ = FORMATS[kind]
+    raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        raw[..., offset:offset + 2] = (rng.standard_normal((rows, k // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return GGUFWeight(kind, raw.reshape(rows, -1), k)
+
+
+def reference(x: torch.Tensor, dense: np.ndarray) -> torch.Tensor:
+    """What the kernel computes, in float64: activations quantized as it does, times the
+    dequantised weight."""
+    a, d = quantize_activations(x)
+    k = dense.shape[1]
+    return (a[..., :k].double() * d[..., :k].double()) @ torch.from_numpy(dense).double().T
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_every_format_decodes_to_what_ggml_dequantises(kind):
+    for k in WIDTHS[kind]:
+        weight = random_weight(kind, 24, k, seed=k)
+        want = dequantize(weight.raw, gguf.GGMLQuantizationType[kind]).reshape(24, k)
+        assert np.array_equal(decode(weight).dequantize(), want), (kind, k)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_the_kernel_computes_its_reference(kind):
+    for k in WIDTHS[kind]:
+        weight = random_weight(kind, 40, k, seed=k)
+        dense = decode(weight).dequantize()
+        bias = torch.randn(40)
+        layer = QuantLinear([(0, weight)], k, 40, bias)
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            want = reference(x, dense) + bias.double()
+            got = layer(x)
+            assert got.dtype == torch.float32 and got.shape == (rows, 40)
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, k, rows)
+            got16 = layer(x.bfloat16())  # bf16 activations: quantized from their bf16 values
+            want16 = reference(x.bfloat16().float(), dense) + bias.double()
+            assert got16.dtype == torch.bfloat16
+            assert (got16.double() - want16).abs().max() <= 1e-2 * want16.abs().max(), (kind, k, rows)
+
+
+@needs_cpu_kernels
+def test_a_row_does_not_depend_on_its_batch():
+    """Each output is summed in one order whatever the number of rows: the layer is
+    batch-invariant as it stands (the deterministic mode relies on it)."""
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536)):
+        layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, None)
+        x = torch.randn(37, k).bfloat16()
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+        for rows in (2, 3, 5, 8, 37):
+            batched = torch.cat([layer(x[i:i + rows]) for i in range(0, 37, rows)])
+            assert torch.equal(batched, alone), (kind, rows)
+
+
+@needs_cpu_kernels
+def test_parts_of_different_formats_make_one_layer():
+    """q, k and v of one projection in Q4_K, Q6_K and Q8_0 (as Q4_K_M files mix them):
+    one layer whose rows are each part's, exactly."""
+    parts = [random_weight("Q4_K", 32, 512, 1), random_weight("Q6_K", 16, 512, 2), random_weight("Q8_0", 16, 512, 3)]
+    layer = QuantLinear([(48, parts[2]), (0, parts[0]), (32, parts[1])], 512, 64, None)  # in any order
+    assert (layer.bits, layer.group) == (8, 16)
+    x = torch.randn(3, 512)
+    dense = np.concatenate([decode(p).dequantize() for p in parts])
+    want = reference(x, dense)
+    assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+    rows = torch.tensor([5, 40, 63, 0])
+    assert torch.equal(layer.select_rows(rows)(x), layer(x)[:, rows])
+    with pytest.raises(ValueError, match="quantized parts make"):
+        QuantLinear([(0, parts[0])], 512, 64, None)
+
+
+def tiny_gguf(tmp_path, **types):
+    path, hf = write_tiny_gguf(tmp_path, types=types or None)
+    return ModelFiles("tiny-gguf", path.parent, path), hf
+
+
+@needs_cpu_kernels
+def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path):
+    """Every weight kept in its blocks (six formats, mixed inside qkv), q and k rows
+    unpermuted, the tied head run from the embedding's blocks: logits close to
+    transformers' on the dequantised weights (int8 activations are the only difference;
+    a wrong q/k order moves them by ~1.6 and changes 3 argmaxes in 4)."""
+    files, hf = tiny_gguf(tmp_path)
+    model = build_model(files, load_hf_config(files), torch.float32, CPU,
+                        TorchAttentionBackend(cpu_kernels=True), quantized=True)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and isinstance(model.lm_head, QuantLinear)
+    assert model.model.layers[0].self_attn.qkv_proj.formats == ["Q4_K", "Q6_K", "Q8_0"]
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 9)]
+    for prompt, got in zip(prompts, ragged_logits(model, prompts, chunk=5)):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0]
+        assert (got - want).abs().max().item() < 0.1
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+
+
+@needs_cpu_kernels
+def test_speculation_over_a_quantized_target_is_lossless(tmp_path, monkeypatch):
+    """The engine on a quantized GGUF target: greedy with n-gram and layer-skip drafts
+    equals greedy without, and every KV block comes back."""
+    import specserve.engine
+
+    files, _ = tiny_gguf(tmp_path)
+    monkeypatch.setattr(specserve.engine, "resolve_model", lambda model: files)
+    common = dict(model="tiny.gguf", dtype="float32", block_size=4, num_kv_blocks=128)
+    prompts = [[(5 * i + j) % 500 + 3 for i in range(12)] for j in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(**common)
+    assert plain.engine.quantized_weights
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    for method in ("ngram", "layerskip"):
+        llm = LLM(**common, speculative_method=method, num_speculative_tokens=3, speculative_adaptive=False)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want, method
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog):
+    """``quantized`` refuses in one line naming why; ``auto`` loads dequantised (exact
+    too) and says why; ``dequantized`` never reads the blocks."""
+    files, _ = tiny_gguf(tmp_path / "q5", ffn_down="Q5_K")  # a format without a kernel
+    with pytest.raises(ModelLoadError, match="Q5_K, which has no quantized CPU kernel"):
+        quantized_gguf(files, "quantized", CPU)
+    with caplog.at_level("INFO", logger="specserve"):
+        assert not quantized_gguf(files, "auto", CPU)
+    assert "Q5_K" in caplog.text
+    plain = ModelFiles("tiny", tiny_model_dir("llama"))
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        quantized_gguf(plain, "quantized", CPU)
+    assert not quantized_gguf(plain, "auto", CPU)
+    ok, _ = tiny_gguf(tmp_path / "ok")
+    assert not quantized_gguf(ok, "dequantized", CPU)
+    with pytest.raises(ModelLoadError, match="run on the CPU, not cuda"):
+        quantized_gguf(ok, "quantized", torch.device("cuda"))
+    with pytest.raises(ModelLoadError, match="without tensor parallelism"):
+        quantized_gguf(ok, "quantized", CPU, tp_size=2)
+    with pytest.raises(ValueError, match="gguf_weights must be one of"):
+        EngineConfig(gguf_weights="int4")
+
+
+@needs_cpu_kernels
+def test_the_default_model_runs_from_its_own_q4_1_file(default_model_path):
+    """By default on a CPU: 210 Q4_1 linears and the Q8_0 tied head run quantized. Its
+    next-token choices agree with transformers' on the dequantised weights (float32) at
+    most positions of a chat answer, and the built-in draft still drafts for it."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(max_num_seqs=2, speculative_method="draft_model", num_speculative_tokens=4,
+              speculative_adaptive=False)
+    assert llm.engine.quantized_weights
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 121
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain the difference between a process and a thread."}],
+        tokenize=False, add_generation_prompt=True)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
+    assert out.spec_stats.mean_acceptance_length >= 1.5
+    hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + out.token_ids
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1:-1].argmax(-1)
+    agree = (want == torch.tensor(out.token_ids)).float().mean().item()
+    assert agree >= 0.9, agree
