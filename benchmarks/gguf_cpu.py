@@ -2,7 +2,7 @@
 side by side, in one run.
 
 llama.cpp is ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``, built on the
-machine), on the same file with the same thread count. specserve runs the file with its
+machine), on the same file with the same thread count, in a process of its own. specserve runs the file with its
 weights kept quantized (the default on a CPU), dequantised to bf16 (the path before), and
 with speculation: n-gram, the built-in draft (both over the quantized target) and the
 quantized self-draft (the file's Q4_1 blocks drafting for the bf16 target).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,21 +37,31 @@ METHODS = {
 
 
 def run_llama_cpp(path: str, prompts: list[str], threads: int, max_tokens: int) -> dict | None:
-    try:
-        from llama_cpp import Llama  # lazy: optional, the baseline only
-    except ImportError:
-        print("llama-cpp-python is not installed: no llama.cpp baseline", file=sys.stderr)
+    """llama.cpp in a process of its own, so that its threads never share the cores with
+    the specserve runs that follow."""
+    job = json.dumps({"path": path, "prompts": prompts, "threads": threads, "max_tokens": max_tokens})
+    done = subprocess.run([sys.executable, __file__, "--llama-cpp-job"], input=job, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"no llama.cpp baseline: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}",
+              file=sys.stderr)
         return None
-    llm = Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, seed=0, verbose=False)
-    llm.create_completion(prompts[0], max_tokens=8, temperature=0.0)  # warm-up
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_job() -> None:
+    from llama_cpp import Llama  # lazy: optional, the baseline only (pip install llama-cpp-python)
+
+    job = json.loads(sys.stdin.read())
+    threads = job["threads"]
+    llm = Llama(job["path"], n_threads=threads, n_threads_batch=threads, n_ctx=4096, seed=0, verbose=False)
+    llm.create_completion(job["prompts"][0], max_tokens=8, temperature=0.0)  # warm-up
     tokens, seconds = 0, 0.0
-    for prompt in prompts:
+    for prompt in job["prompts"]:
         start = time.perf_counter()
-        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+        out = llm.create_completion(prompt, max_tokens=job["max_tokens"], temperature=0.0)
         seconds += time.perf_counter() - start
         tokens += out["usage"]["completion_tokens"]
-    del llm
-    return {"tokens_per_s": tokens / seconds, "tokens": tokens}
+    print(json.dumps({"tokens_per_s": tokens / seconds, "tokens": tokens}))
 
 
 def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: int) -> dict:
@@ -81,7 +92,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--llama-cpp-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.llama_cpp_job:
+        return llama_cpp_job()
 
     import torch
 
