@@ -1,8 +1,8 @@
 """C++ kernels for the CPU path: the decoder layer's glue (RMSNorm with the residual add,
 Gemma's norm, SiLU·mul and GeGLU, rotary + KV store) and paged attention for decode rows
 and verify spans, one op each (source: ``cpu_ops.cpp``); and batch-invariant linear
-layers for the deterministic mode (``cpu_gemm.cpp``); and linear layers over
-quantized (GGUF) weights (``cpu_quant.cpp``).
+layers for the deterministic mode (``cpu_gemm.cpp``); linear layers over quantized (GGUF)
+weights (``cpu_quant.cpp``) and a whole decoder layer over them in one call (``cpu_layer.cpp``).
 
 On a CPU a small model's decode step spends about as long outside its projections as in
 them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger("specserve")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_quant.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_quant.cpp", "cpu_layer.cpp")]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).

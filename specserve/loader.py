@@ -30,6 +30,7 @@ from specserve.errors import ModelLoadError
 from specserve.models import ARCHITECTURES, LlamaForCausalLM
 from specserve.gguf_weights import GGUFCheckpoint
 from specserve.kernels import cpu_ops
+from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.invariant import make_batch_invariant
 from specserve.models.packed_linear import bf16_packing_supported, pack_linears
 from specserve.models.quantized import GGUFWeight, QuantLinear
@@ -352,6 +353,7 @@ def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> Non
         path = name.rsplit(".", 1)[0]
         linear = model.get_submodule(path)
         model.set_submodule(path, QuantLinear(parts, linear.in_features, linear.out_features, linear.bias))
+    model.fused_cpu = FusedCpuLayers.of(model)
     formats = ", ".join(f"{count} {kind}" for kind, count in sorted(gguf.formats().items()))
     logger.info("%s: %d linear layers run quantized (tensors: %s)", gguf.path.name, len(blocks), formats)
 

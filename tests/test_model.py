@@ -22,11 +22,13 @@ def load_ours(path):
     return build_model(files, config, torch.float32, torch.device("cpu"), TorchAttentionBackend())
 
 
-def ragged_logits(model, prompts: list[list[int]], chunk: int, block_size: int = 4) -> list[torch.Tensor]:
+def ragged_logits(model, prompts: list[list[int]], chunk: int, block_size: int = 4,
+                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Run ``prompts`` through the paged runner in chunks of at most ``chunk`` tokens each
-    (all requests in every step, one ragged batch); returns per-prompt logits [len, vocab]."""
+    (all requests in every step, one ragged batch; the KV cache in ``dtype``, the model's);
+    returns per-prompt logits [len, vocab]."""
     runner = ModelRunner(model, EngineConfig(block_size=block_size, num_kv_blocks=256),
-                         torch.device("cpu"), torch.float32)
+                         torch.device("cpu"), dtype)
     kv = KVCacheManager(runner.num_blocks, block_size)
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]

@@ -131,6 +131,30 @@ def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path):
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype):
+    """Steps whose spans the C++ attention takes (decode rows, verify spans) run each layer
+    as one C++ call: the same ops in the same order, so the same logits bit for bit as
+    layer by layer; longer prefill chunks run layer by layer."""
+    files, _ = tiny_gguf(tmp_path)
+    model = build_model(files, load_hf_config(files), dtype, CPU, TorchAttentionBackend(cpu_kernels=True),
+                        quantized=True)
+    assert model.fused_cpu is not None
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 9, 4)]
+    for chunk in (1, 5):
+        fused = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
+        fused_cpu, model.fused_cpu = model.fused_cpu, None
+        try:
+            by_layer = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
+        finally:
+            model.fused_cpu = fused_cpu
+        assert all(torch.equal(a, b) for a, b in zip(fused, by_layer)), chunk
+    plain = ModelFiles("tiny", tiny_model_dir("llama"))
+    float_model = build_model(plain, load_hf_config(plain), dtype, CPU, TorchAttentionBackend(cpu_kernels=True))
+    assert float_model.fused_cpu is None  # float linears: layer by layer
+
+
+@needs_cpu_kernels
 def test_speculation_over_a_quantized_target_is_lossless(tmp_path, monkeypatch):
     """The engine on a quantized GGUF target: greedy with n-gram and layer-skip drafts
     equals greedy without, and every KV block comes back."""

@@ -224,12 +224,18 @@ class LlamaForCausalLM(nn.Module):
         if self.model.rotary_local is not None:
             local_tables = ops.rotary_tables(self.model.rotary_local, positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            tables = local_tables if layer.self_attn.local_rope else rotary_tables
-            hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
+        if self.fused_cpu is not None and self.fused_cpu.covers(batch):
+            hidden, residual = self.fused_cpu.run(hidden, rotary_tables, kv_caches, batch, num_layers)
+        else:
+            for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
+                tables = local_tables if layer.self_attn.local_rope else rotary_tables
+                hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
         if residual is None:  # no layer ran
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
+
+    # Every layer in one C++ call where the model allows it (models/fused_cpu.py; set at load).
+    fused_cpu = None
 
     # A draft may propose among a subset of the vocabulary only (``restrict_vocab``).
     vocab_ids: torch.Tensor | None = None
