@@ -26,6 +26,7 @@ from specserve.errors import ModelLoadError, SpecserveError
 from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
                               resolve_model)
 from specserve.models.eagle import EagleForCausalLM
+from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.quantized import quantize_linears
 
 logger = logging.getLogger("specserve")
@@ -123,6 +124,7 @@ def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):
             quantize_linears(model, "Q4_1")
         except ValueError as exc:
             raise SpecserveError(f"speculative_method 'quantized': {exc}") from None
+        model.fused_cpu = FusedCpuLayers.of(model)
     return ModelDrafter("quantized", model, config, device, dtype)
 
 

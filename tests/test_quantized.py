@@ -174,6 +174,40 @@ def test_speculation_over_a_quantized_target_is_lossless(tmp_path, monkeypatch):
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@needs_cpu_kernels
+def test_the_quantized_self_draft_is_lossless(tmp_path, tiny_model_dir, monkeypatch):
+    """``speculative_method='quantized'``: the target runs dequantised and drafts with its
+    own blocks (a GGUF) or with its linears quantized to Q4_1 at load (a float checkpoint);
+    greedy output equals the dequantised target's without speculation, drafts are accepted
+    (nearly all from the file's own blocks), and every KV block comes back."""
+    import specserve.drafts
+    import specserve.engine
+
+    files, _ = tiny_gguf(tmp_path)
+    prompts = [[(5 * i + j) % 500 + 3 for i in range(12)] for j in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = dict(speculative_method="quantized", num_speculative_tokens=3, speculative_adaptive=False)
+    # The file's own blocks are the target's weights: nearly every draft is accepted. Q4_1 made
+    # from a random 64-wide float model moves its logits much more (chance is about 0).
+    cases = ((files, "Q4_K+Q4_0+Q4_1+Q6_K+Q8_0", 0.9), (ModelFiles("tiny", tiny_model_dir("llama")), "Q4_1", 0.25))
+    for model, formats, accepted in cases:
+        monkeypatch.setattr(specserve.engine, "resolve_model", lambda _: model)
+        monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: model)
+        common = dict(model="tiny", dtype="float32", block_size=4, num_kv_blocks=128)
+        want = [o.token_ids for o in LLM(**common, gguf_weights="dequantized").generate(prompts, params, use_tqdm=False)]
+        llm = LLM(**common, **spec)
+        assert not llm.engine.quantized_weights  # the target runs dequantised
+        draft = llm.engine.speculator.drafter.model
+        assert sorted({f for m in draft.modules() for f in getattr(m, "formats", ())}) == sorted(formats.split("+"))
+        assert draft.fused_cpu is not None
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens >= accepted * stats.num_draft_tokens > 0, stats
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    with pytest.raises(ValueError, match="gguf_weights must not be 'quantized'"):
+        EngineConfig(gguf_weights="quantized", **spec)
+
+
 def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog):
     """``quantized`` refuses in one line naming why; ``auto`` loads dequantised (exact
     too) and says why; ``dequantized`` never reads the blocks."""

@@ -194,8 +194,8 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     permuted for its rotary layout, every weight in its block format (``types``, default
     GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection). The K-quants get
     random blocks (the ``gguf`` package cannot quantize to them), the others quantize
-    random weights. Writes ``model.gguf`` plus config.json and a tokenizer beside it (the
-    parts ``resolve_model`` takes from transformers' conversion), and returns
+    random weights. Writes ``model.gguf`` plus config.json, a tokenizer and the dequantised
+    weights beside it (what ``resolve_model``'s conversion writes), and returns
     (gguf path, the HF model holding exactly the dequantised weights)."""
     from pathlib import Path
 
@@ -212,10 +212,7 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     config = LlamaConfig(**TINY_GGUF)
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(config).eval()
-    hf.save_pretrained(directory)  # config.json (the weights come from the GGUF below)
     make_tokenizer(config.vocab_size).save_pretrained(directory)
-    for stale in directory.glob("*.safetensors"):
-        stale.unlink()
 
     def blocks(weight: torch.Tensor, kind: str) -> np.ndarray:
         qtype = gguf.GGMLQuantizationType[kind]
@@ -273,4 +270,5 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     with torch.no_grad():
         for name, value in dequantised.items():
             state[name].copy_(value)
+    hf.save_pretrained(directory)  # the dequantised weights, as resolve_model's conversion writes them
     return directory / "model.gguf", hf
