@@ -347,6 +347,10 @@ def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> Non
     """Replace each linear layer whose weight came as GGUF blocks by a QuantLinear over
     them (the layer's float storage, never filled, is dropped). A head tied to quantized
     embeddings runs those blocks, while the embedding lookup keeps its dequantised rows."""
+    if any(getattr(module, "rotary_order", None) is not None for module in model.modules()):
+        # finish_loading reorders partial-rotary q/k rows in the float weights, not in blocks
+        raise ModelLoadError(f"{gguf.path.name}: partial rotary embeddings are not run on quantized "
+                             "weights; use gguf_weights 'dequantized'")
     if gguf.tied_head is not None and model.tie_word_embeddings:
         blocks["lm_head.weight"] = [(0, gguf.tied_head)]
     for name, parts in blocks.items():

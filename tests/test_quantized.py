@@ -208,7 +208,7 @@ def test_the_quantized_self_draft_is_lossless(tmp_path, tiny_model_dir, monkeypa
         EngineConfig(gguf_weights="quantized", **spec)
 
 
-def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog):
+def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog, monkeypatch):
     """``quantized`` refuses in one line naming why; ``auto`` loads dequantised (exact
     too) and says why; ``dequantized`` never reads the blocks."""
     files, _ = tiny_gguf(tmp_path / "q5", ffn_down="Q5_K")  # a format without a kernel
@@ -222,6 +222,13 @@ def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_mode
         quantized_gguf(plain, "quantized", CPU)
     assert not quantized_gguf(plain, "auto", CPU)
     ok, _ = tiny_gguf(tmp_path / "ok")
+    import specserve.models.llama  # partial rotary: q/k rows would need reordering inside the blocks
+
+    with monkeypatch.context() as patch:
+        patch.setattr(specserve.models.llama, "rotary_order", lambda config: list(range(64)))
+        with pytest.raises(ModelLoadError, match="partial rotary"):
+            build_model(ok, load_hf_config(ok), torch.float32, CPU, TorchAttentionBackend(cpu_kernels=True),
+                        quantized=True)
     assert not quantized_gguf(ok, "dequantized", CPU)
     with pytest.raises(ModelLoadError, match="run on the CPU, not cuda"):
         quantized_gguf(ok, "quantized", torch.device("cuda"))
