@@ -109,7 +109,7 @@ def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):
     """The target drafting for itself from a quantized copy of its weights: a GGUF's own
     blocks where the target came from one (it then runs dequantised itself), else its
     linear layers quantized to Q4_1 at load. It shares the target's embeddings, has its
-    own KV cache, and reads 4.5 to 8.5 bits per weight a draft step instead of 16."""
+    own KV cache, and reads 6 to 12 bits per weight a draft step instead of 16."""
     if device.type != "cpu":
         raise SpecserveError("speculative_method 'quantized' runs on the CPU (its kernels are the C++ CPU kernels)")
     if target.tp.size > 1:

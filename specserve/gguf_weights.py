@@ -3,7 +3,8 @@
 ``GGUFCheckpoint`` reads a llama-architecture GGUF (Llama 2/3, SmolLM2, Mistral as
 llama.cpp converts them) with the ``gguf`` package, memory-mapped. Float tensors (norms,
 F16/BF16/F32 weights) come out as torch tensors; quantized linear weights as
-``GGUFWeight`` blocks, which ``QuantLinear`` runs quantized. The token embedding is
+``GGUFWeight`` blocks, which ``QuantLinear`` runs quantized; F32, F16 and BF16 weights
+load as float layers beside them. The token embedding is
 dequantised for the lookup; when the model ties its LM head to it, the head is those same
 blocks, quantized (``tied_head``).
 
@@ -60,7 +61,7 @@ class GGUFCheckpoint:
             return f"its architecture {self.architecture!r} has no quantized path (supported: {', '.join(ARCHITECTURES)})"
         for tensor in self.tensors.values():
             kind = tensor.tensor_type.name
-            if kind not in FORMATS and kind not in FLOAT_TYPES:
+            if kind not in FORMATS and kind not in FLOAT_TYPES and kind != "BF16":
                 return f"tensor {tensor.name} is {kind}, which has no quantized CPU kernel (supported: {', '.join(FORMATS)})"
         return None
 
@@ -93,6 +94,9 @@ class GGUFCheckpoint:
 
     def _read(self, tensor):
         kind = tensor.tensor_type.name
+        if kind == "BF16":  # numpy has no bfloat16: the raw 16 bits, viewed by torch
+            bits = np.ascontiguousarray(np.asarray(tensor.data)).view(np.int16)
+            return torch.from_numpy(bits.copy()).view(torch.bfloat16).float()
         if kind in FLOAT_TYPES:
             data = np.asarray(tensor.data)
             if data.dtype != FLOAT_TYPES[kind]:

@@ -131,6 +131,26 @@ def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path):
 
 
 @needs_cpu_kernels
+def test_float_tensors_in_a_gguf_load_beside_the_blocks(tmp_path):
+    """BF16 norms and an F16 output projection (files mix float and block tensors): loaded
+    as their exact values, the F16 projection a float layer beside the quantized ones, the
+    step layer by layer (the fused layers need every projection quantized)."""
+    files, hf = tiny_gguf(tmp_path, norm="BF16", attn_output="F16")
+    model = build_model(files, load_hf_config(files), torch.float32, CPU,
+                        TorchAttentionBackend(cpu_kernels=True), quantized=True)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, torch.nn.Linear) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert model.fused_cpu is None
+    assert torch.equal(layer.input_layernorm.weight, hf.model.layers[0].input_layernorm.weight)
+    assert torch.equal(layer.self_attn.o_proj.weight, hf.model.layers[0].self_attn.o_proj.weight)
+    prompt = torch.randint(3, 512, (17,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = ragged_logits(model, [prompt], chunk=5)[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert (got - want).abs().max().item() < 0.01
+
+
+@needs_cpu_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype):
     """Steps whose spans the C++ attention takes (decode rows, verify spans) run each layer

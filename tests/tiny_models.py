@@ -192,7 +192,8 @@ TINY_GGUF = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hid
 def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     """A tiny tied-embedding llama written as llama.cpp writes a GGUF: q and k rows
     permuted for its rotary layout, every weight in its block format (``types``, default
-    GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection). The K-quants get
+    GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection; F32, F16 or BF16 for
+    a float weight, and under the key "norm" for the norms, F32 by default). The K-quants get
     random blocks (the ``gguf`` package cannot quantize to them), the others quantize
     random weights. Writes ``model.gguf`` plus config.json, a tokenizer and the dequantised
     weights beside it (what ``resolve_model``'s conversion writes), and returns
@@ -251,10 +252,13 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     dequantised = {}
     for hf_name, gguf_name in names.items():
         weight = state[hf_name]
-        if weight.dim() == 1:
-            writer.add_tensor(gguf_name, weight.float().numpy())
+        kind = types.get("norm" if weight.dim() == 1 else gguf_name.split(".")[-2], "F32")
+        if kind in ("F32", "F16", "BF16"):  # float tensors, rounded to their type
+            rounded = weight.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind])
+            dequantised[hf_name] = rounded.float()
+            raw = rounded.view(torch.int16).numpy().view(np.uint8) if kind == "BF16" else rounded.numpy()
+            writer.add_tensor(gguf_name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16 if kind == "BF16" else None)
             continue
-        kind = types[gguf_name.split(".")[-2]]
         raw = blocks(weight, kind)
         dequantised[hf_name] = torch.from_numpy(
             dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(weight.shape).copy())

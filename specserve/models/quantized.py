@@ -196,8 +196,9 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class QuantLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: about 4.5 to
-    8.5 bits per weight read per step instead of 16. ``parts``: (first row, GGUFWeight)
+    """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: 6 bits per
+    weight read per step for 4-bit formats, 10 to 12 for 8-bit ones (q plus an fp32 scale
+    and min per group), instead of 16. ``parts``: (first row, GGUFWeight)
     filling the layer's rows, in any order."""
 
     def __init__(self, parts: list[tuple[int, GGUFWeight]], in_features: int, out_features: int,
