@@ -134,20 +134,17 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w.
+// Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w, outside chunk
+// pairs: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, inputs j and 32 + j).
 template <int Bits>
-inline __m512i weight_chunk(const uint8_t* w, int64_t c, int64_t chunks) {
+inline __m512i weight_chunk(const uint8_t* w, int64_t c) {
   if constexpr (Bits == 8) {
     return _mm512_loadu_si512(w + c * kChunk);
-  } else if ((c & 1) == 0 && c + 1 == chunks) {  // an odd last chunk
+  } else {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (kChunk / 2)));
     const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  } else {
-    const __m512i packed = _mm512_loadu_si512(w + (c & ~int64_t(1)) * (kChunk / 2));
-    const __m512i nibbles = (c & 1) ? _mm512_srli_epi16(packed, 4) : packed;
-    return _mm512_and_si512(nibbles, _mm512_set1_epi8(0x0F));
   }
 }
 
@@ -165,7 +162,7 @@ inline __m512 per_lane(const float* p, int64_t count) {
 template <int Rows, int Cols, int Bits, int G>
 inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
-  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
+  const int64_t kp = q.kp, groups = kp / G;
   __m512 acc[Cols][Rows];
   for (int n = 0; n < Cols; ++n)
     for (int r = 0; r < Rows; ++r) acc[n][r] = _mm512_setzero_ps();
@@ -196,10 +193,10 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
             dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
           }
         }
-    } else {
+    } else {  // 8 bits, or a 4-bit block of one chunk: the row's odd last chunk
       for (int64_t j = 0; j < size; ++j, ++c)
         for (int n = 0; n < Cols; ++n) {
-          const __m512i wv = weight_chunk<Bits>(w + n * row_bytes, c, chunks);
+          const __m512i wv = weight_chunk<Bits>(w + n * row_bytes, c);
           for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
         }
     }
@@ -263,10 +260,12 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
 }
 #endif
 
-// Rows activation rows against `cols` weight rows, in column tiles of kCols: out [Rows][cols].
-template <int Rows, int Bits, int G, int kCols>
-void dot_rows_c(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
-                const QuantizedRows& q, int64_t r0, float* out) {
+// Rows activation rows against `cols` weight rows, in column tiles: out [Rows][cols]. Tiles
+// of 4 columns for 1 or 2 rows, 2 for 3 or 4 (measured best on an AVX-512 Xeon).
+template <int Rows, int Bits, int G>
+void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
+              const QuantizedRows& q, int64_t r0, float* out) {
+  constexpr int kCols = Rows <= 2 ? 4 : 2;
   float tile[Rows * kCols];
   const int64_t groups = q.kp / G;
   for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
@@ -283,13 +282,6 @@ void dot_rows_c(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* 
     }
   }
 }
-template <int Rows, int Bits, int G>
-void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
-              const QuantizedRows& q, int64_t r0, float* out) {
-  // Column tiles of 4 for 1 or 2 rows, 2 for 3 or 4 (measured best on an AVX-512 Xeon).
-  dot_rows_c<Rows, Bits, G, (Rows <= 2 ? 4 : 2)>(cols, w, row_bytes, ws, wm, q, r0, out);
-}
-
 template <int Bits, int G, typename T>
 void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* packed, int64_t row_bytes,
                   const float* scales, const float* mins, const float* bias, T* out) {
