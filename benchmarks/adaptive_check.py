@@ -31,10 +31,10 @@ SETTINGS = {  # name -> (engine kwargs, controller attributes)
 }
 
 
-def eager_plan(caps: dict[str, int], *_args) -> tuple[np.ndarray, set[str]]:
+def eager_plan(caps: dict[str, int], *_args) -> tuple[np.ndarray, set[str], None]:
     """Every request drafts its cap (and verifies every draft path it may): the plan of a
-    cost model that takes drafts for free."""
-    return np.fromiter(caps.values(), dtype=int, count=len(caps)), set()
+    cost model that takes drafts for free (and knows no prices: n-gram drafts need none)."""
+    return np.fromiter(caps.values(), dtype=int, count=len(caps)), set(), None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,10 +36,12 @@ from specserve.request import Request
 from specserve.sampler import SamplingMetadata
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
+from specserve.spec.stopping import StopRule
 
 
 class EagleDrafter(ModelDrafter):
     needs_every_step = True  # the head's cache follows every pass of the target
+    first_draft_in_catch_up = True  # (its features are the target's of that step)
     max_paths = 1  # its features follow each request's pass by request id
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:
@@ -104,8 +106,8 @@ class EagleDrafter(ModelDrafter):
         return out
 
     # ------------------------------------------------------------------ the step
-    def propose(self, scheduled: list[ScheduledRequest],
-                requests: Mapping[str, Request]) -> DraftProposal:
+    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+                stop: StopRule | None = None) -> DraftProposal:
         began = time.perf_counter()
         self._collect(requests)
         self._seen = scheduled
@@ -143,10 +145,16 @@ class EagleDrafter(ModelDrafter):
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[p.req_id]) for p in order],
                                              [p.params for p in order], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in order])
-        tokens, q = self._choose(logits, order, [ends[p.req_id] for p in order], meta, process=process)
+        session = None if stop is None else stop.begin(order)
+        tokens, q, confidence = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
+                                             process=process, confident=session is not None)
         columns, q_columns = [tokens], [q]
+        n = len(order)
         for j in range(1, order[0].num_lookahead):
-            n = sum(p.num_lookahead > j for p in order)
+            n = sum(p.num_lookahead > j for p in order) if session is None else \
+                session.after(j - 1, confidence[:n].tolist())
+            if n == 0:
+                break
             active = order[:n]
             if process is not None:
                 process = process.head(n)
@@ -155,15 +163,13 @@ class EagleDrafter(ModelDrafter):
             step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params,
                                      long_rope=p.long_rope) for p in active]
             logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q = self._choose(logits, active, [ends[p.req_id] + j for p in active],
-                                     meta and _head(meta, n), process=process)
+            tokens, q, confidence = self._choose(logits, active, [ends[p.req_id] + j for p in active],
+                                                 meta and _head(meta, n), process=process,
+                                                 confident=session is not None)
             columns.append(tokens)
             q_columns.append(q)
         index = {id(p): i for i, p in enumerate(scheduled)}
-        draft_ids, draft_probs = self._in_schedule_order(scheduled, [index[id(p)] for p in order],
-                                                         columns, q_columns)
-        placeholders = [[0] * p.num_lookahead for p in scheduled]
-        return DraftProposal(placeholders, draft_probs, draft_ids)
+        return self._proposal(scheduled, [index[id(p)] for p in order], columns, q_columns, session, confidence, n)
 
     def _forward(self, entries: list[ScheduledRequest], features: list[torch.Tensor],
                  device_ids: DeviceTokenIds | None = None):

@@ -30,6 +30,7 @@ from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, tar
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
+from specserve.spec.stopping import DraftStop, StopRule
 from specserve.transfer import to_device
 
 
@@ -45,8 +46,12 @@ class ModelDrafter:
     after a rollback that length is clamped to the target's accepted length.
     """
 
-    needs_every_step = True  # a draft checkpoint's cache prefills and catches up every step
+    needs_every_step = True  # a draft checkpoint's cache prefills in lockstep with the target's
+    # A decoding request without drafts is not fed: its cache catches up (several tokens
+    # in one pass) when it next drafts, so that pass is a draft pass, not a step's fixed cost.
+    first_draft_in_catch_up = False
     max_paths = 1 + len(DRAFT_FORKS)
+    confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
 
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
@@ -123,8 +128,8 @@ class ModelDrafter:
         if not self.shares_target_cache:  # the shared cache is the target runner's, copied there
             self.runner.copy_blocks(block_copies)
 
-    def propose(self, scheduled: list[ScheduledRequest],
-                requests: Mapping[str, Request]) -> DraftProposal:
+    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+                stop: StopRule | None = None) -> DraftProposal:
         began = time.perf_counter()
         entries, drafting, ends, fed_before = [], [], {}, {}
         for i, planned in enumerate(scheduled):
@@ -135,6 +140,11 @@ class ModelDrafter:
             end = planned.start_pos + len(planned.token_ids)
             if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
                 self._fed[req_id] = planned.draft_cache_valid
+            if k == 0 and planned.start_pos >= requests[req_id].num_prompt_tokens:
+                # Decoding without drafts: its cache catches up when it next drafts (the
+                # entries past this step's start may be rejected drafts': not valid).
+                self._fed[req_id] = min(self._fed.get(req_id, 0), planned.start_pos)
+                continue
             # A request's further draft paths catch up from where the request's own does.
             fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))
@@ -156,7 +166,13 @@ class ModelDrafter:
         # batch puts them first, in that order, so its logits rows are in it too.
         order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
         rank = {i: r for r, i in enumerate(order)}
-        entries.sort(key=lambda e: rank.get(e[0], len(order)))
+        # Prompt chunks fed in lockstep are the step's cost whatever k is: their own pass,
+        # timed apart; the drafting requests' catch-up is their first draft pass.
+        lockstep = [e for i, e in entries if i not in ends]
+        if lockstep:
+            self._forward(lockstep)
+        self.last_catch_up_s = time.perf_counter() - began if lockstep else 0.0
+        entries = sorted((e for e in entries if e[0] in ends), key=lambda e: rank[e[0]])
         active = [scheduled[i] for i in order]
         meta = None
         if any(not p.params.greedy for p in active):
@@ -165,18 +181,20 @@ class ModelDrafter:
         forks = [p.fork if isinstance(p, PathEntry) else None for p in active]
         forking = any(forks)
         logits = self._forward([e for _, e in entries])
-        # The catch-up runs whatever k is (it yields the first proposals too): the cost of
-        # drafting is what comes after it.
-        self.last_catch_up_s = time.perf_counter() - began
         # Penalties, a grammar and the like process q from the same history as the target's p.
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
                                              [p.params for p in active], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in active])
-        tokens, q = self._choose(logits, active, [ends[i] for i in order], meta, forks if forking else None, 0,
-                                 process)
+        session = None if stop is None or forking else stop.begin(active)
+        tokens, q, confidence = self._choose(logits, active, [ends[i] for i in order], meta,
+                                             forks if forking else None, 0, process, session is not None)
         columns, q_columns = [tokens], [q]
+        n = len(active)
         for j in range(1, active[0].num_lookahead):
-            n = sum(p.num_lookahead > j for p in active)
+            n = sum(p.num_lookahead > j for p in active) if session is None else \
+                session.after(j - 1, confidence[:n].tolist())
+            if n == 0:
+                break
             active = active[:n]
             if process is not None:
                 process = process.head(n)
@@ -185,29 +203,47 @@ class ModelDrafter:
             step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params,
                                      long_rope=p.long_rope) for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q = self._choose(logits, active, [ends[i] + j for i in order[:n]],
-                                     meta and _head(meta, n), forks[:n] if forking else None, j, process)
+            tokens, q, confidence = self._choose(logits, active, [ends[i] + j for i in order[:n]],
+                                                 meta and _head(meta, n), forks[:n] if forking else None, j,
+                                                 process, session is not None)
             columns.append(tokens)
             q_columns.append(q)
             if not self.shares_target_cache:
                 for p, fork in zip(active, forks):
                     if fork is None:  # a request's paths feed the same positions
                         self._fed[p.req_id] += 1
-        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
-        placeholders = [[0] * p.num_lookahead for p in scheduled]
-        return DraftProposal(placeholders, draft_probs, draft_ids)
+        return self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
 
-    def _in_schedule_order(self, scheduled, order, columns, q_columns):
+    def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
+                  confidence: torch.Tensor | None, n: int) -> DraftProposal:
+        """The step's proposals: every planned draft, or with ``session`` the ones its
+        stopping rule kept (its last pass's ``n`` rows' ``confidence`` judged first)."""
+        if session is None:
+            draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
+            return DraftProposal([[0] * p.num_lookahead for p in scheduled], draft_probs, draft_ids)
+        if session.judged < len(columns):  # the last pass's tokens are still to be judged
+            session.after(len(columns) - 1, confidence[:n].tolist())
+        rank = {i: r for r, i in enumerate(order)}
+        lengths = [session.kept[rank[i]] if i in rank else 0 for i in range(len(scheduled))]
+        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns, lengths)
+        return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
+                             [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
+                             session.passes)
+
+    def _in_schedule_order(self, scheduled, order, columns, q_columns, lengths: list[int] | None = None):
         """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
         schedule order, from the per-step ``columns`` over (a prefix of) ``order``, the
-        drafting entries' indices in ``scheduled``."""
+        drafting entries' indices in ``scheduled``; ``lengths``: how many of its drafts
+        each entry keeps (None: its k)."""
         sampled = q_columns[0] is not None
-        if all(scheduled[i].num_lookahead == len(columns) for i in order):  # ``order`` is schedule order then
+        if lengths is None:
+            lengths = [p.num_lookahead for p in scheduled]
+        if all(lengths[i] == len(columns) for i in order) and order == sorted(order):
             q = torch.stack(q_columns, dim=1).flatten(0, 1) if sampled else None
             return torch.stack(columns, dim=1).view(-1), q
         starts = [0, *accumulate(len(c) for c in columns)]
         rank = {i: r for r, i in enumerate(order)}
-        (index,) = to_device([[starts[j] + rank[i] for i, p in enumerate(scheduled) for j in range(p.num_lookahead)]],
+        (index,) = to_device([[starts[j] + rank[i] for i, k in enumerate(lengths) for j in range(k)]],
                              torch.int64, self.device)
         q = torch.cat(q_columns).index_select(0, index) if sampled else None
         return torch.cat(columns).index_select(0, index), q
@@ -217,28 +253,36 @@ class ModelDrafter:
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
                 meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0,
-                process: LogitsProcess | None = None):
+                process: LogitsProcess | None = None, confident: bool = False):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
         argmax (a row whose fork, ``forks[i]`` = (depth, rank), is at this ``depth`` its
         rank-th candidate; ``forks`` None: no row forks), sampling ones draw from q, which is returned too
         (``[len(active), vocab]``, else None) for the rejection sampler. ``positions``:
         the index of the token each row drafts, which keys its random number; ``meta``:
-        the rows' sampling settings (None: all greedy); ``process``: their logits processing."""
+        the rows' sampling settings (None: all greedy); ``process``: their logits processing.
+        With ``confident``, third: each row's confidence, the top probability of q (of
+        its greedy distribution for a greedy row), else None."""
         if process is not None:
             logits = process.apply(logits)
         greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         if any(ranks):
             greedy = _runner_up(logits, greedy, ranks, self.device)
+        confidence = None
+        if confident:
+            top = logits.gather(1, greedy[:, None])[:, 0].float()
+            confidence = torch.exp(top - torch.logsumexp(logits.float(), dim=-1))
         if meta is None:
-            return greedy, None
+            return greedy, None, confidence
         q = target_probs(logits, meta)
         uniforms = [0.0 if p.params.greedy else
                     self.uniforms.at(p.req_id, p.params, range(pos, pos + 1), Uniforms.DRAFT)[0]
                     for p, pos in zip(active, positions)]
         (uniforms_t,) = to_device([uniforms], torch.float32, self.device)
         sampled = sample_from_probs(q, uniforms_t)
-        return torch.where(meta.temperature > 0, sampled, greedy), q
+        if confident:
+            confidence = torch.where(meta.temperature > 0, q.amax(dim=-1).float(), confidence)
+        return torch.where(meta.temperature > 0, sampled, greedy), q, confidence
 
 
 def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:

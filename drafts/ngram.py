@@ -109,9 +109,11 @@ class NgramIndex:
 class NgramDrafter:
     name = "ngram"
     needs_every_step = False  # each request's index catches up on the tokens at its next lookup
+    first_draft_in_catch_up = False
     max_paths = 1  # one continuation per lookup
     last_catch_up_s = 0.0  # no cache to keep up
     draft_cache = None  # no KV cache of its own
+    confidence = False  # a match proposes with certainty: its k is the controller's
 
     def cached_tokens(self, req_id: str) -> int:
         return 0
@@ -132,8 +134,8 @@ class NgramDrafter:
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         pass  # no KV cache
 
-    def propose(self, scheduled: list[ScheduledRequest],
-                requests: Mapping[str, Request]) -> DraftProposal:
+    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+                stop=None) -> DraftProposal:
         return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)
                               if p.num_lookahead else [] for p in scheduled])
 

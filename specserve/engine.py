@@ -32,6 +32,7 @@ from specserve.prompts import chat_prompt_ids, check_text, tokenize_prompt
 from specserve.request import FinishReason, Request
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, Scheduler, SchedulerOutput, StepResult
+from specserve.spec.calibration import ConfidenceCalibration
 from specserve.spec.rejection_sampler import PromptRows, RejectionSampler, VerifyRequest
 from specserve.transfer import to_device
 from specserve.spec.speculator import Drafts, Speculator
@@ -460,6 +461,13 @@ class LLMEngine:
     def draft_length_counts(self) -> Counter[int]:
         """How many request-steps verified each draft length k."""
         return self.speculator.draft_length_counts
+
+    @property
+    def draft_calibration(self) -> ConfidenceCalibration | None:
+        """The adaptive controller's map from draft confidence to acceptance (None without
+        one: speculation off, a fixed k, a drafter without confidence, draft paths)."""
+        controller = self.speculator.controller
+        return controller.calibration if controller is not None else None
 
 
 class LLM:

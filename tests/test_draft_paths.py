@@ -212,10 +212,10 @@ def test_each_path_drafts_what_the_draft_model_predicts_along_it(tiny_model_dir,
                 num_speculative_tokens=4, speculative_adaptive=False, num_draft_paths=4, **ENGINE)
     engine = llm.engine
     steps, propose = [], engine.speculator.drafter.propose
-    engine.speculator.drafter.propose = lambda scheduled, requests: steps.append(
+    engine.speculator.drafter.propose = lambda scheduled, requests, stop=None: steps.append(
         [(p, list(requests[p.req_id].all_token_ids[:p.start_pos + 1])) for p in scheduled
          if isinstance(p, PathEntry)]) \
-        or propose(scheduled, requests)
+        or propose(scheduled, requests, stop)
     llm.generate(PROMPTS[:3], [_greedy(4, 24)] * 3, use_tqdm=False)
     checked = 0
     for paths in steps:
@@ -253,7 +253,7 @@ def test_the_controller_learns_what_paths_add_and_chooses_who_forks(tiny_model_d
     engine = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                    num_speculative_tokens=4, num_draft_paths=4, **ENGINE).engine
     ctl = engine.speculator.controller
-    ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps))
+    ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps), None)
     seen, observe = [], ctl.observe_acceptance
     ctl.observe_acceptance = lambda req_id, outcome: seen.append((req_id, *outcome)) or observe(req_id, outcome)
     steps, schedule = [], engine.scheduler.schedule

@@ -117,8 +117,8 @@ def record_proposals(drafter) -> list[tuple[int, list[int], list[int]]]:
     tokens, its proposals) of the first request of each step that drafted."""
     proposals, propose = [], drafter.propose
 
-    def spy(scheduled, requests):
-        out = propose(scheduled, requests)
+    def spy(scheduled, requests, stop=None):
+        out = propose(scheduled, requests, stop)
         if out.draft_ids is not None:
             proposals.append((scheduled[0].start_pos, requests[scheduled[0].req_id].all_token_ids[:],
                               out.draft_ids.tolist()))
@@ -257,7 +257,7 @@ def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless
     assert f"among its {len(vocab)} most written tokens" in llm.engine.speculator.drafter.describe()
     drafter, proposed = llm.engine.speculator.drafter, []
     propose = drafter.propose
-    drafter.propose = lambda s, r: (out := propose(s, r)) and (
+    drafter.propose = lambda s, r, stop=None: (out := propose(s, r, stop)) and (
         proposed.extend(out.draft_ids.tolist()) if out.draft_ids is not None else None) or out
     for params in ([greedy(k) for k in KS],
                    [SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,8 +104,9 @@ def test_seeded_requests_keep_the_fixed_k_and_their_tokens_under_adaptive_specul
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4, seed=1), req_id="s")
     engine.add_request([1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4), req_id="u")
     engine.step()  # prefill both
-    for req_id in ("s", "u"):  # drafts that never land: the controller would choose k = 0
-        engine.speculator.controller.set_estimates(req_id, [0.0, 0.0, 0.0], 1.0)
+    # Drafts that never land, however confident: the controller would choose k = 0.
+    engine.speculator.controller.observe_confidence(np.zeros(800, dtype=bool), np.repeat(np.arange(4), 200),
+                                                    np.full(800, 0.99), np.zeros(800))
     chosen = engine.speculator.plan(engine.scheduler)
     assert chosen["u"] == 0 and chosen["s"] == 3
 

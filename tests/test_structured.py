@@ -128,8 +128,8 @@ def test_n_gram_drafts_outside_the_grammar_are_never_verified(target):
 
     one, a = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("a")
 
-    def spy_propose(scheduled, requests):  # a digit, then letters, whatever n-gram found
-        out = propose(scheduled, requests)
+    def spy_propose(scheduled, requests, stop=None):  # a digit, then letters, whatever n-gram found
+        out = propose(scheduled, requests, stop)
         out.draft_token_ids = [[one, a, one][:p.num_lookahead] for p in scheduled]
         proposed.extend(t for d in out.draft_token_ids for t in d)
         return out

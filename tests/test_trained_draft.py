@@ -461,8 +461,8 @@ def test_a_draft_vocabulary_limits_the_proposals_and_stays_lossless(tmp_path, ti
     drafter, proposed = spec.engine.speculator.drafter, []
     propose = drafter.propose
 
-    def spy(scheduled, requests):
-        out = propose(scheduled, requests)
+    def spy(scheduled, requests, stop=None):
+        out = propose(scheduled, requests, stop)
         if out.draft_ids is not None:
             proposed.extend(out.draft_ids.tolist())
         return out

@@ -129,12 +129,36 @@ class _EngineCollector:
             per_pos.add_metric([*self.labels, str(pos)], count)
         yield per_pos
         yield _draft_length_histogram(snap.draft_length_counts, self.labels)
+        if snap.draft_calibration is not None:
+            yield from _calibration(snap.draft_calibration.describe(), self.labels)
 
 
 def _gauge(name, doc, labels, value):
     gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
     gauge.add_metric(labels, value)
     return gauge
+
+
+def _calibration(described: dict, labels: list[str]):
+    """The adaptive controller's calibration map: per kind of request, draft depth and
+    confidence bin (its upper edge), the acceptance it predicts and the observations
+    behind it (forgetting-weighted)."""
+    names = ["model_name", "kind", "depth", "confidence_le"]
+    predicted = GaugeMetricFamily("specserve:spec_decode_calibrated_acceptance",
+                                  "Predicted acceptance of a draft token by the drafter's confidence and depth "
+                                  "(depth 3: 3 or deeper).", labels=names)
+    observed = GaugeMetricFamily("specserve:spec_decode_calibration_observations",
+                                 "Verified draft tokens behind each calibration bin (recent ones weigh most).",
+                                 labels=names)
+    edges = described["edges"][1:]
+    for kind in ("greedy", "sampling"):
+        for depth, (row, seen) in enumerate(zip(described[kind]["acceptance"], described[kind]["observations"])):
+            for edge, value, count in zip(edges, row, seen):
+                key = [*labels, kind, str(depth), str(edge)]
+                predicted.add_metric(key, value)
+                observed.add_metric(key, count)
+    yield predicted
+    yield observed
 
 
 def _draft_length_histogram(counts: dict[int, int], labels: list[str]):

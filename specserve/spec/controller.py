@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
+from specserve.spec.calibration import ConfidenceCalibration
 from specserve.spec.cost_model import StepCosts, StepSample, target_features
 from specserve.spec.goodput import GoodputCheck
 from specserve.spec.planner import Prices, plan_draft_lengths
+from specserve.spec.stopping import StopRule
 
 MIN_GAIN = 0.10             # drafts are planned only if they promise this much more goodput
 IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice after this many steps
@@ -38,6 +40,7 @@ class StandingPlan:
     unforked: set[str]              # forkable requests that verify their own path only
     made_at: int                    # the controller's choices when it was made
     made_s: float                   # its clock when it was made
+    prices: Prices | None = None    # what the step's pieces cost when it was made
     served: int = 1                 # choices it served
 
 
@@ -54,12 +57,18 @@ class DraftLengthController:
     """Chooses k_i per request per step; learns from what each step cost and accepted."""
 
     def __init__(self, max_k: int, min_gain: float = MIN_GAIN, check_goodput: bool = True,
-                 forks: tuple[tuple[int, int], ...] = (), first_draft_in_catch_up: bool = False) -> None:
+                 forks: tuple[tuple[int, int], ...] = (), first_draft_in_catch_up: bool = False,
+                 confidence: bool = False) -> None:
         """``forks``: the further draft paths' (depth, rank) (``DraftPaths.forks``): a
         request drafting k tokens may verify one path more for each fork above depth k.
         ``first_draft_in_catch_up``: the drafter's catch-up yields the first proposals
-        (``StepCosts``)."""
+        (``StepCosts``). ``confidence``: the drafter stops token by token by its
+        confidence (``spec.stopping``; not with further paths, which keep their static
+        forks): the plan is then the most each request may draft, made with the
+        calibration map's best case, and the drafter decides how much of it to use."""
         self.max_k = max_k
+        self.calibration = ConfidenceCalibration() if confidence and not forks else None
+        self.stop: StopRule | None = None  # the last choice's stopping rule (None: drafts as planned)
         # Draft paths per request at k = 0..max_k (1 at k = 0: none but its own).
         self._paths = np.array([1 + sum(depth < k for depth, _ in forks) for k in range(max_k + 1)])
         self.estimates = AcceptanceEstimates(max_k, len(forks) + 1)
@@ -100,6 +109,12 @@ class DraftLengthController:
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         self.estimates.observe(req_id, outcome)
 
+    def observe_confidence(self, greedy, depth, confidence, accepted) -> None:
+        """Verified draft tokens, flat: the calibration map learns from each
+        (``ConfidenceCalibration.observe``)."""
+        if self.calibration is not None:
+            self.calibration.observe(greedy, depth, confidence, accepted)
+
     def acceptance(self, req_id: str) -> np.ndarray:
         return self.estimates.acceptance(req_id)
 
@@ -125,6 +140,7 @@ class DraftLengthController:
         self._last = None
         self._planned = False
         self.unforked = set()
+        self.stop = None
         if not caps or self.costs.target.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
@@ -155,16 +171,19 @@ class DraftLengthController:
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
             self.unforked = standing.unforked
         else:
-            k, self.unforked = self._plan(caps, num_other_tokens, num_other_spans, padded, context, forkable)
+            k, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
+                                                  forkable)
             self._planned = True
-            self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
-                                               self.unforked, self._choices, self._clock)
+            standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
+                                                          self.unforked, self._choices, self._clock, prices)
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
             k[:] = 0  # the check: this step runs without the plan's drafts
             drafted = False
         self._last = _LastChoice(check, drafted, checked)
+        if drafted and self.calibration is not None:
+            self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k.tolist()))
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
@@ -189,9 +208,11 @@ class DraftLengthController:
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],
-              forkable: Container[str] = ()) -> tuple[np.ndarray, set[str]]:
-        """The goodput-maximising k per request (in ``caps``' order), from the estimates,
-        and the forkable requests that should verify their own draft path only."""
+              forkable: Container[str] = ()) -> tuple[np.ndarray, set[str], Prices]:
+        """The goodput-maximising k per request (in ``caps``' order), from the estimates
+        (with a calibration map: its best case, ``forkable`` telling greedy requests),
+        the forkable requests that should verify their own draft path only, and the
+        step's prices."""
         if callable(context):
             context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
@@ -211,12 +232,16 @@ class DraftLengthController:
             draft_pass=d, draft_token=e)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
             if forkable and self._paths[-1] > 1 else None
+        alpha, rate = estimates.alpha[rows], estimates.rate[rows]
+        if self.calibration is not None:
+            best = [self.calibration.best_case(greedy, self.max_k) for greedy in (True, False)]
+            alpha = np.array([best[r not in forkable] for r in req_ids]).reshape(num_reqs, self.max_k)
+            rate = np.ones(num_reqs)
         k, chain_only = plan_draft_lengths(
-            estimates.alpha[rows], estimates.rate[rows], cap, prices,
-            self.costs.drafter_passes(np.arange(self.max_k + 1)), self.min_gain,
+            alpha, rate, cap, prices, self.costs.drafter_passes(np.arange(self.max_k + 1)), self.min_gain,
             self._paths, estimates.path_gain, can_fork)
         estimates.idle[rows] = (k == 0) & (cap > 0)
         if chain_only is None:
-            return k, set()
-        return k, {req_ids[i] for i in np.flatnonzero(chain_only)}
+            return k, set(), prices
+        return k, {req_ids[i] for i in np.flatnonzero(chain_only)}, prices
 

@@ -10,6 +10,7 @@ import torch
 
 from specserve.request import Request
 from specserve.scheduler import ScheduledRequest
+from specserve.spec.stopping import StopRule
 
 
 @dataclass
@@ -29,6 +30,10 @@ class DraftProposal:
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None = None
     draft_ids: torch.Tensor | None = None    # [Σ len(draft_token_ids[i])] int64, on the device
+    # With a stopping rule (``spec.stopping``): each proposal's confidence, per request,
+    # and the drafter's passes run (the first included); None: every planned draft proposed.
+    confidence: list[list[float]] | None = None
+    num_passes: int | None = None
 
 
 class Drafter(Protocol):
@@ -43,9 +48,15 @@ class Drafter(Protocol):
     # Whether ``propose`` must see every step, drafts or not (a drafter with its own KV
     # cache keeps up in lockstep); one that does not is skipped when no request drafts.
     needs_every_step: bool
+    # Whether it knows its confidence in each proposal (its q) and can stop drafting by it
+    # (``spec.stopping``): a model drafter does, n-gram lookup does not.
+    confidence: bool
     # The most draft paths it proposes per request: 1, or more for a drafter that ranks
     # candidates and follows a further path's fork (``spec.paths.PathEntry``).
     max_paths: int
+    # Whether its catch-up runs at every step, drafts or not, and yields the first
+    # proposals: a draft depth D then costs D - 1 passes more (``spec.cost_model.StepCosts``).
+    first_draft_in_catch_up: bool
     # Seconds the last ``propose`` spent catching its cache up (a drafter that sees every
     # step): work that runs whatever k is, so the step's cost model counts it with the
     # target's pass, not with the drafts (0 for a drafter without a cache).
@@ -70,10 +81,12 @@ class Drafter(Protocol):
         """Copy blocks (source, destination) in the drafter's own KV cache, if it has one:
         the step forked draft paths (only where ``max_paths`` > 1)."""
 
-    def propose(self, scheduled: list[ScheduledRequest],
-                requests: Mapping[str, Request]) -> DraftProposal:
+    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+                stop: StopRule | None = None) -> DraftProposal:
         """Proposals for ``scheduled``. A request admitted this step
-        (``draft_cache_valid`` set) starts with its own cache valid that far: its cached blocks'."""
+        (``draft_cache_valid`` set) starts with its own cache valid that far: its cached blocks'.
+        ``stop`` (only for a drafter with ``confidence``): the step's per-token stopping
+        rule, which may keep fewer drafts than planned."""
 
     def cached_tokens(self, req_id: str) -> int:
         """How many first positions of ``req_id`` the drafter's own cache holds entries for

@@ -55,6 +55,8 @@ class Drafts:
     drafted: bool = False                    # whether any request drafted
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
+    depth: int | None = None                 # drafter passes run where a stopping rule cut them short
+    confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> its grammar-forced drafts
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> its grammar's row masks
 
@@ -130,7 +132,8 @@ class Speculator:
             drafter.bind(runner)
             if config.speculative_adaptive:
                 self.controller = DraftLengthController(self.max_k, forks=tuple(self.paths.forks),
-                                                        first_draft_in_catch_up=drafter.needs_every_step)
+                                                        first_draft_in_catch_up=drafter.first_draft_in_catch_up,
+                                                        confidence=drafter.confidence)
 
     def _forks(self, num_paths: int) -> tuple[tuple[int, int], ...]:
         """Where further draft paths fork from a request's own (``num_paths`` - 1 of
@@ -229,8 +232,9 @@ class Speculator:
         if not drafts.drafted and not self.drafter.needs_every_step:
             drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
+        stop = self.controller.stop if self.controller is not None else None
         try:
-            proposal = self.drafter.propose(self._drafting(scheduled, scheduler), scheduler.requests)
+            proposal = self.drafter.propose(self._drafting(scheduled, scheduler), scheduler.requests, stop)
         except RanksOutOfStepError:
             raise  # the ranks cannot go on together: the engine ends
         except Exception:
@@ -238,6 +242,11 @@ class Speculator:
         self._failures = 0
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
+        if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
+            drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
+            drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
+            drafts.drafted = any(drafts.lookahead)
+            drafts.depth = proposal.num_passes
         if self.kv.draft_cache is not None and self.kv.enable_prefix_caching:
             self._mark_draft_cache(scheduled.scheduled)
         if proposal.draft_ids is not None:
@@ -304,6 +313,8 @@ class Speculator:
         are counted apart and teach the controller nothing. Then the requests that
         finished are forgotten."""
         controller, paths = self.controller, drafts.paths
+        if drafts.confidence and controller is not None:
+            self._calibrate(drafts.confidence, updates)
         for update in updates:
             accepted = min(update.num_accepted, len(update.new_token_ids))
             if update.req.req_id in drafts.forced:
@@ -320,6 +331,21 @@ class Speculator:
                 self.stats.record(update.num_draft_tokens, accepted, path_won)
             if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
                 self.free(update.req.req_id)  # its last observation is queued: forget it
+
+    def _calibrate(self, confidence: dict[str, list[float]], updates: list[RequestUpdate]) -> None:
+        """The calibration map learns from every verified draft token: per request, the
+        accepted ones and the first rejected one (those after it were never judged)."""
+        greedy, depth, seen, accepted = [], [], [], []
+        for update in updates:
+            drafted = confidence.get(update.req.req_id)
+            if not drafted:
+                continue
+            judged = min(update.num_accepted + 1, update.num_draft_tokens, len(drafted))
+            greedy += [update.req.params.greedy] * judged
+            depth += range(judged)
+            seen += drafted[:judged]
+            accepted += [j < update.num_accepted for j in range(judged)]
+        self.controller.observe_confidence(greedy, depth, seen, accepted)
 
     def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
         """What the step cost: ``elapsed`` seconds of whole step for its updates' tokens,
@@ -354,7 +380,7 @@ class Speculator:
             num_spans=len(drafted) - drafted.count(0),
             num_padded=self.runner.padded_tokens(drafts.scheduled, lengths), num_reqs=len(planned),
             context=sum([p.start_pos for p in planned]) + tokens, num_prefill=prefill,
-            depth=max(lookahead), num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
+            depth=max(lookahead) if drafts.depth is None else drafts.depth, num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
 
     def free(self, req_id: str) -> None:
         """Forget a request that ended."""

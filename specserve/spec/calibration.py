@@ -1,0 +1,113 @@
+"""How often a drafted token is accepted, given how confident the draft was in it: an
+online calibration map (``ConfidenceCalibration``).
+
+A draft model or EAGLE head computes its distribution q at every depth. Its confidence,
+the top probability of q, predicts acceptance far better than a request's past: a
+confident draft is accepted, an unsure one mostly is not. The map learns
+P(accepted | the tokens before it were accepted, confidence, depth) from every verified
+draft token (each is an outcome, so what it learns does not depend on which steps chose
+to draft), in bins of confidence per depth, separately for greedy and sampling requests
+(a sampled draft is accepted with probability min(1, p/q), not when it is the target's
+argmax).
+
+Each bin starts from a prior that the draft is calibrated (its acceptance is its
+confidence), worth ``PRIOR_WEIGHT`` observations, and forgets old outcomes
+exponentially (``FORGET`` per token observed at its kind and depth), so a workload that changes
+(chat after code) is learned again. Read out, each depth's bins are made monotone in
+confidence (pool-adjacent-violators, weighted by their observations): a more confident
+draft is never predicted worse, and a sparse bin borrows from its neighbours.
+
+The confidence used is the top probability of q, not q of the drawn token: for a sampled
+draft, a rule that keeps or drops a draft by the value it drew would bias the verified
+distribution; one that looks only at q keeps rejection sampling exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Bin edges over confidence; finer near 1, where a good draft's tokens gather.
+EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0])
+NUM_BINS = len(EDGES) - 1
+DEPTHS = 4            # depths 0, 1, 2 and 3 or deeper (deeper ones behave alike given confidence)
+PRIOR_WEIGHT = 4.0    # observations the calibrated-draft prior is worth, per bin
+FORGET = 0.9995       # per observed token of a kind and depth: a half-life of ~1,400 tokens
+
+
+class ConfidenceCalibration:
+    """P(a draft token is accepted | all before it were, its confidence, its depth)."""
+
+    def __init__(self) -> None:
+        centres = (EDGES[:-1] + EDGES[1:]) / 2
+        self.prior = np.broadcast_to(centres, (2, DEPTHS, NUM_BINS)).copy()
+        self.accepted = np.zeros((2, DEPTHS, NUM_BINS))  # [greedy?, depth, bin], forgetting weights
+        self.seen = np.zeros((2, DEPTHS, NUM_BINS))
+        self.num_observed = 0
+        self._table: np.ndarray | None = None  # the monotone map, made on first read after a change
+
+    @staticmethod
+    def bins(confidence) -> np.ndarray:
+        """Each confidence's bin."""
+        return np.clip(np.searchsorted(EDGES, np.asarray(confidence, dtype=float), side="right") - 1,
+                       0, NUM_BINS - 1)
+
+    def observe(self, greedy, depth, confidence, accepted) -> None:
+        """Verified draft tokens, flat (a step's, all requests together): whether each
+        one's request is greedy, its depth, confidence and whether it was accepted. A
+        request's tokens count up to and including its first rejection (those past it
+        were never judged)."""
+        greedy = np.asarray(greedy, dtype=bool)
+        if greedy.size == 0:
+            return
+        kinds, depths = np.where(greedy, 0, 1), np.minimum(np.asarray(depth), DEPTHS - 1)
+        counts = np.zeros((2, DEPTHS))
+        np.add.at(counts, (kinds, depths), 1.0)
+        decay = (FORGET ** counts)[:, :, None]  # each depth's row forgets by its own tokens
+        self.accepted *= decay
+        self.seen *= decay
+        index = (kinds, depths, self.bins(confidence))
+        np.add.at(self.seen, index, 1.0)
+        np.add.at(self.accepted, index, np.asarray(accepted, dtype=float))
+        self.num_observed += greedy.size
+        self._table = None
+
+    @property
+    def table(self) -> np.ndarray:
+        """``[2, DEPTHS, NUM_BINS]`` the acceptance predicted per bin (greedy, sampling),
+        monotone in confidence."""
+        table = self._table  # (the server's metrics read it from another thread)
+        if table is None:
+            weight = self.seen + PRIOR_WEIGHT
+            raw = (self.accepted + PRIOR_WEIGHT * self.prior) / weight
+            table = self._table = np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)]
+                                            for k in range(2)])
+        return table
+
+    def predict(self, greedy: bool, depth: int, confidence) -> np.ndarray:
+        """The acceptance of tokens drafted at ``depth`` with these confidences."""
+        return self.table[0 if greedy else 1, min(depth, DEPTHS - 1)][self.bins(confidence)]
+
+    def best_case(self, greedy: bool, max_k: int) -> np.ndarray:
+        """``[max_k]`` per depth, the acceptance of the most confident drafts: what a plan
+        may hope for at best (the drafter then stops where its tokens are less sure)."""
+        top = self.table[0 if greedy else 1, :, -1]
+        return top[np.minimum(np.arange(max_k), DEPTHS - 1)]
+
+    def describe(self) -> dict:
+        """The map for ``/metrics`` and benchmark output: bin edges, and per kind and
+        depth the predicted acceptance and the (forgetting-weighted) observations per bin."""
+        table = self.table
+        return {"edges": EDGES.tolist(), "observed_tokens": self.num_observed,
+                **{kind: {"acceptance": table[i].round(4).tolist(), "observations": self.seen[i].round(1).tolist()}
+                   for i, kind in enumerate(("greedy", "sampling"))}}
+
+
+def _monotone(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values.tolist(), weights.tolist()):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks[-1]
+            blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return np.array([m for m, _, c in blocks for _ in range(c)])

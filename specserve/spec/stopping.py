@@ -1,0 +1,127 @@
+"""Where a request's drafting stops, token by token (``StopRule``, ``DraftStop``).
+
+The controller plans each request's k as the most it may draft this step (slots and
+budget reserved). A drafter that knows its confidence (a draft model, an EAGLE head)
+then decides depth by depth, after each pass, with the step's prices from the cost
+model and the calibration map:
+
+* **Keep a drafted token** if its chance of being emitted, P = the product of the
+  calibrated acceptance of it and every kept token before it, pays for what verifying
+  it costs at the step's goodput so far: P >= G * (token [+ span for a first draft]),
+  G = expected emitted tokens / expected step time. A depth no request kept before
+  also pads every request on a padded pass; the tokens kept there pay for that together.
+* **Run one more pass** for the requests whose next token would pay: its chance is
+  estimated as P times this token's calibrated acceptance (confidence runs in streaks),
+  against its verify and draft cost; those together must pay for the pass itself.
+
+Each accepted choice raises G, so the next token must promise more: the rule climbs the
+goodput curve and stops at its top. A draft whose confidence says nothing stops at depth
+0 where tokens are dear, and drafts to its plan where they are nearly free. Requests
+whose k is not the controller's (their own k, a seed, a further draft path) draft what
+they planned; their tokens count in G all the same.
+"""
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+
+from specserve.scheduler import ScheduledRequest
+from specserve.spec.calibration import ConfidenceCalibration
+from specserve.spec.planner import Prices
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """One step's stopping rule: the map, the step's prices and which requests it may stop."""
+
+    calibration: ConfidenceCalibration
+    prices: Prices
+    num_reqs: int            # decoding requests in the step (each emits a token anyway)
+    free: Container[str]     # requests whose k the controller chose
+    padded: bool = False     # the verify pass pads every request to the longest query
+
+    def begin(self, rows: list[ScheduledRequest]) -> "DraftStop":
+        """The step's drafting rows, in the drafter's order."""
+        return DraftStop(self, rows)
+
+
+class DraftStop:
+    """Per row: how many drafts it keeps, and the confidences of those it drafted."""
+
+    def __init__(self, rule: StopRule, rows: list[ScheduledRequest]) -> None:
+        self.rule = rule
+        self.greedy = [p.params.greedy for p in rows]
+        self.caps = [p.num_lookahead for p in rows]
+        self.free = [p.req_id in rule.free and getattr(p, "fork", None) is None for p in rows]
+        self.kept = [0] * len(rows)
+        self.going = [cap > 0 for cap in self.caps]
+        self.chance = [1.0] * len(rows)   # P(every kept draft is accepted)
+        self.confidence: list[list[float]] = [[] for _ in rows]
+        self.gain = float(rule.num_reqs)  # expected emitted tokens of the step so far
+        self.time = max(rule.prices.fixed, 1e-9)  # its expected seconds so far
+        self.depth = 0                    # deepest kept draft so far
+        self.passes = 1                   # drafter passes run (the first yields depth 0)
+        self.judged = 0                   # depths judged so far
+
+    def after(self, depth: int, confidence: list[float]) -> int:
+        """Rows ``[0, len(confidence))`` drafted their token at ``depth`` with these
+        confidences: which keep it, and how many first rows the next pass must run (0:
+        drafting ends)."""
+        rule, prices = self.rule, self.rule.prices
+        cal = rule.calibration
+        self.judged = depth + 1
+        pad = prices.padded_token * rule.num_reqs if rule.padded else 0.0
+        token = prices.token + (prices.span if depth == 0 else 0.0)
+        ratio = self.gain / self.time
+        keep, chances, acceptance = [], {}, {}
+        for r, c in enumerate(confidence):
+            if not self.going[r]:
+                continue
+            a = float(cal.predict(self.greedy[r], depth, [c])[0])
+            acceptance[r] = a
+            chances[r] = self.chance[r] * a
+            if not self.free[r] or chances[r] >= ratio * token:
+                keep.append(r)
+        free_kept = [r for r in keep if self.free[r]]
+        if free_kept and depth >= self.depth and not any(not self.free[r] for r in keep):
+            # The first row at this depth pads every request: the kept rows pay together.
+            if sum(chances[r] for r in free_kept) < ratio * (token * len(free_kept) + pad):
+                keep = [r for r in keep if not self.free[r]]
+        for r in list(chances):
+            if r not in keep:
+                self.going[r] = False
+        for r in keep:
+            self.kept[r] = depth + 1
+            self.chance[r] = chances[r]
+            self.confidence[r].append(confidence[r])
+            self.gain += chances[r]
+            self.time += token
+        if keep and depth + 1 > self.depth:
+            self.depth = depth + 1
+            self.time += pad
+        return self._next_pass(depth, keep, acceptance, pad)
+
+    def _next_pass(self, depth: int, keep: list[int], acceptance: dict[int, float], pad: float) -> int:
+        """Which kept rows draft one more token; the number of first rows the pass runs."""
+        prices = self.rule.prices
+        ratio = self.gain / self.time
+        pinned = [r for r in keep if not self.free[r] and self.caps[r] > depth + 1]
+        candidates = [r for r in keep if self.free[r] and self.caps[r] > depth + 1]
+        each = prices.token + prices.draft_token
+        going = [r for r in candidates if self.chance[r] * acceptance[r] >= ratio * each]
+        shared = 0.0 if pinned else prices.draft_pass + pad
+        if going and not pinned and \
+                sum(self.chance[r] * acceptance[r] for r in going) < ratio * (each * len(going) + shared):
+            going = []
+        for r in set(candidates) - set(going):
+            self.going[r] = False
+        for r in keep:
+            if self.caps[r] <= depth + 1:
+                self.going[r] = False
+        running = pinned + going
+        if not running:
+            return 0
+        n = max(running) + 1
+        self.passes += 1
+        self.time += prices.draft_pass + prices.draft_token * n
+        return n

@@ -1,0 +1,285 @@
+"""Per-token drafting: the calibration map (draft confidence -> acceptance) learned from
+synthetic outcomes, the stopping rule's choices at its extremes, and in the engine a draft
+model and an EAGLE head whose drafts the rule cuts by confidence stay lossless: greedy
+tokens equal plain greedy (float32) and sampling keeps the target's distribution."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import LLM32, make_eagle_head, save_perturbed
+
+from specserve import LLMEngine, SamplingParams
+from specserve.scheduler import ScheduledRequest
+from specserve.spec.calibration import EDGES, ConfidenceCalibration
+from specserve.spec.planner import Prices
+from specserve.spec.stopping import StopRule
+
+GREEDY = SamplingParams(temperature=0)
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+class Everyone:
+    """Every request's k is the controller's: the rule may stop any of them."""
+
+    def __contains__(self, req_id) -> bool:
+        return True
+
+
+def learned(truth, n: int = 40_000, depth: int = 0, greedy: bool = True, seed: int = 0,
+            calibration: ConfidenceCalibration | None = None) -> ConfidenceCalibration:
+    """A map taught ``n`` outcomes at ``depth``: confidence uniform, accepted with ``truth(c)``."""
+    rng = np.random.default_rng(seed)
+    cal = calibration or ConfidenceCalibration()
+    for _ in range(n // 1000):
+        conf = rng.uniform(0, 1, 1000)
+        cal.observe(np.full(1000, greedy), np.full(1000, depth), conf, rng.uniform(0, 1, 1000) < truth(conf))
+    return cal
+
+
+def learned_everywhere(truth, n: int = 10_000) -> ConfidenceCalibration:
+    """A map taught ``truth`` at every depth."""
+    cal = None
+    for depth in range(4):
+        cal = learned(truth, n, depth, calibration=cal, seed=depth)
+    return cal
+
+
+def bin_truth(truth) -> np.ndarray:
+    """Each bin's mean acceptance under ``truth`` with confidence uniform."""
+    return np.array([truth(np.linspace(lo, hi, 1001)).mean() for lo, hi in zip(EDGES[:-1], EDGES[1:])])
+
+
+def test_the_map_learns_acceptance_from_confidence_per_depth_and_kind():
+    cal = learned(lambda c: c ** 2)
+    cal = learned(lambda c: 0.5 * c, depth=2, calibration=cal, seed=1)
+    cal = learned(lambda c: np.full_like(c, 0.9), greedy=False, calibration=cal, seed=2)
+    table = cal.table
+    # The forgetting keeps ~1,400 recent tokens per kind: a few hundred per bin at most.
+    assert np.abs(table[0, 0] - bin_truth(lambda c: c ** 2)).max() < 0.12
+    assert np.abs(table[0, 2] - bin_truth(lambda c: 0.5 * c)).max() < 0.12
+    assert np.abs(table[1, 0] - 0.9).max() < 0.12  # sampling kept apart from greedy
+    assert (np.diff(table, axis=-1) >= 0).all()  # monotone in confidence
+    assert cal.predict(True, 5, [0.99])[0] == table[0, 3, -1]  # deeper depths share the last row
+    # Unobserved: the prior, a calibrated draft (acceptance = confidence).
+    fresh = ConfidenceCalibration()
+    assert fresh.predict(True, 0, [0.05, 0.55, 0.99]).tolist() == pytest.approx([0.05, 0.55, 0.99])
+
+
+def test_the_map_forgets_a_workload_that_changed():
+    cal = learned(lambda c: np.zeros_like(c))
+    assert cal.predict(True, 0, [0.97])[0] < 0.1
+    cal = learned(lambda c: np.ones_like(c), n=6000, calibration=cal, seed=3)
+    assert cal.predict(True, 0, [0.97])[0] > 0.9
+
+
+def test_the_map_stays_monotone_when_its_data_is_not():
+    cal = ConfidenceCalibration()
+    # A high bin seen to fail, a low one to succeed: pooled, never inverted.
+    cal.observe([True] * 200, [0] * 200, [0.15] * 100 + [0.85] * 100, [1] * 100 + [0] * 100)
+    row = cal.table[0, 0]
+    assert (np.diff(row) >= 0).all()
+    assert row[1] == pytest.approx(row[8])
+
+
+def rows(*caps: int, params: SamplingParams = GREEDY) -> list[ScheduledRequest]:
+    return [ScheduledRequest(f"r{i}", [0], 10, [0], params, num_lookahead=k) for i, k in enumerate(caps)]
+
+
+def drive(stop, confidences) -> list[int]:
+    """Run a DraftStop over ``confidences[depth][row]`` as a drafter would."""
+    n = len(confidences[0])
+    for depth, conf in enumerate(confidences):
+        n = stop.after(depth, conf[:n])
+        if n == 0:
+            break
+    return stop.kept
+
+
+COMPUTE_BOUND = Prices(fixed=0.010, token=0.006, span=0.001, padded_token=0.0, draft_pass=0.002, draft_token=0.001)
+MEMORY_BOUND = Prices(fixed=0.010, token=0.0001, span=0.0001, padded_token=0.0, draft_pass=0.0005,
+                      draft_token=0.00001)
+
+
+def test_uninformative_confidence_where_tokens_are_dear_stops_at_depth_zero():
+    cal = learned_everywhere(lambda c: np.full_like(c, 0.3))  # confidence says nothing: 30% whatever it is
+    stop = StopRule(cal, COMPUTE_BOUND, 1, Everyone()).begin(rows(6))
+    assert drive(stop, [[0.99]] * 6) == [0]
+    assert stop.passes == 1 and stop.confidence == [[]]
+
+
+def test_confident_drafts_where_tokens_are_cheap_go_to_the_plan():
+    cal = learned_everywhere(lambda c: np.where(c > 0.9, 0.97, 0.0))
+    stop = StopRule(cal, MEMORY_BOUND, 1, Everyone()).begin(rows(6))
+    assert drive(stop, [[0.99]] * 6) == [6]
+    assert stop.passes == 6  # the catch-up's proposal and five more passes
+    # The same prices, a draft unsure at depth 2 (where the unsure are never accepted):
+    # it keeps two and stops.
+    stop = StopRule(cal, MEMORY_BOUND, 1, Everyone()).begin(rows(6))
+    assert drive(stop, [[0.99], [0.99], [0.3], [0.99], [0.99], [0.99]]) == [2]
+
+
+def test_requests_the_controller_did_not_choose_draft_what_they_planned():
+    cal = learned(lambda c: np.full_like(c, 0.3))
+    stop = StopRule(cal, COMPUTE_BOUND, 2, {"r1"}).begin(rows(4, 4))  # r0: its own k
+    assert drive(stop, [[0.5, 0.5]] * 4) == [4, 0]
+
+
+def test_a_batch_stops_row_by_row():
+    cal = learned_everywhere(lambda c: np.where(c > 0.9, 0.97, 0.0))
+    stop = StopRule(cal, MEMORY_BOUND, 3, Everyone()).begin(rows(5, 5, 3))
+    # Row 1 is unsure from depth 1, row 2 reaches its cap, row 0 goes on.
+    assert drive(stop, [[0.99, 0.99, 0.99], [0.99, 0.2, 0.99], [0.99, 0.99, 0.99],
+                        [0.99, 0.99, 0.99], [0.99, 0.99, 0.99]]) == [5, 1, 3]
+
+
+# ------------------------------------------------------------------ in the engine
+PROMPTS = [[5, 17, 99, 230, 17, 99], [7, 8, 9, 7, 8, 9, 10], list(range(3, 40)), [11, 12], [40, 41, 40, 41, 40]]
+SMALL = {"max_num_batched_tokens": 32, "max_num_seqs": 8, "block_size": 4, "num_kv_blocks": 256}
+# Keep a token while its chance pays half the step's goodput: drafts are cut by confidence.
+HALF = Prices(fixed=1.0, token=0.5, span=0.0, padded_token=0.0, draft_pass=0.0, draft_token=0.0)
+
+
+def force_rule(engine, rule: StopRule) -> list[list[int]]:
+    """Every step's drafting goes through ``rule``; returns what each step kept per request."""
+    drafter, kept = engine.speculator.drafter, []
+    propose = drafter.propose
+
+    def ruled(scheduled, requests, stop=None):
+        proposal = propose(scheduled, requests, rule)
+        kept.append([len(d) for d in proposal.draft_token_ids])
+        return proposal
+
+    drafter.propose = ruled
+    return kept
+
+
+def sharpened(path: str, factor: float = 40.0) -> str:
+    """The draft at ``path`` with its logits scaled by ``factor`` (its final norm): a tiny
+    random model's q is nearly uniform (top probability ~0.01), so its confidence would
+    say nothing; scaled, it ranges over (0, 1) and its argmax stays put."""
+    file = Path(path) / "model.safetensors"
+    weights = load_file(file)
+    weights["model.norm.weight"] = weights["model.norm.weight"] * factor
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def near(tmp_path_factory, tiny_model_dir):
+    return sharpened(save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("near"), 0.01))
+
+
+@pytest.fixture(scope="module")
+def unsure(tmp_path_factory, tiny_model_dir):
+    """The target itself, sharpened: the same candidates as the target's, in other proportions."""
+    return sharpened(save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("unsure"), 0.0), 12.0)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tmp_path):
+    target = str(tiny_model_dir("llama"))
+    draft = near if drafter == "draft_model" else sharpened(make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=draft, num_speculative_tokens=5,
+                speculative_adaptive=False, **SMALL)
+    kept = force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    lengths = {k for step in kept for k in step}
+    assert 0 in lengths and 5 in lengths and lengths & {1, 2, 3, 4}  # the rule cut, and not always
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
+    """Adaptive (the default) with a draft model: the controller's stopping rule runs, the
+    map learns from the verified tokens, and greedy output is plain greedy's."""
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=4, **SMALL)
+    controller = llm.engine.speculator.controller
+    assert controller.calibration is not None
+    stops = []
+    choose = controller.choose
+    controller.choose = lambda *a, **kw: (choose(*a, **kw), stops.append(controller.stop))[0]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if any(stops):  # drafting paid on this machine's step times: the rule ran and the map learned
+        assert controller.calibration.num_observed > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_draft_path_engine_keeps_its_static_forks(tiny_model_dir, near):
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
+                num_speculative_tokens=4, num_draft_paths=2, **SMALL)
+    assert llm.engine.speculator.controller.calibration is None
+
+
+def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny_model_dir, unsure):
+    """4-token continuations (top_k = 2: 16 outcomes, exact from transformers) with drafts a
+    confidence rule cuts at varied depths: chi-square within its 15 degrees of freedom.
+    The rule reads q's top probability, never the drawn token's: with the drawn token's
+    probability instead, chi-square is in the hundreds (checked)."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.sampler import SamplingMetadata, target_probs
+
+    target = str(tiny_model_dir("llama"))
+    prompt, length, sp = [5, 17, 99, 230, 17, 99], 4, dict(temperature=1.0, top_k=2)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    meta = SamplingMetadata.build([SamplingParams(**sp)], torch.device("cpu"))
+    exact = {}
+
+    def expand(seq, prob):
+        if len(seq) == len(prompt) + length:
+            exact[tuple(seq[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            p = target_probs(hf(torch.tensor([seq])).logits[0, -1:], meta)[0]
+        for token in torch.nonzero(p).flatten().tolist():
+            expand(seq + [token], prob * p[token].item())
+
+    expand(list(prompt), 1.0)
+    n = 3000
+    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=unsure,
+                       num_speculative_tokens=3, speculative_adaptive=False,
+                       max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
+    # Keep while the chance of acceptance is over about half, in steps of up to 512 requests.
+    kept = force_rule(engine, StopRule(ConfidenceCalibration(), dataclasses.replace(HALF, fixed=512.0), 512,
+                                       Everyone()))
+    mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **sp))
+            for _ in range(n)}
+    counts: dict[tuple, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.req_id in mine:
+                counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert len(exact) == 16 and chi2 < 37.7, chi2  # p = 0.001 for 15 degrees of freedom
+    lengths = [k for step in kept for k in step]
+    assert {0, 1, 2} <= set(lengths)  # cut at every depth
+
+
+def test_metrics_show_the_calibration_map(chat_model_dir):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_server import make_server
+
+    srv, engine = make_server(chat_model_dir, speculative_method="draft_model", draft_model=str(chat_model_dir))
+    with srv:
+        calibration = engine.engine.draft_calibration
+        calibration.observe([True] * 10, [0] * 10, [0.99] * 10, [1] * 10)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    predicted = families["specserve:spec_decode_calibrated_acceptance"].samples
+    seen = families["specserve:spec_decode_calibration_observations"].samples
+    assert len(predicted) == len(seen) == 2 * 4 * 12  # kinds x depths x bins
+    top = {(s.labels["kind"], s.labels["depth"], s.labels["confidence_le"]): s.value for s in seen}
+    assert top["greedy", "0", "1.0"] >= 10
+    assert all(0 <= s.value <= 1 for s in predicted)
