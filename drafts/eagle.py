@@ -105,6 +105,11 @@ class EagleDrafter(ModelDrafter):
                 out[a - lo:b - lo] = rows[a - first:b - first]
         return out
 
+    def time_pass(self, scheduled: list[ScheduledRequest]) -> None:
+        """No start-up timing: a pass needs the target's features (its first draft comes
+        with the catch-up every step, counted with the target's)."""
+        return None
+
     # ------------------------------------------------------------------ the step
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
                 stop: StopRule | None = None) -> DraftProposal:

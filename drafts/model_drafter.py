@@ -123,6 +123,14 @@ class ModelDrafter:
         vocab = self.model.vocab_ids
         return "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
 
+    def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
+        """Seconds of one draft pass over ``scheduled`` (a token each, over their blocks:
+        the start-up profile of what a draft depth costs)."""
+        start = time.perf_counter()
+        self._forward([ScheduledRequest(p.req_id, [0], p.start_pos, p.block_table, p.params) for p in scheduled]
+                      ).argmax(-1).tolist()
+        return time.perf_counter() - start
+
     # ------------------------------------------------------------------ the step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         if not self.shares_target_cache:  # the shared cache is the target runner's, copied there

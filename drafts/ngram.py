@@ -134,6 +134,9 @@ class NgramDrafter:
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         pass  # no KV cache
 
+    def time_pass(self, scheduled: list[ScheduledRequest]) -> None:
+        return None  # a lookup, not a pass
+
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
                 stop=None) -> DraftProposal:
         return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)

@@ -270,9 +270,14 @@ def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny
 def test_metrics_show_the_calibration_map(chat_model_dir):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
-    from test_server import make_server
 
-    srv, engine = make_server(chat_model_dir, speculative_method="draft_model", draft_model=str(chat_model_dir))
+    from specserve.async_engine import AsyncLLMEngine
+    from specserve.server import ThreadedServer
+    from specserve.server.app import create_app
+
+    engine = AsyncLLMEngine(LLMEngine(model=str(chat_model_dir), dtype="float32", block_size=4, num_kv_blocks=128,
+                                      speculative_method="draft_model", draft_model=str(chat_model_dir)))
+    srv = ThreadedServer(create_app(engine, served_model_name="tiny"))
     with srv:
         calibration = engine.engine.draft_calibration
         calibration.observe([True] * 10, [0] * 10, [0.99] * 10, [1] * 10)

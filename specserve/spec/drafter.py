@@ -77,6 +77,10 @@ class Drafter(Protocol):
         """Run the drafter's own forward passes as CUDA graphs where it can (see
         ``ModelRunner.enable_graphs``); a drafter without a model does nothing."""
 
+    def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
+        """Seconds of one of its draft passes over ``scheduled`` (a token each), for the
+        start-up profile of the cost model; None where it has no pass to time alone."""
+
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy blocks (source, destination) in the drafter's own KV cache, if it has one:
         the step forked draft paths (only where ``max_paths`` > 1)."""

@@ -394,7 +394,8 @@ class Speculator:
         """Seed the adaptive controller's cost model (nothing without one): time a few
         verify passes of dummy requests (batch sizes x how many of them draft k tokens:
         none, one, all; two context lengths) over scratch KV blocks, freed afterwards, and
-        keep them for good at a small weight (``PROFILE_WEIGHT``). One drafter in a batch
+        a draft pass per batch size where the drafter has one to time, and keep them for
+        good at a small weight (``PROFILE_WEIGHT``). One drafter in a batch
         separates what padding costs (every request padded to 1 + k on a CUDA graph) from
         what real tokens cost."""
         if self.controller is None:
@@ -433,8 +434,17 @@ class Speculator:
                 target_s=elapsed, num_tokens=batch + sum(drafts), num_spans=num_drafting if k else 0,
                 num_padded=self.runner.padded_tokens(step), num_reqs=batch,
                 context=batch * (context + 1) + sum(drafts)))
+            if num_drafting == 0 and context == 4 * c.block_size:
+                # One draft pass for the same requests: what a draft depth costs, before any
+                # step drafts (learned from drafted steps only, a first one slowed by
+                # one-off work would otherwise keep drafting off for good).
+                passes = [self.drafter.time_pass(step.scheduled) for _ in range(2)]
+                if passes[-1] is not None:
+                    self.controller.costs.draft.observe([1.0, float(batch)], passes[-1])
             for i in ids:
                 self.kv.free(i)
         self.controller.costs.target.anchor(weight=PROFILE_WEIGHT)
+        if self.controller.costs.draft.num_samples:
+            self.controller.costs.draft.anchor(weight=PROFILE_WEIGHT)
         logger.info("cost model seeded in %.1f s", time.perf_counter() - began)
 
