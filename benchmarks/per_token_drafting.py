@@ -7,10 +7,11 @@ greedy, up to ``--max-tokens`` new tokens, one request at a time. Settings:
 
 * ``off`` — speculation off;
 * ``k=1`` … ``k=6`` — a fixed k (one engine, the request's own k);
-* ``adaptive`` — the default: the controller plans the most each request may draft and
-  the drafter stops token by token by its calibrated confidence (``spec.stopping``);
-* ``adaptive, no stopping`` — the controller alone, as before per-token drafting: k from
-  each request's smoothed acceptance, every planned draft proposed.
+* ``adaptive`` — ``draft_stopping=confidence``: the controller plans the most each
+  request may draft and the drafter stops token by token by its calibrated confidence
+  (``spec.stopping``; the default on a CPU);
+* ``adaptive, no stopping`` — ``draft_stopping=plan``: k from each request's smoothed
+  acceptance, every planned draft proposed (the default on a GPU).
 
 The settings take turns prompt by prompt (each prompt starting with the next setting),
 so load from elsewhere falls on all alike; every engine is warmed up first. Reports
@@ -59,9 +60,9 @@ def main() -> None:
     drafter = drafter_settings(args.method)
     engines = {"off": LLM(speculative_method="none", **common),
                "fixed": LLM(num_speculative_tokens=max(FIXED), speculative_adaptive=False, **drafter, **common),
-               "adaptive": LLM(num_speculative_tokens=args.max_k, **drafter, **common),
-               "adaptive, no stopping": LLM(num_speculative_tokens=args.max_k, **drafter, **common)}
-    engines["adaptive, no stopping"].engine.speculator.controller.calibration = None
+               "adaptive": LLM(num_speculative_tokens=args.max_k, draft_stopping="confidence", **drafter, **common),
+               "adaptive, no stopping": LLM(num_speculative_tokens=args.max_k, draft_stopping="plan", **drafter,
+                                            **common)}
     settings = {"off": ("off", 0), **{f"k={k}": ("fixed", k) for k in FIXED},
                 "adaptive": ("adaptive", None), "adaptive, no stopping": ("adaptive, no stopping", None)}
     if args.settings:

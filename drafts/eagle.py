@@ -42,6 +42,9 @@ from specserve.spec.stopping import StopRule
 class EagleDrafter(ModelDrafter):
     needs_every_step = True  # the head's cache follows every pass of the target
     first_draft_in_catch_up = True  # (its features are the target's of that step)
+
+    def catch_up_lazily(self) -> bool:
+        return False  # its entries need the target's features of every step
     max_paths = 1  # its features follow each request's pass by request id
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:

@@ -47,9 +47,6 @@ class ModelDrafter:
     """
 
     needs_every_step = True  # a draft checkpoint's cache prefills in lockstep with the target's
-    # A decoding request without drafts is not fed: its cache catches up (several tokens
-    # in one pass) when it next drafts, so that pass is a draft pass, not a step's fixed cost.
-    first_draft_in_catch_up = False
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
 
@@ -67,6 +64,7 @@ class ModelDrafter:
         # Cached blocks: the draft's own cache catches up from where its entries are valid.
         self.draft_cache = None if shares_target_cache else "tokens"
         self.last_catch_up_s = 0.0
+        self.lazy = False  # see ``catch_up_lazily``
 
     # ------------------------------------------------------------------ set-up
     def kv_bytes_per_block(self) -> int:
@@ -123,6 +121,19 @@ class ModelDrafter:
         vocab = self.model.vocab_ids
         return "" if vocab is None else f", drafting among its {len(vocab)} most written tokens"
 
+    @property
+    def first_draft_in_catch_up(self) -> bool:
+        return not self.lazy
+
+    def catch_up_lazily(self) -> bool:
+        """From now on leave a decoding request that does not draft unfed: its cache
+        catches up (several tokens in one pass) when it next drafts, so a step that drafts
+        nothing runs no draft pass, and the catch-up is a draft pass, not a fixed cost of
+        every step. Prompt chunks are still fed in lockstep, in a pass of their own. (Set
+        where drafting stops by confidence, which then prices every pass it runs.)"""
+        self.lazy = True
+        return True
+
     def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
         """Seconds of one draft pass over ``scheduled`` (a token each, over their blocks:
         the start-up profile of what a draft depth costs)."""
@@ -148,7 +159,7 @@ class ModelDrafter:
             end = planned.start_pos + len(planned.token_ids)
             if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
                 self._fed[req_id] = planned.draft_cache_valid
-            if k == 0 and planned.start_pos >= requests[req_id].num_prompt_tokens:
+            if k == 0 and self.lazy and planned.start_pos >= requests[req_id].num_prompt_tokens:
                 # Decoding without drafts: its cache catches up when it next drafts (the
                 # entries past this step's start may be rejected drafts': not valid).
                 self._fed[req_id] = min(self._fed.get(req_id, 0), planned.start_pos)
@@ -174,13 +185,14 @@ class ModelDrafter:
         # batch puts them first, in that order, so its logits rows are in it too.
         order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
         rank = {i: r for r, i in enumerate(order)}
-        # Prompt chunks fed in lockstep are the step's cost whatever k is: their own pass,
-        # timed apart; the drafting requests' catch-up is their first draft pass.
-        lockstep = [e for i, e in entries if i not in ends]
+        lockstep = [e for i, e in entries if i not in ends] if self.lazy else []
         if lockstep:
+            # Prompt chunks fed in lockstep are the step's cost whatever k is: their own
+            # pass, timed apart; the drafting requests' catch-up is their first draft pass.
             self._forward(lockstep)
-        self.last_catch_up_s = time.perf_counter() - began if lockstep else 0.0
-        entries = sorted((e for e in entries if e[0] in ends), key=lambda e: rank[e[0]])
+            entries = [e for e in entries if e[0] in ends]
+        lockstep_s = time.perf_counter() - began if lockstep else 0.0
+        entries.sort(key=lambda e: rank.get(e[0], len(order)))
         active = [scheduled[i] for i in order]
         meta = None
         if any(not p.params.greedy for p in active):
@@ -189,6 +201,10 @@ class ModelDrafter:
         forks = [p.fork if isinstance(p, PathEntry) else None for p in active]
         forking = any(forks)
         logits = self._forward([e for _, e in entries])
+        # Lazily, the catch-up is the first draft pass; else every request's catch-up runs
+        # whatever k is (it yields the first proposals too): the cost of drafting is what
+        # comes after it.
+        self.last_catch_up_s = lockstep_s if self.lazy else time.perf_counter() - began
         # Penalties, a grammar and the like process q from the same history as the target's p.
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
                                              [p.params for p in active], logits.shape[1], self.device,

@@ -15,6 +15,7 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized")
 # A .gguf model's weights: quantized (kept in their blocks, run by the C++ CPU kernels),
 # dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+DRAFT_STOPPING = ("auto", "confidence", "plan")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 
 _DTYPES = {
@@ -64,6 +65,10 @@ class EngineConfig:
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
+    # Adaptive with a draft model or EAGLE head: "confidence" stops each request's drafting
+    # token by token by the draft's calibrated confidence (spec/stopping.py); "plan" drafts
+    # what the controller planned; "auto": confidence on a CPU, plan on a GPU (DRAFT_STOPPING).
+    draft_stopping: str = "auto"
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
     # draft_model / layerskip: draft paths a greedy request verifies per step — its best
     # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
@@ -129,6 +134,9 @@ class EngineConfig:
             raise SpecserveError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if not isinstance(self.deterministic, bool):
             raise SpecserveError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.draft_stopping not in DRAFT_STOPPING:
+            raise SpecserveError(f"draft_stopping must be one of {', '.join(DRAFT_STOPPING)}, "
+                                 f"got {self.draft_stopping!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from specserve.config import GGUF_WEIGHTS, SPECULATIVE_METHODS, EngineConfig
+from specserve.config import DRAFT_STOPPING, GGUF_WEIGHTS, SPECULATIVE_METHODS, EngineConfig
 from specserve.logprobs import LOGPROBS_MODES
 
 # The flags' destinations: EngineConfig's fields, so that one always matches the other.
@@ -83,6 +83,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="choose each request's k (up to --num-speculative-tokens) every step from "
                         "its measured acceptance and the measured step cost (default: on; "
                         "--no-speculative-adaptive drafts k for every request every step)")
+    s.add_argument("--draft-stopping", default="auto", choices=DRAFT_STOPPING,
+                   help="adaptive, with a draft model or EAGLE head: confidence (each request stops "
+                        "drafting token by token by the draft's calibrated confidence), plan (drafts "
+                        "the k chosen before drafting), auto (confidence on a CPU, plan on a GPU; default)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
     s.add_argument("--num-draft-paths", type=int, default=1,

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import LLM32, make_eagle_head, save_perturbed
+from tiny_models import LLM32, exact_continuations, make_eagle_head, save_perturbed
 
 from specserve import LLMEngine, SamplingParams
 from specserve.scheduler import ScheduledRequest
@@ -197,12 +196,13 @@ def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tm
 
 
 def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
-    """Adaptive (the default) with a draft model: the controller's stopping rule runs, the
+    """Adaptive with a draft model, stopping by confidence (the default on a CPU): the rule runs, the
     map learns from the verified tokens, and greedy output is plain greedy's."""
     target = str(tiny_model_dir("llama"))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=4, **SMALL)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=4,
+                draft_stopping="confidence", **SMALL)
     controller = llm.engine.speculator.controller
     assert controller.calibration is not None
     stops = []
@@ -217,8 +217,23 @@ def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
 
 def test_a_draft_path_engine_keeps_its_static_forks(tiny_model_dir, near):
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
-                num_speculative_tokens=4, num_draft_paths=2, **SMALL)
+                num_speculative_tokens=4, num_draft_paths=2, draft_stopping="confidence", **SMALL)
     assert llm.engine.speculator.controller.calibration is None
+
+
+def test_draft_stopping_is_chosen_or_refused(tiny_model_dir, near):
+    from specserve import EngineConfig
+    from specserve.errors import SpecserveError
+
+    def calibrated(mode: str) -> bool:
+        llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
+                    draft_stopping=mode, **SMALL)
+        return llm.engine.speculator.controller.calibration is not None
+
+    assert calibrated("confidence") and not calibrated("plan")
+    assert calibrated("auto")  # on a CPU
+    with pytest.raises(SpecserveError, match="draft_stopping must be one of auto, confidence, plan"):
+        EngineConfig(draft_stopping="sometimes")
 
 
 def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny_model_dir, unsure):
@@ -226,26 +241,9 @@ def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny
     confidence rule cuts at varied depths: chi-square within its 15 degrees of freedom.
     The rule reads q's top probability, never the drawn token's: with the drawn token's
     probability instead, chi-square is in the hundreds (checked)."""
-    from transformers import AutoModelForCausalLM
-
-    from specserve.sampler import SamplingMetadata, target_probs
-
     target = str(tiny_model_dir("llama"))
     prompt, length, sp = [5, 17, 99, 230, 17, 99], 4, dict(temperature=1.0, top_k=2)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    meta = SamplingMetadata.build([SamplingParams(**sp)], torch.device("cpu"))
-    exact = {}
-
-    def expand(seq, prob):
-        if len(seq) == len(prompt) + length:
-            exact[tuple(seq[len(prompt):])] = prob
-            return
-        with torch.no_grad():
-            p = target_probs(hf(torch.tensor([seq])).logits[0, -1:], meta)[0]
-        for token in torch.nonzero(p).flatten().tolist():
-            expand(seq + [token], prob * p[token].item())
-
-    expand(list(prompt), 1.0)
+    exact = exact_continuations(target, prompt, length, sp)
     n = 3000
     engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=unsure,
                        num_speculative_tokens=3, speculative_adaptive=False,
@@ -276,7 +274,8 @@ def test_metrics_show_the_calibration_map(chat_model_dir):
     from specserve.server.app import create_app
 
     engine = AsyncLLMEngine(LLMEngine(model=str(chat_model_dir), dtype="float32", block_size=4, num_kv_blocks=128,
-                                      speculative_method="draft_model", draft_model=str(chat_model_dir)))
+                                      speculative_method="draft_model", draft_model=str(chat_model_dir),
+                                      draft_stopping="confidence"))
     srv = ThreadedServer(create_app(engine, served_model_name="tiny"))
     with srv:
         calibration = engine.engine.draft_calibration

@@ -10,7 +10,7 @@ import torch
 from specserve import LLMEngine, SamplingParams
 from specserve.drafts.ngram import lookup
 from specserve.errors import SpecserveError
-from tiny_models import LLM32, make_hf_model, make_tokenizer, save_perturbed
+from tiny_models import LLM32, exact_continuations, make_hf_model, make_tokenizer, save_perturbed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=200)
@@ -337,26 +337,9 @@ def test_speculative_sampling_has_the_target_distribution(tiny_model_dir, draft_
     """End to end with a draft model that differs from the target: the distribution of
     3-token continuations (top_k = 2, so 8 outcomes, computed exactly with transformers)
     must match — chi-square well inside its 7 degrees of freedom."""
-    from transformers import AutoModelForCausalLM
-
-    from specserve.sampler import SamplingMetadata, target_probs
-
     target = str(tiny_model_dir("llama"))
     prompt, length, sp = [5, 17, 99, 230, 17, 99], 3, dict(temperature=1.0, top_k=2)
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    meta = SamplingMetadata.build([SamplingParams(**sp)], torch.device("cpu"))
-    exact = {}
-
-    def expand(seq, prob):
-        if len(seq) == len(prompt) + length:
-            exact[tuple(seq[len(prompt):])] = prob
-            return
-        with torch.no_grad():
-            p = target_probs(hf(torch.tensor([seq])).logits[0, -1:], meta)[0]
-        for token in torch.nonzero(p).flatten().tolist():
-            expand(seq + [token], prob * p[token].item())
-
-    expand(list(prompt), 1.0)
+    exact = exact_continuations(target, prompt, length, sp)
     n = 3000
     engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model",
                        draft_model=str(draft_dirs["perturbed"]), num_speculative_tokens=2,

@@ -276,3 +276,29 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
             state[name].copy_(value)
     hf.save_pretrained(directory)  # the dequantised weights, as resolve_model's conversion writes them
     return directory / "model.gguf", hf
+
+
+def exact_continuations(target_dir, prompt: list[int], length: int, params: dict) -> dict[tuple, float]:
+    """Every ``length``-token continuation of ``prompt`` that sampling with ``params`` (a
+    top-k small enough to enumerate) can produce, with its exact probability under the
+    checkpoint at ``target_dir`` (transformers, float32): the oracle of distribution tests."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve import SamplingParams
+    from specserve.sampler import SamplingMetadata, target_probs
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    meta = SamplingMetadata.build([SamplingParams(**params)], torch.device("cpu"))
+    exact = {}
+
+    def expand(seq, prob):
+        if len(seq) == len(prompt) + length:
+            exact[tuple(seq[len(prompt):])] = prob
+            return
+        with torch.no_grad():
+            p = target_probs(hf(torch.tensor([seq])).logits[0, -1:], meta)[0]
+        for token in torch.nonzero(p).flatten().tolist():
+            expand(seq + [token], prob * p[token].item())
+
+    expand(list(prompt), 1.0)
+    return exact

@@ -77,6 +77,10 @@ class Drafter(Protocol):
         """Run the drafter's own forward passes as CUDA graphs where it can (see
         ``ModelRunner.enable_graphs``); a drafter without a model does nothing."""
 
+    def catch_up_lazily(self) -> bool:
+        """(A drafter with ``confidence``.) From now on feed its own cache only for the
+        requests that draft, catching each up when it next does; False where it cannot."""
+
     def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
         """Seconds of one of its draft passes over ``scheduled`` (a token each), for the
         start-up profile of the cost model; None where it has no pass to time alone."""

@@ -131,9 +131,20 @@ class Speculator:
         if drafter is not None:
             drafter.bind(runner)
             if config.speculative_adaptive:
+                confidence = drafter.confidence and not self.paths.forks and self._stops_by_confidence()
+                if confidence:
+                    drafter.catch_up_lazily()  # drafting nothing then costs nothing
                 self.controller = DraftLengthController(self.max_k, forks=tuple(self.paths.forks),
                                                         first_draft_in_catch_up=drafter.first_draft_in_catch_up,
-                                                        confidence=drafter.confidence)
+                                                        confidence=confidence)
+
+    def _stops_by_confidence(self) -> bool:
+        """Whether drafting stops token by token (``draft_stopping``): ``auto`` does on a
+        CPU, where reading each depth's confidences costs nothing, not on a GPU, where each
+        read waits for the device and the host work per depth outweighs what it saves
+        (``benchmarks/results/per_token_drafting/``)."""
+        mode = self.config.draft_stopping
+        return mode == "confidence" or (mode == "auto" and self.runner.device.type == "cpu")
 
     def _forks(self, num_paths: int) -> tuple[tuple[int, int], ...]:
         """Where further draft paths fork from a request's own (``num_paths`` - 1 of
