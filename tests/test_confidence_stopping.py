@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import LLM32, exact_continuations, make_eagle_head, save_perturbed
 
@@ -231,7 +232,7 @@ def test_draft_stopping_is_chosen_or_refused(tiny_model_dir, near):
         return llm.engine.speculator.controller.calibration is not None
 
     assert calibrated("confidence") and not calibrated("plan")
-    assert calibrated("auto")  # on a CPU
+    assert calibrated("auto") == (not torch.cuda.is_available())  # auto: on a CPU, not on a GPU
     with pytest.raises(SpecserveError, match="draft_stopping must be one of auto, confidence, plan"):
         EngineConfig(draft_stopping="sometimes")
 
