@@ -182,7 +182,7 @@ class DraftLengthController:
             k[:] = 0  # the check: this step runs without the plan's drafts
             drafted = False
         self._last = _LastChoice(check, drafted, checked)
-        if drafted and self.calibration is not None:
+        if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k.tolist()))
 

@@ -391,7 +391,8 @@ class Speculator:
             num_spans=len(drafted) - drafted.count(0),
             num_padded=self.runner.padded_tokens(drafts.scheduled, lengths), num_reqs=len(planned),
             context=sum([p.start_pos for p in planned]) + tokens, num_prefill=prefill,
-            depth=max(lookahead) if drafts.depth is None else drafts.depth, num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
+            depth=max(lookahead) if drafts.depth is None else drafts.depth,
+            num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
 
     def free(self, req_id: str) -> None:
         """Forget a request that ended."""

@@ -74,12 +74,14 @@ class DraftStop:
         token = prices.token + (prices.span if depth == 0 else 0.0)
         ratio = self.gain / self.time
         keep, chances, acceptance = [], {}, {}
-        for r, c in enumerate(confidence):
-            if not self.going[r]:
-                continue
-            a = float(cal.predict(self.greedy[r], depth, [c])[0])
-            acceptance[r] = a
-            chances[r] = self.chance[r] * a
+        rows = [r for r in range(len(confidence)) if self.going[r]]
+        for greedy in (True, False):  # one lookup per kind of request, not per row
+            of_kind = [r for r in rows if self.greedy[r] == greedy]
+            if of_kind:
+                predicted = cal.predict(greedy, depth, [confidence[r] for r in of_kind]).tolist()
+                acceptance.update(zip(of_kind, predicted))
+        for r in rows:
+            chances[r] = self.chance[r] * acceptance[r]
             if not self.free[r] or chances[r] >= ratio * token:
                 keep.append(r)
         free_kept = [r for r in keep if self.free[r]]
