@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import LLM32, exact_continuations, make_eagle_head, save_perturbed
+from tiny_models import LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed
 
 from specserve import LLMEngine, SamplingParams
 from specserve.scheduler import ScheduledRequest
@@ -252,15 +252,7 @@ def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny
     # Keep while the chance of acceptance is over about half, in steps of up to 512 requests.
     kept = force_rule(engine, StopRule(ConfidenceCalibration(), dataclasses.replace(HALF, fixed=512.0), 512,
                                        Everyone()))
-    mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **sp))
-            for _ in range(n)}
-    counts: dict[tuple, int] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.req_id in mine:
-                counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    chi2 = continuation_chi_square(engine, prompt, sp, exact, n)
     assert len(exact) == 16 and chi2 < 37.7, chi2  # p = 0.001 for 15 degrees of freedom
     lengths = [k for step in kept for k in step]
     assert {0, 1, 2} <= set(lengths)  # cut at every depth

@@ -10,7 +10,8 @@ import torch
 from specserve import LLMEngine, SamplingParams
 from specserve.drafts.ngram import lookup
 from specserve.errors import SpecserveError
-from tiny_models import LLM32, exact_continuations, make_hf_model, make_tokenizer, save_perturbed
+from tiny_models import (LLM32, continuation_chi_square, exact_continuations, make_hf_model, make_tokenizer,
+                         save_perturbed)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_kv_blocks=200)
@@ -345,15 +346,7 @@ def test_speculative_sampling_has_the_target_distribution(tiny_model_dir, draft_
                        draft_model=str(draft_dirs["perturbed"]), num_speculative_tokens=2,
                        speculative_adaptive=False,  # every step drafts: the rule under test
                        max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
-    mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **sp))
-            for _ in range(n)}
-    counts: dict[tuple, int] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.req_id in mine:
-                counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-    assert set(counts) <= set(exact)
-    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    chi2 = continuation_chi_square(engine, prompt, sp, exact, n)
     print(f"chi2 {chi2:.1f}, acceptance {engine.spec_stats.acceptance_rate:.3f}")
     assert len(exact) == 8 and chi2 < 24.3  # p = 0.001 for 7 degrees of freedom
     stats = engine.spec_stats

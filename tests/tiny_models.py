@@ -302,3 +302,21 @@ def exact_continuations(target_dir, prompt: list[int], length: int, params: dict
 
     expand(list(prompt), 1.0)
     return exact
+
+
+def continuation_chi_square(engine, prompt: list[int], params: dict, exact: dict[tuple, float], n: int) -> float:
+    """Run ``n`` copies of ``prompt`` through ``engine`` with sampling ``params`` (their
+    ``max_tokens`` the continuations' length) and return the chi-square of the
+    continuations seen against ``exact`` (``exact_continuations``); one outside it fails."""
+    from specserve import SamplingParams
+
+    length = len(next(iter(exact)))
+    mine = {engine.add_request(prompt, SamplingParams(max_tokens=length, ignore_eos=True, **params))
+            for _ in range(n)}
+    counts: dict[tuple, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.req_id in mine:
+                counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
