@@ -89,10 +89,11 @@ def main() -> None:
 
     methods = args.methods.split(",")
     engines = {}
+    share = {"gpu_memory_utilization": 0.8 / len(methods)}  # every engine lives in this process (CUDA)
     for method in methods:
         engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=args.adaptive,
                               num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096,
-                              **drafter_settings(method))
+                              **share, **drafter_settings(method))
     first = engines[methods[0]].engine
     tok, device = first.tokenizer, first.device
     machine, dtype = machine_name(device), str(first.dtype).removeprefix("torch.")

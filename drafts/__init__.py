@@ -21,11 +21,12 @@ from specserve.attention import get_backend
 from specserve.drafts.eagle import EagleDrafter
 from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
-from specserve.drafts.shipped import is_eagle_head, published_layout, shares_target_embeddings, shipped_draft_for
+from specserve.drafts.shipped import (is_eagle3_head, is_eagle_head, published_layout, shares_target_embeddings,
+                                      shipped_draft_for)
 from specserve.errors import ModelLoadError, SpecserveError
 from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
                               resolve_model)
-from specserve.models.eagle import EagleForCausalLM
+from specserve.models.eagle import Eagle3ForCausalLM, EagleForCausalLM, eagle3_feature_layers
 from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.quantized import quantize_linears
 
@@ -66,7 +67,7 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
         if files is None:
             raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint "
                                  "(--draft-model); only the embedded default model has one built in")
-    draft_config = load_hf_config(files)
+    draft_config = load_hf_config(files, draft=True)
     found = published_layout(checkpoint_names(files))
     if found is not None:
         draft_config.specserve_draft = {**(getattr(draft_config, "specserve_draft", None) or {}), **found}
@@ -88,6 +89,8 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                                  f"hidden size {draft_config.hidden_size}, the target "
                                  f"{target_hf_config.hidden_size}: it was trained for another model")
         shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
+        if is_eagle3_head(draft_config):  # its LM head is its own, over its draft vocabulary
+            del shared["lm_head"]
     # Never the deterministic kernels: a draft's numerics only change which tokens are
     # proposed, never the output, which the target's verification decides alone.
     backend = get_backend(config.attention_backend, device)
@@ -95,10 +98,16 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
         if shared is None:
             raise SpecserveError(f"draft model {files.name} is an EAGLE head without "
                                  "shares_target_embeddings: it must use the target's embeddings")
+        if not is_eagle3_head(draft_config):
+            model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
+                                model_class=EagleForCausalLM)
+            _restrict_vocab(model, files)
+            return EagleDrafter(model, config, device, dtype)
+        layers = eagle3_feature_layers(draft_config, target_hf_config.num_hidden_layers)
         model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
-                            model_class=EagleForCausalLM)
+                            model_class=Eagle3ForCausalLM)
         _restrict_vocab(model, files)
-        return EagleDrafter(model, config, device, dtype)
+        return EagleDrafter(model, config, device, dtype, feature_layers=layers)
     model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
                         quantized=quantized_gguf(files, "auto", device))
     _restrict_vocab(model, files)

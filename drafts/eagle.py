@@ -47,8 +47,13 @@ class EagleDrafter(ModelDrafter):
         return False  # its entries need the target's features of every step
     max_paths = 1  # its features follow each request's pass by request id
 
-    def __init__(self, model, config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model, config, device: torch.device, dtype: torch.dtype,
+                 feature_layers: tuple[int, ...] | None = None) -> None:
         super().__init__("draft_model", model, config, device, dtype)
+        # The target layers an EAGLE-3 head reads (None: the final hidden states), and the
+        # width of the target's rows it is fed.
+        self.feature_layers = feature_layers
+        self.feature_width = getattr(model, "feature_width", model.config.hidden_size)
         self.draft_cache = "features"  # its entries need the target's hidden states
         self.target_runner: ModelRunner | None = None
         self._seen: list | None = None  # the scheduled list of the last step proposed for
@@ -59,6 +64,7 @@ class EagleDrafter(ModelDrafter):
         super().bind(target_runner)
         self.target_runner = target_runner
         target_runner.keep_hidden = True
+        target_runner.model.feature_layers = self.feature_layers  # before any graph captures them
         self.runner.keep_hidden = True
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
@@ -70,11 +76,17 @@ class EagleDrafter(ModelDrafter):
 
     def close(self) -> None:
         super().close()
+        if self.target_runner is not None and self.target_runner.model is not None:
+            self.target_runner.model.feature_layers = None
         self.target_runner, self._seen = None, []
         self._features.clear()
 
     def describe(self) -> str:
         cfg = self.model.config
+        if self.feature_layers is not None:
+            return (f"draft_model (EAGLE-3 head: {cfg.num_hidden_layers} layer(s) over target layers "
+                    f"{', '.join(map(str, self.feature_layers))}, {self.model.num_parameters / 1e6:.0f}M "
+                    f"parameters + the target's embeddings{self._among()})")
         layout = " in the published EAGLE-1/2 layout" if self.model.weights_layout == "eagle1" else ""
         return (f"draft_model (EAGLE head{layout}: {cfg.num_hidden_layers} layer(s) over the target's hidden "
                 f"states, {self.model.num_parameters / 1e6:.0f}M parameters + the target's "
@@ -101,7 +113,7 @@ class EagleDrafter(ModelDrafter):
         first, rows = self._features.get(req_id, (0, None))
         if rows is not None and first <= lo and hi <= first + rows.shape[0]:
             return rows[lo - first:hi - first]
-        out = torch.zeros(hi - lo, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        out = torch.zeros(hi - lo, self.feature_width, dtype=self.dtype, device=self.device)
         if rows is not None:
             a, b = max(lo, first), min(hi, first + rows.shape[0])
             if a < b:
@@ -179,6 +191,7 @@ class EagleDrafter(ModelDrafter):
         index = {id(p): i for i, p in enumerate(scheduled)}
         return self._proposal(scheduled, [index[id(p)] for p in order], columns, q_columns, session, confidence, n)
 
+    @torch.inference_mode()  # (as ModelRunner.execute: no autograd records)
     def _forward(self, entries: list[ScheduledRequest], features: list[torch.Tensor],
                  device_ids: DeviceTokenIds | None = None):
         """The head over ``entries`` with their feature rows: the logits of the sampling

@@ -34,21 +34,33 @@ def is_eagle_head(config) -> bool:
     return (getattr(config, "specserve_draft", None) or {}).get("kind") == "eagle"
 
 
+def is_eagle3_head(config) -> bool:
+    """Whether a draft checkpoint is an EAGLE-3 head (``models/eagle.py``
+    ``Eagle3ForCausalLM``): it reads three of its target's layers."""
+    return (getattr(config, "specserve_draft", None) or {}).get("layout") == "eagle3"
+
+
 def shares_target_embeddings(config) -> bool:
     """Whether a draft checkpoint's config says it takes the target's embeddings and LM head."""
     return bool((getattr(config, "specserve_draft", None) or {}).get("shares_target_embeddings"))
 
 
 def published_layout(names: list[str]) -> dict | None:
-    """The ``specserve_draft`` entries of a published draft head found by its tensor names:
-    an EAGLE-1/EAGLE-2 head (``fc.weight`` and ``layers.N.*`` with no ``model.`` prefix, as
-    the EAGLE repository's ``eagle/model/cnets.py`` saves it; ``models/eagle.py``), or None
-    for a checkpoint in our own layouts. Published layouts not run yet are refused by name."""
-    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
-        raise ModelLoadError("an EAGLE-3 head (midlayer.*, d2t/t2d, its own draft vocabulary): "
-                             "not supported yet; EAGLE-1/EAGLE-2 heads are")
+    """The ``specserve_draft`` entries of a published draft head found by its tensor names,
+    or None for a checkpoint in our own layouts (``models/eagle.py``):
+    - an EAGLE-3 head: ``midlayer.*`` (its first layer), ``fc.weight`` over three target
+      layers' states, ``norm``, its own ``lm_head`` and ``d2t``/``t2d``, as the EAGLE
+      repository's ``eagle/model/cnets.py`` saves it and vLLM's ``llama_eagle3.py`` loads it;
+    - an EAGLE-1/EAGLE-2 head: ``fc.weight`` and ``layers.N.*`` with no ``model.`` prefix,
+      as ``eagle/model/cnets.py`` saved it before EAGLE-3.
+    Published layouts not run yet are refused by name."""
+    if any(n.startswith("midlayer.") for n in names):
+        return {"kind": "eagle", "layout": "eagle3", "shares_target_embeddings": True}
+    if "d2t" in names or "t2d" in names:
+        raise ModelLoadError("a draft head with d2t/t2d but no midlayer.*: not a layout specserve knows "
+                             "(EAGLE-3 heads store their first layer as midlayer.*)")
     if any(n.startswith("medusa_head") for n in names):
-        raise ModelLoadError("Medusa heads (medusa_head.*): not supported yet; EAGLE-1/EAGLE-2 heads are")
+        raise ModelLoadError("Medusa heads (medusa_head.*): not supported yet; EAGLE-1/2/3 heads are")
     if "fc.weight" in names and not any(n.startswith("model.") for n in names):
         return {"kind": "eagle", "layout": "eagle1", "shares_target_embeddings": True,
                 "fc_bias": "fc.bias" in names}

@@ -118,11 +118,11 @@ class GraphRunner:
                                  dtype=torch.int64, device=device)
         self._int = torch.zeros(2 * self.ragged_reqs + 1 + self.ragged_reqs * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
-        # key -> (graph, its outputs: (logits, every row's final hidden state), its inputs)
+        # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
-        # With ``keep_hidden``, each replay leaves its real rows' final hidden states in
-        # ``last_hidden``, ragged in schedule order (as ``ModelRunner.keep_hidden``).
+        # With ``keep_hidden``, each replay leaves its real rows' final hidden states (or
+        # feature layers': ``LlamaForCausalLM.kept_rows``) in ``last_hidden``, ragged in schedule order (as ``ModelRunner.keep_hidden``).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
 
@@ -192,7 +192,7 @@ class GraphRunner:
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
             picked = hidden if rows is None else hidden.index_select(0, rows)
-            return self.model.compute_logits(picked).float(), hidden
+            return self.model.compute_logits(picked).float(), self.model.kept_rows(hidden)
 
         if not self.capture:
             return forward, None, batch

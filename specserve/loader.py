@@ -195,7 +195,15 @@ def _write_converted(gguf: Path, target: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- config, tokenizer
-def load_hf_config(files: ModelFiles):
+# Published draft heads name their own architectures; their layers are Llama layers
+# (``models/eagle.py`` builds the head around them). Accepted for drafts only.
+DRAFT_HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle3": "LlamaForCausalLM", "Eagle3LlamaForCausalLM": "LlamaForCausalLM",
+                            "LlamaForCausalLMEagle": "LlamaForCausalLM", "EagleLlamaForCausalLM": "LlamaForCausalLM"}
+
+
+def load_hf_config(files: ModelFiles, draft: bool = False):
+    """``files``' config.json, its architecture and quantization checked. ``draft``: a
+    draft checkpoint, which may name a published head's architecture."""
     from transformers import AutoConfig  # lazy: transformers takes seconds to import, only to load
 
     try:
@@ -203,6 +211,9 @@ def load_hf_config(files: ModelFiles):
     except Exception as exc:
         raise ModelLoadError(f"{files.name}: unreadable config.json "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    archs = getattr(config, "architectures", None) or []
+    if draft and any(arch in DRAFT_HEAD_ARCHITECTURES for arch in archs):
+        config.architectures = [DRAFT_HEAD_ARCHITECTURES.get(arch, arch) for arch in archs]
     _check_architecture(config)
     _check_quantization(config, files.name)
     return config
@@ -317,7 +328,7 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     blocks: dict[str, list] = {}  # parameter -> (first row, GGUFWeight) parts kept quantized
     gguf = GGUFCheckpoint(files.gguf) if quantized else None
     try:
-        for ckpt_name, tensor in (gguf.items() if gguf else _iter_checkpoint(files)):
+        for ckpt_name, tensor in (gguf.items() if gguf else _iter_checkpoint(files, model.INDEX_TABLES)):
             _load_one(model, params, filled, ckpt_name, tensor, blocks)
     except ValueError as exc:  # a GGUF file's names or formats
         raise ModelLoadError(str(exc)) from None
@@ -366,6 +377,9 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, block
     ckpt_name = model.checkpoint_name(ckpt_name)  # a layout's names as ours (an EAGLE-1 head's)
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
+        return
+    if ckpt_name in model.INDEX_TABLES:
+        model.index_tables[ckpt_name] = tensor
         return
     if ckpt_name in model.shared_parameters:  # a copy of a module taken from another model
         _check_shared(model.shared_parameters[ckpt_name], ckpt_name, tensor)
@@ -490,7 +504,7 @@ def _shards(files: ModelFiles, single: str, pattern: str) -> list[Path]:
     return sorted(files.path.glob(pattern))
 
 
-def _iter_checkpoint(files: ModelFiles):
+def _iter_checkpoint(files: ModelFiles, tables: frozenset[str] = frozenset()):
     names = _checkpoint_handles(files)
     handle_of = {key: handle for key, handle in names}
 
@@ -503,7 +517,7 @@ def _iter_checkpoint(files: ModelFiles):
 
     yield from dequantized_int8([key for key, _ in names], read, files.name,
                                 lambda keys: tqdm(keys, desc=f"Loading {files.name}", unit="tensor",
-                                                  leave=False, disable=None))
+                                                  leave=False, disable=None), tables)
 
 
 # Weights stored in int8 (a draft checkpoint kept small, ``python -m specserve.training --weights int8``): the
@@ -519,10 +533,11 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-def dequantized_int8(names: list[str], read, where: str, progress=iter):
+def dequantized_int8(names: list[str], read, where: str, progress=iter, tables: frozenset[str] = frozenset()):
     """(name, tensor) for each tensor ``names`` lists, ``read(name)`` giving it: an int8
     weight dequantised with its scales, which are not yielded themselves. ``progress``
-    wraps the walk over ``names`` (a progress bar).
+    wraps the walk over ``names`` (a progress bar). ``tables``: names of index tables the
+    model keeps as stored (``LlamaForCausalLM.INDEX_TABLES``), yielded as they are.
 
     Any other tensor that is not floating point, or is float8, is refused with its name
     and dtype: it is a quantized layout (FP8 with scales, AWQ/GPTQ's packed int32) that
@@ -536,7 +551,9 @@ def dequantized_int8(names: list[str], read, where: str, progress=iter):
             deferred.append(name)
             continue
         tensor = read(name)
-        if tensor.dtype == torch.int8:
+        if name in tables:
+            pass
+        elif tensor.dtype == torch.int8:
             scale = name + INT8_SCALE_SUFFIX
             if scale not in present:
                 raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {scale!r}")

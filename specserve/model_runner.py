@@ -58,7 +58,8 @@ class ModelRunner:
         self.graphs = None  # a GraphRunner once enable_graphs() ran
         self.closed = False
         # With ``keep_hidden`` set (by a drafter that reads them), each pass keeps its final
-        # hidden states ``[num_tokens, hidden]`` (ragged, schedule order) in ``last_hidden``
+        # hidden states ``[num_tokens, hidden]`` (ragged, schedule order; an EAGLE-3 head's
+        # target keeps its feature layers instead: ``kept_rows``) in ``last_hidden``
         # and the scheduled list it ran in ``last_pass``, until the next pass.
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
@@ -225,7 +226,7 @@ class ModelRunner:
         """The model over a prepared batch: logits ``[num_logits, vocab]`` float32."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         if self.keep_hidden:
-            self.last_hidden = hidden
+            self.last_hidden = self.model.kept_rows(hidden)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def close(self, tell_ranks: bool = True) -> None:

@@ -169,6 +169,16 @@ def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype)
         finally:
             model.fused_cpu = fused_cpu
         assert all(torch.equal(a, b) for a, b in zip(fused, by_layer)), chunk
+    # The layers an EAGLE-3 head reads are tapped between the calls: the same rows either way.
+    model.feature_layers, kept = (0, 1), []
+    model.compute_logits = lambda hidden, logits=model.compute_logits: kept.append(model.features.clone()) or logits(hidden)
+    fused = ragged_logits(model, prompts, chunk=1, dtype=dtype)
+    model.fused_cpu, tapped_fused = None, kept[:]
+    kept.clear()
+    by_layer = ragged_logits(model, prompts, chunk=1, dtype=dtype)
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_layer))
+    assert len(kept) == len(tapped_fused) > 0 and all(torch.equal(a, b) for a, b in zip(tapped_fused, kept))
+    assert kept[0].shape[1] == 2 * model.config.hidden_size
     plain = ModelFiles("tiny", tiny_model_dir("llama"))
     float_model = build_model(plain, load_hf_config(plain), dtype, CPU, TorchAttentionBackend(cpu_kernels=True))
     assert float_model.fused_cpu is None  # float linears: layer by layer

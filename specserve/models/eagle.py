@@ -17,6 +17,9 @@ builds it (and vLLM's ``llama_eagle.py`` loads it): tensors named ``fc.weight`` 
 ``fc.bias`` when trained with one) and ``layers.N.*`` with no ``model.`` prefix, no input
 norm in the first layer and no final norm (the last layer's output plus its residual goes
 to the LM head), and a copy of the target's ``embed_tokens`` that must equal the target's.
+
+An EAGLE-3 head (``Eagle3ForCausalLM``, ``"layout": "eagle3"``) reads more of its target:
+the residual stream entering three of its layers (low, middle, high), concatenated.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from specserve.batch import ForwardBatch
+from specserve.errors import ModelLoadError
 from specserve.models.llama import LlamaForCausalLM, RMSNorm
 
 
@@ -70,3 +74,121 @@ class ResidualAdd(nn.Module):
             return x
         total = x + residual
         return total, total
+
+
+class Eagle3ForCausalLM(LlamaForCausalLM):
+    """An EAGLE-3 head, as the EAGLE repository defines it (``eagle/model/cnets.py``,
+    ``Model`` and ``LlamaDecoderLayeremb``) and vLLM loads it
+    (``vllm/model_executor/models/llama_eagle3.py``).
+
+    Its entry at position j reads token x_{j+1} and a feature f_j: where the target computed
+    position j, ``fc`` of the target's residual stream entering its ``feature_layers``
+    (``LlamaForCausalLM.kept_rows``: 3 × the target's hidden size, concatenated, ``fc``
+    maps them to the head's width); while it drafts ahead, its own output at j (no ``fc``).
+    Its first layer takes residual = f and runs attention over
+    ``[input_layernorm(embed(x_{j+1})); hidden_norm(f)]`` (q/k/v read 2 × hidden; with
+    ``norm_before_residual`` the residual is ``hidden_norm(f)``), then the MLP as usual;
+    further layers (a multi-layer head) are plain decoder layers. Its output, the residual
+    stream, is the next entry's feature; ``norm`` and its own LM head over its draft
+    vocabulary give the logits, draft token d being target token ``d + d2t[d]`` (every
+    other token gets logit -inf: probability 0 in q, so verification stays exact)."""
+
+    INDEX_TABLES = frozenset({"d2t", "t2d"})
+
+    def __init__(self, config, spec, backend, tp) -> None:
+        super().__init__(config, spec, backend, tp)
+        hidden = config.hidden_size
+        self.weights_layout = "eagle3"
+        self.feature_width = 3 * (getattr(config, "target_hidden_size", None) or hidden)
+        self.fc = nn.Linear(self.feature_width, hidden, bias=False)
+        first = self.model.layers[0]
+        attn = first.self_attn
+        attn.qkv_proj = nn.Linear(2 * hidden, attn.q_size + 2 * attn.kv_size, bias=attn.qkv_proj.bias is not None)
+        first.hidden_norm = RMSNorm(hidden, config.rms_norm_eps, self.model.ops)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+        self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        self.tie_word_embeddings = False  # its head is its own, over its draft vocabulary
+        self.index_tables: dict[str, torch.Tensor] = {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
+                num_layers: int | None = None) -> torch.Tensor:
+        """The residual stream after the head's layers (not normed: the next feature)."""
+        ops = self.model.ops
+        embeds = self.model.embed_tokens(input_ids)
+        tables = ops.rotary_tables(self.model.rotary, positions, embeds.dtype)
+        features = batch.features.to(embeds.dtype)
+        if features.shape[-1] == self.feature_width:  # the target's: fused by fc
+            features = self.fc(features)
+        first = self.model.layers[0]
+        normed = first.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        hidden = first.self_attn(torch.cat([first.input_layernorm(embeds), normed], dim=-1), tables,
+                                 kv_caches[0], batch)
+        hidden, residual = first.post_attention_layernorm(hidden, residual)
+        hidden = first.mlp(hidden)
+        for layer, kv_cache in zip(self.model.layers[1:num_layers], kv_caches[1:]):
+            hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(hidden)).float()
+        if self.vocab_ids is None:  # its draft vocabulary is the whole vocabulary
+            return logits
+        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.vocab_ids, logits)
+
+    def restrict_vocab(self, ids: torch.Tensor) -> bool:
+        raise ModelLoadError("an EAGLE-3 head carries its draft vocabulary in its d2t map; "
+                             "a draft_vocab.json beside it would be a second one")
+
+    def checkpoint_name(self, name: str) -> str:
+        """The published names (``midlayer.*``, ``fc``, ``norm``, ``lm_head``; ``layers.N.*``
+        for a multi-layer head's further layers; ``embed_tokens``, where stored, a copy of
+        the target's) as ours."""
+        if name.startswith("midlayer."):
+            return "model.layers.0." + name[len("midlayer."):]
+        if name.startswith(("layers.", "norm.", "embed_tokens.")):
+            return "model." + name
+        return name
+
+    def finish_loading(self) -> None:
+        """The draft vocabulary from ``d2t``, checked: distinct target ids, within the
+        vocabulary, and where ``t2d`` is stored, the same set."""
+        n, vocab = self.draft_vocab_size, self.config.vocab_size
+        d2t, t2d = self.index_tables.get("d2t"), self.index_tables.get("t2d")
+        if d2t is None:
+            if n != vocab:
+                raise ModelLoadError(f"an EAGLE-3 head with a draft vocabulary of {n} tokens "
+                                     "(draft_vocab_size) and no d2t map")
+            return
+        if d2t.dtype.is_floating_point or tuple(d2t.shape) != (n,):
+            raise ModelLoadError(f"an EAGLE-3 head's d2t must hold {n} integers (draft_vocab_size), "
+                                 f"it has shape {tuple(d2t.shape)} of {d2t.dtype}")
+        ids = torch.arange(n) + d2t.long().cpu()
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(torch.unique(ids)) != n:
+            raise ModelLoadError("an EAGLE-3 head's d2t maps its draft tokens outside the vocabulary, "
+                                 "or two of them to one token")
+        if t2d is not None:
+            expected = torch.zeros(vocab, dtype=torch.bool)
+            expected[ids] = True
+            if tuple(t2d.shape) != (vocab,) or not torch.equal(t2d.cpu().bool(), expected):
+                raise ModelLoadError("an EAGLE-3 head's t2d and d2t name different draft vocabularies")
+        self.vocab_ids = ids.to(self.lm_head.weight.device)
+
+
+def eagle3_feature_layers(config, target_layers: int) -> tuple[int, ...]:
+    """The target layers whose input an EAGLE-3 head reads, ascending: its config's
+    ``eagle_aux_hidden_state_layer_ids`` (at the top level, or in ``eagle_config``, as vLLM
+    reads them), else EAGLE's own choice (2, L // 2, L - 3) for a target of L layers."""
+    nested = getattr(config, "eagle_config", None) or {}
+    if nested.get("use_aux_hidden_state") is False:
+        raise ModelLoadError("an EAGLE-3 head without auxiliary hidden states "
+                             "(eagle_config.use_aux_hidden_state false) is not supported")
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or nested.get("eagle_aux_hidden_state_layer_ids")
+    ids = tuple(ids) if ids else (2, target_layers // 2, target_layers - 3)
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(isinstance(i, int) and 0 <= i < target_layers for i in ids):
+        raise ModelLoadError(f"an EAGLE-3 head reads 3 distinct target layers below {target_layers}; "
+                             f"its eagle_aux_hidden_state_layer_ids are {list(ids)}")
+    return tuple(sorted(ids))

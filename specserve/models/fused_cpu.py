@@ -55,12 +55,13 @@ class FusedCpuLayers:
         """Whether the C++ attention kernel takes every span of this step."""
         return max(batch.query_lens_host, default=0) <= self.backend.max_kernel_span
 
-    def run(self, hidden: torch.Tensor, tables, kv_caches, batch, num_layers: int | None = None):
-        """The layers (the first ``num_layers``) over ``hidden``; returns (hidden, residual)."""
+    def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, tables, kv_caches, batch,
+            start: int, stop: int):
+        """Layers ``start`` to ``stop`` (exclusive) over the residual stream ``hidden`` +
+        ``residual`` (None: ``hidden`` alone); returns the next (hidden, residual)."""
         cos, sin = tables
-        residual = None
         op = torch.ops.specserve_cpu.quant_decoder_layer
-        for (weights, meta, eps, scale), (k_cache, v_cache) in zip(self.layers[:num_layers], kv_caches):
+        for (weights, meta, eps, scale), (k_cache, v_cache) in zip(self.layers[start:stop], kv_caches[start:stop]):
             hidden, residual = op(hidden, residual, weights, meta, eps, scale, cos, sin, k_cache, v_cache,
                                   batch.slot_mapping, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
                                   self.backend.max_kernel_span)

@@ -223,16 +223,37 @@ class LlamaForCausalLM(nn.Module):
         local_tables = rotary_tables
         if self.model.rotary_local is not None:
             local_tables = ops.rotary_tables(self.model.rotary_local, positions, hidden.dtype)
-        residual = None
-        if self.fused_cpu is not None and self.fused_cpu.covers(batch):
-            hidden, residual = self.fused_cpu.run(hidden, rotary_tables, kv_caches, batch, num_layers)
-        else:
-            for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-                tables = local_tables if layer.self_attn.local_rope else rotary_tables
-                hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
+        fused = self.fused_cpu is not None and self.fused_cpu.covers(batch)
+        last = len(self.model.layers[:num_layers])
+        taps = self.feature_layers if num_layers is None and self.feature_layers else ()
+        residual, start, features = None, 0, []
+        for stop in (*taps, last):  # the layers in runs, the residual stream read between them
+            if fused:
+                hidden, residual = self.fused_cpu.run(hidden, residual, rotary_tables, kv_caches, batch, start, stop)
+            else:
+                for layer, kv_cache in zip(self.model.layers[start:stop], kv_caches[start:stop]):
+                    tables = local_tables if layer.self_attn.local_rope else rotary_tables
+                    hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
+            if len(features) < len(taps):
+                features.append(hidden if residual is None else hidden + residual)
+            start = stop
+        if taps:
+            self.features = torch.cat(features, dim=-1)
         if residual is None:  # no layer ran
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
+
+    # The layers whose input (the residual stream there; layer 0: the embeddings) an EAGLE-3
+    # head reads, ascending (set by its drafter, ``drafts/eagle.py``), or None. Each pass
+    # then leaves them concatenated, ``[num_tokens, len(feature_layers) * hidden]``, in
+    # ``features``: ``kept_rows`` hands them to the runner in place of the final hidden states.
+    feature_layers: tuple[int, ...] | None = None
+    features: torch.Tensor | None = None
+
+    def kept_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a runner that keeps each pass's rows for a drafter keeps: the final hidden
+        states ``hidden`` of the pass just run, or the feature layers' states."""
+        return self.features if self.feature_layers else hidden
 
     # Every layer in one C++ call where the model allows it (models/fused_cpu.py; set at load).
     fused_cpu = None
@@ -292,6 +313,10 @@ class LlamaForCausalLM(nn.Module):
         """A checkpoint tensor's name as this model's checkpoints write it (a layout that
         names tensors otherwise maps them here)."""
         return name
+
+    # Checkpoint tensors that are no weights but index tables the model keeps as stored,
+    # in ``index_tables`` (an EAGLE-3 head's d2t / t2d), checked by its ``finish_loading``.
+    INDEX_TABLES: frozenset[str] = frozenset()
 
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
         """Row range of shard ``shard`` inside merged parameter ``param_name`` (this

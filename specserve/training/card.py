@@ -14,6 +14,9 @@ from specserve.training.data import SAMPLE_TEMPERATURE, SELF_PROMPT_TEMPERATURE,
 from specserve.training.runtime import device_name
 
 
+ARCH_NAMES = {"layers": "draft", "eagle": "EAGLE head", "eagle3": "EAGLE-3 head"}
+
+
 def write_outputs(out: Path, record: dict) -> None:
     (out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
     write_model_card(out, record)
@@ -23,7 +26,7 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
                 training, started) -> dict:
     train_examples = [e for e in examples if e.split == "train"]
     return {
-        "name": f"{files.name} {'EAGLE head' if args.arch == 'eagle' else 'draft'} "
+        "name": f"{files.name} {ARCH_NAMES[args.arch]} "
                 f"({args.num_layers} layer{'s' if args.num_layers > 1 else ''})",
         "target": files.name,
         "num_layers": args.num_layers, "init_layers": init_layers, "device": device_name(device),
@@ -48,13 +51,14 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
 def write_model_card(out: Path, record: dict) -> None:
     t, d, e = record["training"], record["data"], record.get("evaluation")
     val0, val1 = t["history"]["val"][0], t["final_val"]
-    eagle = record["args"].get("arch") == "eagle"
+    eagle = record["args"].get("arch") in ("eagle", "eagle3")
     passes = record["args"].get("passes", 4)
     vocab = record.get("draft_vocab")
+    eagle3 = record["args"].get("arch") == "eagle3"
     lines = [
         f"# {record['name']}",
         "",
-        (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
+        _eagle3_intro(record) if eagle3 else (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
          "made for speculative decoding in specserve. Each of its cache entries reads a token and the "
          "target's final hidden state at the position before it (`fc([embedding; hidden])`"
          + (", each RMS-normed first" if record.get("input_norms") else "") +
@@ -82,7 +86,13 @@ def write_model_card(out: Path, record: dict) -> None:
         "",
         "## How it was trained",
         "",
-        (f"- **Initialisation:** a new head's layer from target layer {record['init_layers']} and the "
+        (f"- **Initialisation:** its layer from target layer {record['init_layers']} (q/k/v reading the "
+         "embedding's and the feature's halves alike), the target's final norm, `fc` passing the highest "
+         "feature layer through, and the target's LM head rows of its draft vocabulary"
+         + (f"; then trained as below, and this run continued from that checkpoint "
+            f"(`--init-from {record['args']['init_from']}`)" if record["args"].get("init_from") else "") + "."
+         if eagle3 else
+         f"- **Initialisation:** a new head's layer from target layer {record['init_layers']} and the "
          "target's final norm, `fc` adding embedding and feature."
          if eagle and not record["args"].get("init_from") else
          f"- **Initialisation:** target layers {record['init_layers']} and the target's final norm"
@@ -114,7 +124,7 @@ def write_model_card(out: Path, record: dict) -> None:
         f"(validation, {d['val_prompts']} prompts) is watched during training. Neither is trained on.",
         f"- **Objective:** forward KL(target ‖ draft) on response positions with the target's logits "
         f"computed on the fly, plus {record['args']['ce_weight']} × cross-entropy to the target's "
-        f"argmax; only the draft's layers{', `fc`' if eagle else ''} and norm learn."
+        f"argmax; only the draft's layers{', `fc`' if eagle else ''}{', LM head' if eagle3 else ''} and norm learn."
         + (f" The head's {passes} draft steps are unrolled (training-time test): step t reads its own "
            "step t-1 output as feature and attends to the target-feature entries before the chain and "
            f"to the chain's earlier entries, exactly as when drafting; step t's loss is weighted 0.8^t."
@@ -165,3 +175,19 @@ def write_model_card(out: Path, record: dict) -> None:
               "Greedy output with this draft equals the target's own (speculative decoding is "
               "lossless); the draft only changes speed.", ""]
     (out / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
+def _eagle3_intro(record: dict) -> str:
+    vocab = record.get("draft_vocab")
+    return (f"An EAGLE-3 draft head for **{record['target']}**, made for speculative decoding, in the "
+            "published EAGLE-3 layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`/`t2d`; config "
+            "`LlamaForCausalLMEagle3`), which specserve, vLLM and SGLang load. Each of its cache entries "
+            "reads a token and `fc` of the target's residual stream entering target layers "
+            f"{record.get('feature_layers')} at the position before it; while drafting ahead it feeds its "
+            "own output instead. Its one decoder layer attends over [normed embedding; normed feature], "
+            "and its own LM head drafts "
+            + (f"among the {vocab['size']} tokens most frequent in its training responses ({vocab['coverage']:.1%} "
+               "of them; `d2t` maps them to the target's ids), the rest getting probability 0 in q, so "
+               "verification stays exact" if vocab else "over the whole vocabulary")
+            + f". It stores its own weights ({record['file_mb']:.1f} MB, bf16); the target's embeddings "
+            "are shared with it at load time.")

@@ -62,10 +62,13 @@ class EagleHead(nn.Module):
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = norm
         self.float()
-        attn = self.model.layers[0].self_attn
+        self._bind(target, self.model.layers[0].self_attn)
+
+    def _bind(self, target, attn) -> None:
+        cfg = target.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
         self.has_qk_norm = hasattr(attn, "q_norm")
         # Not registered: shared with the target, frozen.
@@ -74,13 +77,22 @@ class EagleHead(nn.Module):
     def own_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.named_parameters())
 
-    def _attend(self, layer, u: torch.Tensor, cos, sin, keys: list, values: list, t: int,
+    def read_target(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the features the head reads, the target's final hidden states) of ``ids``."""
+        hidden = self.target.model(input_ids=ids).last_hidden_state
+        return hidden, hidden
+
+    def logits(self, out: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """The logits of output rows ``out`` (over ``vocab``'s tokens, in its order, if given)."""
+        return head_logits(self.target.lm_head, out, vocab)
+
+    def _attend(self, layer, x: torch.Tensor, u: torch.Tensor, cos, sin, keys: list, values: list, t: int,
                 masks: dict) -> torch.Tensor:
-        """One decoder layer on pass ``t``'s inputs ``u`` [B, L, H]; appends this pass's
-        keys and values to ``keys`` / ``values`` (one entry per pass)."""
+        """One decoder layer on pass ``t``'s normed inputs ``x`` [B, L, *] over residual
+        stream ``u`` [B, L, H]; appends this pass's keys and values to ``keys`` / ``values``
+        (one entry per pass)."""
         attn = layer.self_attn
         batch, length, _ = u.shape
-        x = layer.input_layernorm(u)
         q = attn.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
@@ -124,7 +136,7 @@ class EagleHead(nn.Module):
         for t in range(num_passes):
             x = self.fc(torch.cat([emb, self.feature_norm(feat) if self.input_norms else feat], dim=-1))
             for i, layer in enumerate(layers):
-                x = self._attend(layer, x, cos, sin, keys[i], values[i], t, masks)
+                x = self._attend(layer, layer.input_layernorm(x), x, cos, sin, keys[i], values[i], t, masks)
             g = self.model.norm(x)
             outs.append(g)
             feat = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
@@ -149,13 +161,13 @@ def head_losses(head: EagleHead, target, ids, rows, cols, num_passes: int, ce_we
     vocabulary, the logits and the target's distribution over those tokens only
     (``losses.TargetDistribution``)."""
     with torch.no_grad():
-        features = target.model(input_ids=ids).last_hidden_state
-        teacher = TargetDistribution(target.lm_head(features[rows, cols]).float(), vocab)
+        features, final = head.read_target(ids)
+        teacher = TargetDistribution(target.lm_head(final[rows, cols]).float(), vocab)
     outs = head(ids, features, num_passes)
     loss = kl_sum = ce_sum = 0.0
     agree = []
     for t, g in enumerate(outs):
-        d_logits = head_logits(target.lm_head, g[rows, (cols - 1).clamp(min=0)], vocab)
+        d_logits = head.logits(g[rows, (cols - 1).clamp(min=0)], vocab)
         loss_t, kl_t, ce_t, agree_t = teacher.loss(d_logits, ce_weight, valid=(cols - 1) >= t)
         loss = loss + PASS_DECAY ** t * loss_t
         kl_sum, ce_sum = kl_sum + kl_t.detach(), ce_sum + ce_t.detach()

@@ -8,7 +8,6 @@ one process per GPU); on CPU the ranks use gloo.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -59,9 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gen-budget-frac", type=float, default=0.45,
                    help="share of the time budget generation may use")
     # model and training
-    p.add_argument("--arch", choices=("layers", "eagle"), default="layers",
+    p.add_argument("--arch", choices=("layers", "eagle", "eagle3"), default="layers",
                    help="layers: a small model of the target's family; eagle: a head drafting from "
-                        "the target's final hidden states (eagle_head.py)")
+                        "the target's final hidden states (eagle_head.py); eagle3: an EAGLE-3 head over "
+                        "three target layers with its own LM head, saved in the published layout "
+                        "(eagle3_head.py)")
+    p.add_argument("--eagle3-layers", default=None,
+                   help="EAGLE-3: the three target layers whose input the head reads, comma-separated "
+                        "(default: EAGLE's 2, L/2, L-3)")
     p.add_argument("--eagle-init-layers", default="-1",
                    help="target layers a new EAGLE head's layers start from, comma-separated (default: "
                         "one layer, the last; --init-from a layers-only draft starts the head as that "
@@ -160,8 +164,6 @@ def main(argv=None) -> dict:
         return {}
 
     student.save(files, out)
-    if vocab:
-        (out / "draft_vocab.json").write_text(json.dumps(vocab) + "\n")
     record = make_record(args, argv, files, device, student.init_layers, out, prompts, examples, gen_seconds,
                          training, started)
     record.update(student.record())

@@ -18,8 +18,13 @@ from specserve.training.draft import (
     parse_init_layers,
     save_draft,
 )
+from specserve.training.eagle3_head import Eagle3Head, default_feature_layers, load_eagle3_weights, save_eagle3
 from specserve.training.eagle_head import EagleHead, head_losses, load_head_weights, save_head
 from specserve.training.losses import TargetDistribution, distill_loss, logits_at
+
+
+# Target families whose dense decoder layer an EAGLE-3 head (a Llama layer) can start from.
+EAGLE3_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class Student(Protocol):
@@ -94,6 +99,7 @@ class LayersStudent:
 
     def save(self, files, out: Path) -> None:
         save_draft(self.module, files, self.init_layers, out, self.weights)
+        _save_vocab(out, self.vocab)
 
     def record(self) -> dict:
         return {}
@@ -126,22 +132,47 @@ class EagleStudent:
 
     def save(self, files, out: Path) -> None:
         save_head(self.module, files, self.init_layers, out)
+        _save_vocab(out, self.vocab)
 
     def record(self) -> dict:
         return {"input_norms": self.module.input_norms}
 
 
+class Eagle3Student(EagleStudent):
+    """An EAGLE-3 head (``eagle3_head.py``): as an EAGLE head, over three target layers'
+    features and its own LM head; saved in the published layout, its draft vocabulary in
+    its ``d2t`` map."""
+
+    def save(self, files, out: Path) -> None:
+        save_eagle3(self.module, files, self.init_layers, out)
+
+    def record(self) -> dict:
+        return {"feature_layers": list(self.module.feature_layers)}
+
+
+def _save_vocab(out: Path, vocab: torch.Tensor | None) -> None:
+    """``draft_vocab.json``: the tokens a draft proposes among (``--draft-vocab``)."""
+    if vocab is not None:
+        (out / "draft_vocab.json").write_text(json.dumps(vocab.tolist()) + "\n")
+
+
 def make_student(args, target, device: torch.device, vocab: torch.Tensor | None) -> Student:
-    """The student ``args`` ask for: ``--arch`` layers or eagle, new (from target layers),
-    or from ``--init-from`` a checkpoint (a layers-only draft may grow by ``--add-layers``;
-    an EAGLE head may start as a layers-only draft). Sets ``args.num_layers`` and
+    """The student ``args`` ask for: ``--arch`` layers, eagle or eagle3, new (from target
+    layers), or from ``--init-from`` a checkpoint (a layers-only draft may grow by
+    ``--add-layers``; an EAGLE head may start as a layers-only draft; an EAGLE-3 head
+    continues only from one). Sets ``args.num_layers`` and
     ``args.intermediate_size`` to the student's (the record reports them)."""
     total = target.config.num_hidden_layers
     start = json.loads((Path(args.init_from) / "config.json").read_text()) if args.init_from else None
+    start_layout = start and start["specserve_draft"].get("layout")
+    if start_layout == "eagle3" and args.arch != "eagle3":
+        raise SystemExit(f"--init-from {args.init_from} is an EAGLE-3 head: add --arch eagle3")
+    if args.arch == "eagle3" and start and start_layout != "eagle3":
+        raise SystemExit(f"--arch eagle3 continues only from an EAGLE-3 head; {args.init_from} is not one")
     if start:  # a warm start: the checkpoint's shape, then its weights
         init_layers = start["specserve_draft"]["init_from_target_layers"]
         args.num_layers, args.intermediate_size = len(init_layers), start["intermediate_size"]
-    elif args.arch == "eagle":
+    elif args.arch in ("eagle", "eagle3"):
         try:
             init_layers = [int(x) % total for x in args.eagle_init_layers.split(",")]
         except ValueError:
@@ -152,8 +183,23 @@ def make_student(args, target, device: torch.device, vocab: torch.Tensor | None)
     width = target.config.intermediate_size * 2 // 3
     args.intermediate_size = args.intermediate_size or (width // 64 * 64 if width >= 64 else width)
     start_is_eagle = bool(start) and start["specserve_draft"].get("kind") == "eagle"
-    if args.weights != "bfloat16" and args.arch == "eagle":
+    if args.weights != "bfloat16" and args.arch != "layers":
         raise SystemExit("--weights int8 stores a layers-only draft; an EAGLE head is saved in bf16")
+    if args.arch == "eagle3":
+        if target.config.model_type not in EAGLE3_FAMILIES:
+            raise SystemExit(f"--arch eagle3: its head is a Llama layer, started from a target layer of a "
+                             f"family with the same layer ({', '.join(EAGLE3_FAMILIES)}); the target is "
+                             f"{target.config.model_type}")
+        if len(init_layers) != 1:
+            raise SystemExit("--arch eagle3: a head of one layer (--eagle-init-layers names one target layer)")
+        draft = build_draft(target, init_layers, device, args.intermediate_size)
+        layers = _feature_layers(args.eagle3_layers, total)
+        if start:
+            layers = tuple(start["eagle_aux_hidden_state_layer_ids"])
+        head = Eagle3Head(target, draft.model.layers[0], draft.model.norm, layers, vocab).to(device)
+        if start:
+            load_eagle3_weights(head, Path(args.init_from) / "model.safetensors")
+        return Eagle3Student(head, target, init_layers, vocab, args.passes)
     if start_is_eagle and args.arch != "eagle":
         raise SystemExit(f"--init-from {args.init_from} is an EAGLE head: add --arch eagle")
     from_layers_draft = bool(start) and not start_is_eagle
@@ -178,3 +224,17 @@ def make_student(args, target, device: torch.device, vocab: torch.Tensor | None)
     if start_is_eagle:
         load_head_weights(head, Path(args.init_from) / "model.safetensors")
     return EagleStudent(head, target, init_layers, vocab, args.passes)
+
+
+def _feature_layers(spec: str | None, total: int) -> tuple[int, ...]:
+    """``--eagle3-layers``: three distinct target layers (negative: from the end), else EAGLE's."""
+    if not spec:
+        layers = default_feature_layers(total)
+    else:
+        try:
+            layers = tuple(int(x) % total for x in spec.split(","))
+        except ValueError:
+            raise SystemExit(f"--eagle3-layers {spec!r}: three comma-separated layer indices") from None
+    if len(set(layers)) != 3 or not all(0 <= i < total for i in layers):
+        raise SystemExit(f"--eagle3-layers: three distinct layers of the target's {total}, got {list(layers)}")
+    return tuple(sorted(layers))
