@@ -19,15 +19,18 @@ import torch
 
 from specserve.attention import get_backend
 from specserve.drafts.eagle import EagleDrafter
+from specserve.drafts.medusa import MedusaDrafter
 from specserve.drafts.model_drafter import ModelDrafter
 from specserve.drafts.ngram import NgramDrafter
 from specserve.drafts.shipped import (is_eagle3_head, is_eagle_head, published_layout, shares_target_embeddings,
                                       shipped_draft_for)
 from specserve.errors import ModelLoadError, SpecserveError
 from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
-                              resolve_model)
+                              read_tensors, resolve_model)
 from specserve.models.eagle import Eagle3ForCausalLM, EagleForCausalLM, eagle3_feature_layers
 from specserve.models.fused_cpu import FusedCpuLayers
+from specserve.models.medusa import HEAD_FILE as MEDUSA_HEAD_FILE
+from specserve.models.medusa import is_medusa_checkpoint, load_medusa_heads
 from specserve.models.quantized import quantize_linears
 
 logger = logging.getLogger("specserve")
@@ -67,6 +70,8 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
         if files is None:
             raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint "
                                  "(--draft-model); only the embedded default model has one built in")
+    if is_medusa_checkpoint(files.path):
+        return _medusa(files, config, target_hf_config, device, dtype)
     draft_config = load_hf_config(files, draft=True)
     found = published_layout(checkpoint_names(files))
     if found is not None:
@@ -112,6 +117,14 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                         quantized=quantized_gguf(files, "auto", device))
     _restrict_vocab(model, files)
     return ModelDrafter("draft_model", model, config, device, dtype)
+
+
+def _medusa(files, config, target_hf_config, device, dtype):
+    """Medusa heads over the target's final hidden states (``models/medusa.py``)."""
+    tensors = None if (files.path / MEDUSA_HEAD_FILE).is_file() else read_tensors(files)
+    heads = load_medusa_heads(files.name, files.path, tensors, target_hf_config.hidden_size,
+                              target_hf_config.vocab_size, dtype, device)
+    return MedusaDrafter(heads, config, device, dtype)
 
 
 def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):

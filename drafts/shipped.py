@@ -53,14 +53,12 @@ def published_layout(names: list[str]) -> dict | None:
       repository's ``eagle/model/cnets.py`` saves it and vLLM's ``llama_eagle3.py`` loads it;
     - an EAGLE-1/EAGLE-2 head: ``fc.weight`` and ``layers.N.*`` with no ``model.`` prefix,
       as ``eagle/model/cnets.py`` saved it before EAGLE-3.
-    Published layouts not run yet are refused by name."""
+    (Medusa heads are found before, by ``models/medusa.is_medusa_checkpoint``.)"""
     if any(n.startswith("midlayer.") for n in names):
         return {"kind": "eagle", "layout": "eagle3", "shares_target_embeddings": True}
     if "d2t" in names or "t2d" in names:
         raise ModelLoadError("a draft head with d2t/t2d but no midlayer.*: not a layout specserve knows "
                              "(EAGLE-3 heads store their first layer as midlayer.*)")
-    if any(n.startswith("medusa_head") for n in names):
-        raise ModelLoadError("Medusa heads (medusa_head.*): not supported yet; EAGLE-1/2/3 heads are")
     if "fc.weight" in names and not any(n.startswith("model.") for n in names):
         return {"kind": "eagle", "layout": "eagle1", "shares_target_embeddings": True,
                 "fc_bias": "fc.bias" in names}

@@ -504,6 +504,11 @@ def _shards(files: ModelFiles, single: str, pattern: str) -> list[Path]:
     return sorted(files.path.glob(pattern))
 
 
+def read_tensors(files: ModelFiles) -> dict[str, torch.Tensor]:
+    """Every tensor of a small checkpoint (draft heads), read as ``build_model`` reads them."""
+    return dict(_iter_checkpoint(files))
+
+
 def _iter_checkpoint(files: ModelFiles, tables: frozenset[str] = frozenset()):
     names = _checkpoint_handles(files)
     handle_of = {key: handle for key, handle in names}
