@@ -12,6 +12,7 @@ so it goes through the target's runner and its step broadcast like any target pa
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -27,7 +28,7 @@ from specserve.drafts.shipped import (is_eagle3_head, is_eagle_head, published_l
 from specserve.errors import ModelLoadError, SpecserveError
 from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
                               read_tensors, resolve_model)
-from specserve.models.eagle import Eagle3ForCausalLM, EagleForCausalLM, eagle3_feature_layers
+from specserve.models.eagle import Eagle3ForCausalLM, EagleForCausalLM, MtpForCausalLM, eagle3_feature_layers
 from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.medusa import HEAD_FILE as MEDUSA_HEAD_FILE
 from specserve.models.medusa import is_medusa_checkpoint, load_medusa_heads
@@ -127,6 +128,35 @@ def _medusa(files, config, target_hf_config, device, dtype):
     return MedusaDrafter(heads, config, device, dtype)
 
 
+def _mtp(config, target, target_hf_config, _tokenizer, device, dtype):
+    """The target checkpoint's own multi-token-prediction layer as its draft (MiMo's
+    ``model.mtp_layers.0``; ``models/eagle.py`` ``MtpForCausalLM``), drafting from the
+    target's final hidden states as an EAGLE head does, with the target's embeddings and
+    LM head."""
+    files = resolve_model(config.model)
+    layers = getattr(target_hf_config, "num_nextn_predict_layers", 0) or 0
+    if not target.mtp_prefix or layers < 1:
+        raise SpecserveError(f"speculative_method 'mtp' drafts with the multi-token-prediction layers a target "
+                             f"checkpoint carries (MiMo's model.mtp_layers); {files.name} has none")
+    if files.gguf is not None:
+        raise SpecserveError(f"speculative_method 'mtp': {files.name} is a GGUF file, which carries no MTP layers")
+    if target.tp.size > 1:
+        raise SpecserveError("speculative_method 'mtp' shares the target's embeddings and LM head, which "
+                             "tensor parallelism splits over the ranks")
+    draft_config = copy.deepcopy(target_hf_config)
+    draft_config.num_hidden_layers = 1
+    if getattr(draft_config, "layer_types", None):
+        draft_config.layer_types = draft_config.layer_types[:1]
+    draft_config.specserve_draft = {"kind": "eagle", "layout": "mtp", "input_norms": True,
+                                    "shares_target_embeddings": True}
+    shared = {"model.embed_tokens": target.model.embed_tokens, "lm_head": target.lm_head}
+    model = build_model(files, draft_config, dtype, device, get_backend(config.attention_backend, device),
+                        shared_modules=shared, model_class=MtpForCausalLM)
+    drafter = EagleDrafter(model, config, device, dtype)
+    drafter.name = "mtp"
+    return drafter
+
+
 def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):
     """The target drafting for itself from a quantized copy of its weights: a GGUF's own
     blocks where the target came from one (it then runs dequantised itself), else its
@@ -168,4 +198,5 @@ def _restrict_vocab(model, files) -> None:
                        "prepacked here; drafting over the whole vocabulary", files.name)
 
 
-_BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model, "quantized": _quantized}
+_BUILDERS = {"ngram": _ngram, "layerskip": _layerskip, "draft_model": _draft_model, "quantized": _quantized,
+             "mtp": _mtp}

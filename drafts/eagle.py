@@ -87,6 +87,9 @@ class EagleDrafter(ModelDrafter):
             return (f"draft_model (EAGLE-3 head: {cfg.num_hidden_layers} layer(s) over target layers "
                     f"{', '.join(map(str, self.feature_layers))}, {self.model.num_parameters / 1e6:.0f}M "
                     f"parameters + the target's embeddings{self._among()})")
+        if self.model.weights_layout == "mtp":
+            return (f"mtp (the target's own multi-token-prediction layer 0 of {cfg.num_nextn_predict_layers}, "
+                    f"{self.model.num_parameters / 1e6:.0f}M parameters + the target's embeddings and LM head)")
         layout = " in the published EAGLE-1/2 layout" if self.model.weights_layout == "eagle1" else ""
         return (f"draft_model (EAGLE head{layout}: {cfg.num_hidden_layers} layer(s) over the target's hidden "
                 f"states, {self.model.num_parameters / 1e6:.0f}M parameters + the target's "

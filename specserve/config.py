@@ -11,7 +11,7 @@ from specserve.errors import SpecserveError
 from specserve.logprobs import LOGPROBS_MODES
 from specserve.models.packed_linear import bf16_packing_supported
 
-SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized")
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized", "mtp")
 # A .gguf model's weights: quantized (kept in their blocks, run by the C++ CPU kernels),
 # dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
@@ -62,7 +62,7 @@ class EngineConfig:
     # one GPU each, started by torchrun); rank 0 runs the engine (see tp_worker.py).
     tensor_parallel_size: int = 1
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
-    speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized
+    speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized | mtp
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
     # Adaptive with a draft model or EAGLE head: "confidence" stops each request's drafting

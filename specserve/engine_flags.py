@@ -76,7 +76,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="how draft tokens are proposed: ngram (prompt lookup), layerskip (the "
                         "target's first layers), draft_model (a separate checkpoint), quantized (the "
                         "target's own weights in 4/8 bits: a GGUF's blocks, else Q4_1 made at load; "
-                        "CPU); default: none")
+                        "CPU), mtp (the multi-token-prediction layer a target checkpoint carries, as "
+                        "MiMo's); default: none")
     s.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="k, the most draft tokens per request per step (default: 4)")
     s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,

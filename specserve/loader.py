@@ -201,13 +201,24 @@ DRAFT_HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle3": "LlamaForCausalLM", "Eagle
                             "LlamaForCausalLMEagle": "LlamaForCausalLM", "EagleLlamaForCausalLM": "LlamaForCausalLM"}
 
 
+# model_type -> the transformers config class that reads it, where transformers has none
+# of its own (MiMo ships remote code; its config is Qwen2's plus num_nextn_predict_layers).
+CONFIG_CLASSES = {"mimo": "Qwen2Config"}
+
+
 def load_hf_config(files: ModelFiles, draft: bool = False):
     """``files``' config.json, its architecture and quantization checked. ``draft``: a
     draft checkpoint, which may name a published head's architecture."""
     from transformers import AutoConfig  # lazy: transformers takes seconds to import, only to load
 
     try:
-        config = AutoConfig.from_pretrained(files.path)
+        model_type = json.loads((files.path / "config.json").read_text()).get("model_type")
+        if model_type in CONFIG_CLASSES:  # a family whose config class transformers lacks
+            import transformers  # lazy: as above
+
+            config = getattr(transformers, CONFIG_CLASSES[model_type]).from_pretrained(files.path)
+        else:
+            config = AutoConfig.from_pretrained(files.path)
     except Exception as exc:
         raise ModelLoadError(f"{files.name}: unreadable config.json "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
@@ -243,7 +254,7 @@ def _check_quantization(config, where: str) -> None:
 
 # config.json's model_type -> architecture, for a config that names no architectures.
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
@@ -375,6 +386,8 @@ def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> Non
 
 def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, blocks: dict | None = None) -> None:
     ckpt_name = model.checkpoint_name(ckpt_name)  # a layout's names as ours (an EAGLE-1 head's)
+    if ckpt_name is None:  # another model's, inside this checkpoint (MTP layers and their target)
+        return
     if ckpt_name.endswith("rotary_emb.inv_freq") or (
             ckpt_name == "lm_head.weight" and model.tie_word_embeddings):
         return

@@ -7,6 +7,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(),
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
+    # MiMo: Qwen2 with multi-token-prediction layers beside it (a draft: ``models/eagle.py``).
+    "MiMoForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, mtp_prefix="model.mtp_layers."),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "Phi3ForCausalLM": ArchSpec(),  # q/k/v and gate/up stored merged; longrope
     "MixtralForCausalLM": ArchSpec(moe=True),

@@ -76,6 +76,47 @@ class ResidualAdd(nn.Module):
         return total, total
 
 
+class MtpForCausalLM(EagleForCausalLM):
+    """A target's own multi-token-prediction layer as its draft: MiMo's
+    ``model.mtp_layers.0`` (as vLLM's ``mimo_mtp.py`` runs it), an EAGLE head written another
+    way. Its entry at position j norms the embedding of x_{j+1} (``token_layernorm``; zero
+    at position 0) and the target's final hidden state h_j (``hidden_layernorm``), maps
+    ``[h_j; embedding]`` through ``input_proj``, runs one decoder layer of the target's
+    family and ``final_layernorm``; the target's LM head predicts x_{j+2}, and the output is
+    the next draft step's feature. Built with input norms; ``input_proj``'s two halves are
+    swapped at load to this class's [embedding; feature] order (a permutation: exact).
+    Only the first MTP layer drafts (as in vLLM); the checkpoint's others are left."""
+
+    def __init__(self, config, spec, backend, tp) -> None:
+        super().__init__(config, spec, backend, tp)
+        self.weights_layout = "mtp"
+        self.mtp_prefix = None  # the MTP layer's tensors are this model's
+
+    RENAMED_MTP = {"token_layernorm.weight": "embed_norm.weight", "hidden_layernorm.weight": "feature_norm.weight",
+                   "input_proj.weight": "fc.weight", "final_layernorm.weight": "model.norm.weight"}
+
+    def checkpoint_name(self, name: str) -> str | None:
+        prefix = "model.mtp_layers.0."
+        if not name.startswith(prefix):
+            return None  # the target's tensors, and further MTP layers
+        rest = name[len(prefix):]
+        return self.RENAMED_MTP.get(rest, "model.layers.0." + rest)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
+                num_layers: int | None = None) -> torch.Tensor:
+        embeds = self.model.embed_tokens(input_ids).masked_fill((positions == 0)[:, None], 0.0)
+        hidden = self.fc(torch.cat([self.embed_norm(embeds), self.feature_norm(batch.features.to(embeds.dtype))],
+                                   dim=-1))
+        return self.decode(hidden, positions, kv_caches, batch, num_layers)
+
+    def finish_loading(self) -> None:
+        """``input_proj`` reads [feature; embedding]: its halves swapped to this order."""
+        hidden = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.cat([self.fc.weight[:, hidden:], self.fc.weight[:, :hidden]], dim=1))
+
+
 class Eagle3ForCausalLM(LlamaForCausalLM):
     """An EAGLE-3 head, as the EAGLE repository defines it (``eagle/model/cnets.py``,
     ``Model`` and ``LlamaDecoderLayeremb``) and vLLM loads it

@@ -46,6 +46,10 @@ class ArchSpec:
     gemma: bool = False
     # Gemma 2/3: the attention's and the MLP's outputs normed too (pre/post-feedforward).
     sandwich: bool = False
+    # Checkpoint tensors under this prefix are the checkpoint's own multi-token-prediction
+    # layers (MiMo's ``model.mtp_layers.``): a draft (``speculative_method "mtp"``), not
+    # part of the model, which leaves them to it.
+    mtp_prefix: str | None = None
 
 
 class RMSNorm(nn.Module):
@@ -200,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = backend
         self.lm_head = nn.Linear(config.hidden_size, self.layout.vocab_rows, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.mtp_prefix = spec.mtp_prefix
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -309,9 +314,12 @@ class LlamaForCausalLM(nn.Module):
     RENAMED_UNDER = "block_sparse_moe"
     RENAMED = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
-    def checkpoint_name(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as this model's checkpoints write it (a layout that
-        names tensors otherwise maps them here)."""
+        names tensors otherwise maps them here); None: a tensor the checkpoint holds for
+        another model (its MTP draft layers), left to it."""
+        if self.mtp_prefix and name.startswith(self.mtp_prefix):
+            return None
         return name
 
     # Checkpoint tensors that are no weights but index tables the model keeps as stored,
