@@ -128,6 +128,26 @@ def record_proposals(drafter) -> list[tuple[int, list[int], list[int]]]:
     return proposals
 
 
+def record_all_proposals(drafter) -> list[tuple[int, list[int], list[int]]]:
+    """Spy on ``drafter.propose``: (start position, tokens, proposals) of every request
+    that drafted, every step."""
+    proposals, propose = [], drafter.propose
+
+    def spy(scheduled, requests, stop=None):
+        out = propose(scheduled, requests, stop)
+        if out.draft_ids is not None:
+            flat, at = out.draft_ids.tolist(), 0
+            for planned, placeholders in zip(scheduled, out.draft_token_ids):
+                if placeholders:
+                    proposals.append((planned.start_pos, requests[planned.req_id].all_token_ids[:],
+                                      flat[at:at + len(placeholders)]))
+                at += len(placeholders)
+        return out
+
+    drafter.propose = spy
+    return proposals
+
+
 def llm_config_input_norms(head_dir) -> bool:
     return json.loads((Path(head_dir) / "config.json").read_text())["specserve_draft"]["input_norms"]
 

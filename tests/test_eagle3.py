@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_eagle import PROMPTS, SMALL, eagle_llm, greedy, record_proposals
+from test_eagle import PROMPTS, SMALL, eagle_llm, greedy, record_all_proposals, record_proposals
 from tiny_models import LLM32, make_hf_model
 
 from specserve import SamplingParams
@@ -262,6 +262,31 @@ def test_without_layer_ids_a_head_reads_eagles_default_layers(deep_target, tmp_p
     got = llm.generate(PROMPTS[:2], [greedy(3)] * 2, use_tqdm=False)
     want = LLM32(str(target_dir), **SMALL).generate(PROMPTS[:2], [greedy(3)] * 2, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_an_eagle3_head_takes_prefix_cache_hits_from_the_target_features_it_was_given(deep_target, tmp_path):
+    """Shared-prefix rounds (``test_prefix_cache``) with prefix caching on and off: the same
+    greedy output, hits taken, every proposal of the cached engine equal to the head's
+    definition (so no entry read features the target never computed), no leaked blocks."""
+    from test_prefix_cache import SMALL as CACHE_SMALL
+    from test_prefix_cache import generate_rounds
+    from transformers import AutoModelForCausalLM
+
+    target_dir = deep_target(4)
+    head_dir, state = make_eagle3_head(target_dir, tmp_path / "head")
+    options = dict(speculative_method="draft_model", draft_model=head_dir, num_speculative_tokens=3,
+                   speculative_adaptive=False, **CACHE_SMALL)
+    on, off = LLM32(str(target_dir), **options), LLM32(str(target_dir), **options, enable_prefix_caching=False)
+    proposals = record_all_proposals(on.engine.speculator.drafter)
+    assert generate_rounds(on) == generate_rounds(off)
+    kv = on.engine.kv
+    assert kv.num_hit_tokens > 0 and kv.draft_cache == "features" and kv.num_free_blocks == kv.num_blocks
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    checked = proposals[::7]
+    assert len(checked) > 5
+    for start, tokens, drafts in checked:
+        assert drafts == eagle3_drafts(target, config, state, (0, 2, 3), tokens, start, len(drafts))
 
 
 def _edit(head_dir: str, path: Path, config: dict | None = None, state: dict | None = None) -> str:

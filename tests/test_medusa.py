@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_eagle import PROMPTS, SMALL, greedy
+from test_eagle import PROMPTS, SMALL, greedy, record_all_proposals
 from tiny_models import LLM32
 
 from specserve import SamplingParams
@@ -57,26 +57,6 @@ def medusa_drafts(target, state: dict, num_layers: int, tokens: list[int], start
                                                  + state[f"medusa_head.{i}.{j}.linear.bias"])
             drafts.append(int((state[f"medusa_head.{i}.{num_layers}.weight"] @ x).argmax()))
     return drafts
-
-
-def record_all_proposals(drafter) -> list[tuple[int, list[int], list[int]]]:
-    """Spy on ``drafter.propose``: (start position, tokens, proposals) of every request
-    that drafted, every step."""
-    proposals, propose = [], drafter.propose
-
-    def spy(scheduled, requests, stop=None):
-        out = propose(scheduled, requests, stop)
-        if out.draft_ids is not None:
-            flat, at = out.draft_ids.tolist(), 0
-            for planned, placeholders in zip(scheduled, out.draft_token_ids):
-                if placeholders:
-                    proposals.append((planned.start_pos, requests[planned.req_id].all_token_ids[:],
-                                      flat[at:at + len(placeholders)]))
-                at += len(placeholders)
-        return out
-
-    drafter.propose = spy
-    return proposals
 
 
 def medusa_llm(target_dir, head_dir, k: int = 3, **kwargs):
