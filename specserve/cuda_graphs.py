@@ -122,7 +122,8 @@ class GraphRunner:
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
         # With ``keep_hidden``, each replay leaves its real rows' final hidden states (or
-        # feature layers': ``LlamaForCausalLM.kept_rows``) in ``last_hidden``, ragged in schedule order (as ``ModelRunner.keep_hidden``).
+        # feature layers': ``LlamaForCausalLM.kept_rows``) in ``last_hidden``, ragged in
+        # schedule order (as ``ModelRunner.keep_hidden``).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
 

@@ -197,8 +197,8 @@ def _write_converted(gguf: Path, target: Path) -> None:
 # ---------------------------------------------------------------------------- config, tokenizer
 # Published draft heads name their own architectures; their layers are Llama layers
 # (``models/eagle.py`` builds the head around them). Accepted for drafts only.
-DRAFT_HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle3": "LlamaForCausalLM", "Eagle3LlamaForCausalLM": "LlamaForCausalLM",
-                            "LlamaForCausalLMEagle": "LlamaForCausalLM", "EagleLlamaForCausalLM": "LlamaForCausalLM"}
+DRAFT_HEAD_ARCHITECTURES = {name: "LlamaForCausalLM" for name in (
+    "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "EagleLlamaForCausalLM")}
 
 
 # model_type -> the transformers config class that reads it, where transformers has none
@@ -254,8 +254,9 @@ def _check_quantization(config, where: str) -> None:
 
 # config.json's model_type -> architecture, for a config that names no architectures.
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
@@ -569,9 +570,10 @@ def dequantized_int8(names: list[str], read, where: str, progress=iter, tables: 
             deferred.append(name)
             continue
         tensor = read(name)
-        if name in tables:
-            pass
-        elif tensor.dtype == torch.int8:
+        if name in tables:  # an index table: as stored
+            yield name, tensor
+            continue
+        if tensor.dtype == torch.int8:
             scale = name + INT8_SCALE_SUFFIX
             if scale not in present:
                 raise ModelLoadError(f"{where}: int8 tensor {name!r} comes without {scale!r}")

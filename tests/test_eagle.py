@@ -61,26 +61,38 @@ def test_an_eagle_head_is_lossless_with_chunked_prefill_and_mixed_k(variant, eag
     assert not engine.speculator.drafter._features and not engine.speculator.drafter._fed  # finished requests forgotten
 
 
-def test_an_eagle_head_is_lossless_under_preemption(eagle):
-    """A cache too small for every request: some are preempted and recomputed, their head
-    cache and features rebuilt from the target's new passes."""
-    target_dir, head_dir, _ = eagle()
-    llm = eagle_llm(target_dir, head_dir, num_kv_blocks=20)
+def check_lossless_under_preemption(llm, target_dir) -> None:
+    """``llm`` drafts with a KV cache too small for every request at once: some are
+    preempted and recomputed (their draft state rebuilt), and greedy output still equals
+    plain decoding's, with drafts made and no block leaked."""
     params = [greedy(k, max_tokens=30) for k in KS]
     got = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec_stats.num_drafts > 0
     want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_seeded_sampling_with_an_eagle_head_is_reproducible(eagle):
-    target_dir, head_dir, _ = eagle()
+def check_seeded_sampling_is_reproducible(make_llm) -> None:
+    """Two fresh engines from ``make_llm()`` sample every request alike, seed by seed."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True,
                              num_speculative_tokens=k) for i, k in enumerate(KS)]
-    first = eagle_llm(target_dir, head_dir).generate(PROMPTS, params, use_tqdm=False)
-    second = eagle_llm(target_dir, head_dir).generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    runs = []
+    for _ in range(2):
+        llm = make_llm()
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert runs[0] == runs[1]
+
+
+def test_an_eagle_head_is_lossless_under_preemption(eagle):
+    target_dir, head_dir, _ = eagle()
+    check_lossless_under_preemption(eagle_llm(target_dir, head_dir, num_kv_blocks=20), target_dir)
+
+
+def test_seeded_sampling_with_an_eagle_head_is_reproducible(eagle):
+    target_dir, head_dir, _ = eagle()
+    check_seeded_sampling_is_reproducible(lambda: eagle_llm(target_dir, head_dir))
 
 
 @pytest.mark.parametrize("variant,layers,input_norms", [

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_eagle import PROMPTS, SMALL, eagle_llm, greedy, record_all_proposals, record_proposals
+from test_eagle import (KS, PROMPTS, SMALL, check_lossless_under_preemption, check_seeded_sampling_is_reproducible,
+                        eagle_llm, greedy, record_all_proposals, record_proposals)
 from tiny_models import LLM32, make_hf_model
 
-from specserve import SamplingParams
 from specserve.errors import SpecserveError
 
-KS = (4, 2, 3, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -181,21 +180,8 @@ def test_a_published_eagle3_head_drafts_what_its_definition_predicts(fmt, embed_
 def test_an_eagle3_head_is_lossless_with_mixed_k_preemption_and_sampling(deep_target, tmp_path):
     target_dir = deep_target(4)
     head_dir, _ = make_eagle3_head(target_dir, tmp_path / "head")
-    params = [greedy(k, max_tokens=30) for k in KS]
-    llm = eagle_llm(target_dir, head_dir, num_kv_blocks=24)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert llm.engine.spec_stats.num_drafts > 0
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
-    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True, num_speculative_tokens=k)
-               for i, k in enumerate(KS)]
-    first = eagle_llm(target_dir, head_dir)  # seeded: two fresh engines sample alike
-    runs = [first.generate(PROMPTS, sampled, use_tqdm=False),
-            eagle_llm(target_dir, head_dir).generate(PROMPTS, sampled, use_tqdm=False)]
-    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
-    assert first.engine.num_free_blocks == first.engine.kv.num_blocks
+    check_lossless_under_preemption(eagle_llm(target_dir, head_dir, num_kv_blocks=24), target_dir)
+    check_seeded_sampling_is_reproducible(lambda: eagle_llm(target_dir, head_dir))
 
 
 def test_the_target_keeps_its_feature_layers_on_every_path(deep_target, tmp_path):

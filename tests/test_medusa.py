@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_eagle import PROMPTS, SMALL, greedy, record_all_proposals
+from test_eagle import (KS, PROMPTS, SMALL, check_lossless_under_preemption, check_seeded_sampling_is_reproducible,
+                        greedy, record_all_proposals)
 from tiny_models import LLM32
 
-from specserve import SamplingParams
 from specserve.errors import SpecserveError
 
-KS = (4, 2, 3, 0, 1)
 
 
 def make_medusa_heads(target_dir, path: Path, num_heads: int = 3, num_layers: int = 1, fmt: str = "pt",
@@ -91,17 +90,8 @@ def test_medusa_heads_draft_what_their_definition_predicts(fmt, num_layers, tiny
 def test_medusa_drafting_is_lossless_under_preemption_and_reproducible_when_sampled(tiny_model_dir, tmp_path):
     target_dir = tiny_model_dir("llama")
     head_dir, _ = make_medusa_heads(target_dir, tmp_path / "heads")
-    params = [greedy(k, max_tokens=30) for k in KS]
-    llm = medusa_llm(target_dir, head_dir, num_kv_blocks=20)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
-    want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
-    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True, num_speculative_tokens=k)
-               for i, k in enumerate(KS)]
-    runs = [medusa_llm(target_dir, head_dir).generate(PROMPTS, sampled, use_tqdm=False) for _ in range(2)]
-    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    check_lossless_under_preemption(medusa_llm(target_dir, head_dir, num_kv_blocks=20), target_dir)
+    check_seeded_sampling_is_reproducible(lambda: medusa_llm(target_dir, head_dir))
 
 
 def test_heads_that_are_not_exactly_medusas_are_refused(tiny_model_dir, tmp_path):
@@ -109,8 +99,10 @@ def test_heads_that_are_not_exactly_medusas_are_refused(tiny_model_dir, tmp_path
     _, state = make_medusa_heads(target_dir, tmp_path / "heads", fmt="safetensors")
     cases = [
         ({**state, "model.norm.weight": torch.ones(64)}, "'model.norm.weight' is not a Medusa head's"),
-        ({k: v for k, v in state.items() if k != "medusa_head.1.0.linear.bias"}, "lack tensor 'medusa_head.1.0.linear.bias'"),
-        ({**state, "medusa_head.1.0.linear.weight": torch.zeros(64, 32)}, "has shape \\(64, 32\\), expected \\(64, 64\\)"),
+        ({k: v for k, v in state.items() if k != "medusa_head.1.0.linear.bias"},
+         "lack tensor 'medusa_head.1.0.linear.bias'"),
+        ({**state, "medusa_head.1.0.linear.weight": torch.zeros(64, 32)},
+         "has shape \\(64, 32\\), expected \\(64, 64\\)"),
         ({**state, "medusa_head.0.2.weight": torch.zeros(512, 64)}, "an LM head each .* at the same depth"),
         ({**state, "medusa_head.0.0.linear.bias": torch.zeros(64, dtype=torch.int32)}, "is int32"),
     ]

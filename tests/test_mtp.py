@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_eagle import PROMPTS, SMALL, greedy, record_proposals
+from test_eagle import (KS, PROMPTS, SMALL, check_lossless_under_preemption, check_seeded_sampling_is_reproducible,
+                        greedy, record_proposals)
 from test_eagle3 import rms
 from tiny_models import LLM32
 
 from specserve.errors import SpecserveError
 
-KS = (4, 2, 3, 0, 1)
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,10 @@ def test_the_mtp_layer_drafts_what_its_definition_predicts(mimo):
         assert got.token_ids == want.token_ids
 
 
-def test_mtp_drafting_is_lossless_with_mixed_k_and_preemption(mimo):
+def test_mtp_drafting_is_lossless_with_mixed_k_preemption_and_sampling(mimo):
     plain, path, _ = mimo
-    params = [greedy(k, max_tokens=30) for k in KS]
-    llm = mtp_llm(path, num_kv_blocks=20)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec_stats.num_drafts > 0
-    want = LLM32(str(plain), **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    check_lossless_under_preemption(mtp_llm(path, num_kv_blocks=20), plain)
+    check_seeded_sampling_is_reproducible(lambda: mtp_llm(path))
 
 
 def test_mtp_needs_a_target_with_mtp_layers(mimo):

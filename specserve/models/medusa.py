@@ -11,6 +11,7 @@ read from the tensors (the repository's own loader forces 5, whatever config.jso
 """
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -46,8 +47,10 @@ def is_medusa_checkpoint(path) -> bool:
     names ``medusa_num_heads``), which are no model of their own and load apart."""
     if (path / HEAD_FILE).is_file():
         return True
-    config = path / "config.json"
-    return config.is_file() and '"medusa_num_heads"' in config.read_text()
+    try:
+        return "medusa_num_heads" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):  # no config, or not one: not Medusa's (the loader says why)
+        return False
 
 
 def load_medusa_heads(name: str, path, tensors: dict[str, torch.Tensor] | None, hidden: int, vocab: int,

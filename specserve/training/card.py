@@ -58,7 +58,8 @@ def write_model_card(out: Path, record: dict) -> None:
     lines = [
         f"# {record['name']}",
         "",
-        _eagle3_intro(record) if eagle3 else (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
+        _eagle3_intro(record) if eagle3 else
+        (f"An EAGLE-style draft head of {record['num_layers']} decoder layer(s) for **{record['target']}**, "
          "made for speculative decoding in specserve. Each of its cache entries reads a token and the "
          "target's final hidden state at the position before it (`fc([embedding; hidden])`"
          + (", each RMS-normed first" if record.get("input_norms") else "") +
