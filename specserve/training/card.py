@@ -182,7 +182,7 @@ def _eagle3_intro(record: dict) -> str:
     vocab = record.get("draft_vocab")
     return (f"An EAGLE-3 draft head for **{record['target']}**, made for speculative decoding, in the "
             "published EAGLE-3 layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`/`t2d`; config "
-            "`LlamaForCausalLMEagle3`), which specserve, vLLM and SGLang load. Each of its cache entries "
+            "`LlamaForCausalLMEagle3`), the names vLLM's EAGLE-3 loader reads. Each of its cache entries "
             "reads a token and `fc` of the target's residual stream entering target layers "
             f"{record.get('feature_layers')} at the position before it; while drafting ahead it feeds its "
             "own output instead. Its one decoder layer attends over [normed embedding; normed feature], "

@@ -12,7 +12,8 @@ Training unrolls the draft steps exactly as ``eagle_head.py`` does for EAGLE-1 h
 published names (``midlayer.*``, ``fc``, ``norm``, ``lm_head``; buffers ``d2t`` and
 ``t2d``), and ``save_eagle3`` writes them with a config.json as EAGLE-3 heads ship
 (``LlamaForCausalLMEagle3``, ``draft_vocab_size``, ``target_hidden_size``,
-``eagle_aux_hidden_state_layer_ids``), so vLLM and SGLang load the head as it is.
+``eagle_aux_hidden_state_layer_ids``): the names and fields vLLM's ``llama_eagle3.py`` reads
+(checked against its source; not run here).
 """
 from __future__ import annotations
 
