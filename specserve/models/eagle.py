@@ -90,7 +90,6 @@ class MtpForCausalLM(EagleForCausalLM):
     def __init__(self, config, spec, backend, tp) -> None:
         super().__init__(config, spec, backend, tp)
         self.weights_layout = "mtp"
-        self.mtp_prefix = None  # the MTP layer's tensors are this model's
 
     RENAMED_MTP = {"token_layernorm.weight": "embed_norm.weight", "hidden_layernorm.weight": "feature_norm.weight",
                    "input_proj.weight": "fc.weight", "final_layernorm.weight": "model.norm.weight"}
@@ -173,12 +172,13 @@ class Eagle3ForCausalLM(LlamaForCausalLM):
             hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
         return hidden + residual
 
+    @property
+    def vocab_head(self) -> nn.Module:
+        """Its own LM head is over its draft vocabulary (``vocab_ids``, from d2t)."""
+        return self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(hidden)).float()
-        if self.vocab_ids is None:  # its draft vocabulary is the whole vocabulary
-            return logits
-        out = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        return out.index_copy_(1, self.vocab_ids, logits)
+        return super().compute_logits(self.model.norm(hidden))  # its output is not normed yet
 
     def restrict_vocab(self, ids: torch.Tensor) -> bool:
         raise ModelLoadError("an EAGLE-3 head carries its draft vocabulary in its d2t map; "
