@@ -31,6 +31,7 @@ from specserve.models import ARCHITECTURES, LlamaForCausalLM
 from specserve.gguf_weights import GGUFCheckpoint
 from specserve.kernels import cpu_ops
 from specserve.models.fused_cpu import FusedCpuLayers
+from specserve.models.checkpoint_quant import Fp8Weight, Int4Weight, QuantScheme, gather, parse_scheme, quantized_linear
 from specserve.models.invariant import make_batch_invariant
 from specserve.models.packed_linear import bf16_packing_supported, pack_linears
 from specserve.models.quantized import GGUFWeight, QuantLinear
@@ -226,30 +227,15 @@ def load_hf_config(files: ModelFiles, draft: bool = False):
     if draft and any(arch in DRAFT_HEAD_ARCHITECTURES for arch in archs):
         config.architectures = [DRAFT_HEAD_ARCHITECTURES.get(arch, arch) for arch in archs]
     _check_architecture(config)
-    _check_quantization(config, files.name)
+    quant_scheme(config, files.name)  # a scheme not run here is refused before any weight is read
     return config
 
 
-def _check_quantization(config, where: str) -> None:
-    """Refuse a quantized checkpoint (config.json's ``quantization_config``, as
-    transformers and compressed-tensors write it) in one line that names its scheme: none
-    runs here yet, and loading one as if it were float weights would be silently wrong."""
-    quant = getattr(config, "quantization_config", None)
-    if not quant:
-        return
-    quant = quant if isinstance(quant, dict) else getattr(quant, "to_dict", lambda: vars(quant))()
-    method = quant.get("quant_method", "unknown")
-    details = [f"{key} {quant[key]!r}" for key in ("format", "bits", "fmt", "weight_block_size")
-               if quant.get(key) is not None]
-    for group in (quant.get("config_groups") or {}).values():  # compressed-tensors: what the weights hold
-        weights = (group or {}).get("weights") or {}
-        if weights:
-            details.append(f"weights {weights.get('num_bits')}-bit {weights.get('type')} "
-                           f"per {weights.get('strategy')}")
-            break
-    scheme = f"quant_method {method!r}" + (f" ({', '.join(details)})" if details else "")
-    raise ModelLoadError(f"{where}: a quantized checkpoint (config.json's quantization_config: {scheme}), "
-                         "which specserve does not run yet; use its bf16/fp16/fp32 checkpoint or a GGUF file")
+def quant_scheme(config, where: str) -> QuantScheme | None:
+    """The quantization scheme of config.json's ``quantization_config`` (as transformers
+    and compressed-tensors write it), None for float weights; one not run here is refused
+    in one line that names it (``models/checkpoint_quant.py``)."""
+    return parse_scheme(getattr(config, "quantization_config", None), where)
 
 
 # config.json's model_type -> architecture, for a config that names no architectures.
@@ -321,6 +307,12 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     from accelerate.utils import set_module_tensor_to_device
 
     spec = ARCHITECTURES[_check_architecture(config)]
+    scheme = None if quantized else quant_scheme(config, files.name)
+    deterministic = getattr(backend, "deterministic", False)
+    if scheme is not None:
+        why = scheme.refusal(device, (tp or SINGLE).size, deterministic)
+        if why:
+            raise ModelLoadError(f"{files.name}: a quantized checkpoint ({scheme.name}): {why}")
     shared_modules = shared_modules or {}
     with init_empty_weights():
         model = (model_class or LlamaForCausalLM)(config, spec, backend, tp or SINGLE)
@@ -337,10 +329,10 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     params = {name: p for name, p in model.named_parameters() if name in own}
     model.shared_parameters = {name: p for name, p in model.named_parameters() if name not in own}
     filled: dict[str, int] = {name: 0 for name in params}
-    blocks: dict[str, list] = {}  # parameter -> (first row, GGUFWeight) parts kept quantized
+    blocks: dict[str, list] = {}  # parameter -> (first row, quantized weight) parts kept quantized
     gguf = GGUFCheckpoint(files.gguf) if quantized else None
     try:
-        for ckpt_name, tensor in (gguf.items() if gguf else _iter_checkpoint(files, model.INDEX_TABLES)):
+        for ckpt_name, tensor in (gguf.items() if gguf else _iter_checkpoint(files, model.INDEX_TABLES, scheme)):
             _load_one(model, params, filled, ckpt_name, tensor, blocks)
     except ValueError as exc:  # a GGUF file's names or formats
         raise ModelLoadError(str(exc)) from None
@@ -359,7 +351,13 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     model.shared_modules = tuple(shared_modules)
     if gguf is not None:
         _keep_quantized(model, blocks, gguf)
-    if getattr(backend, "deterministic", False):
+    elif blocks:
+        for name, parts in blocks.items():
+            _replace_linear(model, name, quantized_linear(parts, _linear_of(model, name, files.name), scheme,
+                                                          device, deterministic, files.name))
+        model.fused_cpu = FusedCpuLayers.of(model) if device.type == "cpu" else None
+        logger.info("%s: %d linear layers run quantized (%s)", files.name, len(blocks), scheme.name)
+    if deterministic:
         make_batch_invariant(model)
     elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
         pack_linears(model)
@@ -377,12 +375,27 @@ def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> Non
     if gguf.tied_head is not None and model.tie_word_embeddings:
         blocks["lm_head.weight"] = [(0, gguf.tied_head)]
     for name, parts in blocks.items():
-        path = name.rsplit(".", 1)[0]
-        linear = model.get_submodule(path)
-        model.set_submodule(path, QuantLinear(parts, linear.in_features, linear.out_features, linear.bias))
+        linear = _linear_of(model, name, gguf.path.name)
+        _replace_linear(model, name, QuantLinear(parts, linear.in_features, linear.out_features, linear.bias))
     model.fused_cpu = FusedCpuLayers.of(model)
     formats = ", ".join(f"{count} {kind}" for kind, count in sorted(gguf.formats().items()))
     logger.info("%s: %d linear layers run quantized (tensors: %s)", gguf.path.name, len(blocks), formats)
+
+
+def _linear_of(model, weight_name: str, where: str) -> torch.nn.Linear:
+    """The linear layer whose weight ``weight_name`` is; quantized weights of anything
+    else (an embedding, MoE experts stacked for grouped GEMMs) are refused."""
+    module = model.get_submodule(weight_name.rsplit(".", 1)[0])
+    if not isinstance(module, torch.nn.Linear) or not weight_name.endswith(".weight"):
+        raise ModelLoadError(f"{where}: {weight_name!r} comes quantized, which runs for linear layers only")
+    return module
+
+
+def _replace_linear(model, weight_name: str, layer: torch.nn.Module) -> None:
+    model.set_submodule(weight_name.rsplit(".", 1)[0], layer)
+
+
+QUANTIZED_WEIGHTS = (GGUFWeight, Fp8Weight, Int4Weight)  # kept as stored; the layer is replaced after loading
 
 
 def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, blocks: dict | None = None) -> None:
@@ -403,6 +416,8 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, block
         parts = [model.RENAMED.get(p, p) for p in parts]
     fused = next(((i, p) for i, p in enumerate(parts) if p in model.FUSED), None)
     if fused is not None and ".".join(parts) in params:  # stored merged: load it part by part
+        if isinstance(tensor, QUANTIZED_WEIGHTS):
+            raise ModelLoadError(f"tensor {ckpt_name!r}: a projection stored merged runs from float weights only")
         index, part = fused
         sizes = model.merged_sizes(".".join(parts), whole=True)
         if tensor.shape[0] != sum(sizes):
@@ -431,7 +446,7 @@ def _load_one(model, params, filled, ckpt_name: str, tensor: torch.Tensor, block
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(view.shape)}")
-    if isinstance(tensor, GGUFWeight):  # kept in its blocks: the layer becomes a QuantLinear
+    if isinstance(tensor, QUANTIZED_WEIGHTS):  # kept as stored: the layer is replaced once loaded
         blocks.setdefault(target, []).append((rows[0] if rows else 0, tensor))
     else:
         view.copy_(tensor)
@@ -523,7 +538,7 @@ def read_tensors(files: ModelFiles) -> dict[str, torch.Tensor]:
     return dict(_iter_checkpoint(files))
 
 
-def _iter_checkpoint(files: ModelFiles, tables: frozenset[str] = frozenset()):
+def _iter_checkpoint(files: ModelFiles, tables: frozenset[str] = frozenset(), scheme: QuantScheme | None = None):
     names = _checkpoint_handles(files)
     handle_of = {key: handle for key, handle in names}
 
@@ -534,9 +549,14 @@ def _iter_checkpoint(files: ModelFiles, tables: frozenset[str] = frozenset()):
             raise ModelLoadError(f"{files.name}: corrupt tensor {key!r} "
                                  f"({type(exc).__name__})") from None
 
-    yield from dequantized_int8([key for key, _ in names], read, files.name,
-                                lambda keys: tqdm(keys, desc=f"Loading {files.name}", unit="tensor",
-                                                  leave=False, disable=None), tables)
+    def progress(keys):
+        return tqdm(keys, desc=f"Loading {files.name}", unit="tensor", leave=False, disable=None)
+
+    keys = [key for key, _ in names]
+    if scheme is not None:  # a quantized layer's tensors as one weight, kept as stored
+        yield from gather(keys, read, scheme, files.name, progress, tables)
+    else:
+        yield from dequantized_int8(keys, read, files.name, progress, tables)
 
 
 # Weights stored in int8 (a draft checkpoint kept small, ``python -m specserve.training --weights int8``): the

@@ -113,21 +113,28 @@ def test_default_model_is_converted_once(default_model_path, monkeypatch):
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
 
 
-# quantization_config as each library writes it (transformers' FineGrainedFP8Config, AWQ,
-# GPTQ, bitsandbytes; compressed-tensors' FP8 "float-quantized" layout, as llm-compressor saves it).
+# quantization_config as each library writes it, for schemes that do not run here (those
+# that do: tests/test_checkpoint_quant.py), each refused by name and, where the method
+# runs in another form, by what differs.
 QUANTIZED = {
-    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-            r"quant_method 'fp8' \(weight_block_size \[128, 128\]\)"),
-    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "float-quantized",
-                            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}}},
-                           r"quant_method 'compressed-tensors' \(format 'float-quantized', "
-                           r"weights 8-bit float per channel\)"),
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
-            r"quant_method 'awq' \(bits 4\)"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, r"quant_method 'gptq'"),
+    "fp8_e5m2": ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"},
+                 r"quant_method 'fp8' \(fmt 'e5m2'\)\) that specserve does not run \(fmt 'e5m2'"),
+    "compressed-tensors int4": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                     "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                                     "symmetric": True}}}},
+                                r"quant_method 'compressed-tensors' \(format 'pack-quantized', "
+                                r"weights 4-bit int per group\)\) that specserve does not run \(format"),
+    "compressed-tensors int8": ({"quant_method": "compressed-tensors", "format": "int-quantized",
+                                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                     "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}},
+                                r"quant_method 'compressed-tensors' \(format 'int-quantized'"),
+    "awq gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True},
+                 r"quant_method 'awq' \(bits 4\)\) that specserve does not run \(version 'gemv'"),
+    "gptq 8-bit": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False},
+                   r"quant_method 'gptq' \(bits 8\)\) that specserve does not run \(8 bits"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-                     r"quant_method 'bitsandbytes'"),
+                     r"quant_method 'bitsandbytes'\) that specserve does not run; it runs fp8"),
 }
 
 

@@ -23,12 +23,11 @@ def load_ours(path):
 
 
 def ragged_logits(model, prompts: list[list[int]], chunk: int, block_size: int = 4,
-                  dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
     """Run ``prompts`` through the paged runner in chunks of at most ``chunk`` tokens each
     (all requests in every step, one ragged batch; the KV cache in ``dtype``, the model's);
     returns per-prompt logits [len, vocab]."""
-    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_kv_blocks=256),
-                         torch.device("cpu"), dtype)
+    runner = ModelRunner(model, EngineConfig(block_size=block_size, num_kv_blocks=256), device, dtype)
     kv = KVCacheManager(runner.num_blocks, block_size)
     done = [0] * len(prompts)
     logits = [[] for _ in prompts]

@@ -1,6 +1,7 @@
 """Tiny seeded random Llama-family checkpoints with a real (tiny) tokenizer."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -320,3 +321,157 @@ def continuation_chi_square(engine, prompt: list[int], params: dict, exact: dict
                 counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
     assert set(counts) <= set(exact), set(counts) - set(exact)
     return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+
+
+# ---------------------------------------------------------------------------- quantized checkpoints
+# config.json's quantization_config per layout, as each library writes it (tiny groups and
+# blocks so that the tiny projections hold several).
+_CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+           "quantization_status": "compressed"}
+QUANT_LAYOUTS = {
+    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [32, 32]},
+    "fp8_tensor_static": {"quant_method": "fp8", "activation_scheme": "static"},
+    "fbgemm_fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
+    "ct_fp8_dynamic": {**_CT_FP8, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                           "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}}},
+    "ct_fp8_static": {**_CT_FP8, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                           "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                              "dynamic": False}}}},
+    "ct_fp8_w8a16": {**_CT_FP8, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                           "symmetric": True, "dynamic": False},
+        "input_activations": None}}},
+    "awq": {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "gptq_v2_asym": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
+                     "checkpoint_format": "gptq_v2"},
+    "gptq_act_order": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
+                       "checkpoint_format": "gptq"},
+}
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _pack_nibbles(values: np.ndarray, axis: int, order=tuple(range(8))) -> np.ndarray:
+    """4-bit values (0…15) eight to an int32 along ``axis``: nibble i of word c holds
+    position 8c + order[i] (AutoGPTQ's ``pack``: natural order; AutoAWQ's: 0 2 4 6 1 3 5 7)."""
+    v = np.moveaxis(values.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for i, position in enumerate(order):
+        words |= (v[..., position] & 0xF) << np.uint32(4 * i)
+    return np.ascontiguousarray(np.moveaxis(words.view(np.int32), -1, axis))
+
+
+def _fp8_blocks(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 values and one scale per ``bn`` x ``bk`` block (max magnitude -> 448)."""
+    n, k = w.shape
+    scale = torch.zeros(-(-n // bn), -(-k // bk))
+    values = torch.zeros(n, k)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            scale[i, j] = block.abs().max() / 448
+            values[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = block / scale[i, j]
+    return values.to(torch.float8_e4m3fn), scale
+
+
+def _int4_groups(w: torch.Tensor, group: int, sym: bool, g_idx: np.ndarray):
+    """q ``[K, N]``, scales ``[K/G, N]`` fp16, zeros ``[K/G, N]`` for W ``[N, K]``ᵀ, each input
+    k quantized with group g_idx[k]'s scale and zero (GPTQ's asymmetric form; symmetric: 8)."""
+    wt = w.T.double().numpy()
+    groups = int(g_idx.max()) + 1
+    scales = np.zeros((groups, wt.shape[1]), np.float16)
+    zeros = np.zeros((groups, wt.shape[1]), np.int64)
+    for g in range(groups):
+        rows = wt[g_idx == g]
+        lo, hi = np.minimum(rows.min(0), 0), np.maximum(rows.max(0), 0)
+        if sym:
+            scales[g] = (np.maximum(-lo, hi) / 7.5).astype(np.float16)
+            zeros[g] = 8
+        else:
+            scales[g] = ((hi - lo) / 15).astype(np.float16)
+            zeros[g] = np.clip(np.round(-lo / scales[g].astype(np.float64)), 0, 15)
+    s, z = scales[g_idx].astype(np.float64), zeros[g_idx]
+    q = np.clip(np.round(wt / s) + z, 0, 15).astype(np.int64)
+    return q, scales, zeros, (q - z) * s  # the last: the dequantised W^T, exact
+
+
+def write_quantized_checkpoint(src_dir, path, layout: str, seed: int = 0):
+    """The float checkpoint at ``src_dir`` with its projections quantized in ``layout``
+    (``QUANT_LAYOUTS``), written at ``path`` as that library writes it; returns a
+    transformers model holding the dequantised weights (the reference; embeddings, norms
+    and the head stay float). Static activation scales are drawn at random, each its own."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    quant = QUANT_LAYOUTS[layout]
+    path = Path(path)
+    shutil.copytree(src_dir, path, dirs_exist_ok=True)
+    state = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    out, reference, orders = {}, {}, {}
+    for name, w in state.items():
+        prefix = name[:-len("weight")]
+        if not (name.endswith(".weight") and name.split(".")[-2] in QUANTIZED_PROJECTIONS):
+            out[name] = w
+            continue
+        w = w.float()
+        n, k = w.shape
+        method = quant["quant_method"]
+        if method in ("awq", "gptq"):
+            group = quant["group_size"]
+            g_idx = np.arange(k) // group
+            if quant.get("desc_act"):  # one order per input (GPTQ orders by the input's Hessian)
+                shared = name.rsplit(".", 2)[0] + ("|qkv" if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj")
+                                                   else "|gate_up" if name.split(".")[-2] in ("gate_proj", "up_proj")
+                                                   else name)
+                g_idx = g_idx[orders.setdefault(shared, rng.permutation(k))]
+            sym = quant.get("sym", False)
+            q, scales, zeros, wt = _int4_groups(w, group, sym, g_idx)
+            reference[name] = torch.from_numpy(wt.T.copy()).float()
+            if method == "awq":
+                out[prefix + "qweight"] = torch.from_numpy(_pack_nibbles(q, 1, (0, 2, 4, 6, 1, 3, 5, 7)))
+                out[prefix + "qzeros"] = torch.from_numpy(_pack_nibbles(zeros, 1, (0, 2, 4, 6, 1, 3, 5, 7)))
+            else:
+                stored = zeros - 1 if quant["checkpoint_format"] == "gptq" else zeros
+                out[prefix + "qweight"] = torch.from_numpy(_pack_nibbles(q, 0))
+                out[prefix + "qzeros"] = torch.from_numpy(_pack_nibbles(stored & 0xF, 1))
+                out[prefix + "g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
+            out[prefix + "scales"] = torch.from_numpy(scales)
+            continue
+        if layout == "fp8_block":
+            values, scale = _fp8_blocks(w, *quant["weight_block_size"])
+            out[prefix + "weight_scale_inv"] = scale
+            bn, bk = quant["weight_block_size"]
+            grid = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        elif layout in ("fp8_tensor_static", "ct_fp8_static"):
+            values, scale = _fp8_blocks(w, n, k)
+            out[prefix + "weight_scale"] = scale.reshape(() if layout == "fp8_tensor_static" else (1,))
+            out[prefix + "input_scale"] = torch.tensor([rng.uniform(0.004, 0.012)], dtype=torch.float32)
+            grid = scale
+        else:  # one scale per output channel
+            values, scale = _fp8_blocks(w, 1, k)
+            out[prefix + "weight_scale"] = scale.reshape(n, 1)
+            grid = scale
+        out[name] = values
+        reference[name] = values.float() * grid
+    save_file(out, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, value in reference.items():
+            model.get_parameter(name).copy_(value)
+    return model

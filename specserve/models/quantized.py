@@ -44,6 +44,9 @@ class GGUFWeight:
     def take_rows(self, index) -> GGUFWeight:
         return GGUFWeight(self.qtype, self.raw[index], self.in_features)
 
+    def decoded(self) -> Decoded:
+        return decode(self)
+
 
 @dataclass
 class Decoded:
@@ -198,17 +201,18 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: 6 bits per
     weight read per step for 4-bit formats, 10 to 12 for 8-bit ones (q plus an fp32 scale
-    and min per group), instead of 16. ``parts``: (first row, GGUFWeight)
-    filling the layer's rows, in any order."""
+    and min per group), instead of 16. ``parts``: (first row, weight) filling the layer's
+    rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
+    its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer)."""
 
-    def __init__(self, parts: list[tuple[int, GGUFWeight]], in_features: int, out_features: int,
+    def __init__(self, parts: list[tuple[int, object]], in_features: int, out_features: int,
                  bias: torch.Tensor | None) -> None:
         super().__init__()
         if not cpu_ops.available():
-            raise ValueError("quantized GGUF weights run on the C++ CPU kernels, which are unavailable here "
-                             "(see the log); load the weights dequantized instead")
+            raise ValueError("quantized weights run on the CPU through the C++ kernels, which are unavailable "
+                             "here (see the log)")
         self.in_features, self.out_features = in_features, out_features
-        decoded = [decode(w) for _, w in sorted(parts, key=lambda part: part[0])]
+        decoded = [w.decoded() for _, w in sorted(parts, key=lambda part: part[0])]
         merged = _merge(decoded)
         if merged.q.shape != (out_features, in_features):
             raise ValueError(f"quantized parts make {merged.q.shape}, the layer is {(out_features, in_features)}")

@@ -1,0 +1,416 @@
+"""Quantized checkpoints (FP8, AWQ, GPTQ) run as stored: each layout, written as its
+library writes it (``tiny_models.write_quantized_checkpoint``), loads to exactly its
+dequantised values; its layers compute what dequantise-then-matmul does (with the
+scheme's activation quantization); the engine decodes with it; what cannot run is
+refused by name. The Triton GEMMs run under the interpreter on a CPU and compiled on
+CUDA, where every layout also runs through the engine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.attention import TorchAttentionBackend
+from specserve.errors import ModelLoadError
+from specserve.kernels import cpu_ops
+from specserve.loader import ModelFiles, _iter_checkpoint, build_model, load_hf_config, quant_scheme
+from specserve.models.checkpoint_quant import (FP8, Fp8Linear, Fp8Weight, Int4Linear, Int4Weight, parse_scheme,
+                                               quantize_fp8, quantize_int4)
+from specserve.models.quantized import QuantLinear
+from test_model import ragged_logits
+from tiny_models import QUANT_LAYOUTS, QUANTIZED_PROJECTIONS, write_quantized_checkpoint
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+CPU = torch.device("cpu")
+INT4 = ("awq", "gptq", "gptq_v2_asym", "gptq_act_order")
+# What runs on a CPU: FP8 with a scale per row (torch._scaled_mm), 4-bit through the GGUF kernels.
+ON_CPU = ("fp8_tensor_static", "fbgemm_fp8", "ct_fp8_dynamic", "ct_fp8_static", "awq", "gptq", "gptq_v2_asym")
+needs_cpu_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_model_dir):
+    """layout -> (model dir, transformers model on the dequantised weights), made once."""
+    made = {}
+
+    def get(layout: str):
+        if layout not in made:
+            path = tmp_path_factory.mktemp(layout)
+            made[layout] = (path, write_quantized_checkpoint(tiny_model_dir("llama"), path, layout))
+        return made[layout]
+
+    return get
+
+
+def gathered(path) -> dict:
+    files = ModelFiles("q", path)
+    return dict(_iter_checkpoint(files, scheme=quant_scheme(load_hf_config(files), "q")))
+
+
+# ---------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("layout", sorted(QUANT_LAYOUTS))
+def test_every_layout_loads_to_exactly_its_dequantised_values(layout, checkpoints):
+    """Each quantized projection comes out as one weight whose values are exactly the
+    writer's (q − z) · s or float8 · scale: AWQ's interleaved nibbles, GPTQ's z − 1 and
+    act-order groups, per-tensor, per-row and block scales all read as written."""
+    path, reference = checkpoints(layout)
+    weights = gathered(path)
+    quantized = {name: w for name, w in weights.items() if isinstance(w, (Fp8Weight, Int4Weight))}
+    assert len(quantized) == 7 * reference.config.num_hidden_layers
+    for name, weight in quantized.items():
+        assert torch.equal(weight.dequantize(), reference.get_parameter(name).detach()), name
+    assert {type(w) for w in quantized.values()} == {Int4Weight if layout in INT4 else Fp8Weight}
+    assert torch.equal(weights["model.norm.weight"], reference.model.norm.weight.detach())
+
+
+def test_the_schemes_read_what_each_config_says():
+    block = parse_scheme(QUANT_LAYOUTS["fp8_block"], "m")
+    assert (block.kind, block.block, block.activations) == ("fp8", (32, 32), "group")
+    assert parse_scheme(QUANT_LAYOUTS["ct_fp8_dynamic"], "m").activations == "token"
+    assert parse_scheme(QUANT_LAYOUTS["ct_fp8_static"], "m").activations == "static"
+    assert parse_scheme(QUANT_LAYOUTS["ct_fp8_w8a16"], "m").activations is None
+    assert parse_scheme(QUANT_LAYOUTS["gptq"], "m").gptq_v1 and not parse_scheme(QUANT_LAYOUTS["gptq_v2_asym"], "m").gptq_v1
+    assert parse_scheme({**QUANT_LAYOUTS["gptq"], "group_size": -1}, "m").group == 0  # one group: all of K
+    assert parse_scheme(None, "m") is None
+    scheme = parse_scheme(QUANT_LAYOUTS["awq"], "m")
+    assert "tensor parallelism" in scheme.refusal(CPU, 2, False)
+    assert scheme.refusal(CPU, 1, False) is None
+    assert "CUDA" in parse_scheme(QUANT_LAYOUTS["fp8_block"], "m").refusal(CPU, 1, False)
+    assert "deterministic" in parse_scheme(QUANT_LAYOUTS["ct_fp8_dynamic"], "m").refusal(CPU, 1, True)
+
+
+def edit(path, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout, change, message", [
+    ("ct_fp8_dynamic", lambda t: t.pop("model.layers.0.self_attn.q_proj.weight_scale"),
+     "'model.layers.0.self_attn.q_proj.weight' is float8_e4m3fn, outside the scheme's layers"),
+    ("ct_fp8_dynamic", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+     "'model.layers.1.mlp.up_proj.weight_scale' comes without 'model.layers.1.mlp.up_proj.weight'"),
+    ("ct_fp8_dynamic", lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale": torch.ones(3, 1)}),
+     "'model.layers.0.mlp.down_proj.weight_scale' of shape \\(3, 1\\) does not scale"),
+    ("ct_fp8_dynamic", lambda t: t.update({"model.layers.0.mlp.down_proj.input_scale": torch.ones(1)}),
+     "unexpected tensor 'model.layers.0.mlp.down_proj.input_scale'"),
+    ("fp8_tensor_static", lambda t: t.pop("model.layers.0.self_attn.o_proj.input_scale"),
+     "without one 'model.layers.0.self_attn.o_proj.input_scale'"),
+    ("fp8_block", lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(2, 1)}),
+     "weight_scale_inv' of shape \\(2, 1\\) does not scale \\(64, 64\\) by blocks of \\(32, 32\\)"),
+    ("awq", lambda t: t.pop("model.layers.0.mlp.gate_proj.qzeros"),
+     "'model.layers.0.mlp.gate_proj.qweight' comes without 'model.layers.0.mlp.gate_proj.qzeros'"),
+    ("awq", lambda t: t.pop("model.layers.0.mlp.gate_proj.qweight"),
+     "'model.layers.0.mlp.gate_proj.qzeros' comes without 'model.layers.0.mlp.gate_proj.qweight'"),
+    ("awq", lambda t: t.update({"model.layers.0.mlp.gate_proj.scales": torch.ones(3, 128)}),
+     "scales \\(3, 128\\) / qzeros \\(2, 16\\) do not fit 2 groups of 32 inputs"),
+    ("gptq_act_order", lambda t: t.update({"model.layers.0.mlp.up_proj.g_idx": torch.zeros(64, dtype=torch.int32)}),
+     "'model.layers.0.mlp.up_proj.g_idx': groups of other than 32 inputs"),
+    ("gptq", lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": torch.zeros(8, 128, dtype=torch.int64)}),
+     "tensor 'model.layers.0.mlp.up_proj.qweight' is int64"),
+    ("gptq", lambda t: t.update({"model.extra": torch.zeros(8, dtype=torch.int32)}),
+     "tensor 'model.extra' is int32, outside the scheme's layers"),
+])
+def test_a_broken_layout_is_refused_by_name(layout, change, message, checkpoints, tmp_path):
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(checkpoints(layout)[0], path)
+    edit(path, change)
+    with pytest.raises(ModelLoadError, match=message):
+        gathered(path)
+
+
+def test_parts_of_one_projection_in_different_orders_are_refused(checkpoints, tmp_path):
+    """GPTQ's act-order quantizes q, k and v (which share an input) in one input order; a
+    checkpoint whose parts differ cannot run as one merged projection, and says so."""
+    import shutil
+
+    path = tmp_path / "orders"
+    shutil.copytree(checkpoints("gptq")[0], path)
+    name = "model.layers.0.self_attn.k_proj.g_idx"  # k alone in another (valid) order
+    edit(path, lambda t: t.update({name: t[name].flip(0).contiguous()}))
+    with pytest.raises(ModelLoadError, match="parts of one projection quantized in different group orders"):
+        load(path, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("fp8_block", "block-wise and weight-only FP8 run on CUDA GPUs"),
+    ("ct_fp8_w8a16", "block-wise and weight-only FP8 run on CUDA GPUs"),
+    ("gptq_act_order", "act-order GPTQ weights run on CUDA GPUs, not the CPU"),
+])
+def test_what_does_not_run_on_a_cpu_is_refused(layout, message, checkpoints):
+    path, _ = checkpoints(layout)
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(path), device="cpu", dtype="float32")
+
+
+# ---------------------------------------------------------------------------- layers
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N, K / 8]`` -> 0…15 ``[N, K]``: input 8c + j from nibble j of word c."""
+    nibbles = (packed.cpu().unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    return nibbles.reshape(packed.shape[0], -1)
+
+
+def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to float8 with ``scale`` (fp32 arithmetic, saturating), as a value."""
+    return (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
+
+
+def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """Dequantise-then-matmul in fp64, with the scheme's activation quantization written
+    out: per token (and per group of the block's width), or with each part's static scale."""
+    x = x.float().cpu()
+    if isinstance(layer, Fp8Linear):
+        w = Fp8Weight(layer.weight.cpu(), layer.weight_scale.cpu(), layer.block).dequantize().double()
+        mode, k = layer.activations, layer.in_features
+        if mode == "static":
+            outs, row = [], 0
+            for rows, s in layer.segments:
+                outs.append(fp8_round(x, torch.tensor(s)) @ w[row:row + rows].T)
+                row += rows
+            y = torch.cat(outs, dim=1)
+        elif mode is None:
+            y = x.double() @ w.T
+        else:
+            group = k if mode == "token" else layer.block[1]
+            parts = [x[:, i:i + group] for i in range(0, k, group)]
+            y = torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
+                           for p in parts], dim=1) @ w.T
+    else:
+        w = Int4Weight(unpack_int4(layer.packed), layer.scales.cpu(), layer.zeros.cpu(), layer.group).dequantize()
+        if layer.perm is not None:
+            x = x[:, layer.perm.cpu()]
+        y = x.double() @ w.double().T
+    return y if layer.bias is None else y + layer.bias.cpu().double()
+
+
+def quantized_layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, (Fp8Linear, Int4Linear, QuantLinear))]
+
+
+def load(path, device: torch.device, dtype: torch.dtype):
+    files = ModelFiles("q", path)
+    return build_model(files, load_hf_config(files), dtype, device, TorchAttentionBackend(cpu_kernels=True)
+                       if device.type == "cpu" else _gpu_backend(device))
+
+
+def _gpu_backend(device):
+    from specserve.attention import get_backend
+
+    return get_backend("triton", device)
+
+
+RUNS = sorted(QUANT_LAYOUTS) if CUDA else [layout for layout in ON_CPU]
+
+
+@pytest.mark.parametrize("layout", RUNS)
+def test_each_layer_computes_dequantise_then_matmul(layout, checkpoints):
+    """Every quantized layer of the loaded model (q/k/v and gate/up merged from their
+    parts) against its fp64 reference, for 1, 5 and 17 rows: FP8 within fp32 summation
+    (its activation rounding is the reference's own); 4-bit on the CPU within the GGUF
+    kernels' int16 activations; on CUDA the same in bf16 as well."""
+    path, _ = checkpoints(layout)
+    for dtype in (torch.float32, torch.bfloat16) if CUDA else (torch.float32,):
+        model = load(path, DEVICE, dtype)
+        layers = quantized_layers(model)
+        assert len(layers) == 4 * model.config.num_hidden_layers
+        expected = QuantLinear if layout in INT4 and not CUDA else Int4Linear if layout in INT4 else Fp8Linear
+        assert all(isinstance(layer, expected) for layer in layers)
+        # float8 tensor-core products on CUDA (prefill-sized row counts) add up in fewer
+        # than fp32's bits; CPU's int16 activations for 4-bit.
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-3 if expected is QuantLinear or CUDA else 1e-5
+        g = torch.Generator().manual_seed(0)
+        for layer in layers:
+            for rows in (1, 5, 17):
+                x = torch.randn(rows, layer.in_features, generator=g)
+                got = layer(x.to(DEVICE, dtype)).double().cpu()
+                want = reference_linear(layer, x.to(dtype)) if expected is not QuantLinear else \
+                    x.double() @ layer_weight(layer).T
+                err = (got - want).abs().max().item() / want.abs().max().item()
+                assert err <= tolerance, (layer, rows, err)
+
+
+def layer_weight(layer: QuantLinear) -> torch.Tensor:
+    eye = torch.eye(layer.in_features)
+    return layer(eye).double().T  # the CPU kernel's rows of the identity: its weights (exact, one-hot)
+
+
+# bf16 outputs (and the W4A16 tile) round once on CUDA; the interpreter's bf16 casts may
+# truncate instead, up to an ulp more.
+BF16_TOLERANCE = 1e-2 if CUDA else 3e-2
+SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (200, 1000 + 24)] if CUDA else [(40, 192), (64, 96)]
+FP8_CASES = [  # (weight block, activations)
+    ((32, 64), "group"), ((128, 128), "group"), ((1, None), "token"), ((1, None), None), ((64, 64), None)]
+
+
+@pytest.mark.parametrize("block, activations", FP8_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_gemm_computes_its_reference(block, activations, dtype):
+    """The Triton FP8 GEMM (interpreted on a CPU) against dequantise-then-matmul in fp64:
+    block or per-row weight scales, float8 inputs per token or per token and group, or
+    inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias."""
+    from specserve.kernels import quant_matmul
+
+    g = torch.Generator().manual_seed(2)
+    for n, k in SHAPES:
+        if activations == "group" and k % block[1]:
+            continue
+        bk = block[1] or k
+        weight = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (block[0], bk))
+        for rows, bias in ((1, None), (5, torch.randn(n, generator=g)), (33, None)):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            if activations is None:
+                xq, xs, act_group = x, None, k
+            else:
+                act_group = k if activations == "token" else bk
+                xq, xs = _quantize_groups(x.float(), act_group)
+            got = quant_matmul.fp8_linear(xq.to(DEVICE), None if xs is None else xs.to(DEVICE), act_group,
+                                          weight.values.to(DEVICE), weight.scale.to(DEVICE), (block[0], bk),
+                                          None if bias is None else bias.to(DEVICE, dtype), dtype)
+            xd = x.double() if xs is None else (xq.double().view(rows, -1, act_group) * xs.double()[..., None]).view(rows, k)
+            want = xd @ weight.dequantize().double().T + (0 if bias is None else bias.to(dtype).double())
+            err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+            fp32_tolerance = 1e-3 if CUDA and activations else 1e-5  # float8 tensor-core sums
+            assert got.dtype == dtype and err <= (BF16_TOLERANCE if dtype == torch.bfloat16 else fp32_tolerance), \
+                (n, k, rows, err)
+
+
+def _quantize_groups(x: torch.Tensor, group: int):
+    rows, k = x.shape
+    parts = x.view(rows, k // group, group)
+    scale = (parts.abs().amax(-1) / 448).clamp(min=1e-12)
+    return (parts / scale[..., None]).clamp(-448, 448).to(FP8).view(rows, k), scale
+
+
+@pytest.mark.parametrize("group", [32, 128, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int4_gemm_computes_its_reference(group, dtype):
+    """The Triton W4A16 GEMM against (q − z) · s rounded to the activations' dtype, then
+    matmul in fp64; groups of 32, 128 or all of K; tails in N."""
+    from specserve.kernels import quant_matmul
+
+    g = torch.Generator().manual_seed(3)
+    for n, k in SHAPES:
+        size = group or k
+        if k % size:
+            continue
+        weight = quantize_int4(torch.randn(n, k, generator=g) * 0.05, size)
+        packed = Int4Linear(weight, None).packed
+        for rows, bias in ((1, torch.randn(n, generator=g)), (7, None), (33, None)):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            got = quant_matmul.int4_linear(x.to(DEVICE), packed.to(DEVICE), weight.scale.to(DEVICE),
+                                           weight.zero.to(DEVICE), size,
+                                           None if bias is None else bias.to(DEVICE, dtype))
+            want = x.double() @ weight.dequantize().to(dtype).double().T
+            want = want + (0 if bias is None else bias.to(dtype).double())
+            err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+            assert got.dtype == dtype and err <= (BF16_TOLERANCE if dtype == torch.bfloat16 else 1e-5), (n, k, rows, err)
+
+
+@pytest.mark.parametrize("group, static", [(48, None), (64, None), (10_000, None), (10_000, 0.004)])
+def test_the_activation_quantizer_rounds_as_torch_does(group, static):
+    """The one-launch float8 quantizer of the inputs (CUDA's path; the interpreter here)
+    gives torch's values: the scales bit for bit, and every rounding, ties to even,
+    subnormals and the clamp at 448 included (inputs over 4 decades of magnitude)."""
+    from specserve.kernels import quant_matmul
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 192, generator=g) * torch.logspace(-3, 1, 192) * (50 if static else 1)
+    x[0, :3] = torch.tensor([448 * 0.004 * 1.5, 2.0 ** -9 * 0.004 * 2.5, 0.0])  # clamp, a subnormal tie
+    q, scales = quant_matmul.quantize_rows(x.to(DEVICE), group, static)
+    if static is not None:
+        want_q = (x / torch.tensor(static)).clamp(-448, 448).to(FP8)
+        assert scales.cpu().item() == torch.tensor(static).item()
+    else:
+        want_q, want_s = [], []
+        for start in range(0, 192, min(group, 192)):
+            part = x[:, start:start + group]
+            s = (part.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+            want_q.append((part / s).clamp(-448, 448).to(FP8))
+            want_s.append(s)
+        want_q = torch.cat(want_q, 1)
+        assert torch.equal(scales.cpu(), torch.cat(want_s, 1))
+    assert torch.equal(q.cpu().float(), want_q.float())  # (a GPU may give +0 for torch's −0: the same value)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """The Triton GEMMs' tiles never depend on the rows: a row's output alone equals its
+    output in any batch, bit for bit (``--deterministic`` relies on it)."""
+    from specserve.kernels import quant_matmul
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 256, generator=g) * 0.1
+    fp8, int4 = quantize_fp8(w, (32, 64)), quantize_int4(w, 64)
+    x = torch.randn(19, 256, generator=g).to(DEVICE)
+    fp8_layer = Fp8Linear(_to_device(fp8), None, "group", None, deterministic=True)
+    int4_layer = Int4Linear(_to_device(int4), None, deterministic=True)
+    for layer in (fp8_layer, int4_layer):
+        whole = layer(x)
+        for rows in (slice(0, 1), slice(3, 8), slice(18, 19)):
+            assert torch.equal(layer(x[rows]), whole[rows])
+    assert isinstance(quant_matmul.FP8_MAX, float)
+
+
+def _to_device(weight):
+    return type(weight)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(weight).items()})
+
+
+# ---------------------------------------------------------------------------- engine
+@pytest.mark.parametrize("layout", RUNS)
+def test_the_engine_decodes_a_quantized_checkpoint(layout, checkpoints):
+    """Greedy decoding of the quantized checkpoint: with n-gram drafts it equals without
+    (lossless), every KV block comes back, and teacher-forced logits equal transformers'
+    on the dequantised weights, its projections' inputs quantized as the scheme says, up
+    to summation order (4-bit on the CPU: up to the GGUF kernels' int16 activations)."""
+    path, reference = checkpoints(layout)
+    hooks = quantize_inputs(reference, path, parse_scheme(QUANT_LAYOUTS[layout], "q"))
+    common = dict(device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=128)
+    prompts = [[(5 * i + j) % 500 + 3 for i in range(12)] for j in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(path), **common)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(str(path), **common, speculative_method="ngram", num_speculative_tokens=3,
+               speculative_adaptive=False)
+    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+    model = plain.engine.runner.model
+    for prompt in prompts[:2]:
+        got = ragged_logits(model, [prompt], chunk=5, device=DEVICE)[0].cpu()
+        with torch.no_grad():
+            hf = reference(torch.tensor([prompt])).logits[0]
+        err = (got - hf).abs().max().item()
+        assert err < (1e-4 if CUDA or layout not in INT4 else 2e-3), err
+        assert torch.equal(got.argmax(-1), hf.argmax(-1))
+    for hook in hooks:
+        hook.remove()
+
+
+def quantize_inputs(reference, path, scheme) -> list:
+    """Hooks that make the transformers model quantize each projection's input as the
+    scheme says (per token, per token and group, or with the projection's own static
+    scale from the checkpoint), so that it computes the checkpoint's model exactly."""
+    from safetensors import safe_open
+
+    if scheme.kind != "fp8" or scheme.activations is None:
+        return []
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        statics = {name[:-len(".input_scale")]: f.get_tensor(name) for name in f.keys() if name.endswith("input_scale")}
+
+    def hook_for(name):
+        def hook(module, args):
+            x = args[0]
+            if scheme.activations == "static":
+                return (fp8_round(x, statics[name].reshape(())).float(),)
+            group = x.shape[-1] if scheme.activations == "token" else scheme.block[1]
+            parts = x.split(group, dim=-1)
+            return (torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
+                               for p in parts], dim=-1).float(),)
+        return hook
+
+    return [module.register_forward_pre_hook(hook_for(name)) for name, module in reference.named_modules()
+            if name.split(".")[-1] in QUANTIZED_PROJECTIONS]
