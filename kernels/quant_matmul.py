@@ -27,6 +27,15 @@ import triton.language as tl
 FP8_MAX = 448.0  # largest float8_e4m3fn
 
 
+@triton.jit
+def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
+    """The tile ``acc`` (+ the bias) into ``out`` in its dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
@@ -60,10 +69,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
             xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
             part = part * xs[:, None]
         acc += part * ws[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -98,10 +104,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
 
 
 @triton.jit

@@ -521,6 +521,10 @@ def quantized_linear(parts: list, linear: nn.Linear, scheme: QuantScheme | None,
     """The layer for ``linear``'s rows given as (first row, weight) ``parts``."""
     weights = [w for _, w in sorted(parts, key=lambda part: part[0])]
     bias = None if linear.bias is None else linear.bias.detach()
+    k = linear.in_features
+    step = weights[0].group if scheme.kind == "int4" else weights[0].block[1]
+    if device.type == "cuda" and step < k and step % 16:  # the Triton tiles' K steps
+        raise ModelLoadError(f"{where}: scale groups of {step} inputs: groups of a multiple of 16 run on CUDA")
     if scheme.kind == "int4":
         perms = {None if w.perm is None else tuple(w.perm.tolist()) for w in weights}
         if len(perms) > 1 or len({w.group for w in weights}) > 1:
