@@ -74,6 +74,10 @@ def test_the_schemes_read_what_each_config_says():
     assert parse_scheme(QUANT_LAYOUTS["gptq"], "m").gptq_v1 and not parse_scheme(QUANT_LAYOUTS["gptq_v2_asym"], "m").gptq_v1
     assert parse_scheme({**QUANT_LAYOUTS["gptq"], "group_size": -1}, "m").group == 0  # one group: all of K
     assert parse_scheme(None, "m") is None
+    for extra, why in (({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "a quantized KV cache"),
+                       ({"sparsity_config": {"format": "sparse-24"}}, "sparse weights")):
+        with pytest.raises(ModelLoadError, match=f"does not run \\({why}"):
+            parse_scheme({**QUANT_LAYOUTS["ct_fp8_dynamic"], **extra}, "m")
     scheme = parse_scheme(QUANT_LAYOUTS["awq"], "m")
     assert "tensor parallelism" in scheme.refusal(CPU, 2, False)
     assert scheme.refusal(CPU, 1, False) is None

@@ -65,7 +65,7 @@ class QuantScheme:
 
     @property
     def suffixes(self) -> tuple[str, ...]:
-        """The tensors of a quantized layer besides (or instead of) ``weight``."""
+        """The tensors of a quantized layer, first the one every such layer has."""
         if self.kind == "int4":
             return ("qweight", "qzeros", "scales", "g_idx")
         scale = "weight_scale_inv" if self.method == "fp8" and self.block else "weight_scale"
@@ -148,6 +148,8 @@ def _fbgemm_fp8(quant: dict, name: str) -> QuantScheme:
 def _compressed_tensors(quant: dict, name: str) -> QuantScheme:
     fmt = quant.get("format")
     _require(fmt in ("float-quantized", "naive-quantized"), f"format {fmt!r}")
+    _require(not quant.get("kv_cache_scheme"), "a quantized KV cache (kv_cache_scheme)")
+    _require(not quant.get("sparsity_config"), "sparse weights (sparsity_config)")
     groups = list((quant.get("config_groups") or {}).values())
     _require(len(groups) == 1, f"{len(groups)} config groups (one runs)")
     weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
@@ -366,7 +368,7 @@ def gather(names: list[str], read, scheme: QuantScheme, where: str, progress=ite
             yield prefix + "weight", build(scheme, prefix, parts, where)
             continue
         suffix = name.rsplit(".", 1)[-1]
-        if suffix in suffixes[1:] or suffix == main and scheme.kind == "int4":
+        if suffix in suffixes[1:]:
             raise ModelLoadError(f"{where}: tensor {name!r} comes without {name.rsplit('.', 1)[0] + '.' + main!r}")
         tensor = read(name)
         if name not in tables and (not tensor.is_floating_point() or tensor.dtype == FP8):
