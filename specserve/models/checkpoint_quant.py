@@ -400,7 +400,7 @@ class Fp8Linear(nn.Module):
     whose result for a row does not depend on the batch."""
 
     def __init__(self, weight: Fp8Weight, segments, activations: str | None, bias: torch.Tensor | None,
-                 deterministic: bool) -> None:
+                 deterministic: bool, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.block, self.activations = weight.block, activations
@@ -410,6 +410,9 @@ class Fp8Linear(nn.Module):
         # (rows, static input scale) per part where the parts' scales differ, else one
         self.segments = segments or [(self.out_features, weight.input_scale)]
         self.deterministic = deterministic
+        self.widened = None  # first row of each part -> its weight for the CPU's GEMM
+        if weight.values.device.type == "cpu" and dtype is not None and self.block[0] == 1:
+            self.widened = _widened(weight.values, [rows for rows, _ in self.segments], dtype)
 
     def _scaled_mm(self, x: torch.Tensor, rows: int) -> bool:
         """torch's scaled GEMM (cuBLASLt on CUDA) for per-row weight scales and one
@@ -442,6 +445,14 @@ class Fp8Linear(nn.Module):
         weight, scale = self.weight, self.weight_scale
         if (start, stop) != (0, self.out_features):  # a part's rows (static scales: scales per row)
             weight, scale = weight[start:stop], scale[start:stop]
+        if self.widened is not None:
+            w = self.widened[start]
+            if w.is_mkldnn:
+                y = torch.ops.mkldnn._linear_pointwise(xq.to(torch.bfloat16), w, None, "none", [], "")
+            else:
+                y = torch.nn.functional.linear(xq.to(w.dtype), w)
+            y = (y.float() * x_scale.expand(xq.shape[0], 1) * scale.reshape(1, -1)).to(x.dtype)
+            return y if bias is None else y + bias
         if self._scaled_mm(x, stop - start):
             y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
                                  scale_b=scale.reshape(1, -1).contiguous(), out_dtype=x.dtype)
@@ -455,6 +466,21 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
                 f"activations={self.activations}")
+
+
+def _widened(values: torch.Tensor, rows: list[int], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """A CPU has no float8 GEMM (``torch._scaled_mm`` there converts the weight every call),
+    so each part's float8 values are held in the model's ``dtype``: exactly, as float8 is a
+    subset of bf16, and so are the products of two float8 values; the GEMM sums them in
+    fp32. bf16 parts are prepacked for oneDNN where the CPU has native bf16 GEMMs."""
+    from specserve.models.packed_linear import bf16_packing_supported  # lazy: probes oneDNN once
+
+    out, start = {}, 0
+    for part in values.to(dtype).split(rows):
+        packed = dtype == torch.bfloat16 and bf16_packing_supported()
+        out[start] = torch.ops.mkldnn._reorder_linear_weight(part.contiguous(), None) if packed else part
+        start += part.shape[0]
+    return out
 
 
 def _quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,7 +570,7 @@ def quantized_linear(parts: list, linear: nn.Linear, scheme: QuantScheme | None,
                             weights[0].qtype)
         return Int4Linear(_to(merged, device), bias, deterministic)
     merged, segments = _merge_fp8(weights, where)
-    return Fp8Linear(_to(merged, device), segments, scheme.activations, bias, deterministic)
+    return Fp8Linear(_to(merged, device), segments, scheme.activations, bias, deterministic, linear.weight.dtype)
 
 
 def _to(weight, device: torch.device):
