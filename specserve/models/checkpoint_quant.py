@@ -31,8 +31,9 @@ Layouts (as the libraries that write them lay them out):
   activation order. Such a layer reads its inputs permuted so that groups are contiguous.
 
 Where they run: FP8 with one scale per row (per tensor or channel) and per-token or
-per-tensor activations goes through ``torch._scaled_mm`` on CUDA (bf16) and on the CPU;
-block-wise FP8 and W8A16 through ``kernels/quant_matmul.py`` (CUDA). 4-bit weights through
+per-tensor activations goes through ``torch._scaled_mm`` on CUDA (bf16), and on the CPU
+through a bf16 or fp32 GEMM over its values held widened (exact); block-wise FP8 and
+W8A16 through ``kernels/quant_matmul.py`` (CUDA). 4-bit weights through
 the Triton W4A16 GEMM on CUDA, and on the CPU through the GGUF kernels
 (``models/quantized.py``), which hold (q − z) · s exactly as scale · q + min.
 """
@@ -417,7 +418,7 @@ class Fp8Linear(nn.Module):
     def _scaled_mm(self, x: torch.Tensor, rows: int) -> bool:
         """torch's scaled GEMM (cuBLASLt on CUDA) for per-row weight scales and one
         activation scale per row: in bf16 on CUDA (its row-wise output type) unless
-        deterministic, and on the CPU."""
+        deterministic, and on a CPU for a layer built without a widened copy."""
         if self.block[0] != 1 or self.activations not in ("token", "static"):
             return False
         return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and not self.deterministic
