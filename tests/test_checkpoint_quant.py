@@ -142,6 +142,17 @@ def test_parts_of_one_projection_in_different_orders_are_refused(checkpoints, tm
         load(path, CPU, torch.float32)
 
 
+def test_a_quantized_projection_stored_merged_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """Phi-3's q/k/v stored as one tensor, in 4-bit: refused in one line, not loaded."""
+    import tiny_models
+
+    monkeypatch.setattr(tiny_models, "QUANTIZED_PROJECTIONS", ("qkv_proj",))
+    write_quantized_checkpoint(tiny_model_dir("phi3_longrope"), tmp_path / "phi3", "awq")
+    with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.qkv_proj.weight': a projection stored "
+                                             "merged runs from float weights only"):
+        load(tmp_path / "phi3", CPU, torch.float32)
+
+
 @pytest.mark.parametrize("layout, message", [
     ("fp8_block", "block-wise and weight-only FP8 run on CUDA GPUs"),
     ("ct_fp8_w8a16", "block-wise and weight-only FP8 run on CUDA GPUs"),
