@@ -24,9 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # largest float8_e4m3fn
-
-
 @triton.jit
 def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
     """The tile ``acc`` (+ the bias) into ``out`` in its dtype."""

@@ -256,7 +256,7 @@ class Int4Weight:
             raise ValueError(f"4-bit groups of {self.group} inputs do not run on the CPU (multiples of 32 do)")
         repeat = self.group // 32
         scale = self.scale.float().repeat_interleave(repeat, 1)
-        mins = -self.zero.float().repeat_interleave(repeat, 1) * scale  # exact: |z| < 16, s has 11 bits
+        mins = -self.zero.float().repeat_interleave(repeat, 1) * scale  # exact: z ≤ 16, s has 11 bits
         return Decoded(self.q.numpy(), scale.numpy(), mins.numpy(), 4, 32)
 
 
