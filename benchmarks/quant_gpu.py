@@ -12,7 +12,9 @@ references, in one run: correctness first, then timings, one table last.
    (``torch._scaled_mm``), FP8 128 x 128 blocks (Triton), FP8 W8A16 (Triton) and W4A16
    groups of 128 (Triton), beside each one's floor at one row: the bytes it reads (weights,
    scales, zero points) over the measured copy bandwidth.
-3. ``decode``: the Llama-3.1-8B shape with random weights, its projections quantized at
+3. ``tiles`` (not run by default): for each scheme and projection at one row, the
+   planned Triton tiles against a sweep of tiles, K splits, warps and stages.
+4. ``decode``: the Llama-3.1-8B shape with random weights, its projections quantized at
    each scheme (the LM head and embeddings stay bf16): the batch-1 decode step (CUDA
    graph replay, 512 tokens of context) against its floor, the bytes a step reads.
 
@@ -120,8 +122,9 @@ def agreement_section(args, rows: list) -> None:
 
 
 # ---------------------------------------------------------------------- gemm
-def gemm_section(args, rows: list, bandwidth: float) -> None:
-    device = torch.device("cuda")
+def projections_8b(device: torch.device):
+    """(name, n, k, a bf16 linear with seeded random weights, its generator) for each of
+    Llama-3.1-8B's projections."""
     for name, (n, k) in GEMMS_8B.items():
         if name == "lm_head":
             continue
@@ -129,6 +132,12 @@ def gemm_section(args, rows: list, bandwidth: float) -> None:
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
             linear.weight.normal_(0, 0.02, generator=g)
+        yield name, n, k, linear, g
+
+
+def gemm_section(args, rows: list, bandwidth: float) -> None:
+    device = torch.device("cuda")
+    for name, n, k, linear, g in projections_8b(device):
         layers = {"bf16 (cuBLAS)": linear, **{s: quantized_layer(linear, SCHEMES[s]) for s in SCHEMES}}
         x = torch.randn(64, k, device=device, dtype=torch.bfloat16, generator=g)
         ref = linear(x).float()
@@ -142,6 +151,65 @@ def gemm_section(args, rows: list, bandwidth: float) -> None:
             row["m1_vs_floor"] = round(row["m1_us"] / row["floor_us_m1"], 2)
             rows.append(row)
             log(json.dumps(row))
+
+
+# ---------------------------------------------------------------------- tiles
+def tiles_section(args, rows: list, bandwidth: float) -> None:
+    """Each scheme's planned tiles (``quant_matmul.plan``) at one row against a sweep of
+    column tile, K tile, K split, warps and stages, per projection. Calls rotate over
+    copies of the weight (at least 256 MB in all), so that the L2 cache holds none."""
+    import copy
+
+    from specserve.kernels import quant_matmul
+
+    device = torch.device("cuda")
+    planned = quant_matmul.plan
+    for scheme_name, scheme in SCHEMES.items():
+        for name, n, k, linear, g in projections_8b(device):
+            layer = quantized_layer(linear, scheme)
+            size = layer_bytes(layer)
+            layers = [layer] + [copy.deepcopy(layer) for _ in range(min(15, -(-256_000_000 // size) - 1))]
+            x = torch.randn(16, k, device=device, dtype=torch.bfloat16, generator=g)
+            floor = 1e6 * size / bandwidth
+
+            def us(m: int, tiles=None) -> tuple[float, tuple | None]:
+                xm = x[:m].clone()
+                asked = []
+                quant_matmul.plan = lambda few, *key: asked.append(key) or tiles or planned(True, *key)
+                try:
+                    got = graph_us(lambda: [each(xm) for each in layers], args.reps, device, calls=1) / len(layers)
+                finally:
+                    quant_matmul.plan = planned
+                return got, (asked[-1] if asked else None)  # (None: not through Triton)
+
+            extra = {}
+            if us(1)[1] is None:  # torch._scaled_mm: timed, then the layers go through Triton
+                extra = {"scaled_mm_m1_us": round(us(1)[0], 1), "scaled_mm_m5_us": round(us(5)[0], 1)}
+                for each in layers:
+                    each._scaled_mm = lambda *_: False
+            (one, key), (five, _), (sixteen, _) = us(1), us(5), us(16)
+            step = key[3]  # plan(few, kind, n, k, step, device), less few
+            row = {"section": "tiles", "scheme": scheme_name, "gemm": name, "floor_us": round(floor, 1),
+                   "planned": planned(True, *key)._asdict(), "planned_m1_us": round(one, 1),
+                   "planned_m5_us": round(five, 1), "planned_m16_us": round(sixteen, 1), **extra}
+            best = None
+            for block_n in (32, 64, 128):
+                for block_k in (64, 128, 256):
+                    if step % block_k or (scheme[0] == "int4" and block_k != quant_matmul.INT4_CHUNK):
+                        continue
+                    for warps, stages in ((4, 4), (4, 2)):  # (8 warps never won on an H200)
+                        for split in (1, 2, 4, 8, 16):
+                            if -(-k // block_k) >= split:
+                                t = quant_matmul.Tiles(16, block_n, block_k, split, warps, stages)
+                                got = us(1, t)[0]
+                                if best is None or got < best[0]:
+                                    best = (got, t)
+            row.update(best_m1_us=round(best[0], 1), best=best[1]._asdict(),
+                       planned_vs_floor=round(one / floor, 2), best_vs_floor=round(best[0] / floor, 2))
+            rows.append(row)
+            log(json.dumps(row))
+            layers, layer, linear = [], None, None  # (freed before the next projection)
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------- decode
@@ -178,7 +246,7 @@ def decode_section(args, rows: list, bandwidth: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="agreement,gemm,decode")
+    ap.add_argument("--sections", default="agreement,gemm,decode", help="also: tiles (a sweep)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
@@ -194,6 +262,8 @@ def main() -> None:
         agreement_section(args, rows)
     if "gemm" in sections:
         gemm_section(args, rows, bandwidth)
+    if "tiles" in sections:
+        tiles_section(args, rows, bandwidth)
     if "decode" in sections:
         decode_section(args, rows, bandwidth)
     log(f"\n{card}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")

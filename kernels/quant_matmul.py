@@ -6,19 +6,24 @@
   row and group of ``AK`` inputs (W8A8: per token, AK ≥ K, or per token and 128-group as
   DeepSeek-V3 and Qwen3 FP8 checkpoints run). Each K tile lies inside one scale block, so
   a tile's dot product is scaled once: ``acc += (a · b) · sa · sw``.
-* ``int4_linear``: W in 4 bits, eight inputs per int32 (input 8c + j in nibble j of word
-  c), with a scale and an integer zero point per row and group of ``G`` inputs (AWQ's and
-  GPTQ's asymmetric form; symmetric GPTQ is zero 8). The tile is dequantised in fp32,
-  ``(q − z) · s``, exact, rounded to the activations' dtype (what a dequantised copy of
-  the weights would hold) and multiplied there.
+* ``int4_linear``: W in 4 bits, eight inputs per int32 in chunks of 128 inputs (``pack_int4``:
+  input 128t + 16j + c in nibble j of the chunk's word c), with a scale and an integer
+  zero point per row and group of ``G`` inputs (AWQ's and GPTQ's asymmetric form;
+  symmetric GPTQ is zero 8). The tile is dequantised in fp32, ``(q − z) · s``, exact,
+  rounded to the activations' dtype (what a dequantised copy of the weights would hold)
+  and multiplied there.
 
-Tiles along N and K depend on the weight's shape and the GPU, never on the rows, and no
-program splits K; with ``invariant`` the row tile is fixed too, so a row's result is the
-same alone or in any batch (``--deterministic``).
+Tiles along N and K depend on the weight's shape and the GPU. At a decode step's few rows
+one column tile per program leaves most SMs idle, or each with too few bytes in flight, so
+K is split among programs (``plan``): each writes its fp32 partial sums and a second launch
+adds them in a fixed order, adds the bias and rounds. With ``invariant`` K is never split
+and the row tile is fixed, so a row's result is the same alone or in any batch
+(``--deterministic``).
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,8 +39,8 @@ def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
-                stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+                stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                 AK, BN, BK,
                 A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -46,8 +51,9 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
     rk = tl.arange(0, BLOCK_K)
     m_valid = rm < M
     n_valid = rn < N
+    k_start = tl.program_id(2) * K_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         k_valid = (k0 + rk) < K
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
                     mask=m_valid[:, None] & k_valid[None, :], other=0.0)      # [BLOCK_M, BLOCK_K]
@@ -66,42 +72,65 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K,
             xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
             part = part * xs[:, None]
         acc += part * ws[None, :]
-    _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+    _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_sn, stride_om, GROUP,
+def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+                 stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """A K tile is one chunk of 128 inputs, 16 words a row (``INT4_CHUNK``): nibble j of
+    word c holds input 16j + c, so each nibble is its own product with 16 contiguous
+    inputs and the tile is never reshuffled. 16 inputs share one scale group (groups are
+    multiples of 16); with TILE_IN_GROUP the whole tile does."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, 16)
     m_valid = rm < M
     n_valid = rn < N
-    rw = tl.arange(0, BLOCK_K // 8)
-    shift = (tl.arange(0, 8) * 4)[None, :, None]
+    k_start = tl.program_id(2) * K_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_valid = (k0 + rk) < K
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
-                    mask=m_valid[:, None] & k_valid[None, :], other=0.0)      # [BLOCK_M, BLOCK_K]
-        words = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 // 8 + rw)[:, None],
-                        mask=n_valid[None, :] & ((k0 + 8 * rw) < K)[:, None], other=0)  # [BLOCK_K / 8, BLOCK_N]
-        q = tl.reshape((words[:, None, :] >> shift) & 0xF, (BLOCK_K, BLOCK_N))  # input 8c + j: word c, nibble j
-        group = rn.to(tl.int64) * stride_sn + k0 // GROUP
-        s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.int32)
-        b = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(a.dtype)
-        if UPCAST:  # the interpreter cannot multiply bf16
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
-    _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        words = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 // 8 + rc)[:, None],
+                        mask=n_valid[None, :], other=0)                      # [16, BLOCK_N]; K padded
+        if TILE_IN_GROUP:
+            group = rn.to(tl.int64) * stride_sn + k0 // GROUP
+            s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.int32)
+        for j in tl.static_range(8):
+            kj = k0 + 16 * j
+            if not TILE_IN_GROUP:
+                group = rn.to(tl.int64) * stride_sn + kj // GROUP
+                g_valid = n_valid & ((kj + tl.zeros_like(rn)) < K)
+                s = tl.load(s_ptr + group, mask=g_valid, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.int32)
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kj + rc)[None, :],
+                        mask=m_valid[:, None] & ((kj + rc) < K)[None, :], other=0.0)  # [BLOCK_M, 16]
+            b = ((((words >> (4 * j)) & 0xF) - z[None, :]).to(tl.float32) * s[None, :]).to(a.dtype)
+            if UPCAST:  # the interpreter cannot multiply bf16
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+    _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """``out`` = the SPLIT partial sums ``[SPLIT, M, N]``, added in order, + the bias."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < MN
+    acc = tl.load(part_ptr + offs, mask=valid, other=0.0)
+    for i in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + i * MN + offs, mask=valid, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -160,26 +189,61 @@ def quantize_rows(x2: torch.Tensor, group: int, static: float | None = None) -> 
     return q, scales
 
 
+class Tiles(NamedTuple):
+    """One launch's shape: tile sizes, the number of programs along K, warps and stages."""
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row tile, K split
+INT4_CHUNK = 128  # inputs per packed K tile of a 4-bit weight
+
+# For few rows, per kind of weight: (column tile, deepest K tile, pipeline stages, programs
+# per SM at most, K split at most), from a sweep on an H200 (benchmarks/quant_gpu.py
+# --sections tiles). Each program streams its columns' weights; float8 inputs go straight
+# to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
+# narrow ones; 4-bit tiles are bound by unpacking and want many programs.
+FEW_ROW_TILES = {"w8a8": (128, 128, 4, 2, 16), "w8a16": (32, 128, 4, 4, 16), "w4a16": (64, INT4_CHUNK, 2, 14, 8)}
+
+
 @functools.cache
-def tiles(n: int, k: int, step: int, bytes_per_weight: float, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight ``[n, k]`` whose scales
-    change every ``step`` inputs: from the shape and the GPU only. Column tiles narrow
-    until a decode step's single row tile has about two programs per SM; K tiles are as
-    deep as the scale step allows (a tile never spans two scale groups) and the shared
-    memory holds."""
+def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) -> Tiles:
+    """The tiles for a weight ``[n, k]`` of ``kind`` (``FEW_ROW_TILES``' keys) whose scales
+    change every ``step`` inputs, from the shape and the GPU only, and whether the rows are
+    ``few`` (a row tile of 16, K may split) or not (a row tile of 64, K whole). K tiles are
+    as deep as the scale step allows (a tile never spans two scale groups) and the shared
+    memory holds; 4-bit tiles are one packed chunk.
+
+    Few rows read each weight once for at most 16 rows: the step takes the weight's bytes
+    over the bandwidth if enough programs stream it, so K splits (each split keeping at
+    least four K tiles) until the programs reach the kind's count per SM. Many rows:
+    column tiles narrow until the single row tile has about two programs per SM."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
         smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
     else:  # the interpreter
         sms, smem = 4, 1 << 30
-    block_n, stages = 128, 4
-    while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    block_k = 256
-    while block_k > 16 and (step % block_k or (16 * 2 + block_n * bytes_per_weight) * block_k * stages > smem - 8192):
+    bytes_per_weight = 0.5 if kind == "w4a16" else 1
+    block_n, deepest, stages, per_sm, most = FEW_ROW_TILES[kind] if few else (128, 256, 4, 2, 1)
+    if not few:
+        while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
+            block_n //= 2
+    block_m = FEW_ROWS if few else 64
+    block_k = deepest
+    while block_k > 16 and (step % block_k or (block_m * 2 + block_n * bytes_per_weight) * block_k * stages > smem - 8192):
         block_k //= 2
-    return block_n, block_k, 4, stages
+    if kind == "w4a16":
+        block_k = INT4_CHUNK
+    split = 1
+    while (split < most and triton.cdiv(n, block_n) * split * 2 <= per_sm * sms
+           and triton.cdiv(k, block_k * split * 2) >= 4):
+        split *= 2
+    return Tiles(block_m, block_n, block_k, split, 4, stages)
 
 
 def _k_step(k: int, *groups: int) -> int:
@@ -193,55 +257,81 @@ def _k_step(k: int, *groups: int) -> int:
     return step
 
 
-def _launch(kernel, x, n, k, step, bytes_per_weight, out_dtype, args, invariant: bool, **meta):
+
+
+def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invariant: bool, tiles):
+    """``kernel`` over ``x`` ``[..., K]`` into ``[..., N]``. ``args(x2, part, k_split,
+    stride_om, stride_os)`` lists the kernel's arguments and ``constants(tiles)`` its own
+    constexprs; ``part`` is the output, or with K split the fp32 partial sums
+    ``[split, M, N]`` that ``_sum_splits`` then adds, bias included. ``tiles`` overrides
+    ``plan`` (for sweeps)."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
-        block_n, block_k, num_warps, num_stages = tiles(n, k, step, bytes_per_weight, x.device)
-        # Few rows: one narrow row tile. ``invariant``: one tile height whatever the rows,
-        # so a row's products run through the same instructions alone or in a batch.
-        block_m = 64 if invariant or m > 16 else 16
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        kernel[grid](x2, *args(x2, out), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                     UPCAST=x.device.type != "cuda", IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages, **meta)
+        t = tiles or plan(m <= FEW_ROWS and not invariant, kind, n, k, step, x.device)
+        k_split = triton.cdiv(triton.cdiv(k, t.split), t.block_k) * t.block_k
+        split = triton.cdiv(k, k_split)
+        part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
+        kernel[grid](x2, *args(x2, part, k_split, part.stride(-2), m * n if split > 1 else 0),
+                     HAS_BIAS=bias is not None and split == 1, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                     BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda", IEEE=x.dtype == torch.float32,
+                     num_warps=t.num_warps, num_stages=t.num_stages, **constants(t))
+        if split > 1:
+            _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
+                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)
     return out.view(*x.shape[:-1], n)
 
 
 def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, weight: torch.Tensor,
                weight_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None,
-               out_dtype: torch.dtype, invariant: bool = False) -> torch.Tensor:
+               out_dtype: torch.dtype, invariant: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """``x`` ``[..., K]`` (float8 with ``x_scale`` ``[rows, K / act_group]``, or the model's
     dtype with ``x_scale`` None) · ``weight`` ``[N, K]`` float8, scaled by ``weight_scale``
     ``[N / block[0], K / block[1]]`` (ceil). Scale groups of K must be whole K tiles."""
     n, k = weight.shape
     bn, bk = block
     step = _k_step(k, bk, act_group if x_scale is not None else k)
+    xs = x_scale if x_scale is not None else weight_scale
 
-    def args(x2, out):
-        xs = x_scale if x_scale is not None else weight_scale
-        return (xs, weight, weight_scale, bias if bias is not None else weight_scale, out,
-                x2.shape[0], n, k, x2.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0),
-                out.stride(0), act_group, bn, bk)
+    def args(x2, part, k_split, stride_om, stride_os):
+        return (xs, weight, weight_scale, bias if bias is not None else weight_scale, part,
+                x2.shape[0], n, k, k_split, x2.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0),
+                stride_om, stride_os, act_group, bn, bk)
 
-    return _launch(_fp8_kernel, x, n, k, step, 1, out_dtype, args, invariant,
-                   A_FP8=x_scale is not None, HAS_BIAS=bias is not None)
+    return _launch(_fp8_kernel, "w8a8" if x_scale is not None else "w8a16", x, n, k, step, out_dtype, args,
+                   lambda t: {"A_FP8": x_scale is not None}, bias, invariant, tiles)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                bias: torch.Tensor | None, invariant: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None, invariant: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
     """``x`` ``[..., K]`` · W ``[N, K]``ᵀ with W = (q − zeros) · scales per group of
-    ``group`` inputs: ``packed`` int32 ``[N, K / 8]``, ``scales`` ``[N, K / group]`` (any
-    float dtype), ``zeros`` uint8 ``[N, K / group]``."""
+    ``group`` inputs: ``packed`` int32 ``[N, 16 · ⌈K / 128⌉]`` (``pack_int4``), ``scales``
+    ``[N, K / group]`` (any float dtype), ``zeros`` uint8 ``[N, K / group]``."""
     n, k = packed.shape[0], x.shape[-1]
-    if packed.shape[1] * 8 != k:
-        raise ValueError(f"int4 weight of {packed.shape[1] * 8} inputs for activations of {k}")
-    step = _k_step(k, group)
+    if packed.shape[1] != triton.cdiv(k, INT4_CHUNK) * INT4_CHUNK // 8:
+        raise ValueError(f"int4 weight of {packed.shape[1] * 8} packed inputs for activations of {k}")
+    if tiles is not None and tiles.block_k != INT4_CHUNK:
+        raise ValueError(f"4-bit K tiles are the packed chunks of {INT4_CHUNK} inputs")
+    _k_step(k, group)
 
-    def args(x2, out):
-        return (packed, scales, zeros, bias if bias is not None else scales, out, x2.shape[0], n, k,
-                x2.stride(0), packed.stride(0), scales.stride(0), out.stride(0), group)
+    def args(x2, part, k_split, stride_om, stride_os):
+        return (packed, scales, zeros, bias if bias is not None else scales, part, x2.shape[0], n, k, k_split,
+                x2.stride(0), packed.stride(0), scales.stride(0), stride_om, stride_os, group)
 
-    return _launch(_int4_kernel, x, n, k, step, 0.5, x.dtype, args, invariant, HAS_BIAS=bias is not None)
+    return _launch(_int4_kernel, "w4a16", x, n, k, INT4_CHUNK, x.dtype, args,
+                   lambda t: {"TILE_IN_GROUP": group % INT4_CHUNK == 0 or group >= k}, bias, invariant, tiles)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K]`` (0…15) -> int32 ``[N, 16 · ⌈K / 128⌉]``: K padded with zeros to whole
+    chunks of 128 inputs, input 128t + 16j + c in nibble j of word 16t + c."""
+    n, k = q.shape
+    chunks = triton.cdiv(k, INT4_CHUNK)
+    q = torch.nn.functional.pad(q.to(torch.int64), (0, chunks * INT4_CHUNK - k))
+    nibbles = q.view(n, chunks, 8, 16).transpose(2, 3)                      # [n, chunk, word c, nibble j]
+    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1).reshape(n, chunks * 16)
+    return (words - (words >= 2**31) * 2**32).to(torch.int32)  # as int32's two's complement

@@ -165,10 +165,12 @@ def test_what_does_not_run_on_a_cpu_is_refused(layout, message, checkpoints):
 
 
 # ---------------------------------------------------------------------------- layers
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[N, K / 8]`` -> 0…15 ``[N, K]``: input 8c + j from nibble j of word c."""
-    nibbles = (packed.cpu().unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
-    return nibbles.reshape(packed.shape[0], -1)
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 ``[N, 16 · ⌈K / 128⌉]`` -> 0…15 ``[N, K]``: input 128t + 16j + c from nibble j
+    of word 16t + c."""
+    n = packed.shape[0]
+    nibbles = (packed.cpu().view(n, -1, 16, 1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF  # [n, t, c, j]
+    return nibbles.transpose(2, 3).reshape(n, -1)[:, :k]
 
 
 def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -197,7 +199,7 @@ def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
             y = torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
                            for p in parts], dim=1) @ w.T
     else:
-        w = Int4Weight(unpack_int4(layer.packed), layer.scales.cpu(), layer.zeros.cpu(), layer.group).dequantize()
+        w = Int4Weight(unpack_int4(layer.packed, layer.in_features), layer.scales.cpu(), layer.zeros.cpu(), layer.group).dequantize()
         if layer.perm is not None:
             x = x[:, layer.perm.cpu()]
         y = x.double() @ w.double().T
@@ -263,17 +265,27 @@ def reference_weight(reference, name: str) -> torch.Tensor:
 # bf16 outputs (and the W4A16 tile) round once on CUDA; the interpreter's bf16 casts may
 # truncate instead, up to an ulp more.
 BF16_TOLERANCE = 1e-2 if CUDA else 3e-2
-SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (200, 1000 + 24)] if CUDA else [(40, 192), (64, 96)]
+SHAPES = [(4096, 4096), (6144, 4096), (4096, 14336), (200, 1000 + 24)] if CUDA else [(40, 192), (64, 96), (24, 256)]
 FP8_CASES = [  # (weight block, activations)
     ((32, 64), "group"), ((128, 128), "group"), ((1, None), "token"), ((1, None), None), ((64, 64), None)]
 
 
+def split_tiles(block_k: int):
+    """Tiles that split K among 2 to 3 programs at the tests' shapes (CPU and CUDA)."""
+    from specserve.kernels.quant_matmul import Tiles
+
+    return Tiles(block_m=16, block_n=32, block_k=block_k, split=3, num_warps=4, num_stages=2)
+
+
 @pytest.mark.parametrize("block, activations", FP8_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fp8_gemm_computes_its_reference(block, activations, dtype):
+@pytest.mark.parametrize("split", [False, True], ids=["planned", "split"])
+def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split):
     """The Triton FP8 GEMM (interpreted on a CPU) against dequantise-then-matmul in fp64:
     block or per-row weight scales, float8 inputs per token or per token and group, or
-    inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias."""
+    inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias; with the
+    tiles planned for the shape and rows, and with K split among programs whose partial
+    sums are added after."""
     from specserve.kernels import quant_matmul
 
     g = torch.Generator().manual_seed(2)
@@ -291,7 +303,8 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype):
                 xq, xs = _quantize_groups(x.float(), act_group)
             got = quant_matmul.fp8_linear(xq.to(DEVICE), None if xs is None else xs.to(DEVICE), act_group,
                                           weight.values.to(DEVICE), weight.scale.to(DEVICE), (block[0], bk),
-                                          None if bias is None else bias.to(DEVICE, dtype), dtype)
+                                          None if bias is None else bias.to(DEVICE, dtype), dtype,
+                                          tiles=split_tiles(32) if split else None)
             xd = x.double() if xs is None else (xq.double().view(rows, -1, act_group) * xs.double()[..., None]).view(rows, k)
             want = xd @ weight.dequantize().double().T + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
@@ -309,9 +322,11 @@ def _quantize_groups(x: torch.Tensor, group: int):
 
 @pytest.mark.parametrize("group", [32, 128, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int4_gemm_computes_its_reference(group, dtype):
+@pytest.mark.parametrize("split", [False, True], ids=["planned", "split"])
+def test_the_int4_gemm_computes_its_reference(group, dtype, split):
     """The Triton W4A16 GEMM against (q − z) · s rounded to the activations' dtype, then
-    matmul in fp64; groups of 32, 128 or all of K; tails in N."""
+    matmul in fp64; groups of 32, 128 or all of K (K tiles over several groups, or within
+    one); tails in N; with the planned tiles and with K split among programs."""
     from specserve.kernels import quant_matmul
 
     g = torch.Generator().manual_seed(3)
@@ -325,7 +340,8 @@ def test_the_int4_gemm_computes_its_reference(group, dtype):
             x = torch.randn(rows, k, generator=g).to(dtype)
             got = quant_matmul.int4_linear(x.to(DEVICE), packed.to(DEVICE), weight.scale.to(DEVICE),
                                            weight.zero.to(DEVICE), size,
-                                           None if bias is None else bias.to(DEVICE, dtype))
+                                           None if bias is None else bias.to(DEVICE, dtype),
+                                           tiles=split_tiles(128) if split else None)
             want = x.double() @ weight.dequantize().to(dtype).double().T
             want = want + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()

@@ -417,12 +417,17 @@ class Fp8Linear(nn.Module):
 
     def _scaled_mm(self, x: torch.Tensor, rows: int) -> bool:
         """torch's scaled GEMM (cuBLASLt on CUDA) for per-row weight scales and one
-        activation scale per row: in bf16 on CUDA (its row-wise output type) unless
-        deterministic, and on a CPU for a layer built without a widened copy."""
+        activation scale per row: on CUDA in bf16 (its row-wise output type), unless
+        deterministic or for a decode or verify step's few rows (where the Triton kernel
+        splits K and is faster); on a CPU for a layer built without a widened copy."""
         if self.block[0] != 1 or self.activations not in ("token", "static"):
             return False
-        return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and not self.deterministic
-                                          and rows % 16 == 0 and self.in_features % 16 == 0)
+        if x.device.type == "cpu":
+            return True
+        from specserve.kernels.quant_matmul import FEW_ROWS  # lazy: Triton, on CUDA only
+
+        return (x.dtype == torch.bfloat16 and not self.deterministic and x.shape[0] > FEW_ROWS
+                and rows % 16 == 0 and self.in_features % 16 == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -519,6 +524,8 @@ class Int4Linear(nn.Module):
         self.deterministic = deterministic
         self.out_features, self.in_features = weight.shape
         self.group, self.qtype = weight.group, weight.qtype
+        from specserve.kernels.quant_matmul import pack_int4  # lazy: Triton
+
         self.register_buffer("packed", pack_int4(weight.q))
         self.register_buffer("scales", weight.scale)
         self.register_buffer("zeros", weight.zero)
@@ -536,13 +543,6 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}, "
                 f"group={self.group}, act_order={self.perm is not None}")
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, K]`` (0…15) -> int32 ``[N, K / 8]``, input 8c + j in nibble j of word c."""
-    n, k = q.shape
-    words = (q.reshape(n, k // 8, 8).to(torch.int64) << torch.arange(0, 32, 4, device=q.device)).sum(-1)
-    return (words - (words >= 2**31) * 2**32).to(torch.int32)  # as int32's two's complement
 
 
 def quantized_linear(parts: list, linear: nn.Linear, scheme: QuantScheme | None, device: torch.device,
