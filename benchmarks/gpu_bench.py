@@ -308,10 +308,11 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def kv_read_bytes(model, context: int, batch: int = 1) -> int:
-    """K and V one decode step reads: ``context`` tokens per request, this rank's heads."""
+def kv_read_bytes(model, context: int, batch: int = 1, element: int | None = None) -> int:
+    """K and V one decode step reads: ``context`` tokens per request, this rank's heads,
+    ``element`` bytes a value (default: the model's dtype)."""
     attn = model.model.layers[0].self_attn
-    element = next(model.parameters()).element_size()
+    element = element or next(model.parameters()).element_size()
     return 2 * model.config.num_hidden_layers * context * attn.num_kv_heads * attn.head_dim * element * batch
 
 

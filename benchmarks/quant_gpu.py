@@ -8,8 +8,8 @@ references, in one run: correctness first, then timings, one table last.
    the dequantised bf16 weights and on the original bf16 model; batch-1 tokens/s. With
    ``--device cpu``: the layouts a CPU runs (FP8 per channel, AWQ, GPTQ).
 2. ``gemm``: Llama-3.1-8B's projections, random weights: µs per layer call (CUDA-graph
-   replay) at 1, 5 and 64 rows for bf16 (cuBLAS), FP8 W8A8 per channel
-   (``torch._scaled_mm``), FP8 128 x 128 blocks (Triton), FP8 W8A16 (Triton) and W4A16
+   replay) at 1, 5 and 64 rows for bf16 (cuBLAS), FP8 W8A8 per channel (Triton up to 16
+   rows, ``torch._scaled_mm`` above), FP8 128 x 128 blocks (Triton), FP8 W8A16 (Triton) and W4A16
    groups of 128 (Triton), beside each one's floor at one row: the bytes it reads (weights,
    scales, zero points) over the measured copy bandwidth.
 3. ``tiles`` (not run by default): for each scheme and projection at one row, the
@@ -17,9 +17,12 @@ references, in one run: correctness first, then timings, one table last.
 4. ``decode``: the Llama-3.1-8B shape with random weights, its projections quantized at
    each scheme (the LM head and embeddings stay bf16): the batch-1 decode step (CUDA
    graph replay, 512 tokens of context) against its floor, the bytes a step reads.
+5. ``kv``: the same shape in bf16 decoding with its KV cache in bf16 and in float8
+   (``--kv-cache-dtype fp8``), at long contexts and large batches, against the floor.
 
     python benchmarks/quant_gpu.py [--sections agreement,gemm,decode] [--json out.json]
     python benchmarks/quant_gpu.py --device cpu --sections agreement --prompts 8 --max-tokens 64
+    python benchmarks/quant_gpu.py --device cpu --sections kv --prompts 16 --max-tokens 128
 """
 from __future__ import annotations
 
@@ -76,20 +79,26 @@ def layer_bytes(module: torch.nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------- agreement
+def held_out_prompts(tokenizer, count: int) -> list:
+    """``count`` held-out prompts with the chat template: half chat, half code edits."""
+    from workloads import WORKLOADS, chat_prompts
+
+    half = count // 2
+    return (chat_prompts(tokenizer, WORKLOADS["chat"])[:half]
+            + chat_prompts(tokenizer, WORKLOADS["code-edit"])[:count - half])
+
+
 def agreement_section(args, rows: list) -> None:
     import tiny_models
     from specserve import LLM
     from specserve.loader import resolve_model
-    from workloads import WORKLOADS, chat_prompts
 
     source = resolve_model(None).path
     work = Path(tempfile.mkdtemp())
     common = dict(device=args.device, dtype="bfloat16", num_kv_blocks=512, max_model_len=2048)  # several engines
     layouts = LAYOUTS if args.device == "cuda" else CPU_LAYOUTS
     base = LLM(str(source), **common)
-    tok = base.tokenizer
-    half = args.prompts // 2
-    prompts = chat_prompts(tok, WORKLOADS["chat"])[:half] + chat_prompts(tok, WORKLOADS["code-edit"])[:args.prompts - half]
+    prompts = held_out_prompts(base.tokenizer, args.prompts)
     _one_by_one(base, prompts[:1], 8, None)
     plain = _one_by_one(base, prompts, args.max_tokens, None)
     rows.append({"section": "agreement", "model": "bf16 (original)", "tokens_per_s": round(plain["tokens_per_s"], 1)})
@@ -244,13 +253,78 @@ def decode_section(args, rows: list, bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------------- kv
+def kv_section(args, rows: list, bandwidth: float) -> None:
+    """The Llama-3.1-8B shape (random bf16 weights) decoding with its KV cache in bf16
+    and in float8 (``kv_cache_dtype="fp8"``): the step at long contexts and large batches,
+    where reading the cache costs as much as reading the weights, against its floor.
+    With ``--device cpu``: what float8 K and V do to the default model's greedy output."""
+    from specserve.config import EngineConfig
+    from specserve.model_runner import ModelRunner
+
+    if args.device == "cpu":
+        kv_agreement(args, rows)
+        return
+    device = torch.device("cuda")
+    model = random_llama(llama_8b_config(), device)
+    weights = layer_bytes(model) - layer_bytes(model.model.embed_tokens)
+    shapes = [(1, 8192), (16, 8192), (64, 2048), (64, 4096)]
+    blocks = max(b * -(-(c + 1) // 16) for b, c in shapes)
+    for kv_dtype in ("auto", "fp8"):
+        cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=2048,
+                           num_kv_blocks=blocks, block_size=16, kv_cache_dtype=kv_dtype)
+        runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=blocks)
+        runner.enable_graphs(1, 8448)
+        element = runner.kv_storage.element_size()
+        for batch, context in shapes:
+            step = median_ms(lambda: runner.execute(decode_step(batch, 0, context)), args.reps, device)
+            read = weights + kv_read_bytes(model, context, batch, element)
+            floor = 1000 * read / bandwidth
+            rows.append({"section": "kv", "kv_cache": "bf16" if kv_dtype == "auto" else "fp8", "batch": batch,
+                         "context": context, "bytes_read_gb": round(read / 1e9, 2), "step_ms": round(step, 3),
+                         "floor_ms": round(floor, 3), "vs_floor": round(step / floor, 2),
+                         "tokens_per_s": round(1000 * batch / step), "bytes_per_block": runner.bytes_per_block})
+            log(json.dumps(rows[-1]))
+        runner.close()
+        runner = None
+        torch.cuda.empty_cache()
+
+
+def kv_agreement(args, rows: list) -> None:
+    """The default model's greedy tokens with float8 K and V against float32 ones, beside
+    what bf16 (weights, activations and cache) does to them: the rounding noise to compare
+    with. The torch reference kernels on both (the C++ CPU kernels keep the cache in the
+    model's dtype), the model dequantised from its GGUF."""
+    import os
+
+    from specserve import LLM
+    from specserve.kernels import cpu_ops
+
+    os.environ[cpu_ops.ENV_SWITCH] = "0"
+    runs = {}
+    for dtype, kv in (("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto")):
+        llm = LLM(None, device="cpu", dtype=dtype, kv_cache_dtype=kv, gguf_weights="dequantized",
+                  num_kv_blocks=512, max_model_len=2048)
+        prompts = held_out_prompts(llm.tokenizer, args.prompts)
+        runs[dtype, kv] = got = _one_by_one(llm, prompts, args.max_tokens, None)
+        row = {"section": "kv", "device": "cpu", "model_dtype": dtype, "kv_cache": dtype if kv == "auto" else kv,
+               "tokens_per_s": round(got["tokens_per_s"], 1), "prompts": len(prompts)}
+        if (dtype, kv) != ("float32", "auto"):
+            want = runs["float32", "auto"]["token_ids"]
+            row.update(agreement_fp32=round(agreement(got["token_ids"], want), 3),
+                       identical_fp32=sum(a == b for a, b in zip(got["token_ids"], want)))
+        rows.append(row)
+        log(json.dumps(row))
+        del llm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="agreement,gemm,decode", help="also: tiles (a sweep)")
+    ap.add_argument("--sections", default="agreement,gemm,decode,kv", help="also: tiles (a sweep)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu (the agreement section only)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (the agreement and kv sections only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sections = args.sections.split(",")
@@ -266,6 +340,8 @@ def main() -> None:
         tiles_section(args, rows, bandwidth)
     if "decode" in sections:
         decode_section(args, rows, bandwidth)
+    if "kv" in sections:
+        kv_section(args, rows, bandwidth)
     log(f"\n{card}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for row in rows:
         log(" | ".join(f"{k}={v}" for k, v in row.items() if k != "section"))

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.fp8 import to_e4m3
+
 
 @triton.jit
 def _rotary_kernel(
@@ -26,7 +28,7 @@ def _rotary_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One token: rotate its q heads in place; its k heads in place, or (STORE_KV) into
     the cache with its v heads."""
@@ -56,13 +58,19 @@ def _rotary_kernel(
         if slot >= 0:  # -1: a padding row, not stored
             block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + hk * stride_kch + d
-            tl.store(k_dst, k1_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(k_dst + HALF, k2_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
             v = v_ptr + token * stride_vt + hk * stride_vh + d
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + hk * stride_vch + d
-            tl.store(v_dst, tl.load(v, mask=k_mask).to(v_cache_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(v_dst + HALF, tl.load(v + HALF, mask=k_mask).to(v_cache_ptr.dtype.element_ty),
-                     mask=k_mask)
+            v1, v2 = tl.load(v, mask=k_mask), tl.load(v + HALF, mask=k_mask)
+            if KV_FP8:  # the rotated key rounded once, straight from fp32
+                tl.store(k_dst, to_e4m3(k1_out), mask=k_mask)
+                tl.store(k_dst + HALF, to_e4m3(k2_out), mask=k_mask)
+                tl.store(v_dst, to_e4m3(v1), mask=k_mask)
+                tl.store(v_dst + HALF, to_e4m3(v2), mask=k_mask)
+            else:
+                tl.store(k_dst, k1_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+                tl.store(k_dst + HALF, k2_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+                tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
+                tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=k_mask)
     else:
         tl.store(k, k1_out.to(k_ptr.dtype.element_ty), mask=k_mask)
         tl.store(k + HALF, k2_out.to(k_ptr.dtype.element_ty), mask=k_mask)
@@ -119,4 +127,5 @@ def _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         BLOCK_H=block_h, BLOCK_KV=block_kv, BLOCK_HALF=block_half,
         BLOCK_SIZE=k_cache.shape[1] if store else 1, STORE_KV=store,
+        KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn,
         num_warps=max(1, min(4, block_h * block_half // 256)))

@@ -88,11 +88,14 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_TOKENS: tl.constexpr, USE_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, FP16_DOT: tl.constexpr,
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
     Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
-    cap, the tanh's argument, and ``softcap_log2`` = cap·log2(e)."""
+    cap, the tanh's argument, and ``softcap_log2`` = cap·log2(e). ``FP16_DOT``: a float8
+    cache under bf16 queries; its tiles widen to fp16 (one instruction for two values,
+    where bf16 takes several) and the queries round to fp16 once, exactly where they lie
+    in fp16's normal range."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,6 +118,8 @@ def _paged_attention_kernel(
     d_valid = d < HEAD_DIM
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if FP16_DOT:
+        q = q.to(tl.float16)
 
     # KV range of the whole tile, cut into num_splits chunks of whole BLOCK_N tiles.
     kv_hi = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)
@@ -143,10 +148,11 @@ def _paged_attention_kernel(
         offset = k_pos % BLOCK_SIZE
         kv_mask = k_valid[:, None] & d_valid[None, :]
         # Masked loads: slots past a request's length may hold stale data (even NaN).
+        # (A float8 cache's values are exact in the queries' dtype, and in fp16.)
         k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)       # [BLOCK_N, BLOCK_D]
+                    + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None]
-                    + d[None, :], mask=kv_mask, other=0.0)       # [BLOCK_N, BLOCK_D]
+                    + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(k), UPCAST_DOT, IEEE_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if SOFTCAP:  # cap · tanh(x), tanh(x) = 2σ(2x) − 1 (saturates to ±1, never NaN)
             s = (2.0 / (1.0 + tl.exp(-2.0 * s)) - 1.0) * softcap_log2
@@ -304,6 +310,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SPLIT_KV=split_kv, SPLIT_TOKENS=plan.split_tokens, USE_WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
+        FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.fp8 import round_e4m3
+
 @triton.jit
 def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
     """The tile ``acc`` (+ the bias) into ``out`` in its dtype."""
@@ -134,20 +136,6 @@ def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIA
 
 
 @triton.jit
-def _round_e4m3(v):
-    """fp32 ``v`` (|v| ≤ 448) rounded to the nearest float8 e4m3 value, ties to even, as
-    fp32: torch's ``.to(float8_e4m3fn)``, written out in integer and float arithmetic so
-    that the interpreter rounds as a GPU does. Normal values keep 3 mantissa bits; below
-    2⁻⁶ the spacing is 2⁻⁹ (subnormals)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
-    magnitude = (tl.abs(v) + 24576.0) - 24576.0  # 1.5 · 2¹⁴: fp32's spacing there is 2⁻⁹
-    subnormal = tl.where(v < 0, -magnitude, magnitude)  # (a negative value rounding to 0 gives −0)
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP, x_static,
                      STATIC: tl.constexpr, BLOCK: tl.constexpr):
     """Row ``program_id(0)``'s group ``program_id(1)`` of GROUP inputs to float8: scaled so
@@ -167,7 +155,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GR
         tl.store(s_ptr + row * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, stop, BLOCK):
         v = tl.load(x_ptr + row * stride_xm + k0 + r, mask=(k0 + r) < stop, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
+        q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
         tl.store(q_ptr + row * stride_qm + k0 + r, q.to(q_ptr.dtype.element_ty), mask=(k0 + r) < stop)
 
 

@@ -12,16 +12,29 @@ import torch
 import torch.nn.functional as F
 
 
+FP8 = torch.float8_e4m3fn  # the KV cache's dtype with --kv-cache-dtype fp8
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV cache holds it: float8 saturates at ±448 (e4m3 has no infinity)."""
+    return x.float().clamp(-448.0, 448.0).to(dtype) if dtype == FP8 else x.to(dtype)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache at
     ``slot_mapping`` ``[num_tokens]``; rows whose slot is -1 (padding) are skipped.
-    ``has_padding=False`` promises there are none and skips the check."""
+    ``has_padding=False`` promises there are none and skips the check. A float8 cache
+    takes the values saturated to ±448, rounded to nearest."""
     if has_padding:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for rows, cache in ((key, k_cache), (value, v_cache)):
+        rows = to_cache_dtype(rows, cache.dtype)
+        flat = cache.view(-1, *cache.shape[2:])
+        if cache.dtype == FP8:  # a CPU has no float8 index_copy_: the same bytes as uint8
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, rows)
 
 
 SHORT_SPAN = 16  # query spans up to this long (decode rows, verify spans) are batched
@@ -108,8 +121,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.short_rows is not None:
         q = query[plan.short_rows]                           # [num_short, max_q, H, D]
         flat = plan.short_slots.flatten()  # index_select is ~3x cheaper than advanced indexing
-        k = keys.index_select(0, flat).view(*plan.short_slots.shape, *keys.shape[1:])
-        v = values.index_select(0, flat).view(*plan.short_slots.shape, *values.shape[1:])
+        # (a float8 cache's values are exact in the queries' dtype)
+        k = keys.index_select(0, flat).view(*plan.short_slots.shape, *keys.shape[1:]).to(query.dtype)
+        v = values.index_select(0, flat).view(*plan.short_slots.shape, *values.shape[1:]).to(query.dtype)
         if plan.short_keys_valid is not None:
             # Keys past a request's own length may hold anything, even NaN from a stale
             # block: zero them so masked-out keys cannot poison the row.
@@ -121,8 +135,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         else:
             out[plan.short_rows[plan.short_real]] = attended[plan.short_real]
     for rows, slots, mask in plan.spans:
-        out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0),
-                          values.index_select(0, slots).unsqueeze(0), mask[None], scale, softcap)[0]
+        out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0).to(query.dtype),
+                          values.index_select(0, slots).unsqueeze(0).to(query.dtype), mask[None], scale, softcap)[0]
     return out
 
 

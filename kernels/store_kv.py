@@ -4,12 +4,16 @@ Same semantics as ``reference.store_kv``: row t of key/value goes to slot
 ``slot_mapping[t]`` (block ``slot // block_size``, offset ``slot % block_size``); rows whose
 slot is -1 (padding, e.g. for CUDA graphs) are skipped. One program per token copies all
 its KV heads; slot offsets are int64, so caches past 2**31 elements are addressed right.
+A float8 cache (``--kv-cache-dtype fp8``) takes each value saturated to ±448 and rounded
+to nearest, as torch's cast does.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from specserve.kernels.fp8 import to_e4m3
 
 
 @triton.jit
@@ -18,7 +22,7 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One token: key/value ``[num_kv_heads, head_dim]`` -> its cache slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -33,15 +37,19 @@ def _store_kv_kernel(
     value = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
-    tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:
+        tl.store(k_dst, to_e4m3(key), mask=mask)
+        tl.store(v_dst, to_e4m3(value), mask=mask)
+    else:
+        tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``k_cache`` /
     ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping``
-    ``[num_tokens]`` (int64; -1 rows are skipped). Casts to the cache's dtype."""
+    ``[num_tokens]`` (int64; -1 rows are skipped). Casts to the cache's dtype (float8: saturating)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -59,4 +67,4 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)

@@ -16,6 +16,10 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized",
 # dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DRAFT_STOPPING = ("auto", "confidence", "plan")
+# The KV caches (the target's, and a draft model's own): the model's dtype (auto), or
+# float8 e4m3 (fp8; fp8_e4m3 as vLLM spells it), half the bytes of bf16, on the Triton
+# attention kernels.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 
 _DTYPES = {
@@ -47,6 +51,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None     # explicit override of the memory budget
     kv_cache_memory_gib: float = 1.0     # CPU budget for the KV cache
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | fp8 (KV_CACHE_DTYPES)
     # Reuse the KV of committed blocks across requests that start with the same tokens.
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.90  # CUDA: fraction of total memory the engine may use
@@ -118,6 +123,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise SpecserveError("attention_backend must be 'auto', 'torch' or 'triton', "
                                  f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SpecserveError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise SpecserveError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                                  f"got {self.logprobs_mode!r}")
@@ -206,6 +214,10 @@ class EngineConfig:
                 return torch.bfloat16
             return torch.bfloat16 if bf16_packing_supported() else torch.float32
         return _DTYPES[self.dtype]
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV caches' dtype: float8 e4m3 for ``fp8``, else the model's."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
 
     @property
     def target_gguf_weights(self) -> str:

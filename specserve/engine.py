@@ -76,6 +76,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(files, config.tokenizer)
         self.eos_token_ids = eos_token_ids(files, self.hf_config, self.tokenizer)
         backend = get_backend(config.attention_backend, self.device, config.deterministic)
+        if config.kv_torch_dtype(self.dtype) != self.dtype and getattr(backend, "cpu_kernels", False):
+            raise SpecserveError(f"kv_cache_dtype {config.kv_cache_dtype} runs on CUDA: the C++ CPU kernels "
+                                 "keep the KV cache in the model's dtype")
         self.quantized_weights = quantized_gguf(files, config.target_gguf_weights, self.device, self.tp.size)
         model = build_model(files, self.hf_config, self.dtype, self.device, backend, tp=self.tp,
                             quantized=self.quantized_weights)

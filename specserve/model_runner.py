@@ -53,6 +53,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = config.kv_torch_dtype(dtype)
         self.block_size = config.block_size
         self.extra_bytes_per_block = extra_bytes_per_block
         self.graphs = None  # a GraphRunner once enable_graphs() ran
@@ -69,7 +70,7 @@ class ModelRunner:
         try:
             # One tensor [layers, K/V, blocks, block_size, kv_heads, head_dim]; each layer's
             # K and V caches are views of it, so a block is copied in all of them at once.
-            self.kv_storage = torch.zeros((self._num_layers, 2, *shape), dtype=dtype, device=device)
+            self.kv_storage = torch.zeros((self._num_layers, 2, *shape), dtype=self.kv_dtype, device=device)
             self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_storage]
         except (RuntimeError, MemoryError) as exc:  # out of memory: say what to change
 
@@ -93,7 +94,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -194,7 +195,8 @@ class ModelRunner:
         costs several."""
         if self.channel is not None:
             self.channel.send_copies(block_copies)
-        blocks = self.kv_storage.view(-1, self.num_blocks, self.kv_storage[0, 0, 0].numel())
+        raw = self.kv_storage.view(torch.uint8)  # bytes: a CPU has no float8 index_copy_
+        blocks = raw.view(-1, self.num_blocks, raw[0, 0, 0].numel())
         if len(block_copies) <= 4:
             for src, dst in block_copies:
                 blocks[:, dst].copy_(blocks[:, src])

@@ -11,10 +11,12 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
-def chunked_prefill_logits(model, prompts: list[list[int]], chunk: int, device: torch.device) -> torch.Tensor:
+def chunked_prefill_logits(model, prompts: list[list[int]], chunk: int, device: torch.device,
+                           kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Every prompt prefilled ``chunk`` tokens a step, all prompts in each step's ragged
     batch; the logits of every position of every prompt, concatenated."""
-    runner = ModelRunner(model, EngineConfig(block_size=4, num_kv_blocks=64), device, torch.float32)
+    config = EngineConfig(block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(model, config, device, torch.float32)
     kv = KVCacheManager(runner.num_blocks, 4)
     kv.pool.allocate(7)  # block tables that are not contiguous
     done, steps = [0] * len(prompts), []

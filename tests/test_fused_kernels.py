@@ -22,7 +22,7 @@ from specserve.kernels.paged_attention import interpreted  # noqa: E402
 # conftest.py sets TRITON_INTERPRET=1 on CPU before anything imports triton.
 assert CUDA or interpreted(), "on a CPU, run with TRITON_INTERPRET=1 set before triton is imported"
 
-from specserve.attention import get_backend  # noqa: E402
+from specserve.attention import TorchAttentionBackend, get_backend  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.kv_cache import KVCacheManager  # noqa: E402
 from specserve.loader import ModelFiles, build_model, load_hf_config  # noqa: E402
@@ -240,6 +240,14 @@ def test_rotary_clamps_positions_past_the_cache():
     assert_close(k, want_k, F32)
 
 
+def scattered_slots(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
+    """Distinct random cache slots, a quarter of them -1 (padding rows)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    slots = torch.randperm(num_slots, generator=g, device=DEVICE)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=g, device=DEVICE)[: num_tokens // 4]] = -1
+    return slots
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}-kv{}-d{}".format(*h))
 def test_rotary_store_kv_matches_reference_and_skips_padding(heads, dtype):
@@ -250,9 +258,7 @@ def test_rotary_store_kv_matches_reference_and_skips_padding(heads, dtype):
     qkv, positions, cache = rotary_inputs(num_tokens, heads, dtype, seed=9)
     q = qkv[:, :num_heads]
     k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
-    g = torch.Generator(device=DEVICE).manual_seed(10)
-    slots = torch.randperm(num_blocks * block_size, generator=g, device=DEVICE)[:num_tokens]
-    slots[torch.randperm(num_tokens, generator=g, device=DEVICE)[: num_tokens // 4]] = -1
+    slots = scattered_slots(num_tokens, num_blocks * block_size, seed=10)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
@@ -270,6 +276,60 @@ def test_rotary_store_kv_matches_reference_and_skips_padding(heads, dtype):
     untouched = torch.ones(k_rows.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[stored] = False
     assert k_rows[untouched].isnan().all() and v_rows[untouched].isnan().all()
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("heads", HEADS[:2], ids=lambda h: "h{}-kv{}-d{}".format(*h))
+def test_rotary_store_kv_into_a_float8_cache(heads):
+    """``--kv-cache-dtype fp8``: the rotated key, rounded once from fp32, and the value go
+    to their slots saturated at ±448 and rounded to nearest, as torch's cast does: the
+    reference's values (on a GPU a fused multiply-add may move a rare key by one step, and
+    +0 may stand for −0)."""
+    num_heads, num_kv_heads, head_dim = heads
+    num_tokens, block_size, num_blocks = (1000, 16, 4096) if CUDA else (40, 16, 64)
+    qkv, positions, cache = rotary_inputs(num_tokens, heads, F32, seed=11)
+    qkv *= torch.logspace(-3, 3, qkv.shape[-1], device=DEVICE)  # from subnormals to past 448
+    q = qkv[:, :num_heads]
+    k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+    slots = scattered_slots(num_tokens, num_blocks * block_size, seed=12)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan"), device=DEVICE).to(FP8) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_q = reference.rotary_store_kv(q.clone(), k.clone(), v, positions, cache, want_k, want_v, slots)
+    fused_rotary.rotary_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
+    assert_close(q, want_q, F32)
+    got_v, want_v = v_cache.float(), want_v.float()
+    assert torch.equal(got_v.isnan(), want_v.isnan()) and torch.equal(got_v.nan_to_num(), want_v.nan_to_num())
+    assert got_v.nan_to_num().abs().max() == 448  # saturated, not NaN
+    assert torch.equal(k_cache.float().isnan(), want_k.float().isnan())  # the same slots written
+    got_k, want_k = k_cache.float().nan_to_num(), want_k.float().nan_to_num()
+    differ = got_k != want_k
+    if CUDA:
+        assert differ.float().mean() < 1e-3
+        step = torch.maximum(want_k.abs() / 8, torch.full_like(want_k, 2.0 ** -9))  # one e4m3 step
+        assert ((got_k - want_k).abs()[differ] <= step[differ]).all()
+    else:
+        assert not differ.any()
+
+
+def test_model_logits_through_a_float8_kv_cache(tiny_model_dir):
+    """The fused path storing float8 K/V gives the torch reference path's logits on the
+    same float8 cache (within 1e-4 in fp32), and they differ from the fp32 cache's by
+    the float8 rounding of K and V only."""
+    files = ModelFiles("tiny", tiny_model_dir("llama"))
+    config = load_hf_config(files)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (23, 1, 9, 14)]
+    logits = {}
+    for name, backend in (("torch", TorchAttentionBackend(cpu_kernels=False)), ("triton", get_backend("triton", DEVICE))):
+        model = build_model(files, config, torch.float32, DEVICE, backend)
+        logits[name] = chunked_prefill_logits(model, prompts, chunk=5, device=DEVICE, kv_cache_dtype="fp8")
+    full = chunked_prefill_logits(model, prompts, chunk=5, device=DEVICE)
+    assert (logits["triton"] - logits["torch"]).abs().max().item() < 1e-4
+    drift = (logits["triton"] - full).abs().max().item()
+    assert 1e-4 < drift < 0.1 * full.abs().max().item(), drift
 
 
 def test_rotary_rejects_bad_shapes():
@@ -342,15 +402,16 @@ for dtype in ("bf16", "fp16", "fp32"):
                 dict(HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add), num_warps=min(max(block // 256, 1), 8))
     compile(fused_act._silu_and_mul_kernel, dict(out_ptr="*" + dtype, gate_up_ptr="*" + dtype),
             dict(BLOCK=1024), num_warps=4)
-    for heads, kv_heads, half, store in ((9, 3, 32, True), (32, 8, 64, False), (5, 1, 40, True)):
+    for heads, kv_heads, half, store, fp8 in ((9, 3, 32, True, False), (32, 8, 64, False, False),
+                                              (5, 1, 40, True, False), (32, 8, 64, True, True)):
         block_half = triton.next_power_of_2(half)
+        cache = "*fp8e4nv" if fp8 else "*" + dtype
         compile(fused_rotary._rotary_kernel, dict(
                 q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, positions_ptr="*i64",
-                cos_sin_ptr="*fp32", k_cache_ptr="*" + dtype, v_cache_ptr="*" + dtype,
-                slot_mapping_ptr="*i64"),
+                cos_sin_ptr="*fp32", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="*i64"),
                 dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=half,
                      BLOCK_H=triton.next_power_of_2(heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
-                     BLOCK_HALF=block_half, BLOCK_SIZE=16, STORE_KV=store),
+                     BLOCK_HALF=block_half, BLOCK_SIZE=16, STORE_KV=store, KV_FP8=fp8),
                 num_warps=4, i64=("stride_kcb", "stride_vcb"))
 print("compiled")
 """

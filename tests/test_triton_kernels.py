@@ -30,7 +30,7 @@ from sm90_compile import compiles_for_sm90  # noqa: E402
 from tiny_models import LLM32  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+F32, F16, BF16, FP8 = torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn
 
 # (query len, kv len) per request: decode, verify, prefill chunks, a first token, all in one batch.
 if CUDA:
@@ -128,6 +128,21 @@ def test_paged_attention_decode_batch(num_heads, num_kv_heads, dtype):
     assert_close(out, reference_attention(b, 128 ** -0.5), dtype)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_paged_attention_reads_a_float8_cache(dtype):
+    """A float8 cache (``--kv-cache-dtype fp8``; stale slots NaN) under queries in bf16 or
+    fp32: the Triton kernel and the torch reference's own float8 path both give the fp32
+    reference on the float8 values."""
+    b = make_batch(MIXED_SPANS, 8, 2, 128 if CUDA else 64, 16, dtype)
+    b.k_cache, b.v_cache = (reference.to_cache_dtype(c, FP8) for c in (b.k_cache, b.v_cache))
+    scale = 0.125
+    want = reference_attention(b, scale, None)
+    assert_close(triton_attention(b, scale, num_splits=2), want, dtype)
+    got = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
+                                    b.seq_lens_host, scale)
+    assert_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_deterministic_plan_splits_at_fixed_positions(window, monkeypatch):
     """The deterministic plan: fixed tiles, KV splits at absolute multiples of the split
@@ -200,23 +215,27 @@ def compile(fn, pointers, constants, num_warps, num_stages=2, i64=()):
     triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
-for dtype, group, head_dim, block_size, block_q, block_m, block_n, split, window in (
-        ("bf16", 4, 128, 16, 1, 16, 64, True, False),      # decode, split KV
-        ("fp32", 5, 64, 32, 25, 128, 32, False, True),     # prefill tile, window, IEEE dot
-        ("fp16", 2, 80, 16, 16, 32, 64, True, True)):      # padded head_dim
-    pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split, window in (
+        ("bf16", "bf16", 4, 128, 16, 1, 16, 64, True, False),      # decode, split KV
+        ("fp32", "fp32", 5, 64, 32, 25, 128, 32, False, True),     # prefill tile, window, IEEE dot
+        ("fp16", "fp16", 2, 80, 16, 16, 32, 64, True, True),       # padded head_dim
+        ("bf16", "fp8e4nv", 4, 128, 16, 5, 32, 64, True, False)):  # verify, a float8 cache (fp16 dots)
+    pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr")}
+    pointers.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache)
     pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
                     cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
     compile(pa._paged_attention_kernel, pointers, dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_KV=split,
-        USE_WINDOW=window, UPCAST_DOT=False, IEEE_DOT=dtype == "fp32"),
+        USE_WINDOW=window, UPCAST_DOT=False, IEEE_DOT=dtype == "fp32", FP16_DOT=cache == "fp8e4nv"),
         num_warps=8 if block_m >= 128 else 4, i64=("stride_kb", "stride_vb"))
 compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
         cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)
-compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*bf16",
-        v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), num_warps=4)
+for cache in ("bf16", "fp8e4nv"):
+    compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*" + cache,
+            v_cache_ptr="*" + cache, slot_mapping_ptr="*i64"),
+            dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=cache != "bf16"),
+            num_warps=4)
 print("compiled")
 """
 
@@ -254,6 +273,37 @@ def test_store_kv_matches_reference_and_skips_padding(dtype, block_size):
     changed = k_cache.view(-1, kv_heads, head_dim) != before.view(-1, kv_heads, head_dim)
     written = changed.flatten(1).any(1).nonzero().flatten()  # slots that differ now
     assert set(written.tolist()) <= set(slots[slots >= 0].tolist())
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_store_kv_into_a_float8_cache(dtype):
+    """``--kv-cache-dtype fp8``: values saturated at ±448 and rounded to nearest as torch's
+    cast does (subnormals included): the reference's values; -1 rows skipped."""
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    num_blocks, kv_heads, head_dim, block_size = (4096, 8, 128, 16) if CUDA else (64, 2, 64, 16)
+    num_tokens = 1000 if CUDA else 40
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(shape, float("nan"), device=DEVICE).to(FP8) for _ in range(2))
+    spread = torch.logspace(-4, 3, head_dim, device=DEVICE)  # 2⁻⁹ (subnormal) to past 448
+    key = (torch.randn(num_tokens, kv_heads, head_dim, generator=g, device=DEVICE) * spread).to(dtype)
+    value = (torch.randn(num_tokens, kv_heads, head_dim, generator=g, device=DEVICE) * spread).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g, device=DEVICE)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=g, device=DEVICE)[: num_tokens // 4]] = -1
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, want_k, want_v, slots)
+    skv.store_kv(key, value, k_cache, v_cache, slots)
+    for got, want in ((k_cache, want_k), (v_cache, want_v)):
+        assert same_values(got, want)
+    stored = k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]].float()
+    assert stored.abs().max() == 448 and torch.isfinite(stored).all()
+    assert (stored.view(-1) == reference.to_cache_dtype(key[slots >= 0], FP8).float().view(-1)).all()
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN (+0 and −0 are the same value: a GPU's
+    float8 rounding may give +0 where torch's gives −0)."""
+    a, b = a.float(), b.float()
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def test_store_kv_all_padding_writes_nothing():
@@ -322,3 +372,25 @@ def test_engine_greedy_output_matches_torch_backend(tiny_model_dir, variant, ext
         assert llm.engine.runner.model.model.layers[0].self_attn.backend.name == backend
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_engine_with_a_float8_kv_cache(tiny_model_dir):
+    """``kv_cache_dtype="fp8"``: the cache is float8, a block costs a quarter of fp32's,
+    speculative greedy decoding equals plain greedy on it, and every block comes back.
+    The C++ CPU kernels refuse it in one line, as does an unknown dtype."""
+    path = str(tiny_model_dir("llama"))
+    prompts = [[5, 9, 11, 5, 9, 11, 5, 9], list(range(3, 40)), [7]]
+    common = dict(attention_backend="triton", kv_cache_dtype="fp8", **ENGINE)
+    plain = LLM32(path, **common)
+    runner = plain.engine.runner
+    assert runner.kv_storage.dtype == FP8
+    assert runner.bytes_per_block * 4 == LLM32(path, attention_backend="triton", **ENGINE).engine.runner.bytes_per_block
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    spec = LLM32(path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, **common)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert spec.engine.num_free_blocks == spec.engine.kv.num_blocks
+    if not CUDA:
+        with pytest.raises(SpecserveError, match="kv_cache_dtype fp8 runs on CUDA"):
+            LLM32(path, kv_cache_dtype="fp8", attention_backend="torch", **ENGINE)
+    with pytest.raises(SpecserveError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int8")
