@@ -70,7 +70,7 @@ class ModelDrafter:
     def kv_bytes_per_block(self) -> int:
         if self.shares_target_cache:
             return 0
-        return kv_bytes_per_block(self.model, self.config.block_size, self.config.kv_torch_dtype(self.dtype))
+        return kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
 
     def bind(self, target_runner: ModelRunner) -> None:
         if self.shares_target_cache:

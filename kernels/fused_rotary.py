@@ -24,7 +24,7 @@ from specserve.kernels.fp8 import to_e4m3
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    max_position, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    k_scale, v_scale, max_position, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -61,11 +61,11 @@ def _rotary_kernel(
             v = v_ptr + token * stride_vt + hk * stride_vh + d
             v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + hk * stride_vch + d
             v1, v2 = tl.load(v, mask=k_mask), tl.load(v + HALF, mask=k_mask)
-            if KV_FP8:  # the rotated key rounded once, straight from fp32
-                tl.store(k_dst, to_e4m3(k1_out), mask=k_mask)
-                tl.store(k_dst + HALF, to_e4m3(k2_out), mask=k_mask)
-                tl.store(v_dst, to_e4m3(v1), mask=k_mask)
-                tl.store(v_dst + HALF, to_e4m3(v2), mask=k_mask)
+            if KV_FP8:  # over the layer's scales; the rotated key rounded once, from fp32
+                tl.store(k_dst, to_e4m3(tl.math.div_rn(k1_out, k_scale)), mask=k_mask)
+                tl.store(k_dst + HALF, to_e4m3(tl.math.div_rn(k2_out, k_scale)), mask=k_mask)
+                tl.store(v_dst, to_e4m3(tl.math.div_rn(v1.to(tl.float32), v_scale)), mask=k_mask)
+                tl.store(v_dst + HALF, to_e4m3(tl.math.div_rn(v2.to(tl.float32), v_scale)), mask=k_mask)
             else:
                 tl.store(k_dst, k1_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
                 tl.store(k_dst + HALF, k2_out.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
@@ -86,21 +86,23 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
 def rotary_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Rotate ``query`` in place (and return it); write the rotated key and the value
     ``[num_tokens, num_kv_heads, head_dim]`` into ``k_cache`` / ``v_cache`` ``[num_blocks,
     block_size, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]`` (int64, -1
-    rows skipped), cast to the cache's dtype. ``key`` itself is left as it was."""
+    rows skipped), cast to the cache's dtype (float8: over ``k_scale`` / ``v_scale``).
+    ``key`` itself is left as it was."""
     if value.shape != key.shape or k_cache.shape[2:] != key.shape[1:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and caches "
                          f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match")
     if value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("value and the KV cache need a contiguous head_dim")
-    _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return query
 
 
-def _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if (key.shape[0] != num_tokens or key.shape[2] != head_dim or head_dim % 2
@@ -121,7 +123,7 @@ def _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_
     block_h, block_kv = triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
     block_half = triton.next_power_of_2(head_dim // 2)
     _rotary_kernel[(num_tokens,)](
-        query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         cos_sin_cache.shape[0], *query.stride()[:2], *key.stride()[:2], *value_strides,
         *cache_strides,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,

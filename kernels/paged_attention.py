@@ -81,7 +81,7 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
-    num_reqs, num_splits, qk_scale, softcap_log2, window,
+    num_reqs, num_splits, qk_scale, softcap_log2, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -92,7 +92,8 @@ def _paged_attention_kernel(
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
     Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
-    cap, the tanh's argument, and ``softcap_log2`` = cap·log2(e). ``FP16_DOT``: a float8
+    cap, the tanh's argument, and ``softcap_log2`` = cap·log2(e); a float8 cache's K
+    scale is in ``scale``, its V scale multiplies the output. ``FP16_DOT``: a float8
     cache under bf16 queries; its tiles widen to fp16 (one instruction for two values,
     where bf16 takes several) and the queries round to fp16 once, exactly where they lie
     in fp16's normal range."""
@@ -168,7 +169,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / l_safe[:, None]
+    result = acc / l_safe[:, None] * v_scale  # (a float8 cache's V scale; else 1)
     store_mask = row_valid[:, None] & d_valid[None, :]
     if SPLIT_KV:
         part = part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps
@@ -263,7 +264,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     *, softcap: float | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
-                    plan: LaunchPlan | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    plan: LaunchPlan | None = None, num_splits: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache, in one launch (two with
     KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
 
@@ -273,6 +275,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Give either ``plan`` (from ``plan_launch``, shared by a step's layers) or the host-side
     ``max_query_len`` / ``max_seq_len`` to plan from (no device sync); ``num_splits``
     forces the split count. Rows past ``cu_query_lens[-1]`` (padding) are left unwritten.
+    ``k_scale`` / ``v_scale``: what the cache's K and V values stand for a unit of (a
+    float8 cache's per-layer scales).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -299,8 +303,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
         out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
-        block_tables.shape[0], plan.num_splits, scale / softcap if softcap else scale * LOG2E,
-        (softcap or 0.0) * LOG2E, sliding_window or 0,
+        block_tables.shape[0], plan.num_splits, scale * k_scale / softcap if softcap else scale * k_scale * LOG2E,
+        (softcap or 0.0) * LOG2E, sliding_window or 0, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),

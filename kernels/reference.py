@@ -15,22 +15,24 @@ import torch.nn.functional as F
 FP8 = torch.float8_e4m3fn  # the KV cache's dtype with --kv-cache-dtype fp8
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as the KV cache holds it: float8 saturates at ±448 (e4m3 has no infinity)."""
-    return x.float().clamp(-448.0, 448.0).to(dtype) if dtype == FP8 else x.to(dtype)
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the KV cache holds it: float8 holds x / ``scale`` (its layer's), saturated
+    at ±448 (e4m3 has no infinity)."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(dtype) if dtype == FP8 else x.to(dtype)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = True,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache at
     ``slot_mapping`` ``[num_tokens]``; rows whose slot is -1 (padding) are skipped.
     ``has_padding=False`` promises there are none and skips the check. A float8 cache
-    takes the values saturated to ±448, rounded to nearest."""
+    takes the values over ``k_scale`` / ``v_scale``, saturated to ±448, rounded to nearest."""
     if has_padding:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    for rows, cache in ((key, k_cache), (value, v_cache)):
-        rows = to_cache_dtype(rows, cache.dtype)
+    for rows, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = to_cache_dtype(rows, cache.dtype, scale)
         flat = cache.view(-1, *cache.shape[2:])
         if cache.dtype == FP8:  # a CPU has no float8 index_copy_: the same bytes as uint8
             flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
@@ -102,7 +104,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                     scale: float, sliding_window: int | None = None,
                     plan: AttentionPlan | None = None, out: torch.Tensor | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_dim]``, request i owning ``query_lens[i]``
@@ -112,7 +114,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attention logit soft-capping) maps each scaled score s to ``softcap · tanh(s /
     softcap)`` before the softmax. Returns ``[num_tokens, num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
     lets many layers share the index work; ``out`` receives the rows the plan covers.
+    ``k_scale`` / ``v_scale``: what a unit of the cache's K and V stands for (a float8
+    cache's scales): K's goes into ``scale``, V's multiplies the output.
     """
+    scale = scale * k_scale
     if plan is None:
         plan = plan_attention(block_tables, query_lens, seq_lens, k_cache.shape[1], sliding_window)
     keys = k_cache.view(-1, *k_cache.shape[2:])
@@ -129,14 +134,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             # block: zero them so masked-out keys cannot poison the row.
             valid = plan.short_keys_valid[:, :, None, None]
             k, v = torch.where(valid, k, 0), torch.where(valid, v, 0)
-        attended = _sdpa(q, k, v, plan.short_mask, scale, softcap)
+        attended = _sdpa(q, k, v, plan.short_mask, scale, softcap, v_scale)
         if plan.short_real is None:
             out[plan.short_rows.flatten()] = attended.flatten(0, 1)
         else:
             out[plan.short_rows[plan.short_real]] = attended[plan.short_real]
     for rows, slots, mask in plan.spans:
         out[rows] = _sdpa(query[rows].unsqueeze(0), keys.index_select(0, slots).unsqueeze(0).to(query.dtype),
-                          values.index_select(0, slots).unsqueeze(0).to(query.dtype), mask[None], scale, softcap)[0]
+                          values.index_select(0, slots).unsqueeze(0).to(query.dtype), mask[None], scale, softcap,
+                          v_scale)[0]
     return out
 
 
@@ -157,8 +163,11 @@ def _mask(first_pos: int, q_len: int, kv_len: int, sliding_window: int | None, d
     return mask
 
 
-def _sdpa(q, k, v, mask, scale, softcap=None):
-    """q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hkv, D]``, mask ``[B or 1, Lq, Lk]``."""
+def _sdpa(q, k, v, mask, scale, softcap=None, v_scale=1.0):
+    """q ``[B, Lq, H, D]``, k/v ``[B, Lk, Hkv, D]``, mask ``[B or 1, Lq, Lk]``; the output
+    times ``v_scale``."""
+    if v_scale != 1.0:
+        return (_sdpa(q, k, v, mask, scale, softcap).float() * v_scale).to(q.dtype)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = None if mask is None else mask.unsqueeze(1)
     if softcap:  # not a form SDPA takes: scores, capped, masked, softmax in fp32
@@ -242,9 +251,10 @@ def rotary_embedding(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
 
 def rotary_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Rotary on query and key, then the rotated key and the value stored at
     ``slot_mapping`` (-1 rows skipped); returns the rotated query."""
     query, key = rotary_embedding(query, key, positions, cos_sin_cache)
-    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return query

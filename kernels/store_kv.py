@@ -4,8 +4,8 @@ Same semantics as ``reference.store_kv``: row t of key/value goes to slot
 ``slot_mapping[t]`` (block ``slot // block_size``, offset ``slot % block_size``); rows whose
 slot is -1 (padding, e.g. for CUDA graphs) are skipped. One program per token copies all
 its KV heads; slot offsets are int64, so caches past 2**31 elements are addressed right.
-A float8 cache (``--kv-cache-dtype fp8``) takes each value saturated to ±448 and rounded
-to nearest, as torch's cast does.
+A float8 cache (``--kv-cache-dtype fp8``) takes each value over its layer's scale,
+saturated to ±448 and rounded to nearest, as torch's division and cast do.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from specserve.kernels.fp8 import to_e4m3
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -38,18 +38,20 @@ def _store_kv_kernel(
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d
     if KV_FP8:
-        tl.store(k_dst, to_e4m3(key), mask=mask)
-        tl.store(v_dst, to_e4m3(value), mask=mask)
+        tl.store(k_dst, to_e4m3(tl.math.div_rn(key.to(tl.float32), k_scale)), mask=mask)
+        tl.store(v_dst, to_e4m3(tl.math.div_rn(value.to(tl.float32), v_scale)), mask=mask)
     else:
         tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``k_cache`` /
     ``v_cache`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping``
-    ``[num_tokens]`` (int64; -1 rows are skipped). Casts to the cache's dtype (float8: saturating)."""
+    ``[num_tokens]`` (int64; -1 rows are skipped). Casts to the cache's dtype (float8: over
+    ``k_scale`` / ``v_scale``, saturating)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -61,7 +63,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -30,12 +30,15 @@ class AttentionBackend(Protocol):
     deterministic: bool
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, batch: ForwardBatch) -> None: ...
+                 v_cache: torch.Tensor, batch: ForwardBatch, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        """``kv_scales``: a float8 cache's K and V scales for this layer (values are stored
+        over them)."""
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: ForwardBatch, scale: float, sliding_window: int | None,
-               softcap: float | None = None) -> torch.Tensor:
-        """``softcap``: attention logit soft-capping (``reference.paged_attention``)."""
+               softcap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """``softcap``: attention logit soft-capping (``reference.paged_attention``);
+        ``kv_scales`` as ``store_kv``'s."""
 
 
 class TorchAttentionBackend:
@@ -60,10 +63,10 @@ class TorchAttentionBackend:
         self.padded_span = 0 if cpu_kernels else reference.SHORT_SPAN
         self.max_kernel_span = (1 << 30) if deterministic else reference.SHORT_SPAN
 
-    def store_kv(self, key, value, k_cache, v_cache, batch):
-        reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding)
+    def store_kv(self, key, value, k_cache, v_cache, batch, kv_scales=(1.0, 1.0)):
+        reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding, *kv_scales)
 
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None):
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         # Index work is done once per step (per window) and shared by all layers. With the
         # CPU kernels, the short spans go to one C++ call and the plan keeps the long ones.
         plan = batch.attn_plans.get(sliding_window)
@@ -74,7 +77,7 @@ class TorchAttentionBackend:
                                             long_spans=not self.deterministic)
             batch.attn_plans[sliding_window] = plan
         out = None
-        if self.cpu_kernels:
+        if self.cpu_kernels:  # (whose caches are in the model's dtype: kv_scales are 1)
             out = torch.empty_like(query)
             cpu_ops.paged_attention_short(query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens,
                                           batch.seq_lens, scale, sliding_window, self.max_kernel_span, out,
@@ -83,7 +86,7 @@ class TorchAttentionBackend:
                 return out
         return reference.paged_attention(query, k_cache, v_cache, batch.block_tables,
                                          batch.query_lens_host, batch.seq_lens_host,
-                                         scale, sliding_window, plan, out, softcap)
+                                         scale, sliding_window, plan, out, softcap, *kv_scales)
 
 
 class TritonAttentionBackend:
@@ -104,10 +107,10 @@ class TritonAttentionBackend:
         self._attention = paged_attention
         self._store_kv = store_kv.store_kv
 
-    def store_kv(self, key, value, k_cache, v_cache, batch):
-        self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, batch, kv_scales=(1.0, 1.0)):
+        self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping, *kv_scales)
 
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None):
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         key = ("triton", *query.shape[1:], k_cache.shape[2])
         plan = batch.attn_plans.get(key)
         if plan is None:
@@ -117,7 +120,7 @@ class TritonAttentionBackend:
             batch.attn_plans[key] = plan
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
-            scale, sliding_window, plan=plan, softcap=softcap)
+            scale, sliding_window, plan=plan, softcap=softcap, k_scale=kv_scales[0], v_scale=kv_scales[1])
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -16,9 +16,9 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized",
 # dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
 DRAFT_STOPPING = ("auto", "confidence", "plan")
-# The KV caches (the target's, and a draft model's own): the model's dtype (auto), or
-# float8 e4m3 (fp8; fp8_e4m3 as vLLM spells it), half the bytes of bf16, on the Triton
-# attention kernels.
+# The target's KV cache: the model's dtype (auto), or float8 e4m3 (fp8; fp8_e4m3 as vLLM
+# spells it) with per-layer scales calibrated at start, half the bytes of bf16. A draft
+# model's own cache keeps its dtype.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 
@@ -126,6 +126,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise SpecserveError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                  f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size != 1:
+            raise SpecserveError(f"kv_cache_dtype {self.kv_cache_dtype} does not run under tensor "
+                                 "parallelism yet (its scales are calibrated on one rank)")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise SpecserveError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
                                  f"got {self.logprobs_mode!r}")
@@ -216,7 +219,7 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The KV caches' dtype: float8 e4m3 for ``fp8``, else the model's."""
+        """The target's KV cache dtype: float8 e4m3 for ``fp8``, else the model's."""
         return torch.float8_e4m3fn if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
 
     @property

@@ -40,6 +40,25 @@ from specserve.structured import Grammars
 
 logger = logging.getLogger("specserve")
 
+# What a float8 KV cache's scales are calibrated on: prose, code, numbers and a chat turn,
+# so each layer's K and V reach the magnitudes text of these kinds gives them.
+KV_CALIBRATION_TEXT = (
+    "The quarterly report, published on 14 March 2024, shows revenue of $12.7 million, up 8.3% "
+    "from the year before. Q: What is the capital of Australia? A: Canberra, not Sydney.\n"
+    "def merge(a: list[int], b: list[int]) -> list[int]:\n"
+    "    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
+    "        else:\n            out.append(b[j]); j += 1\n"
+    "    return out + a[i:] + b[j:]\n"
+    "User: Could you explain, step by step, why the sky looks blue at noon but red at sunset?\n"
+    "Assistant: Sunlight scatters off air molecules; shorter wavelengths scatter far more "
+    "(Rayleigh scattering, proportional to 1/λ⁴), so blue light reaches us from every direction. "
+    "At sunset the light crosses much more air, the blue is scattered away, and reds remain. "
+    "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC; "
+    "{\"id\": 42, \"tags\": [\"alpha\", \"beta\"], \"ok\": true} 3.14159 2.71828 1e-9 -273.15"
+)
+
 # Seconds between learning that another tensor-parallel rank's process ended and this
 # process ending: time for the server to send every open stream its error.
 RANK_LOST_GRACE_S = 1.0
@@ -88,7 +107,7 @@ class LLMEngine:
         useful = config.max_num_seqs * -(-(self.max_model_len + config.num_speculative_tokens)
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
-                                  max_useful_blocks=useful, tp=self.tp)
+                                  max_useful_blocks=useful, tp=self.tp, kv_dtype=config.kv_torch_dtype(self.dtype))
         # Told why before this process ends because another rank's process did (the
         # server fails every request with it); see _rank_lost.
         self.rank_lost_listeners: list[Callable[[str], None]] = []
@@ -102,6 +121,8 @@ class LLMEngine:
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  draft_cache=drafter.draft_cache if drafter else None)
         self._fit_max_model_len_to_cache()
+        if self.runner.kv_dtype != self.dtype:
+            self._calibrate_kv_scales()
         self.speculator = Speculator(config, drafter, self.runner, self.kv)
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
             self.enable_graphs()
@@ -132,6 +153,21 @@ class LLMEngine:
         time.sleep(RANK_LOST_GRACE_S)
         logging.shutdown()
         os._exit(1)
+
+    def _calibrate_kv_scales(self) -> None:
+        """A float8 KV cache's per-layer scales, from one prefill of a built-in text over
+        scratch blocks (freed, never cached), before the CUDA graphs capture them."""
+        ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)
+        ids = ids[:min(self.config.max_num_batched_tokens, self.max_model_len - 1)]
+        if not self.kv.allocate_slots("__kv_scales", len(ids)):
+            raise SpecserveError(f"the KV cache cannot hold the {len(ids)} tokens that calibrate "
+                                 "its float8 scales; give it more blocks")
+        try:
+            scales = self.runner.calibrate_kv_scales(ids, self.kv.block_table("__kv_scales"))
+        finally:
+            self.kv.free("__kv_scales")
+        flat = [s for pair in scales for s in pair]
+        logger.info("float8 KV cache: per-layer scales %.3g to %.3g, from %d tokens", min(flat), max(flat), len(ids))
 
     def enable_graphs(self, capture: bool = True) -> None:
         """CUDA graphs for the target's decode/verify steps and the drafter's steps

@@ -41,9 +41,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gib", type=float, default=1.0,
                    help="KV-cache memory on CPU, in GiB (default: 1)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the KV cache's dtype: auto (the model's) or fp8 (float8 e4m3, values "
-                        "saturated at ±448 with no scale: twice the tokens in the same memory, at "
-                        "some accuracy; CUDA); default: auto")
+                   help="the target's KV cache: auto (the model's dtype) or fp8 (float8 e4m3 with "
+                        "per-layer scales calibrated at start: twice the tokens in the same memory, "
+                        "at some accuracy; CUDA); default: auto")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.90,
                    help="fraction of GPU memory the engine may use (default: 0.9)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

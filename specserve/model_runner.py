@@ -11,11 +11,18 @@ from specserve.config import EngineConfig
 from specserve.cuda_graphs import GraphRunner, graph_logits_rows
 from specserve.distributed import SINGLE, TPGroup
 from specserve.errors import RanksOutOfStepError, SpecserveError
-from specserve.scheduler import SchedulerOutput
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.step_channel import StepChannel
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
+
+# A float8 KV cache's calibration (calibrate_kv_scales): the pass stores over this scale, so
+# that values up to 448 times it are measured unsaturated; the scales then leave room for
+# values this many times the largest the calibration text produced.
+CALIBRATION_SCALE = 64.0
+KV_HEADROOM = 4.0
 
 
 def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
@@ -39,11 +46,13 @@ class ModelRunner:
 
     def __init__(self, model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  num_blocks: int | None = None, extra_bytes_per_block: int = 0,
-                 max_useful_blocks: int | None = None, tp: TPGroup = SINGLE) -> None:
+                 max_useful_blocks: int | None = None, tp: TPGroup = SINGLE,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """``num_blocks`` fixes the cache size (a draft model matching its target's);
         otherwise it comes from the memory budget, which also pays for
         ``extra_bytes_per_block`` held elsewhere per block (the draft model's cache), capped
-        at ``max_useful_blocks`` (what max_num_seqs full-length requests could use)."""
+        at ``max_useful_blocks`` (what max_num_seqs full-length requests could use).
+        ``kv_dtype``: the cache's, if not the model's (float8: ``calibrate_kv_scales``)."""
         self.tp = tp
         self.channel = None
         if tp.size > 1 and tp.is_driver:
@@ -53,7 +62,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.kv_dtype = config.kv_torch_dtype(dtype)
+        self.kv_dtype = kv_dtype or dtype
         self.block_size = config.block_size
         self.extra_bytes_per_block = extra_bytes_per_block
         self.graphs = None  # a GraphRunner once enable_graphs() ran
@@ -152,6 +161,31 @@ class ModelRunner:
         if capture:
             with torch.inference_mode():
                 self.graphs.capture_all(list(range(1, max_query_len + 1)))
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int], block_table: list[int]) -> list[tuple[float, float]]:
+        """A float8 cache's scales per layer, from one prefill of ``token_ids`` into the
+        slots ``block_table`` gives them: each layer's K and V are stored over
+        ``CALIBRATION_SCALE`` (no value saturates), their largest magnitudes read back,
+        and the layer's scales set so that ``KV_HEADROOM`` times them stores as 448.
+        Before any CUDA graph captures the scales; under tensor parallelism, not yet."""
+        layers = [layer.self_attn for layer in self.model.model.layers]
+        for attn in layers:
+            attn.kv_scales = (CALIBRATION_SCALE, CALIBRATION_SCALE)
+        step = SchedulerOutput([ScheduledRequest("__kv_scales", list(token_ids), 0, list(block_table),
+                                                 SamplingParams(temperature=0))], [])
+        self._forward(step, None, None)
+        positions = torch.arange(len(token_ids))
+        slots = (torch.tensor(block_table)[positions // self.block_size] * self.block_size
+                 + positions % self.block_size).to(self.device)
+        scales = []
+        for attn, caches in zip(layers, self.kv_caches):
+            amax = [cache.view(-1, *cache.shape[2:]).index_select(0, slots).float().abs().max().item()
+                    * CALIBRATION_SCALE for cache in caches]
+            # (below the calibration's resolution, its smallest float8 step, a magnitude reads as 0)
+            attn.kv_scales = tuple(KV_HEADROOM * max(m, CALIBRATION_SCALE * 2.0 ** -9) / 448.0 for m in amax)
+            scales.append(attn.kv_scales)
+        return scales
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()

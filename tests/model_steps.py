@@ -12,12 +12,19 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def chunked_prefill_logits(model, prompts: list[list[int]], chunk: int, device: torch.device,
-                           kv_cache_dtype: str = "auto") -> torch.Tensor:
+                           kv_dtype: torch.dtype | None = None, calibrate: list[int] | None = None) -> torch.Tensor:
     """Every prompt prefilled ``chunk`` tokens a step, all prompts in each step's ragged
-    batch; the logits of every position of every prompt, concatenated."""
-    config = EngineConfig(block_size=4, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
-    runner = ModelRunner(model, config, device, torch.float32)
+    batch; the logits of every position of every prompt, concatenated. ``kv_dtype``: the
+    cache's (float8: scales 1, or calibrated on the tokens ``calibrate``)."""
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_kv_blocks=64), device, torch.float32,
+                         kv_dtype=kv_dtype)
     kv = KVCacheManager(runner.num_blocks, 4)
+    for layer in model.model.layers:
+        layer.self_attn.kv_scales = (1.0, 1.0)
+    if calibrate:
+        kv.allocate_slots("calibration", len(calibrate))
+        runner.calibrate_kv_scales(calibrate, kv.block_table("calibration"))
+        kv.free("calibration")
     kv.pool.allocate(7)  # block tables that are not contiguous
     done, steps = [0] * len(prompts), []
     while any(d < len(p) for d, p in zip(done, prompts)):

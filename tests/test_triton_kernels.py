@@ -6,6 +6,8 @@ cache starts as NaN, so any read of a stale slot or unowned block poisons the re
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,18 +130,23 @@ def test_paged_attention_decode_batch(num_heads, num_kv_heads, dtype):
     assert_close(out, reference_attention(b, 128 ** -0.5), dtype)
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_paged_attention_reads_a_float8_cache(dtype):
+@pytest.mark.parametrize("dtype, scales", [(BF16, (1.0, 1.0)), (F32, (1.0, 1.0)), (BF16, (0.05, 3.0))])
+def test_paged_attention_reads_a_float8_cache(dtype, scales):
     """A float8 cache (``--kv-cache-dtype fp8``; stale slots NaN) under queries in bf16 or
-    fp32: the Triton kernel and the torch reference's own float8 path both give the fp32
-    reference on the float8 values."""
+    fp32, with its layer's K and V scales: the Triton kernel and the torch reference's own
+    float8 path both give the fp32 reference on the values the cache stands for."""
     b = make_batch(MIXED_SPANS, 8, 2, 128 if CUDA else 64, 16, dtype)
-    b.k_cache, b.v_cache = (reference.to_cache_dtype(c, FP8) for c in (b.k_cache, b.v_cache))
+    k_scale, v_scale = scales
+    b.k_cache, b.v_cache = (reference.to_cache_dtype(c, FP8, s) for c, s in ((b.k_cache, k_scale), (b.v_cache, v_scale)))
     scale = 0.125
-    want = reference_attention(b, scale, None)
-    assert_close(triton_attention(b, scale, num_splits=2), want, dtype)
+    held = dataclasses.replace(b, k_cache=b.k_cache.float() * k_scale, v_cache=b.v_cache.float() * v_scale)
+    want = reference_attention(held, scale, None)
+    got = pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens, b.seq_lens, scale,
+                             max_query_len=max(b.query_lens_host), max_seq_len=max(b.seq_lens_host), num_splits=2,
+                             k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, want, dtype)
     got = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
-                                    b.seq_lens_host, scale)
+                                    b.seq_lens_host, scale, k_scale=k_scale, v_scale=v_scale)
     assert_close(got, want, dtype)
 
 
@@ -223,7 +230,7 @@ for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split,
     pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr")}
     pointers.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache)
     pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
-                    cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
+                    cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", v_scale="fp32")
     compile(pa._paged_attention_kernel, pointers, dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_KV=split,
@@ -233,7 +240,7 @@ compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", pa
         cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)
 for cache in ("bf16", "fp8e4nv"):
     compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*" + cache,
-            v_cache_ptr="*" + cache, slot_mapping_ptr="*i64"),
+            v_cache_ptr="*" + cache, slot_mapping_ptr="*i64", k_scale="fp32", v_scale="fp32"),
             dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=cache != "bf16"),
             num_warps=4)
 print("compiled")
@@ -275,10 +282,11 @@ def test_store_kv_matches_reference_and_skips_padding(dtype, block_size):
     assert set(written.tolist()) <= set(slots[slots >= 0].tolist())
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_store_kv_into_a_float8_cache(dtype):
-    """``--kv-cache-dtype fp8``: values saturated at ±448 and rounded to nearest as torch's
-    cast does (subnormals included): the reference's values; -1 rows skipped."""
+@pytest.mark.parametrize("dtype, scales", [(F32, (1.0, 1.0)), (BF16, (1.0, 1.0)), (BF16, (0.03, 2.5))])
+def test_store_kv_into_a_float8_cache(dtype, scales):
+    """``--kv-cache-dtype fp8``: values over the layer's scales, saturated at ±448 and
+    rounded to nearest as torch's division and cast do (subnormals included): the
+    reference's values; -1 rows skipped."""
     g = torch.Generator(device=DEVICE).manual_seed(4)
     num_blocks, kv_heads, head_dim, block_size = (4096, 8, 128, 16) if CUDA else (64, 2, 64, 16)
     num_tokens = 1000 if CUDA else 40
@@ -290,13 +298,14 @@ def test_store_kv_into_a_float8_cache(dtype):
     slots = torch.randperm(num_blocks * block_size, generator=g, device=DEVICE)[:num_tokens]
     slots[torch.randperm(num_tokens, generator=g, device=DEVICE)[: num_tokens // 4]] = -1
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    reference.store_kv(key, value, want_k, want_v, slots)
-    skv.store_kv(key, value, k_cache, v_cache, slots)
+    reference.store_kv(key, value, want_k, want_v, slots, k_scale=scales[0], v_scale=scales[1])
+    skv.store_kv(key, value, k_cache, v_cache, slots, *scales)
     for got, want in ((k_cache, want_k), (v_cache, want_v)):
         assert same_values(got, want)
     stored = k_cache.view(-1, kv_heads, head_dim)[slots[slots >= 0]].float()
     assert stored.abs().max() == 448 and torch.isfinite(stored).all()
-    assert (stored.view(-1) == reference.to_cache_dtype(key[slots >= 0], FP8).float().view(-1)).all()
+    want = (key[slots >= 0].float() / scales[0]).clamp(-448, 448).to(FP8).float()
+    assert same_values(stored, want)
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -375,15 +384,18 @@ def test_engine_greedy_output_matches_torch_backend(tiny_model_dir, variant, ext
 
 
 def test_engine_with_a_float8_kv_cache(tiny_model_dir):
-    """``kv_cache_dtype="fp8"``: the cache is float8, a block costs a quarter of fp32's,
-    speculative greedy decoding equals plain greedy on it, and every block comes back.
-    The C++ CPU kernels refuse it in one line, as does an unknown dtype."""
+    """``kv_cache_dtype="fp8"``: the cache is float8 with scales calibrated per layer, a
+    block costs a quarter of fp32's, speculative greedy decoding equals plain greedy on it,
+    and every block comes back (the calibration's too). The C++ CPU kernels refuse it in
+    one line, as do tensor parallelism and an unknown dtype."""
     path = str(tiny_model_dir("llama"))
     prompts = [[5, 9, 11, 5, 9, 11, 5, 9], list(range(3, 40)), [7]]
     common = dict(attention_backend="triton", kv_cache_dtype="fp8", **ENGINE)
     plain = LLM32(path, **common)
     runner = plain.engine.runner
     assert runner.kv_storage.dtype == FP8
+    scales = [layer.self_attn.kv_scales for layer in runner.model.model.layers]
+    assert all(0 < s < 1 for pair in scales for s in pair) and len(set(scales)) > 1, scales  # calibrated
     assert runner.bytes_per_block * 4 == LLM32(path, attention_backend="triton", **ENGINE).engine.runner.bytes_per_block
     want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
     spec = LLM32(path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False, **common)
@@ -394,3 +406,5 @@ def test_engine_with_a_float8_kv_cache(tiny_model_dir):
             LLM32(path, kv_cache_dtype="fp8", attention_backend="torch", **ENGINE)
     with pytest.raises(SpecserveError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(SpecserveError, match="tensor parallelism"):
+        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)

@@ -43,13 +43,14 @@ class TorchLayerOps:
         return rotary(positions, dtype)
 
     def rotary_store_kv(self, qk: torch.Tensor, value: torch.Tensor, tables, kv_cache: KVCache,
-                        batch: ForwardBatch) -> torch.Tensor:
+                        batch: ForwardBatch, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Rotate q and k (``qk`` ``[num_tokens, num_heads + num_kv_heads, head_dim]``),
-        store k and ``value`` ``[num_tokens, num_kv_heads, head_dim]`` in the cache;
-        returns the rotated q ``[num_tokens, num_heads, head_dim]``."""
+        store k and ``value`` ``[num_tokens, num_kv_heads, head_dim]`` in the cache (a
+        float8 one over ``kv_scales``); returns the rotated q ``[num_tokens, num_heads,
+        head_dim]``."""
         qk = apply_rotary(qk, *tables)  # q and k rotated together
         num_heads = qk.shape[1] - value.shape[1]
-        self.backend.store_kv(qk[:, num_heads:], value, *kv_cache, batch)
+        self.backend.store_kv(qk[:, num_heads:], value, *kv_cache, batch, kv_scales)
         return qk[:, :num_heads]
 
 
@@ -67,7 +68,8 @@ class CpuLayerOps(TorchLayerOps):
         self.gelu_tanh_and_mul = cpu_ops.gelu_tanh_and_mul
         self._rotary_store_kv = cpu_ops.rotary_store_kv
 
-    def rotary_store_kv(self, qk, value, tables, kv_cache, batch):
+    def rotary_store_kv(self, qk, value, tables, kv_cache, batch, kv_scales=(1.0, 1.0)):
+        # (the C++ kernels' caches are in the model's dtype: kv_scales are 1)
         return self._rotary_store_kv(qk, value, *tables, *kv_cache, batch.slot_mapping)
 
 
@@ -93,11 +95,11 @@ class TritonLayerOps:
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
         return positions, rotary.cos_sin_cache
 
-    def rotary_store_kv(self, qk, value, tables, kv_cache, batch):
+    def rotary_store_kv(self, qk, value, tables, kv_cache, batch, kv_scales=(1.0, 1.0)):
         positions, cos_sin_cache = tables
         num_heads = qk.shape[1] - value.shape[1]
         return self._rotary_store_kv(qk[:, :num_heads], qk[:, num_heads:], value, positions,
-                                     cos_sin_cache, *kv_cache, batch.slot_mapping)
+                                     cos_sin_cache, *kv_cache, batch.slot_mapping, *kv_scales)
 
 
 LayerOps = TorchLayerOps | CpuLayerOps | TritonLayerOps

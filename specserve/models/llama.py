@@ -90,6 +90,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, spec.gemma) if spec.qk_norm else None
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.softcap = getattr(config, "attn_logit_softcapping", None) or None  # Gemma 2
+        # A float8 KV cache's scales for this layer's K and V (ModelRunner.calibrate_kv_scales).
+        self.kv_scales = (1.0, 1.0)
         self.sliding_window = _sliding_window(config, layer_idx)
         # A model with a rope per layer type (Gemma 3) gives sliding layers the local one.
         self.local_rope = local_rope_config(config) is not None and self.sliding_window is not None
@@ -121,9 +123,10 @@ class Attention(nn.Module):
         qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch)
+        q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch, self.kv_scales)
         k_cache, v_cache = kv_cache
-        out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap)
+        out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap,
+                                  self.kv_scales)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
