@@ -217,7 +217,8 @@ class LLMEngine:
             f", {self.cpu_threads} threads ({available_cpus()} cores available), which {waiting()}"
             if self.cpu_threads else "",
             self.kv.num_blocks, c.block_size, self.kv.num_blocks * c.block_size,
-            self.kv.num_blocks * self.runner.bytes_per_block / 2**30, per_rank,
+            self.kv.num_blocks * self.runner.bytes_per_block / 2**30,
+            per_rank + (", float8 with per-layer scales" if self.runner.kv_dtype != self.dtype else ""),
             c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, self.speculator.describe())
 
     # ------------------------------------------------------------------ requests
