@@ -33,7 +33,7 @@ from specserve.kernels import cpu_ops
 from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.checkpoint_quant import Fp8Weight, Int4Weight, QuantScheme, gather, parse_scheme, quantized_linear
 from specserve.models.invariant import make_batch_invariant
-from specserve.models.packed_linear import bf16_packing_supported, pack_linears
+from specserve.models.packed_linear import bf16_packing_supported, linears_replaced, pack_linears
 from specserve.models.quantized import GGUFWeight, QuantLinear
 
 logger = logging.getLogger("specserve")
@@ -355,6 +355,7 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         for name, parts in blocks.items():
             _replace_linear(model, name, quantized_linear(parts, _linear_of(model, name, files.name), scheme,
                                                           device, deterministic, files.name))
+        linears_replaced(model)  # (MoE experts stacked from the float placeholders drop the stacks)
         model.fused_cpu = FusedCpuLayers.of(model) if device.type == "cpu" else None
         logger.info("%s: %d linear layers run quantized (%s)", files.name, len(blocks), scheme.name)
     if deterministic:

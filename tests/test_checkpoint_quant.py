@@ -423,6 +423,45 @@ def test_the_engine_decodes_a_quantized_checkpoint(layout, checkpoints):
         hook.remove()
 
 
+def test_quantized_moe_experts_run_as_stored(tiny_model_dir, tmp_path, monkeypatch):
+    """Mixtral's experts in 4-bit (AWQ), with the attention: every expert is a quantized
+    layer, and teacher-forced logits equal the engine's on the dequantised float
+    checkpoint (up to the CPU's int16 activations)."""
+    import tiny_models
+
+    monkeypatch.setattr(tiny_models, "QUANTIZED_PROJECTIONS", QUANTIZED_PROJECTIONS + ("w1", "w2", "w3"))
+    write_quantized_checkpoint(tiny_model_dir("mixtral_moe"), tmp_path / "q", "awq",
+                               dequantised_dir=tmp_path / "deq")
+    common = dict(device=DEVICE.type, dtype="float32", block_size=4, num_kv_blocks=64)
+    quant, deq = LLM(str(tmp_path / "q"), **common), LLM(str(tmp_path / "deq"), **common)
+    moe = quant.engine.runner.model.model.layers[0].mlp
+    layers = (QuantLinear, Int4Linear)
+    assert all(isinstance(e.gate_up_proj, layers) and isinstance(e.down_proj, layers) for e in moe.experts)
+    assert moe.w13 is None  # (no grouped GEMM over stacks of the float placeholders)
+    prompt = [(7 * i) % 500 + 3 for i in range(14)]
+    got = ragged_logits(quant.engine.runner.model, [prompt], chunk=5, device=DEVICE)[0].cpu()
+    want = ragged_logits(deq.engine.runner.model, [prompt], chunk=5, device=DEVICE)[0].cpu()
+    assert (got - want).abs().max().item() < (1e-4 if CUDA else 2e-3)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_moe_keeps_its_stacked_experts_until_they_are_replaced(tiny_model_dir):
+    """The grouped GEMMs read stacks of the experts' float weights: another linear replaced
+    keeps them; an expert's replaced (quantized, batch-invariant) drops them, so that the
+    experts' own layers run."""
+    from specserve.models.packed_linear import linears_replaced
+
+    model = load(tiny_model_dir("mixtral_moe"), CPU, torch.float32)
+    moe = model.model.layers[0].mlp
+    moe.w13 = moe.w2 = torch.zeros(1)  # as stack_experts leaves them on a GPU
+    model.model.layers[0].self_attn.o_proj = torch.nn.Identity()
+    linears_replaced(model)
+    assert moe.w13 is not None
+    moe.experts[1].down_proj = torch.nn.Identity()
+    linears_replaced(model)
+    assert moe.w13 is None and moe.w2 is None
+
+
 def quantize_inputs(reference, path, scheme) -> list:
     """Hooks that make the transformers model quantize each projection's input as the
     scheme says (per token, per token and group, or with the projection's own static

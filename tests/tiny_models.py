@@ -403,11 +403,14 @@ def _int4_groups(w: torch.Tensor, group: int, sym: bool, g_idx: np.ndarray):
     return q, scales, zeros, (q - z) * s  # the last: the dequantised W^T, exact
 
 
-def write_quantized_checkpoint(src_dir, path, layout: str, seed: int = 0):
+def write_quantized_checkpoint(src_dir, path, layout: str, seed: int = 0, dequantised_dir=None):
     """The float checkpoint at ``src_dir`` with its projections quantized in ``layout``
     (``QUANT_LAYOUTS``), written at ``path`` as that library writes it; returns a
     transformers model holding the dequantised weights (the reference; embeddings, norms
-    and the head stay float). Static activation scales are drawn at random, each its own."""
+    and the head stay float). Static activation scales are drawn at random, each its own.
+    ``dequantised_dir``: instead, write the float checkpoint of the dequantised weights
+    there and return None (for models whose transformers class names its tensors
+    otherwise than its checkpoint, as Mixtral's fused experts)."""
     import json
     import shutil
     from pathlib import Path
@@ -470,6 +473,11 @@ def write_quantized_checkpoint(src_dir, path, layout: str, seed: int = 0):
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(config))
+    if dequantised_dir is not None:
+        shutil.copytree(src_dir, dequantised_dir, dirs_exist_ok=True)
+        save_file({**state, **{name: w.to(state[name].dtype) for name, w in reference.items()}},
+                  str(Path(dequantised_dir) / "model.safetensors"))
+        return None
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, value in reference.items():

@@ -48,8 +48,4 @@ def make_batch_invariant(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by an InvariantLinear; returns how many.
     Modules that keep their own views of linear weights (MoE's stacked experts for the
     grouped GEMMs) are told through ``linears_replaced()``."""
-    replaced = replace_linears(model, InvariantLinear)
-    for module in model.modules():
-        if hasattr(module, "linears_replaced"):
-            module.linears_replaced()
-    return replaced
+    return replace_linears(model, InvariantLinear)

@@ -61,9 +61,12 @@ class SparseMoE(nn.Module):
         self.stack_experts()
 
     def linears_replaced(self) -> None:
-        """The experts' linears became other layers (batch-invariant ones): the grouped
-        GEMMs, which read the stacked weights, give way to the experts' own layers."""
-        self.w13 = self.w2 = None
+        """Some linears became other layers (batch-invariant or quantized ones): if the
+        experts' are among them, the grouped GEMMs, which read the stacked float weights,
+        give way to the experts' own layers."""
+        if any(not isinstance(getattr(expert, name), nn.Linear)
+               for expert in self.experts for name in ("gate_up_proj", "down_proj")):
+            self.w13 = self.w2 = None
 
     def stack_experts(self) -> None:
         """On a GPU: the experts' gate/up and down weights as ``[E, 2I, H]`` and

@@ -62,4 +62,13 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) ->
             if isinstance(child, nn.Linear):
                 setattr(module, name, make(child))
                 replaced += 1
+    linears_replaced(model)
     return replaced
+
+
+def linears_replaced(model: nn.Module) -> None:
+    """Tell the modules that keep their own views of their linears' weights (MoE's experts
+    stacked for the grouped GEMMs) that some linears became other layers."""
+    for module in model.modules():
+        if hasattr(module, "linears_replaced"):
+            module.linears_replaced()
