@@ -220,7 +220,7 @@ class EngineConfig:
 
     def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The target's KV cache dtype: float8 e4m3 for ``fp8``, else the model's."""
-        return torch.float8_e4m3fn if self.kv_cache_dtype in ("fp8", "fp8_e4m3") else model_dtype
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @property
     def target_gguf_weights(self) -> str:
