@@ -10,7 +10,9 @@ quantized self-draft (the file's Q4_1 blocks drafting for the bf16 target).
 Held-out chat and code prompts (``specserve.bench.prompt_sets``) with the chat template,
 batch 1 (one prompt after another), greedy, at most ``--max-tokens`` new tokens, stopping
 at EOS on both sides; tokens/s counts the tokens each produced over its wall time, prompt
-processing included. Each engine is built, warmed up on one prompt, run and closed in turn.
+processing included. Prompt processing apart: each prompt run cold for one token (llama.cpp
+reset, specserve's prefix cache emptied), prompt tokens per second of that. Each engine is
+built, warmed up on one prompt, run and closed in turn.
 
     python benchmarks/gguf_cpu.py [--threads 2,8] [--prompts 4] [--max-tokens 128] [--json out.json]
 """
@@ -29,6 +31,9 @@ from draft_acceptance import machine_name  # noqa: E402
 # specserve configurations: label -> engine settings
 METHODS = {
     "specserve, Q4_1 kept quantized": {},
+    # The same, its prompt chunks through the integer kernel too (QuantLinear.dequant_rows 0,
+    # as --deterministic runs them): what unpacking the weight for a GEMM gains.
+    "specserve, Q4_1, integer kernel for prompts too": {"dequant_rows": 0},
     "specserve, dequantized to bf16": {"gguf_weights": "dequantized"},
     "specserve quantized + n-gram": {"speculative_method": "ngram"},
     "specserve quantized + built-in draft": {"speculative_method": "draft_model"},
@@ -61,13 +66,28 @@ def llama_cpp_job() -> None:
         out = llm.create_completion(prompt, max_tokens=job["max_tokens"], temperature=0.0)
         seconds += time.perf_counter() - start
         tokens += out["usage"]["completion_tokens"]
-    print(json.dumps({"tokens_per_s": tokens / seconds, "tokens": tokens}))
+    prompt_tokens, prompt_s = 0, 0.0
+    for prompt in job["prompts"]:  # prompt processing alone: cold, one token
+        llm.reset()
+        start = time.perf_counter()
+        out = llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+        prompt_s += time.perf_counter() - start
+        prompt_tokens += out["usage"]["prompt_tokens"]
+    print(json.dumps({"tokens_per_s": tokens / seconds, "tokens": tokens, "prompt_tokens_per_s": prompt_tokens / prompt_s}))
 
 
 def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: int) -> dict:
     from specserve import LLM, SamplingParams
 
+    settings = dict(settings)
+    dequant_rows = settings.pop("dequant_rows", None)
     llm = LLM(cpu_threads=threads, kv_cache_memory_gib=0.25, max_num_seqs=4, **settings)
+    if dequant_rows is not None:
+        from specserve.models.quantized import QuantLinear  # lazy: only for this row
+
+        for module in llm.engine.runner.model.modules():
+            if isinstance(module, QuantLinear):
+                module.dequant_rows = dequant_rows
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
     stats = llm.engine.spec_stats
@@ -79,7 +99,14 @@ def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: 
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
     drafts, accepted = stats.num_drafts - drafts0, stats.num_accepted_tokens - accepted0
-    result = {"tokens_per_s": tokens / seconds, "tokens": tokens,
+    prompt_tokens, prompt_s, one = 0, 0.0, SamplingParams(temperature=0, max_tokens=1)
+    for prompt in prompts:  # prompt processing alone: cold, one token
+        llm.engine.kv.reset_prefix_cache()
+        start = time.perf_counter()
+        out = llm.generate([prompt], one, use_tqdm=False)[0]
+        prompt_s += time.perf_counter() - start
+        prompt_tokens += len(out.prompt_token_ids)
+    result = {"tokens_per_s": tokens / seconds, "tokens": tokens, "prompt_tokens_per_s": prompt_tokens / prompt_s,
               "acceptance_length": 1 + accepted / drafts if drafts else None,
               "quantized_target": llm.engine.quantized_weights}
     llm.close()
@@ -116,18 +143,19 @@ def main() -> None:
             for label, r in entries:
                 row = {"threads": threads, "workload": workload, "method": label,
                        "tokens_per_s": round(r["tokens_per_s"], 1), "tokens": r["tokens"],
+                       "prompt_tokens_per_s": round(r["prompt_tokens_per_s"], 1),
                        "vs_llama_cpp": round(r["tokens_per_s"] / base["tokens_per_s"], 2) if base else None,
                        "acceptance_length": round(r["acceptance_length"], 2) if r.get("acceptance_length") else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\n{Path(gguf).name} on {cpu}; batch 1, greedy, at most {args.max_tokens} new tokens per prompt, "
           f"{args.prompts} held-out prompts per workload\n")
-    print("| threads | workload | method | tokens/s | vs llama.cpp | acceptance length |")
-    print("| ---: | --- | --- | ---: | ---: | ---: |")
+    print("| threads | workload | method | tokens/s | vs llama.cpp | acceptance length | prompt tokens/s |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
         vs = f"{row['vs_llama_cpp']:.2f}x" if row["vs_llama_cpp"] else ""
         print(f"| {row['threads']} | {row['workload']} | {row['method']} | {row['tokens_per_s']:.1f} | {vs} | "
-              f"{row['acceptance_length'] or ''} |")
+              f"{row['acceptance_length'] or ''} | {row['prompt_tokens_per_s']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": cpu, "file": Path(gguf).name, "rows": rows}, indent=1))
 

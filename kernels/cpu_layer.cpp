@@ -25,12 +25,13 @@ using OptTensor = c10::optional<at::Tensor>;
 
 at::Tensor linear(const at::Tensor& x, at::TensorList w, size_t at, at::IntArrayRef meta, size_t m) {
   static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      int64_t, int64_t, const OptTensor&)>("specserve_cpu::quant_linear");
-  return op.call(x, w[at], w[at + 1], w[at + 2], meta[m], meta[m + 1], c10::nullopt);
+                                      int64_t, int64_t, const OptTensor&, int64_t)>("specserve_cpu::quant_linear");
+  return op.call(x, w[at], w[at + 1], w[at + 2], meta[m], meta[m + 1], c10::nullopt, meta[11]);
 }
 
 // weights: input norm, post-attention norm, then (packed, scales, mins) of qkv, o, gate_up,
-// down. meta: heads, kv heads, head dim, then (bits, group) of qkv, o, gate_up, down.
+// down. meta: heads, kv heads, head dim, then (bits, group) of qkv, o, gate_up, down, then
+// quant_linear's dequant_rows.
 // residual: none for the first layer. Returns the next layer's (hidden, residual), not yet added.
 std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
     const at::Tensor& hidden, const OptTensor& residual, at::TensorList w, at::IntArrayRef meta, double eps,
@@ -46,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
                                     const at::Tensor&, const at::Tensor&, double, int64_t, double, int64_t, at::Tensor)>(
       "specserve_cpu::paged_attention_short");
   static auto silu = find_op<at::Tensor(const at::Tensor&)>("specserve_cpu::silu_and_mul");
-  TORCH_CHECK(w.size() == 14 && meta.size() == 11, "quant_decoder_layer: 14 weights and 11 meta values");
+  TORCH_CHECK(w.size() == 14 && meta.size() == 12, "quant_decoder_layer: 14 weights and 12 meta values");
   const int64_t heads = meta[0], kv_heads = meta[1], head_dim = meta[2];
   at::Tensor h, res;
   if (residual.has_value()) {

@@ -33,6 +33,12 @@
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
 // with rows and columns tiled only to share loads: a row's result does not depend on how
 // many rows share the call, so the layer is batch-invariant as it stands.
+//
+// Many rows (a prefill chunk; ``dequant_rows`` or more): the integer dot products cost as
+// much per row at any M, while a library GEMM reuses each weight over many rows. There the
+// weight is unpacked to natural order in x's dtype (scale · q + min, exact in fp32, rounded
+// once to bf16 for bf16 activations) and multiplied by ATen's GEMM. A row's result then
+// depends on M crossing the threshold: the deterministic mode passes 0 (never).
 // Registered (TORCH_LIBRARY_FRAGMENT) beside cpu_ops.cpp's ops as torch.ops.specserve_cpu.*.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -313,10 +320,97 @@ void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* p
   });
 }
 
+// Where each natural input's q lies in its row, the same for every row: the dword holding
+// it (clamped inside the row, so a gather never reads past the weight) and its bit shift.
+struct Unpacking {
+  std::vector<int32_t> offset, shift;
+};
+
+Unpacking unpacking(int64_t k, int64_t kp, int64_t group, int64_t bits, int64_t row_bytes) {
+  std::vector<int64_t> position(kp);  // reordered position of each natural input
+  int64_t k0 = 0;
+  for (const int64_t size : blocks(kp, group)) {
+    const int64_t per_lane = group / (kLaneIn * size);
+    for (int64_t j = 0; j < size; ++j)
+      for (int64_t l = 0; l < 16; ++l)
+        for (int64_t t = 0; t < kLaneIn; ++t)
+          position[k0 + (l / per_lane) * group + (j * per_lane + l % per_lane) * kLaneIn + t] =
+              k0 + j * kChunk + kLaneIn * l + t;
+    k0 += size * kChunk;
+  }
+  const int64_t pairs = kp / (2 * kChunk);
+  Unpacking u;
+  u.offset.resize(k);
+  u.shift.resize(k);
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t p = position[i];
+    int64_t byte = p, bit = 0;
+    if (bits == 4 && p < pairs * 2 * kChunk) {  // a chunk pair: byte j holds its inputs j and 64 + j
+      byte = (p / (2 * kChunk)) * kChunk + p % kChunk;
+      bit = 4 * ((p % (2 * kChunk)) / kChunk);
+    } else if (bits == 4) {  // the odd last chunk: byte j holds its inputs j and 32 + j
+      const int64_t j = p - pairs * 2 * kChunk;
+      byte = pairs * kChunk + j % 32;
+      bit = 4 * (j / 32);
+    }
+    const int64_t dword = std::min(byte, row_bytes - 4);
+    u.offset[i] = static_cast<int32_t>(dword);
+    u.shift[i] = static_cast<int32_t>(8 * (byte - dword) + bit);
+  }
+  return u;
+}
+
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+
+// W [N, K] in natural order: scale · q + min (exact in fp32), rounded once to T.
+template <typename T>
+void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t* packed, int64_t row_bytes,
+                const float* scales, const float* mins, int64_t groups, T* out) {
+  const Unpacking u = unpacking(k, groups * group, group, bits, row_bytes);
+  const uint32_t mask = bits == 4 ? 0xFu : 0xFFu;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = packed + r * row_bytes;
+      const float* s = scales + r * groups;
+      const float* mn = mins + r * groups;
+      T* o = out + r * k;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      // 16 inputs at a time, inside one group (groups are 16 or 32 inputs, i a multiple of 16).
+      for (; i + 16 <= k; i += 16) {
+        const __m512i words = _mm512_i32gather_epi32(_mm512_loadu_si512(u.offset.data() + i), row, 1);
+        const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_loadu_si512(u.shift.data() + i)),
+                                           _mm512_set1_epi32(int(mask)));
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[i / group]),
+                                         _mm512_set1_ps(mn[i / group]));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm512_storeu_ps(o + i, w);
+        } else {  // to bf16, rounding to nearest even (weights are finite)
+          const __m512i bits32 = _mm512_castps_si512(w);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits32, 16), _mm512_set1_epi32(1));
+          const __m512i rounded = _mm512_srli_epi32(
+              _mm512_add_epi32(bits32, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(rounded));
+        }
+      }
+#endif
+      for (; i < k; ++i) {
+        uint32_t word;
+        std::memcpy(&word, row + u.offset[i], 4);
+        const float q = static_cast<float>((word >> u.shift[i]) & mask);
+        o[i] = from_float<T>(std::fma(q, s[i / group], mn[i / group]));
+      }
+    }
+  });
+}
+
 // y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8 [N, Kp·bits/8],
-// ``scales``/``mins`` fp32 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype.
+// ``scales``/``mins`` fp32 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype. From
+// ``dequant_rows`` rows on (0: never), W is unpacked for a library GEMM (see the top).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
-                        const at::Tensor& mins, int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias_in) {
+                        const at::Tensor& mins, int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias_in,
+                        int64_t dequant_rows) {
   TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "quant_linear runs on CPU tensors");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed must be a contiguous uint8 [N, bytes] tensor");
@@ -340,6 +434,18 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   const int64_t m = x.size(0);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
+  if (dequant_rows > 0 && m >= dequant_rows) {
+    at::Tensor w = at::empty({n, k}, x.options());
+    const int64_t groups = scales.size(1);
+    if (x.scalar_type() == at::kFloat)
+      dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), scales.data_ptr<float>(),
+                 mins.data_ptr<float>(), groups, w.data_ptr<float>());
+    else
+      dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), scales.data_ptr<float>(),
+                 mins.data_ptr<float>(), groups, w.data_ptr<at::BFloat16>());
+    const at::Tensor y = bias ? at::linear(x, w, bias_in->to(x.scalar_type())) : at::linear(x, w);
+    return y.view(shape);
+  }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out.view(shape);
   QuantizedRows q;
@@ -369,7 +475,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, int dequant_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {

@@ -360,6 +360,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         logger.info("%s: %d linear layers run quantized (%s)", files.name, len(blocks), scheme.name)
     if deterministic:
         make_batch_invariant(model)
+        if getattr(model, "fused_cpu", None) is not None:  # its layers' calls as invariant as the modules'
+            model.fused_cpu = FusedCpuLayers.of(model)
     elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
         pack_linears(model)
     return model.eval()

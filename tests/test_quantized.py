@@ -76,11 +76,35 @@ def test_the_kernel_computes_its_reference(kind):
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_many_rows_unpack_the_weight_exactly_for_a_library_gemm(kind):
+    """From ``dequant_rows`` rows on, the weight is unpacked to natural order for ATen's
+    GEMM: fed the identity, the layer gives back every weight, bit for bit (float32), or
+    rounded once to bfloat16; on random rows it computes the dequantised product."""
+    for k in WIDTHS[kind]:
+        weight = random_weight(kind, 40, k, seed=k)
+        dense = torch.from_numpy(decode(weight).dequantize())
+        layer = QuantLinear([(0, weight)], k, 40, None)
+        assert layer.dequant_rows > 1
+        layer.dequant_rows = 1
+        assert torch.equal(layer(torch.eye(k)), dense.T), (kind, k)
+        assert torch.equal(layer(torch.eye(k).bfloat16()), dense.bfloat16().T), (kind, k)
+        bias = torch.randn(40)
+        layer = QuantLinear([(0, weight)], k, 40, bias)
+        x = torch.randn(QuantLinear.dequant_rows + 3, k, generator=torch.Generator().manual_seed(k))
+        want = x.double() @ dense.double().T + bias.double()
+        assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, k)
+        want16 = x.bfloat16().double() @ dense.bfloat16().double().T + bias.double()
+        assert (layer(x.bfloat16()).double() - want16).abs().max() <= 1e-2 * want16.abs().max(), (kind, k)
+
+
+@needs_cpu_kernels
 def test_a_row_does_not_depend_on_its_batch():
-    """Each output is summed in one order whatever the number of rows: the layer is
-    batch-invariant as it stands (the deterministic mode relies on it)."""
+    """With ``dequant_rows`` 0 (the deterministic mode's), each output is summed in one
+    order whatever the number of rows: the layer is batch-invariant."""
     for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536)):
         layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, None)
+        layer.dequant_rows = 0
         x = torch.randn(37, k).bfloat16()
         alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
         for rows in (2, 3, 5, 8, 37):
@@ -182,6 +206,19 @@ def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype)
     plain = ModelFiles("tiny", tiny_model_dir("llama"))
     float_model = build_model(plain, load_hf_config(plain), dtype, CPU, TorchAttentionBackend(cpu_kernels=True))
     assert float_model.fused_cpu is None  # float linears: layer by layer
+
+
+@needs_cpu_kernels
+def test_the_deterministic_mode_keeps_the_integer_kernel_for_any_rows(tmp_path):
+    """Deterministic: no layer switches to the library GEMM by its rows (the layer by
+    layer path and the one-call layers alike), so a prefill chunk's rows round as a
+    decode row does; otherwise the switch is on."""
+    files, _ = tiny_gguf(tmp_path)
+    for deterministic, want in ((True, 0), (False, QuantLinear.dequant_rows)):
+        backend = TorchAttentionBackend(cpu_kernels=True, deterministic=deterministic)
+        model = build_model(files, load_hf_config(files), torch.bfloat16, CPU, backend, quantized=True)
+        rows = {m.dequant_rows for m in model.modules() if isinstance(m, QuantLinear)}
+        assert rows == {want} and {meta[-1] for _, meta, _, _ in model.fused_cpu.layers} == {want}
 
 
 @needs_cpu_kernels

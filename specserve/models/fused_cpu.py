@@ -29,6 +29,7 @@ class FusedCpuLayers:
             for linear in linears:
                 weights += [linear.packed, linear.scales, linear.mins]
                 meta += [linear.bits, linear.group]
+            meta.append(min(linear.dequant_rows for linear in linears))  # (all alike: the model's setting)
             self.layers.append((weights, meta, layer.input_layernorm.eps, attn.scale))
 
     @staticmethod

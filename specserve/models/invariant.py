@@ -15,6 +15,7 @@ from torch import nn
 
 from specserve.kernels import cpu_ops
 from specserve.models.packed_linear import replace_linears
+from specserve.models.quantized import QuantLinear
 
 
 class InvariantLinear(nn.Module):
@@ -47,5 +48,9 @@ class InvariantLinear(nn.Module):
 def make_batch_invariant(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of ``model`` by an InvariantLinear; returns how many.
     Modules that keep their own views of linear weights (MoE's stacked experts for the
-    grouped GEMMs) are told through ``linears_replaced()``."""
+    grouped GEMMs) are told through ``linears_replaced()``. Quantized CPU layers keep their
+    integer kernel for any number of rows (``QuantLinear.dequant_rows``)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.dequant_rows = 0
     return replace_linears(model, InvariantLinear)

@@ -25,6 +25,10 @@ from torch import nn
 
 from specserve.kernels import cpu_ops
 
+# Rows from which a QuantLinear unpacks its weight for a library GEMM (``QuantLinear``):
+# a decoder layer of the default model crossed over at 24-32 rows on an AVX-512 CPU
+# (unpacking the layer's weights costs about what 20 rows of integer dot products do).
+DEQUANT_ROWS = 32
 CHUNK = 64  # the kernel's inputs per weight vector: rows are padded to a multiple
 
 
@@ -203,7 +207,14 @@ class QuantLinear(nn.Module):
     weight read per step for 4-bit formats, 10 to 12 for 8-bit ones (q plus an fp32 scale
     and min per group), instead of 16. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
-    its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer)."""
+    its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
+
+    ``dequant_rows``: from this many rows on (a prefill chunk) the weight is unpacked to
+    the activations' dtype for ATen's GEMM, which reuses each weight over the rows, where
+    the integer kernel costs as much per row at any count (0: never, so that a row's
+    result does not depend on its batch: the deterministic mode)."""
+
+    dequant_rows = DEQUANT_ROWS
 
     def __init__(self, parts: list[tuple[int, object]], in_features: int, out_features: int,
                  bias: torch.Tensor | None) -> None:
@@ -230,13 +241,15 @@ class QuantLinear(nn.Module):
         nn.Module.__init__(head)
         head.in_features, head.out_features = self.in_features, len(ids)
         head.bits, head.group, head.formats = self.bits, self.group, self.formats
+        head.dequant_rows = self.dequant_rows
         for name in ("packed", "scales", "mins"):
             head.register_buffer(name, getattr(self, name).index_select(0, ids.cpu()).contiguous())
         head.register_buffer("bias", None if self.bias is None else self.bias.index_select(0, ids.cpu()))
         return head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.quant_linear(x, self.packed, self.scales, self.mins, self.bits, self.group, self.bias)
+        return cpu_ops.quant_linear(x, self.packed, self.scales, self.mins, self.bits, self.group, self.bias,
+                                    self.dequant_rows)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
