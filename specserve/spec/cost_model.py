@@ -49,19 +49,24 @@ class CostModel:
         self.forgetting = forgetting
         self.theta = np.zeros(num_features)
         self.num_samples = 0
+        self.anchored = False  # a start-up profile is kept: its predictions can be trusted from the first step
         self._unsolved = 0  # samples since the last solve
 
     def observe(self, x: list[float], y: float) -> None:
         """Learn one sample. A step slower than ``OUTLIER_RATIO`` times the prediction
-        (another process stalled the machine) counts as that much, so one stall cannot
+        (another process stalled the machine, or one-off work such as the first verify
+        pass's kernel compilation on a GPU) counts as that much, so one stall cannot
         poison the fit, while a cost that really changed is still learned, clip after clip.
+        The prediction is trusted once the fit has seen as many samples as it has costs,
+        or from the first sample after a start-up profile (``anchor``): the first drafted
+        step of an engine's life is the one most often slowed by one-off work.
         The fit is solved again at once when the sample surprises it (off the prediction
         by more than ``RESOLVE_ERROR``), else every ``RESOLVE_EVERY`` samples: a step that
         costs what was predicted teaches the plan nothing it needs now."""
         x = np.asarray(x, dtype=float)
         predicted = self.predict(x)
         surprise = self.num_samples < 2 * len(x) or abs(y - predicted) > RESOLVE_ERROR * predicted
-        if self.num_samples >= len(x) and predicted > 0:
+        if (self.anchored or self.num_samples >= len(x)) and predicted > 0:
             y = min(y, OUTLIER_RATIO * predicted)  # a stall, not the cost of this batch
         self.xtx *= self.forgetting
         self.xtx += np.outer(x, x)
@@ -87,6 +92,7 @@ class CostModel:
         """Keep every sample observed so far unforgotten, at ``weight`` each."""
         self.anchor_xtx = self.anchor_xtx + weight * self.xtx
         self.anchor_xty = self.anchor_xty + weight * self.xty
+        self.anchored = True
         self.xtx = np.zeros_like(self.xtx)
         self.xty = np.zeros_like(self.xty)
         self.solve()
