@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import SamplingParams
-from specserve.spec.acceptance import DraftOutcome
+from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.controller import DraftLengthController
 from specserve.spec.cost_model import CostModel, StepSample, target_features
 from tiny_models import LLM32
@@ -328,6 +328,31 @@ def test_a_steps_observations_applied_together_equal_one_by_one():
     for r in want_alpha:
         assert ctl.acceptance(r) == pytest.approx(want_alpha[r], abs=1e-12), r
         assert ctl.estimates.rate[ctl.estimates.rows([r])[0]] == pytest.approx(want_rate[r], abs=1e-12), r
+
+
+def test_one_outcome_applies_as_the_array_update_applies_it():
+    """Batch 1 queues one outcome a step, applied in Python floats: every estimate (the
+    request's and the engine-wide ones, further paths included) ends where the array
+    update over the same outcomes puts it."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    fast, arrays = AcceptanceEstimates(5, 3), AcceptanceEstimates(5, 3)
+    for _ in range(200):
+        planned = int(rng.integers(1, 6))
+        proposed = int(rng.integers(0, planned + 1))
+        outcome = DraftOutcome(planned, proposed, int(rng.integers(0, proposed + 1)), int(rng.integers(1, 4)),
+                               int(rng.integers(0, 3)))
+        fast.observe("r", outcome)
+        fast.apply_pending()
+        arrays.observe("r", outcome)
+        arrays._apply_many()
+        if rng.random() < 0.1:
+            fast.drift_priors(3)
+            arrays.drift_priors(3)
+    for name in ("alpha", "pooled", "rate", "prior", "path_gain"):
+        assert getattr(fast, name) == pytest.approx(getattr(arrays, name), abs=1e-12), name
+    assert (fast.prior_pooled, fast.prior_rate) == pytest.approx((arrays.prior_pooled, arrays.prior_rate), abs=1e-12)
 
 
 def test_a_request_drafting_one_token_learns_to_draft_deeper_when_it_keeps_being_accepted():
