@@ -571,7 +571,8 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     """A plan costs a tenth of a short GPU step: one without drafts for 16 requests or
     more stands IDLE_REPLAN steps and at least IDLE_REPLAN_S seconds (0.2 s: 50 steps of
     4 ms), at most IDLE_REPLAN_MAX steps; for fewer (a request that joins is much of the
-    step) IDLE_REPLAN steps. One with drafts still stands DRAFT_REPLAN steps."""
+    step) IDLE_REPLAN steps. One with drafts stands DRAFT_REPLAN steps where a plan costs
+    little next to a step."""
     from specserve.spec.controller import (DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_BATCH, IDLE_REPLAN_MAX,
                                            IDLE_REPLAN_S)
 
@@ -587,6 +588,7 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     assert plans[:3] == [0, planned_at, 2 * planned_at]
     drafting = controller(**MEMORY_BOUND)
     drafting.check_goodput = False  # the plan alone: no check runs a step without its drafts
+    drafting.clock = FakeClock(0.0)  # plans cost nothing
     planned = []
     for _ in range(12):
         assert drafting.choose({"r": 4}) == {"r": 4}
@@ -594,6 +596,39 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
         drafting.observe_acceptance("r", DraftOutcome(4, 4, 4))
         drafting.observe_goodput(5, 0.0005)
     assert planned == [True, False] * 6 and DRAFT_REPLAN == 2
+
+
+class FakeClock:
+    """A clock that advances ``tick`` seconds a reading."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.mark.parametrize("plan_s, step_s, stands", [(0.0, 0.002, 2), (0.00002, 0.010, 2), (0.0002, 0.002, 5),
+                                                    (0.0004, 0.0015, 8)])
+def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(plan_s, step_s, stands):
+    """A plan whose host time is over PLAN_SHARE (2 %) of a step stands more steps, as many
+    as bring it to that share, up to DRAFT_REPLAN_MAX (8); a cheap one DRAFT_REPLAN (2).
+    At batch 1 the next request is new to the plan: it is planned at once, not left
+    undrafted for the plan's remaining steps."""
+    ctl = controller(**MEMORY_BOUND)
+    ctl.check_goodput = False
+    ctl.clock = FakeClock(plan_s)  # a plan: one tick between its two readings
+    planned = []
+    for _ in range(3 * stands + 1):
+        assert ctl.choose({"r": 4}) == {"r": 4}
+        planned.append(ctl.wants_step_cost)
+        ctl.observe_acceptance("r", DraftOutcome(4, 4, 4))
+        ctl.observe_goodput(5, step_s)
+    # The first plan, made before any step was timed, stands DRAFT_REPLAN steps.
+    assert [i for i, p in enumerate(planned) if p][1:3] == [2, 2 + stands]
+    ctl.free("r")
+    assert ctl.choose({"next": 4}) == {"next": 4} and ctl.wants_step_cost
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():

@@ -8,12 +8,17 @@ drafts are accepted; ``cost_model.py``: what a step and the drafter cost), the p
 (``goodput.py``). The choice must stay cheap next to a GPU step at hundreds of requests:
 each kind of step (same padding, prefill or not, batch size within a factor of two)
 keeps its plan for a few of its steps (``StandingPlan``), longer while it drafts nothing,
-and only freshly planned steps are timed for the cost model.
+and only freshly planned steps are timed for the cost model. A plan with drafts stands
+``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
+of them (a GPU step at batch 1 lasts a couple of milliseconds, a plan a few hundred
+microseconds on a slow host), unless most of the batch is new to it.
 """
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,7 +34,9 @@ IDLE_REPLAN = 16            # while the plan is to draft nothing, a full choice 
 IDLE_REPLAN_S = 0.2         # and, for a batch of IDLE_REPLAN_BATCH or more, this many seconds of
 IDLE_REPLAN_BATCH = 16      # steps (all kinds) since it was made,
 IDLE_REPLAN_MAX = 128       # or after this many steps of its kind, however short
-DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between)
+DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between),
+PLAN_SHARE = 0.02           # or more, until a plan's host time is at most this share of the steps it serves,
+DRAFT_REPLAN_MAX = 8        # up to this many
 
 
 @dataclass
@@ -42,6 +49,8 @@ class StandingPlan:
     made_s: float                   # its clock when it was made
     prices: Prices | None = None    # what the step's pieces cost when it was made
     served: int = 1                 # choices it served
+    stands: int = DRAFT_REPLAN      # choices it serves, with drafts
+    requests: frozenset[str] = field(default_factory=frozenset)  # the requests it planned
 
 
 @dataclass
@@ -84,7 +93,11 @@ class DraftLengthController:
         self._clock = 0.0            # seconds of steps observed (observe_goodput), all kinds together
         self.idle_replan = IDLE_REPLAN      # a plan without drafts stands for this many steps
         self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
-        self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many
+        self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many at least,
+        self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
+        self.clock = time.perf_counter      # times the plans
+        self._plan_s = 0.0                  # a plan's host time, smoothed
+        self._step_s = 0.0                  # a step's wall time, smoothed
         self._last: _LastChoice | None = None
 
     # ------------------------------------------------------------------ learning
@@ -102,6 +115,7 @@ class DraftLengthController:
         """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
         whole step, drafting included): its kind's goodput check learns from it."""
         self._clock += seconds
+        self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if self._last is not None and self.check_goodput:
             last, self._last = self._last, None
             last.check.observe(last.drafted, last.checked, num_tokens, seconds)
@@ -150,7 +164,8 @@ class DraftLengthController:
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
         standing = self._plans.get(regime)
-        if standing is not None and self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length()):
+        if standing is not None and (self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length())
+                                     or (standing.draft_lengths and self._mostly_new(standing, caps))):
             standing = None
         if (standing is not None and not standing.draft_lengths) or (check.vetoed and not check.stale(drafted=True)):
             # The kind's plan drafts nothing: it stands for a few steps (the drifts catch
@@ -171,11 +186,15 @@ class DraftLengthController:
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
             self.unforked = standing.unforked
         else:
+            began = self.clock()
             k, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
                                                   forkable)
+            spent = self.clock() - began
+            self._plan_s = spent if not self._plan_s else self._plan_s + 0.2 * (spent - self._plan_s)
             self._planned = True
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
-                                                          self.unforked, self._choices, self._clock, prices)
+                                                          self.unforked, self._choices, self._clock, prices,
+                                                          stands=self._stands(), requests=frozenset(caps))
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
@@ -188,7 +207,7 @@ class DraftLengthController:
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other
-        kinds ran since). One with drafts serves ``draft_replan`` steps. One without serves
+        kinds ran since). One with drafts serves its ``stands`` steps (``_stands``). One without serves
         ``idle_replan`` steps, and for a ``large`` batch (``IDLE_REPLAN_BATCH`` requests or
         more) more while less than ``idle_replan_s`` seconds have passed (up to
         ``IDLE_REPLAN_MAX`` steps): there a request that joins changes the step's goodput
@@ -200,11 +219,26 @@ class DraftLengthController:
         age = self._choices - standing.made_at
         served = standing.served
         if standing.draft_lengths:
-            return served >= self.draft_replan or age >= 2 * self.draft_replan
+            return served >= standing.stands or age >= 2 * standing.stands
         if served >= IDLE_REPLAN_MAX or age >= 2 * IDLE_REPLAN_MAX:
             return True
         return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
             (not large or self._clock - standing.made_s >= self.idle_replan_s)
+
+    def _stands(self) -> int:
+        """Steps a plan with drafts serves: ``draft_replan``, or as many as keep the plans'
+        host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``."""
+        if not self.plan_share or self._step_s <= 0:
+            return self.draft_replan
+        wanted = math.ceil(self._plan_s / (self.plan_share * self._step_s))
+        return max(self.draft_replan, min(DRAFT_REPLAN_MAX, wanted))
+
+    @staticmethod
+    def _mostly_new(standing: StandingPlan, caps: dict[str, int]) -> bool:
+        """Whether most of the step's requests are new to the plan (at batch 1, the next
+        request): it is made again rather than leave them undrafted for its remaining steps."""
+        planned = standing.requests
+        return 2 * sum([r not in planned for r in caps]) > len(caps)
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],
