@@ -588,7 +588,7 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     assert plans[:3] == [0, planned_at, 2 * planned_at]
     drafting = controller(**MEMORY_BOUND)
     drafting.check_goodput = False  # the plan alone: no check runs a step without its drafts
-    drafting.clock = FakeClock(0.0)  # plans cost nothing
+    drafting.timer = FakeClock(0.0)  # plans cost nothing
     planned = []
     for _ in range(12):
         assert drafting.choose({"r": 4}) == {"r": 4}
@@ -618,7 +618,7 @@ def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(
     undrafted for the plan's remaining steps."""
     ctl = controller(**MEMORY_BOUND)
     ctl.check_goodput = False
-    ctl.clock = FakeClock(plan_s)  # a plan: one tick between its two readings
+    ctl.timer = FakeClock(plan_s)  # a plan: one tick between its two readings
     planned = []
     for _ in range(3 * stands + 1):
         assert ctl.choose({"r": 4}) == {"r": 4}

@@ -95,7 +95,7 @@ class DraftLengthController:
         self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
         self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many at least,
         self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
-        self.clock = time.perf_counter      # times the plans
+        self.timer = time.perf_counter      # times the plans
         self._plan_s = 0.0                  # a plan's host time, smoothed
         self._step_s = 0.0                  # a step's wall time, smoothed
         self._last: _LastChoice | None = None
@@ -186,10 +186,10 @@ class DraftLengthController:
             k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
             self.unforked = standing.unforked
         else:
-            began = self.clock()
+            began = self.timer()
             k, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
                                                   forkable)
-            spent = self.clock() - began
+            spent = self.timer() - began
             self._plan_s = spent if not self._plan_s else self._plan_s + 0.2 * (spent - self._plan_s)
             self._planned = True
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
