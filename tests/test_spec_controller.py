@@ -794,6 +794,28 @@ def test_a_veto_is_lifted_when_drafting_starts_to_pay():
     assert serve(ctl, 100, plain_s=0.010, drafted_s=0.020)[0] > 0.85
 
 
+def test_at_batch_1_a_veto_formed_on_one_workload_gives_the_next_request_a_chance():
+    """One request at a time: chat-like requests whose drafted steps lose (6x the time for
+    5x the tokens) are vetoed; the next request is code-like, its drafts paying (1.2x the
+    time). Its drafts come back within its first steps, where the veto's evidence (the
+    old requests') kept its full weight for ~230 steps; each new chat request costs the
+    veto a few checks only."""
+    ctl = controller(**MEMORY_BOUND)
+    lifted, chat_drafted = None, 0
+    for req in range(8):
+        code, req_id = req >= 4, f"q{req}"
+        for step in range(128):
+            k = ctl.choose({req_id: 4})[req_id]
+            ctl.observe_acceptance(req_id, DraftOutcome(k, k, k))
+            ctl.observe_goodput(1 + k, (0.012 if code else 0.060) if k else 0.010)
+            chat_drafted += bool(k) and not code
+            if code and lifted is None and not next(iter(ctl.checks.values())).vetoed:
+                lifted = (req - 4) * 128 + step
+        ctl.free(req_id)
+    assert lifted is not None and lifted < 16
+    assert chat_drafted < 0.1 * 4 * 128
+
+
 def test_a_stalled_check_cannot_flip_the_verdict_alone():
     from specserve.spec.goodput import GoodputCheck
 

@@ -163,6 +163,8 @@ class DraftLengthController:
         check = self.checks.get(regime)
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
+        if check.vetoed:
+            check.saw(caps)  # a batch mostly new to the veto weighs its evidence less
         standing = self._plans.get(regime)
         if standing is not None and (self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length())
                                      or (standing.draft_lengths and self._mostly_new(standing, caps))):

@@ -10,6 +10,7 @@ deliver less, by more than twice the comparison's standard error.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 CHECK_MIN = 4               # a side stale after CHECK_MIN to CHECK_MAX of its mean step
 CHECK_MAX = 64              # durations without a step, the more by CHECK_SPREAD
@@ -23,6 +24,7 @@ CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, pl
 CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone,
 VERDICT_EVERY = 8           # the verdict is weighed at drafted and checked steps, and every this many plain ones
 CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
+VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when most of the batch is new
 
 
 class GoodputCheck:
@@ -38,6 +40,12 @@ class GoodputCheck:
     more than ``VETO_Z`` standard errors (and the hysteresis): where it is not clear, the
     plan stands. A veto is lifted once the ratio is above 1 again, or no longer clearly
     below it (half as many standard errors).
+
+    A veto is a verdict on the requests it was formed on. When most of a step's requests
+    are new since the kind's last step (at batch 1, the next request: chat after code, or
+    code after chat), the drafted side keeps ``VETO_NEW_BATCH`` of its sums (``saw``): with
+    its own decay alone, under a veto its steps being the rare checks, a verdict formed on
+    chat took ~340 steps of code, where drafts pay, to turn.
 
     Steps the plan leaves without drafts are free samples of the plain side; a step is
     run the other way (the plan's drafts withheld, or let through under a veto) only when
@@ -58,6 +66,7 @@ class GoodputCheck:
         # plain floats: this runs every step, and numpy scalars cost several times more.
         self._sums = [[0.0] * 6, [0.0] * 6]
         self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
+        self._requests: set[str] | None = None     # the last step's requests, while vetoed
 
     @property
     def ratio(self) -> float:
@@ -102,6 +111,14 @@ class GoodputCheck:
         if interval >= CHECK_MAX:
             wait = max(wait, CHECK_MAX_S)
         return self._since[side] >= wait
+
+    def saw(self, requests: Collection[str]) -> None:
+        """A step of this kind under a veto has these requests: if most are new since the
+        last such step, the drafted side's evidence (formed on others) weighs half."""
+        last = self._requests
+        if last is not None and 2 * sum([r not in last for r in requests]) > len(requests):
+            self._sums[0] = [VETO_NEW_BATCH * value for value in self._sums[0]]
+        self._requests = set(requests)
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
