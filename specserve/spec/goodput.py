@@ -45,7 +45,7 @@ class GoodputCheck:
     are new since the kind's last step (at batch 1, the next request: chat after code, or
     code after chat), the drafted side keeps ``VETO_NEW_BATCH`` of its sums (``saw``): with
     its own decay alone, under a veto its steps being the rare checks, a verdict formed on
-    chat took ~340 steps of code, where drafts pay, to turn.
+    chat took ~230 steps of code, where drafts pay, to turn (simulated at batch 1).
 
     Steps the plan leaves without drafts are free samples of the plain side; a step is
     run the other way (the plan's drafts withheld, or let through under a veto) only when
@@ -145,5 +145,7 @@ class GoodputCheck:
         log_ratio = math.log(self.ratio)
         if self.vetoed:  # lifted once the ratio is not clearly below 1
             self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
+            if not self.vetoed:
+                self._requests = None  # a later veto compares its own steps' requests
         else:  # and never on a side's first few steps, however clear they look
             self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z and min(self._counts) >= CHECK_MIN
