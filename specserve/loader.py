@@ -356,14 +356,14 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
             _replace_linear(model, name, quantized_linear(parts, _linear_of(model, name, files.name), scheme,
                                                           device, deterministic, files.name))
         linears_replaced(model)  # (MoE experts stacked from the float placeholders drop the stacks)
-        model.fused_cpu = FusedCpuLayers.of(model) if device.type == "cpu" else None
         logger.info("%s: %d linear layers run quantized (%s)", files.name, len(blocks), scheme.name)
     if deterministic:
         make_batch_invariant(model)
-        if getattr(model, "fused_cpu", None) is not None:  # its layers' calls as invariant as the modules'
-            model.fused_cpu = FusedCpuLayers.of(model)
     elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
         pack_linears(model)
+    if (gguf is not None or blocks) and device.type == "cpu":
+        # Once the layers are final: the one-call layers run them as they are (deterministic included).
+        model.fused_cpu = FusedCpuLayers.of(model)
     return model.eval()
 
 
@@ -380,7 +380,6 @@ def _keep_quantized(model, blocks: dict[str, list], gguf: GGUFCheckpoint) -> Non
     for name, parts in blocks.items():
         linear = _linear_of(model, name, gguf.path.name)
         _replace_linear(model, name, QuantLinear(parts, linear.in_features, linear.out_features, linear.bias))
-    model.fused_cpu = FusedCpuLayers.of(model)
     formats = ", ".join(f"{count} {kind}" for kind, count in sorted(gguf.formats().items()))
     logger.info("%s: %d linear layers run quantized (tensors: %s)", gguf.path.name, len(blocks), formats)
 

@@ -461,11 +461,13 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 block_size=4, num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=48)
     engine, rng = llm.engine, random.Random(0)
-    calls = []
+    calls, joins = [], []
+    joined = {"count": 0, "free": set()}  # the reference running count of requests that joined ``free``
 
-    def choose(caps, tokens, spans, padded, context, greedy):
+    def choose(caps, tokens, spans, padded, context, greedy, joined_count):
         calls.append((dict(caps), tokens, spans, padded, context() if callable(context) else context,
                       set(greedy)))
+        joins.append(joined_count)
         return dict.fromkeys(caps, 0)
 
     engine.speculator.controller.choose = choose
@@ -501,6 +503,9 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
         kept.append(speculator._decoding.version == engine.scheduler.running_version)
         free, pinned, want = reference()
         got = real(engine.scheduler)
+        joined["count"] += len(set(free) - joined["free"])
+        joined["free"] = set(free)
+        assert not joins or joins[-1] == joined["count"]
         if got is None or not free and not pinned:
             return got
         assert calls[-1] == want and got == {**pinned, **dict.fromkeys(free, 0)}
@@ -621,14 +626,14 @@ def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(
     ctl.timer = FakeClock(plan_s)  # a plan: one tick between its two readings
     planned = []
     for _ in range(3 * stands + 1):
-        assert ctl.choose({"r": 4}) == {"r": 4}
+        assert ctl.choose({"r": 4}, joined=1) == {"r": 4}
         planned.append(ctl.wants_step_cost)
         ctl.observe_acceptance("r", DraftOutcome(4, 4, 4))
         ctl.observe_goodput(5, step_s)
     # The first plan, made before any step was timed, stands DRAFT_REPLAN steps.
     assert [i for i, p in enumerate(planned) if p][1:3] == [2, 2 + stands]
     ctl.free("r")
-    assert ctl.choose({"next": 4}) == {"next": 4} and ctl.wants_step_cost
+    assert ctl.choose({"next": 4}, joined=2) == {"next": 4} and ctl.wants_step_cost
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():
@@ -805,7 +810,7 @@ def test_at_batch_1_a_veto_formed_on_one_workload_gives_the_next_request_a_chanc
     for req in range(8):
         code, req_id = req >= 4, f"q{req}"
         for step in range(128):
-            k = ctl.choose({req_id: 4})[req_id]
+            k = ctl.choose({req_id: 4}, joined=req + 1)[req_id]
             ctl.observe_acceptance(req_id, DraftOutcome(k, k, k))
             ctl.observe_goodput(1 + k, (0.012 if code else 0.060) if k else 0.010)
             chat_drafted += bool(k) and not code

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class StandingPlan:
     prices: Prices | None = None    # what the step's pieces cost when it was made
     served: int = 1                 # choices it served
     stands: int = DRAFT_REPLAN      # choices it serves, with drafts
-    requests: frozenset[str] = field(default_factory=frozenset)  # the requests it planned
+    joined: int = 0                 # requests joined (``choose``'s count) when it was made
 
 
 @dataclass
@@ -141,7 +141,8 @@ class DraftLengthController:
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
                num_other_spans: int = 0, padded: bool = False,
-               context: int | Callable[[], int] = 0, forkable: Container[str] = ()) -> dict[str, int]:
+               context: int | Callable[[], int] = 0, forkable: Container[str] = (),
+               joined: int = 0) -> dict[str, int]:
         """k_i for each decoding request (``caps``: req_id -> most drafts it may take), and
         in ``unforked`` those of ``forkable`` (requests that may verify further draft
         paths: greedy ones) whose drafts pay more without them.
@@ -150,7 +151,10 @@ class DraftLengthController:
         or a function that counts them, called only if a plan is made (most steps repeat
         a standing plan, and counting walks every request).
         ``padded``: the step will pad every request to the longest query (a CUDA graph
-        replay; the CPU attention), so a draft depth D costs every request D tokens."""
+        replay; the CPU attention), so a draft depth D costs every request D tokens.
+        ``joined``: how many requests ever joined ``caps`` (a running count,
+        ``DecodingRequests.joined``): when more than half the batch joined since a plan or
+        a veto was made, they are about other requests (at batch 1, the next one)."""
         self._last = None
         self._planned = False
         self.unforked = set()
@@ -164,10 +168,10 @@ class DraftLengthController:
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
         if check.vetoed:
-            check.saw(caps)  # a batch mostly new to the veto weighs its evidence less
+            check.saw(joined, len(caps))  # a batch mostly new to the veto weighs its evidence less
         standing = self._plans.get(regime)
         if standing is not None and (self._expired(standing, regime[2] >= IDLE_REPLAN_BATCH.bit_length())
-                                     or (standing.draft_lengths and self._mostly_new(standing, caps))):
+                                     or (standing.draft_lengths and 2 * (joined - standing.joined) > len(caps))):
             standing = None
         if (standing is not None and not standing.draft_lengths) or (check.vetoed and not check.stale(drafted=True)):
             # The kind's plan drafts nothing: it stands for a few steps (the drifts catch
@@ -196,7 +200,7 @@ class DraftLengthController:
             self._planned = True
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
                                                           self.unforked, self._choices, self._clock, prices,
-                                                          stands=self._stands(), requests=frozenset(caps))
+                                                          stands=self._stands(), joined=joined)
         drafted = bool(k.any())
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
@@ -234,13 +238,6 @@ class DraftLengthController:
             return self.draft_replan
         wanted = math.ceil(self._plan_s / (self.plan_share * self._step_s))
         return max(self.draft_replan, min(DRAFT_REPLAN_MAX, wanted))
-
-    @staticmethod
-    def _mostly_new(standing: StandingPlan, caps: dict[str, int]) -> bool:
-        """Whether most of the step's requests are new to the plan (at batch 1, the next
-        request): it is made again rather than leave them undrafted for its remaining steps."""
-        planned = standing.requests
-        return 2 * sum([r not in planned for r in caps]) > len(caps)
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],

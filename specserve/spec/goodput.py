@@ -10,7 +10,6 @@ deliver less, by more than twice the comparison's standard error.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 
 CHECK_MIN = 4               # a side stale after CHECK_MIN to CHECK_MAX of its mean step
 CHECK_MAX = 64              # durations without a step, the more by CHECK_SPREAD
@@ -66,7 +65,7 @@ class GoodputCheck:
         # plain floats: this runs every step, and numpy scalars cost several times more.
         self._sums = [[0.0] * 6, [0.0] * 6]
         self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
-        self._requests: set[str] | None = None     # the last step's requests, while vetoed
+        self._joined: int | None = None            # requests joined by the last step, while vetoed
 
     @property
     def ratio(self) -> float:
@@ -112,13 +111,13 @@ class GoodputCheck:
             wait = max(wait, CHECK_MAX_S)
         return self._since[side] >= wait
 
-    def saw(self, requests: Collection[str]) -> None:
-        """A step of this kind under a veto has these requests: if most are new since the
-        last such step, the drafted side's evidence (formed on others) weighs half."""
-        last = self._requests
-        if last is not None and 2 * sum([r not in last for r in requests]) > len(requests):
+    def saw(self, joined: int, batch: int) -> None:
+        """A step of this kind under a veto, of ``batch`` requests, ``joined`` of them ever
+        (a running count): if more than half the batch joined since the last such step, the
+        drafted side's evidence (formed on other requests) weighs half."""
+        if self._joined is not None and 2 * (joined - self._joined) > batch:
             self._sums[0] = [VETO_NEW_BATCH * value for value in self._sums[0]]
-        self._requests = set(requests)
+        self._joined = joined
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
@@ -146,6 +145,6 @@ class GoodputCheck:
         if self.vetoed:  # lifted once the ratio is not clearly below 1
             self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
             if not self.vetoed:
-                self._requests = None  # a later veto compares its own steps' requests
+                self._joined = None  # a later veto counts from its own steps
         else:  # and never on a side's first few steps, however clear they look
             self.vetoed = log_ratio < -VETO_HYSTERESIS and self.z < -VETO_Z and min(self._counts) >= CHECK_MIN

@@ -25,13 +25,16 @@ class DecodingRequests:
         self.greedy: set[str] = set()  # of ``free``: greedy requests (they may verify draft paths)
         self.pinned: dict[str, int] = {}
         self.prefilling: dict[str, Request] = {}
+        self.joined = 0  # requests that entered ``free``, ever: what changed in a batch, at no pass over it
 
     def refresh(self, scheduler: Scheduler) -> int:
         """Bring the sorting up to date; returns the tokens the requests still in prefill
         have to compute."""
+        known = ()  # of a re-sort: the requests already decoding (they do not join again)
         if self.version != scheduler.running_version:
             changes = scheduler.running_changes(self.version)
             if changes is None:  # the first look, or too far behind the log: sort them all
+                known = set(self.free)
                 self.free.clear()
                 self.greedy.clear()
                 self.pinned.clear()
@@ -60,6 +63,7 @@ class DecodingRequests:
                 self.pinned[req_id] = self.k
             else:
                 self.free[req_id] = self.k
+                self.joined += req_id not in known
                 if params.greedy:
                     self.greedy.add(req_id)
         return tokens

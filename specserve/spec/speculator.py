@@ -218,7 +218,7 @@ class Speculator:
         chosen = self.controller.choose(decoding.free, other_tokens, decoding.num_prefilling + admitted,
                                         self.runner.pads_short_spans(with_prefill=other_tokens > 0),
                                         lambda: sum([len(r.all_token_ids) for r in running]),
-                                        decoding.greedy)
+                                        decoding.greedy, decoding.joined)
         if decoding.pinned:
             chosen.update(decoding.pinned)
         return chosen
