@@ -26,8 +26,8 @@ from torch import nn
 from specserve.kernels import cpu_ops
 
 # Rows from which a QuantLinear unpacks its weight for a library GEMM (``QuantLinear``):
-# a decoder layer of the default model crossed over at 24-32 rows on an AVX-512 CPU
-# (unpacking the layer's weights costs about what 20 rows of integer dot products do).
+# where unpacking costs less than the integer kernel's extra rows on the default model's
+# layers (benchmarks/results/gguf_cpu/).
 DEQUANT_ROWS = 32
 CHUNK = 64  # the kernel's inputs per weight vector: rows are padded to a multiple
 

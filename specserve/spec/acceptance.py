@@ -14,8 +14,8 @@ paths kept (``path_gain[m]``).
 A position a request's drafts did not reach in a step (it drafted fewer, or an earlier
 one was rejected) learns nothing of its own, so it moves towards the request's acceptance
 over the positions they did reach (``pooled``, and engine-wide ``prior_pooled``):
-acceptance given the drafts before were accepted varies little with the position (for
-the built-in draft: 0.80-0.88 at positions 1-4 on code, 0.55-0.65 on chat). Else a
+acceptance given the drafts before were accepted varies little with the position
+(fixed-k runs: ``benchmarks/results/per_token_drafting/``). Else a
 request that drafts one token learns its first position only, and its deeper ones keep
 the estimates it started with (the last workload's, chat's after chat) for good: the plan
 never drafts deeper, where code would pay.

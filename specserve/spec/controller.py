@@ -10,8 +10,7 @@ each kind of step (same padding, prefill or not, batch size within a factor of t
 keeps its plan for a few of its steps (``StandingPlan``), longer while it drafts nothing,
 and only freshly planned steps are timed for the cost model. A plan with drafts stands
 ``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
-of them (a GPU step at batch 1 lasts a couple of milliseconds, a plan a few hundred
-microseconds on a slow host), unless most of the batch is new to it.
+of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class GoodputCheck:
     are new since the kind's last step (at batch 1, the next request: chat after code, or
     code after chat), the drafted side keeps ``VETO_NEW_BATCH`` of its sums (``saw``): with
     its own decay alone, under a veto its steps being the rare checks, a verdict formed on
-    chat took ~230 steps of code, where drafts pay, to turn (simulated at batch 1).
+    chat would take hundreds of steps of code, where drafts pay, to turn.
 
     Steps the plan leaves without drafts are free samples of the plain side; a step is
     run the other way (the plan's drafts withheld, or let through under a veto) only when
