@@ -37,14 +37,15 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
     const at::Tensor& hidden, const OptTensor& residual, at::TensorList w, at::IntArrayRef meta, double eps,
     double scale, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& cu_query_lens,
-    const at::Tensor& seq_lens, int64_t max_span) {
+    const at::Tensor& seq_lens, int64_t max_span, const OptTensor& tree_masks) {
   static auto norm = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("specserve_cpu::rms_norm");
   static auto add_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, double)>("specserve_cpu::add_rms_norm");
   static auto rotary = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           at::Tensor, at::Tensor, const at::Tensor&)>("specserve_cpu::rotary_store_kv");
   static auto attend = find_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, const at::Tensor&, double, int64_t, double, int64_t, at::Tensor)>(
+                                    const at::Tensor&, const at::Tensor&, double, int64_t, double, int64_t, at::Tensor,
+                                    const OptTensor&)>(
       "specserve_cpu::paged_attention_short");
   static auto silu = find_op<at::Tensor(const at::Tensor&)>("specserve_cpu::silu_and_mul");
   TORCH_CHECK(w.size() == 14 && meta.size() == 12, "quant_decoder_layer: 14 weights and 12 meta values");
@@ -60,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
   const at::Tensor q = rotary.call(qkv.narrow(1, 0, heads + kv_heads), qkv.narrow(1, heads + kv_heads, kv_heads),
                                    cos, sin, k_cache, v_cache, slot_mapping);
   at::Tensor out = at::empty_like(q);
-  attend.call(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, 0, 0.0, max_span, out);
+  attend.call(q, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, 0, 0.0, max_span, out, tree_masks);
   const at::Tensor o = linear(out.reshape({-1, heads * head_dim}), w, 5, meta, 5);
   std::tie(h, res) = add_norm.call(o, res, w[1], eps);
   return {linear(silu.call(linear(h, w, 8, meta, 7)), w, 11, meta, 9), res};
@@ -71,7 +72,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("quant_decoder_layer(Tensor hidden, Tensor? residual, Tensor[] weights, int[] meta, float eps, "
         "float scale, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span) -> (Tensor, Tensor)");
+        "Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, Tensor? tree_masks=None) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {

@@ -261,6 +261,8 @@ struct SpanTask {
 // Query vectors are scored 16 at a time ("a pack"), one per vector lane, so a key's dot
 // products with all of them are head_dim fused multiply-adds with no sum across lanes.
 constexpr int64_t kPack = 16;
+// Positions a tree row's visibility mask covers (reference.TREE_SPAN).
+constexpr int64_t kTreeSpan = 64;
 // Keys scored together: independent accumulators, so the adds do not wait on each other.
 constexpr int64_t kKeys = 4;
 // Value dimensions summed together (reads past a row's end stay inside the buffer's slack).
@@ -327,12 +329,14 @@ inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32
 // vector v = i · group + g is row i, head kv_head · group + g; row i attends causally to
 // positions [max(lo, first_pos + i - window + 1), first_pos + i]. ``softcap`` > 0 caps each
 // score s (already scaled) to softcap · tanh(s / softcap) before the softmax (Gemma 2).
+// ``tree_masks`` (null: none): each row's visibility mask over the span's last
+// kTreeSpan positions, 0 for a causal row (reference.TREE_SPAN).
 template <typename T>
 void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
                  const int32_t* block_tables, int64_t table_width, int64_t block_size,
                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                 int64_t window, float softcap, T* out, std::vector<float>& scores, std::vector<float>& rows,
-                 std::vector<float>& buf) {
+                 int64_t window, float softcap, const int64_t* tree_masks, T* out, std::vector<float>& scores,
+                 std::vector<float>& rows, std::vector<float>& buf) {
   const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
   const int64_t packs = (nq + kPack - 1) / kPack;
   const int64_t first_pos = task.seq_len - task.q_len;
@@ -378,6 +382,16 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
       const float inv_cap = 1.f / softcap;
       for (int64_t j = 0; j < span * kPack; ++j) st[j] = softcap * std::tanh(st[j] * inv_cap);
     }
+    if (tree_masks != nullptr) {  // keys a tree row may not see score -inf (weigh < 1e-37)
+      const int64_t tail = std::max(lo, task.seq_len - kTreeSpan);
+      for (int64_t l = 0; l < kPack; ++l) {
+        const int64_t i = std::min(p * kPack + l, nq - 1) / group;
+        const uint64_t mask = static_cast<uint64_t>(tree_masks[task.row_start + i]);
+        if (mask == 0) continue;
+        for (int64_t pos = tail; pos < task.seq_len; ++pos)
+          if (((mask >> (task.seq_len - 1 - pos)) & 1u) == 0) st[(pos - lo) * kPack + l] = -INFINITY;
+      }
+    }
     softmax_pack(st, span, key_lo, key_hi);
   }
   widen_rows(v_cache);
@@ -419,7 +433,7 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
 void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& cu_query_lens_in,
                            const at::Tensor& seq_lens_in, double scale, int64_t window, double softcap,
-                           int64_t max_span, at::Tensor out) {
+                           int64_t max_span, at::Tensor out, const c10::optional<at::Tensor>& tree_masks_in) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
                   query.dim() == 3, "query and out must be contiguous [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -436,6 +450,12 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(cu.numel() == num_reqs + 1 && tables.size(0) >= num_reqs, "one table and span per request");
   const int32_t* cup = cu.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
+  at::Tensor tree_masks;
+  if (tree_masks_in.has_value()) {
+    tree_masks = tree_masks_in->to(at::kLong).contiguous();
+    TORCH_CHECK(tree_masks.dim() == 1 && tree_masks.numel() >= query.size(0), "one tree mask per query row");
+  }
+  const int64_t* tmp = tree_masks.defined() ? tree_masks.data_ptr<int64_t>() : nullptr;
   std::vector<SpanTask> tasks;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t q_len = cup[r + 1] - cup[r];
@@ -459,7 +479,7 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
         attend_span<scalar_t>(tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
                               block_size, num_heads, kv_heads, query.size(2),
-                              static_cast<float>(scale), window, static_cast<float>(softcap),
+                              static_cast<float>(scale), window, static_cast<float>(softcap), tmp,
                               out.data_ptr<scalar_t>(), scores, rows, buf);
     });
   });
@@ -477,7 +497,8 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("rotary_store_kv(Tensor qk, Tensor value, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("paged_attention_short(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, float softcap, int max_span, Tensor(a!) out) -> ()");
+        "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, float softcap, int max_span, Tensor(a!) out, "
+        "Tensor? tree_masks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {

@@ -126,10 +126,12 @@ def rotary_store_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, si
 def paged_attention_short(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                          max_span: int, out: torch.Tensor, softcap: float | None = None) -> None:
+                          max_span: int, out: torch.Tensor, softcap: float | None = None,
+                          tree_masks: torch.Tensor | None = None) -> None:
     """``reference.paged_attention`` for the requests whose query span is at most
     ``max_span`` rows (decode rows, verify spans), written into ``out``
-    ``[tokens, heads, head_dim]``; the other requests' rows are left alone."""
+    ``[tokens, heads, head_dim]``; the other requests' rows are left alone.
+    ``tree_masks``: the rows' visibility masks (``reference.TREE_SPAN``)."""
     torch.ops.specserve_cpu.paged_attention_short(query, k_cache, v_cache, block_tables, cu_query_lens,
                                                   seq_lens, scale, sliding_window or 0, softcap or 0.0,
-                                                  max_span, out)
+                                                  max_span, out, tree_masks)

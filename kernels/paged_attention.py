@@ -35,10 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import reference
+
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
 _MAX_SPLITS = 32
 DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
+TREE_SPAN = tl.constexpr(reference.TREE_SPAN)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -80,7 +83,7 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, tree_masks_ptr,
     num_reqs, num_splits, qk_scale, softcap_log2, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -89,6 +92,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_TOKENS: tl.constexpr, USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, FP16_DOT: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
     Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
@@ -96,7 +100,7 @@ def _paged_attention_kernel(
     scale is in ``scale``, its V scale multiplies the output. ``FP16_DOT``: a float8
     cache under bf16 queries; its tiles widen to fp16 (one instruction for two values,
     where bf16 takes several) and the queries round to fp16 once, exactly where they lie
-    in fp16's normal range."""
+    in fp16's normal range. ``TREE``: rows carry visibility masks (``reference.TREE_SPAN``)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,6 +125,8 @@ def _paged_attention_kernel(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if FP16_DOT:
         q = q.to(tl.float16)
+    if TREE:
+        tree_mask = tl.load(tree_masks_ptr + token, mask=row_valid, other=0)  # [BLOCK_M] int64
 
     # KV range of the whole tile, cut into num_splits chunks of whole BLOCK_N tiles.
     kv_hi = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len)
@@ -160,6 +166,11 @@ def _paged_attention_kernel(
         allowed = row_valid[:, None] & k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        if TREE:  # bit j: the key j positions before the request's last
+            back = kv_len - 1 - k_pos                                      # [BLOCK_N]
+            shift = tl.minimum(tl.maximum(back, 0), TREE_SPAN - 1).to(tl.int64)
+            bit = (tree_mask[:, None] >> shift[None, :]) & 1
+            allowed = allowed & ((tree_mask[:, None] == 0) | (back[None, :] >= TREE_SPAN) | (bit != 0))
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -265,7 +276,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     *, softcap: float | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, num_splits: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache, in one launch (two with
     KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
 
@@ -276,7 +288,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``max_query_len`` / ``max_seq_len`` to plan from (no device sync); ``num_splits``
     forces the split count. Rows past ``cu_query_lens[-1]`` (padding) are left unwritten.
     ``k_scale`` / ``v_scale``: what the cache's K and V values stand for a unit of (a
-    float8 cache's per-layer scales).
+    float8 cache's per-layer scales). ``tree_masks`` ``[num_tokens]`` int64: the rows'
+    visibility masks (``reference.TREE_SPAN``; None: every row causal).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -303,6 +316,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
         out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
+        tree_masks if tree_masks is not None else seq_lens,  # (unread without masks)
         block_tables.shape[0], plan.num_splits, scale * k_scale / softcap if softcap else scale * k_scale * LOG2E,
         (softcap or 0.0) * LOG2E, sliding_window or 0, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -315,7 +329,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_N=plan.block_n, SPLIT_KV=split_kv, SPLIT_TOKENS=plan.split_tokens, USE_WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,

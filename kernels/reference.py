@@ -41,6 +41,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 SHORT_SPAN = 16  # query spans up to this long (decode rows, verify spans) are batched
 
+# Tree attention (a draft tree verified in one pass): a query row's visibility mask, int64,
+# over its request's last TREE_SPAN keys. 0: the row attends causally. Otherwise bit j set
+# means the row may see the key at position seq_len - 1 - j (its request's seq_len); keys
+# further back are seen as ever, causally. A draft node's mask has its ancestors' bits,
+# its own and every bit of the context before the tree set (``batch.tree_masks``).
+TREE_SPAN = 64
+
+
+def tree_visible(masks: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """Whether rows with visibility ``masks`` may see keys ``back`` positions before their
+    request's last (broadcast against each other), under the rule above."""
+    bits = (masks >> back.clamp(0, TREE_SPAN - 1)) & 1
+    return (masks == 0) | (back >= TREE_SPAN) | (bits != 0)
+
 
 @dataclass
 class AttentionPlan:
@@ -62,9 +76,10 @@ class AttentionPlan:
 
 def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                    block_size: int, sliding_window: int | None, short_spans: bool = True,
-                   long_spans: bool = True) -> AttentionPlan:
+                   long_spans: bool = True, tree_masks: torch.Tensor | None = None) -> AttentionPlan:
     """``short_spans=False``: plan only the long spans (another kernel does the short ones);
-    ``long_spans=False``: none of them (another kernel does them all)."""
+    ``long_spans=False``: none of them (another kernel does them all). ``tree_masks``:
+    the rows' visibility masks (``TREE_SPAN``), None: every row attends causally."""
     device = block_tables.device
     starts = [0]
     for q_len in query_lens:
@@ -88,6 +103,10 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
         mask = key_pos[None, None, :] <= q_pos[:, :, None]
         if sliding_window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        if tree_masks is not None:
+            back = lens[:, None] - 1 - key_pos[None, :]
+            row_masks = torch.where(real, tree_masks[rows], 0)  # (padding: causal)
+            mask &= tree_visible(row_masks[:, :, None], back[:, None, :])
         real = None if bool(real.all()) else real
         keys_valid = None if bool(keys_valid.all()) else keys_valid
         mask = None if bool(mask.all()) else mask
@@ -96,6 +115,9 @@ def plan_attention(block_tables: torch.Tensor, query_lens: list[int], seq_lens: 
         if q_len > SHORT_SPAN and long_spans:
             span_slots = _slots(block_tables[i:i + 1], seq_lens[i], block_size)[0]
             span_mask = _mask(seq_lens[i] - q_len, q_len, seq_lens[i], sliding_window, device)
+            if tree_masks is not None:
+                back = seq_lens[i] - 1 - torch.arange(seq_lens[i], device=device)
+                span_mask &= tree_visible(tree_masks[starts[i]:starts[i + 1], None], back[None, :])
             spans.append((slice(starts[i], starts[i + 1]), span_slots, span_mask))
     return AttentionPlan(rows, real, slots, keys_valid, mask, spans)
 
@@ -104,7 +126,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                     scale: float, sliding_window: int | None = None,
                     plan: AttentionPlan | None = None, out: torch.Tensor | None = None,
-                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_dim]``, request i owning ``query_lens[i]``
@@ -115,11 +138,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     softcap)`` before the softmax. Returns ``[num_tokens, num_heads, head_dim]``. ``plan`` (from ``plan_attention`` with the same arguments)
     lets many layers share the index work; ``out`` receives the rows the plan covers.
     ``k_scale`` / ``v_scale``: what a unit of the cache's K and V stands for (a float8
-    cache's scales): K's goes into ``scale``, V's multiplies the output.
+    cache's scales): K's goes into ``scale``, V's multiplies the output. ``tree_masks``
+    ``[num_tokens]`` int64: each row's visibility mask (``TREE_SPAN``; None: all causal).
     """
     scale = scale * k_scale
     if plan is None:
-        plan = plan_attention(block_tables, query_lens, seq_lens, k_cache.shape[1], sliding_window)
+        plan = plan_attention(block_tables, query_lens, seq_lens, k_cache.shape[1], sliding_window,
+                              tree_masks=tree_masks)
     keys = k_cache.view(-1, *k_cache.shape[2:])
     values = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(query) if out is None else out

@@ -74,14 +74,14 @@ class TorchAttentionBackend:
             plan = reference.plan_attention(batch.block_tables, batch.query_lens_host,
                                             batch.seq_lens_host, k_cache.shape[1], sliding_window,
                                             short_spans=not self.cpu_kernels,
-                                            long_spans=not self.deterministic)
+                                            long_spans=not self.deterministic, tree_masks=batch.tree_masks)
             batch.attn_plans[sliding_window] = plan
         out = None
         if self.cpu_kernels:  # (whose caches are in the model's dtype: kv_scales are 1)
             out = torch.empty_like(query)
             cpu_ops.paged_attention_short(query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens,
                                           batch.seq_lens, scale, sliding_window, self.max_kernel_span, out,
-                                          softcap)
+                                          softcap, batch.tree_masks)
             if not plan.spans:
                 return out
         return reference.paged_attention(query, k_cache, v_cache, batch.block_tables,
@@ -120,7 +120,8 @@ class TritonAttentionBackend:
             batch.attn_plans[key] = plan
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
-            scale, sliding_window, plan=plan, softcap=softcap, k_scale=kv_scales[0], v_scale=kv_scales[1])
+            scale, sliding_window, plan=plan, softcap=softcap, k_scale=kv_scales[0], v_scale=kv_scales[1],
+            tree_masks=batch.tree_masks)
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -9,6 +9,8 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
+from specserve.kernels.reference import TREE_SPAN
+
 
 @dataclass
 class ForwardBatch:
@@ -31,6 +33,9 @@ class ForwardBatch:
     # [num_tokens, hidden]: per-token conditioning for a draft head that reads its
     # target's hidden states (``models/eagle.py``); None for every other model.
     features: torch.Tensor | None = None
+    # [num_tokens] int64: each row's visibility mask where the step verifies draft trees
+    # (``tree_rows``; 0: a causal row); None: every row attends causally.
+    tree_masks: torch.Tensor | None = None
     # Filled by the attention backend on first use in this step, keyed by sliding window.
     attn_plans: dict = field(default_factory=dict)
 
@@ -80,6 +85,7 @@ class HostBatch:
     query_lens: list[int]     # per request, padding requests included
     seq_lens: list[int]
     device_rows: list[int]    # rows whose token ids are still on the device
+    tree_masks: list[int] | None = None  # per row (``tree_rows``); None: no request drafts a tree
 
     @property
     def cu_query_lens(self) -> list[int]:
@@ -118,6 +124,7 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
     for p, count in zip(planned, counts):
         num_drafts = len(p.draft_token_ids)
         n = len(p.token_ids) + num_drafts
+        parents = p.draft_parents
         input_ids += p.token_ids
         input_ids += p.draft_token_ids
         append_slots(slots, p.block_table, p.start_pos, n, block_size)
@@ -130,7 +137,21 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
                 input_ids += [0] * (span - n)
                 slots += [-1] * (span - n)
         first = p.start_pos + long_offset if p.long_rope else p.start_pos
-        positions += range(first, first + width)
+        if parents is None:
+            positions += range(first, first + width)
+            if out.tree_masks is not None:
+                out.tree_masks += [0] * width
+        else:  # a draft tree: its nodes at their depths, each seeing its ancestors
+            if span is not None and span > n:
+                raise ValueError("a draft tree is not verified in a padded pass")
+            depths, masks = tree_rows(parents)
+            fed = len(p.token_ids)
+            positions += range(first, first + fed)
+            positions += [first + fed + depth for depth in depths]
+            if out.tree_masks is None:
+                out.tree_masks = [0] * num_rows
+            out.tree_masks += [0] * fed
+            out.tree_masks += masks
         end = num_rows + n
         if p.prompt_logits:  # every fed token's but a sampling row's, before it
             logits_rows += range(num_rows, num_rows + len(p.token_ids) - p.sample)
@@ -142,6 +163,26 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
     if span is not None:
         out.query_lens = [span] * len(planned)
     return out
+
+
+def tree_rows(parents: list[int]) -> tuple[list[int], list[int]]:
+    """The depths and visibility masks of a draft tree's nodes, fed after its request's
+    last token (the root): ``parents[i]`` is node i's parent, an earlier node, or -1 for
+    the root. A node sees the context up to the root, its ancestors and itself: bit j of
+    its mask is the position j before the request's last (``reference.TREE_SPAN``)."""
+    n = len(parents)
+    if n >= TREE_SPAN:
+        raise ValueError(f"a draft tree of {n} nodes; at most {TREE_SPAN - 1} are verified at once")
+    depths: list[int] = []
+    lines: list[int] = []  # each node's ancestors and itself, as mask bits
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"draft tree node {i} has parent {parent}, not an earlier node or the root (-1)")
+        own = 1 << (n - 1 - i)
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+        lines.append(own if parent < 0 else own | lines[parent])
+    context = -1 << n  # the root and everything before it
+    return depths, [line | context for line in lines]
 
 
 def block_table_array(planned, num_rows: int, width: int) -> np.ndarray:

@@ -239,6 +239,16 @@ class ModelRunner:
                              torch.int64, self.device)
         blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
+    @torch.inference_mode()
+    def copy_slots(self, slot_copies: list[tuple[int, int]]) -> None:
+        """Copy single token slots (source, destination) of every layer's K and V cache, all
+        sources read before any is written (a draft tree's path moving to its chain's
+        slots, ``spec.tree``)."""
+        raw = self.kv_storage.view(torch.uint8)  # bytes: a CPU has no float8 index_copy_
+        slots = raw.view(*raw.shape[:2], self.num_blocks * self.block_size, -1)
+        src, dst = to_device([[s for s, _ in slot_copies], [d for _, d in slot_copies]], torch.int64, self.device)
+        slots.index_copy_(2, dst, slots.index_select(2, src))
+
     def padded_tokens(self, output: SchedulerOutput, lengths: list[int] | None = None) -> int:
         """The query rows a pass over ``output`` computes where it pads: a CUDA-graph
         replay pads every request to the longest query, and an attention backend that
@@ -290,9 +300,12 @@ class ModelRunner:
         tables = block_table_array(planned, len(planned), max(len(p.block_table) for p in planned))
         tables_t, cu_t, seq_lens_t = to_device([tables, host.cu_query_lens, host.seq_lens], torch.int32,
                                                self.device)
+        tree_masks_t = None
+        if host.tree_masks is not None:
+            (tree_masks_t,) = to_device([host.tree_masks], torch.int64, self.device)
         if device_ids is not None:
             input_ids_t.index_copy_(0, device_rows_t, device_ids.ids)
         return ForwardBatch(
             input_ids=input_ids_t, positions=positions_t, slot_mapping=slots_t, block_tables=tables_t,
             cu_query_lens=cu_t, seq_lens=seq_lens_t, logits_indices=logits_t,
-            query_lens_host=host.query_lens, seq_lens_host=host.seq_lens)
+            query_lens_host=host.query_lens, seq_lens_host=host.seq_lens, tree_masks=tree_masks_t)

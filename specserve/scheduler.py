@@ -29,6 +29,9 @@ class ScheduledRequest:
     # Set by the speculator before the forward pass: at most num_lookahead proposals, fed
     # after token_ids and verified in the same pass.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A draft tree instead of a chain: each draft's parent, an earlier draft or -1 for the
+    # last fed token (``batch.tree_rows``); None: the drafts are one chain.
+    draft_parents: list[int] | None = None
     # Set when the request was admitted this step: how many of its first tokens a draft
     # cache holds valid entries for (cached blocks it shares; 0 without any).
     draft_cache_valid: int | None = None

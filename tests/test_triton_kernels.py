@@ -230,11 +230,13 @@ for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split,
     pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr")}
     pointers.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache)
     pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
-                    cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", v_scale="fp32")
+                    cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32",
+                    v_scale="fp32")
     compile(pa._paged_attention_kernel, pointers, dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_KV=split,
-        USE_WINDOW=window, UPCAST_DOT=False, IEEE_DOT=dtype == "fp32", FP16_DOT=cache == "fp8e4nv"),
+        USE_WINDOW=window, UPCAST_DOT=False, IEEE_DOT=dtype == "fp32", FP16_DOT=cache == "fp8e4nv",
+        TREE=block_q == 5),  # (the verify tile: a draft tree's visibility masks)
         num_warps=8 if block_m >= 128 else 4, i64=("stride_kb", "stride_vb"))
 compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
         cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)

@@ -65,5 +65,5 @@ class FusedCpuLayers:
         for (weights, meta, eps, scale), (k_cache, v_cache) in zip(self.layers[start:stop], kv_caches[start:stop]):
             hidden, residual = op(hidden, residual, weights, meta, eps, scale, cos, sin, k_cache, v_cache,
                                   batch.slot_mapping, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
-                                  self.backend.max_kernel_span)
+                                  self.backend.max_kernel_span, batch.tree_masks)
         return hidden, residual
