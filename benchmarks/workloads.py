@@ -21,13 +21,15 @@ __all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "drafter_setting
 def drafter_settings(spec: str) -> dict:
     """A benchmark's drafter: a speculative method (``none`` for speculation off), or
     ``draft_model@PATH`` for a draft checkpoint other than the built-in one; ``:paths=N``
-    after either verifies N draft paths per request (``num_draft_paths``)."""
+    after either verifies N draft paths per request (``num_draft_paths``), ``:tree=N`` a
+    draft tree of up to N further nodes (``draft_tree_nodes``)."""
     spec, _, options = spec.partition(":")
     method, _, path = spec.partition("@")
     settings = {"speculative_method": method, **({"draft_model": path} if path else {})}
     if options:
         name, _, value = options.partition("=")
-        if name != "paths" or not value.isdigit():
-            raise SystemExit(f"unknown drafter option {options!r} (expected paths=N)")
-        settings["num_draft_paths"] = int(value)
+        option = {"paths": "num_draft_paths", "tree": "draft_tree_nodes"}.get(name)
+        if option is None or not value.isdigit():
+            raise SystemExit(f"unknown drafter option {options!r} (expected paths=N or tree=N)")
+        settings[option] = int(value)
     return settings

@@ -169,7 +169,7 @@ class EagleDrafter(ModelDrafter):
                                              [p.params for p in order], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in order])
         session = None if stop is None else stop.begin(order)
-        tokens, q, confidence = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
+        tokens, q, confidence, _ = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
                                              process=process, confident=session is not None)
         columns, q_columns = [tokens], [q]
         n = len(order)
@@ -186,7 +186,7 @@ class EagleDrafter(ModelDrafter):
             step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params,
                                      long_rope=p.long_rope) for p in active]
             logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q, confidence = self._choose(logits, active, [ends[p.req_id] + j for p in active],
+            tokens, q, confidence, _ = self._choose(logits, active, [ends[p.req_id] + j for p in active],
                                                  meta and _head(meta, n), process=process,
                                                  confident=session is not None)
             columns.append(tokens)

@@ -117,7 +117,7 @@ class MedusaDrafter(ModelDrafter):
                 process = process.head(n)
                 process.advance(tokens[:n])
             logits = self.model(hidden[:n], j)
-            tokens, q, _ = self._choose(logits, active[:n], [end + j for end in ends[:n]],
+            tokens, q, _, _ = self._choose(logits, active[:n], [end + j for end in ends[:n]],
                                         meta and _head(meta, n), process=process)
             columns.append(tokens)
             q_columns.append(q)

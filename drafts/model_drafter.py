@@ -31,6 +31,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
 from specserve.spec.stopping import DraftStop, StopRule
+from specserve.spec.tree import TREE_RANKS
 from specserve.transfer import to_device
 
 
@@ -49,6 +50,7 @@ class ModelDrafter:
     needs_every_step = True  # a draft checkpoint's cache prefills in lockstep with the target's
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
+    grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
 
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
@@ -99,6 +101,12 @@ class ModelDrafter:
         if self.runner is not None and not self.shares_target_cache:
             self.runner.close()  # its own cache (the shared one is the target runner's)
         self.runner = self.model = None
+
+    def rewind(self, req_id: str, num_tokens: int) -> None:
+        """The own cache's entries from position ``num_tokens`` on are no longer the
+        request's (a draft tree's path left the chain there): they are fed again."""
+        if req_id in self._fed:
+            self._fed[req_id] = min(self._fed[req_id], num_tokens)
 
     def cached_tokens(self, req_id: str) -> int:
         """Positions of ``req_id`` whose entries the drafter's own cache holds (drafted ones
@@ -210,9 +218,12 @@ class ModelDrafter:
                                              [p.params for p in active], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in active])
         session = None if stop is None or forking else stop.begin(active)
-        tokens, q, confidence = self._choose(logits, active, [ends[i] for i in order], meta,
-                                             forks if forking else None, 0, process, session is not None)
-        columns, q_columns = [tokens], [q]
+        # A draft tree grows from its greedy rows' runner-up candidates (spec/tree.py).
+        ranks = TREE_RANKS if self.grows_trees and not forking else 0
+        tokens, q, confidence, top = self._choose(logits, active, [ends[i] for i in order], meta,
+                                                  forks if forking else None, 0, process, session is not None,
+                                                  ranks)
+        columns, q_columns, tops = [tokens], [q], [top]
         n = len(active)
         for j in range(1, active[0].num_lookahead):
             n = sum(p.num_lookahead > j for p in active) if session is None else \
@@ -227,16 +238,20 @@ class ModelDrafter:
             step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params,
                                      long_rope=p.long_rope) for i, p in zip(order, active)]
             logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q, confidence = self._choose(logits, active, [ends[i] + j for i in order[:n]],
-                                                 meta and _head(meta, n), forks[:n] if forking else None, j,
-                                                 process, session is not None)
+            tokens, q, confidence, top = self._choose(logits, active, [ends[i] + j for i in order[:n]],
+                                                      meta and _head(meta, n), forks[:n] if forking else None, j,
+                                                      process, session is not None, ranks)
             columns.append(tokens)
             q_columns.append(q)
+            tops.append(top)
             if not self.shares_target_cache:
                 for p, fork in zip(active, forks):
                     if fork is None:  # a request's paths feed the same positions
                         self._fed[p.req_id] += 1
-        return self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
+        proposal = self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
+        if ranks:
+            self._add_candidates(proposal, scheduled, order, tops, session)
+        return proposal
 
     def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
                   confidence: torch.Tensor | None, n: int) -> DraftProposal:
@@ -252,7 +267,27 @@ class ModelDrafter:
         draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns, lengths)
         return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
-                             session.passes)
+                             session.passes, goodput=session.gain / session.time)
+
+    def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops, session: DraftStop | None) -> None:
+        """A draft tree's material, in one copy to the host: the proposals themselves, and
+        for each greedy row without a grammar, per depth it kept, its ``TREE_RANKS`` + 1
+        likeliest tokens and their probabilities under q (``DraftProposal.candidates``)."""
+        counts = [len(d) for d in proposal.draft_token_ids]
+        ids, start = proposal.draft_ids.tolist(), 0
+        proposal.draft_token_ids = []
+        for count in counts:
+            proposal.draft_token_ids.append(ids[start:start + count])
+            start += count
+        proposal.draft_ids = None
+        tokens = [t.tolist() for t, _ in tops]
+        probs = [p.tolist() for _, p in tops]
+        proposal.candidates = [[] for _ in scheduled]
+        for r, i in enumerate(order):
+            planned = scheduled[i]
+            if not planned.params.greedy or planned.params.structured_outputs is not None:
+                continue
+            proposal.candidates[i] = [(tokens[j][r], probs[j][r]) for j in range(counts[i])]
 
     def _in_schedule_order(self, scheduled, order, columns, q_columns, lengths: list[int] | None = None):
         """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
@@ -277,7 +312,7 @@ class ModelDrafter:
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
                 meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0,
-                process: LogitsProcess | None = None, confident: bool = False):
+                process: LogitsProcess | None = None, confident: bool = False, ranks: int = 0):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
         argmax (a row whose fork, ``forks[i]`` = (depth, rank), is at this ``depth`` its
         rank-th candidate; ``forks`` None: no row forks), sampling ones draw from q, which is returned too
@@ -285,9 +320,15 @@ class ModelDrafter:
         the index of the token each row drafts, which keys its random number; ``meta``:
         the rows' sampling settings (None: all greedy); ``process``: their logits processing.
         With ``confident``, third: each row's confidence, the top probability of q (of
-        its greedy distribution for a greedy row), else None."""
+        its greedy distribution for a greedy row), else None. Fourth, with ``ranks``: each
+        row's ``ranks`` + 1 likeliest tokens and their probabilities (of its greedy
+        distribution: softmax of the processed logits), on the device; else None."""
         if process is not None:
             logits = process.apply(logits)
+        top = None
+        if ranks:
+            values, indices = logits.topk(ranks + 1, dim=-1)
+            top = (indices, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)))
         greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         if any(ranks):
@@ -297,7 +338,7 @@ class ModelDrafter:
             top = logits.gather(1, greedy[:, None])[:, 0].float()
             confidence = torch.exp(top - torch.logsumexp(logits.float(), dim=-1))
         if meta is None:
-            return greedy, None, confidence
+            return greedy, None, confidence, top
         q = target_probs(logits, meta)
         uniforms = [0.0 if p.params.greedy else
                     self.uniforms.at(p.req_id, p.params, range(pos, pos + 1), Uniforms.DRAFT)[0]
@@ -306,7 +347,7 @@ class ModelDrafter:
         sampled = sample_from_probs(q, uniforms_t)
         if confident:
             confidence = torch.where(meta.temperature > 0, q.amax(dim=-1).float(), confidence)
-        return torch.where(meta.temperature > 0, sampled, greedy), q, confidence
+        return torch.where(meta.temperature > 0, sampled, greedy), q, confidence, top
 
 
 def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:

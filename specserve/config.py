@@ -21,6 +21,7 @@ DRAFT_STOPPING = ("auto", "confidence", "plan")
 # model's own cache keeps its dtype.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
+TREE_METHODS = (*PATH_METHODS, "quantized")   # draft models whose candidates grow a tree
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -79,6 +80,12 @@ class EngineConfig:
     # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
     # draft tree; see spec/paths.py). Each costs 1 + k more tokens a step.
     num_draft_paths: int = 1
+    # draft_model / layerskip / quantized: a dynamic draft tree. Beside its drafted chain a
+    # greedy request verifies up to this many of the draft's runner-up candidates, chosen
+    # each step by the draft's confidence along the way (priced by the cost model where
+    # drafting stops by confidence), all in one pass with tree attention (spec/tree.py).
+    # 0: off.
+    draft_tree_nodes: int = 0
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match
     layerskip_layers: int | None = None  # layerskip: target layers the draft runs (default: 1/4)
@@ -164,6 +171,17 @@ class EngineConfig:
             raise SpecserveError(f"num_draft_paths {self.num_draft_paths} needs speculative_method "
                                  f"draft_model or layerskip (a drafter that ranks candidates), "
                                  f"not {self.speculative_method!r}")
+        if not _is_int(self.draft_tree_nodes) or not 0 <= self.draft_tree_nodes <= 32:
+            raise SpecserveError(f"draft_tree_nodes must be in [0, 32], got {self.draft_tree_nodes!r}")
+        if self.draft_tree_nodes:
+            if self.speculative_method not in TREE_METHODS:
+                raise SpecserveError(f"draft_tree_nodes {self.draft_tree_nodes} needs speculative_method "
+                                     f"{', '.join(TREE_METHODS)} (a draft model that ranks candidates), "
+                                     f"not {self.speculative_method!r}")
+            if self.num_draft_paths > 1:
+                raise SpecserveError("draft_tree_nodes and num_draft_paths > 1 are two draft trees; choose one")
+            if self.tensor_parallel_size != 1:
+                raise SpecserveError("draft_tree_nodes is not supported with tensor parallelism yet")
         if self.speculative_method == "quantized" and self.gguf_weights == "quantized":
             raise SpecserveError("speculative_method 'quantized' drafts with the target's quantized weights for "
                                  "its full-precision ones: gguf_weights must not be 'quantized'")

@@ -381,8 +381,9 @@ class LLMEngine:
     def _verify(self, drafts: Drafts) -> StepResult:
         """The one ragged target pass over every request's tokens and drafts (prefill
         chunks included), then rejection sampling: one device-to-host copy."""
-        planned = drafts.scheduled.scheduled
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
+        logits = self.speculator.settle_trees(drafts, logits)
+        planned = (drafts.settled or drafts.scheduled).scheduled
         requests = self.scheduler.requests
         logits, prompt, owners = self._prompt_rows(planned, logits)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids, first_position=end,

@@ -34,6 +34,13 @@ class DraftProposal:
     # and the drafter's passes run (the first included); None: every planned draft proposed.
     confidence: list[list[float]] | None = None
     num_passes: int | None = None
+    # The stopping rule's expected goodput of the step as drafted (emitted tokens per
+    # second), which further tree nodes must pay at; None without one.
+    goodput: float | None = None
+    # For a draft tree (``spec.tree``), per request, per depth of its drafts: its drafter's
+    # likeliest tokens there, best first, and their probabilities (empty: no tree; None:
+    # the drafter grows none). The proposals are then on the host.
+    candidates: list[list[tuple[list[int], list[float]]]] | None = None
 
 
 class Drafter(Protocol):

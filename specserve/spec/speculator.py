@@ -27,6 +27,7 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
+from specserve.spec.tree import DraftTrees, TreeOutcome
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
@@ -59,6 +60,10 @@ class Drafts:
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> its grammar-forced drafts
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> its grammar's row masks
+    # Draft trees (spec/tree.py): the step as the sampler and the scheduler see it, each
+    # tree replaced by the path its verification followed; and what each tree came to.
+    settled: SchedulerOutput | None = None
+    trees: dict[str, TreeOutcome] = field(default_factory=dict)
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -122,6 +127,13 @@ class Speculator:
         self.kv = kv
         self.max_k = config.num_speculative_tokens if drafter else 0
         self.paths = DraftPaths(kv, self._forks(config.num_draft_paths))
+        self.trees = None
+        if config.draft_tree_nodes and drafter is not None:
+            if any(layer.self_attn.sliding_window is not None for layer in runner.model.model.layers):
+                raise SpecserveError("draft_tree_nodes: this model attends within a sliding window, which "
+                                     "draft trees do not support yet")
+            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter)
+            drafter.grows_trees = True
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
         self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
@@ -253,6 +265,12 @@ class Speculator:
         self._failures = 0
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
+        if proposal.candidates is not None:
+            budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
+            threshold = 0.0  # a fixed budget of nodes; where drafting stops by confidence, priced
+            if stop is not None and proposal.goodput is not None:
+                threshold = proposal.goodput * stop.prices.token
+            self.trees.grow(scheduled, proposal.candidates, budget, threshold)
         if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
             drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
             drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
@@ -309,9 +327,19 @@ class Speculator:
                 end = planned.start_pos + len(planned.token_ids)
                 self.kv.mark_draft_valid(planned.req_id, min(self.drafter.cached_tokens(planned.req_id), end))
 
+    def settle_trees(self, drafts: Drafts, logits: torch.Tensor) -> torch.Tensor:
+        """Before sampling: each verified draft tree becomes the path its target followed
+        (``DraftTrees.settle``); returns the logits rows of the step as settled."""
+        if self.trees is None or not any(p.draft_parents is not None for p in drafts.scheduled.scheduled):
+            return logits
+        return self.trees.settle(drafts, logits)
+
     def keep_best_paths(self, drafts: Drafts, result: StepResult) -> tuple[SchedulerOutput, StepResult]:
         """The step as the scheduler should apply it: for a request that verified further
-        draft paths, its best path in its own entry's place (the others' blocks freed)."""
+        draft paths, its best path in its own entry's place (the others' blocks freed);
+        draft trees as settled."""
+        if drafts.settled is not None:
+            return drafts.settled, result
         if not drafts.scheduled.block_copies:
             return drafts.scheduled, result  # every further path forks with a block copy
         # (Paths forked this step are settled even where paths were turned off since.)
@@ -323,39 +351,49 @@ class Speculator:
         them) and taught to the controller's acceptance estimates; grammar-forced drafts
         are counted apart and teach the controller nothing. Then the requests that
         finished are forgotten."""
-        controller, paths = self.controller, drafts.paths
+        controller, paths, trees = self.controller, drafts.paths, drafts.trees
         if drafts.confidence and controller is not None:
-            self._calibrate(drafts.confidence, updates)
+            self._calibrate(drafts.confidence, updates, trees)
         for update in updates:
             accepted = min(update.num_accepted, len(update.new_token_ids))
             if update.req.req_id in drafts.forced:
                 self.forced_stats.record(update.num_draft_tokens, accepted)
             elif self.drafter is not None:
                 outcome = paths.get(update.req.req_id) if paths else None
+                tree = trees.get(update.req.req_id) if trees else None
                 own_accepted = update.num_accepted if outcome is None else outcome.own_accepted
+                proposed, verified, path_won = update.num_draft_tokens, update.num_draft_tokens, False
+                if tree is not None:  # the chain is what the controller planned; the tree is verified
+                    own_accepted, proposed, verified = min(update.num_accepted, tree.prefix), tree.chain, tree.nodes
+                    path_won = update.num_accepted > tree.prefix
                 if controller and update.num_planned:
                     controller.observe_acceptance(update.req.req_id, DraftOutcome(
-                        update.num_planned, update.num_draft_tokens, own_accepted,
+                        update.num_planned, proposed, own_accepted,
                         1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
-                path_won = outcome is not None and outcome.won
-                update.req.spec_stats.record(update.num_draft_tokens, accepted, path_won)
-                self.stats.record(update.num_draft_tokens, accepted, path_won)
+                path_won = path_won or (outcome is not None and outcome.won)
+                update.req.spec_stats.record(verified, accepted, path_won)
+                self.stats.record(verified, accepted, path_won)
             if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
                 self.free(update.req.req_id)  # its last observation is queued: forget it
 
-    def _calibrate(self, confidence: dict[str, list[float]], updates: list[RequestUpdate]) -> None:
+    def _calibrate(self, confidence: dict[str, list[float]], updates: list[RequestUpdate],
+                   trees: dict[str, TreeOutcome]) -> None:
         """The calibration map learns from every verified draft token: per request, the
-        accepted ones and the first rejected one (those after it were never judged)."""
+        accepted ones and the first rejected one (those after it were never judged). A
+        tree's chain is judged, not the path its verification followed."""
         greedy, depth, seen, accepted = [], [], [], []
         for update in updates:
             drafted = confidence.get(update.req.req_id)
             if not drafted:
                 continue
-            judged = min(update.num_accepted + 1, update.num_draft_tokens, len(drafted))
+            num_accepted, proposed = update.num_accepted, update.num_draft_tokens
+            if (tree := trees.get(update.req.req_id)) is not None:
+                num_accepted, proposed = min(num_accepted, tree.prefix), tree.chain
+            judged = min(num_accepted + 1, proposed, len(drafted))
             greedy += [update.req.params.greedy] * judged
             depth += range(judged)
             seen += drafted[:judged]
-            accepted += [j < update.num_accepted for j in range(judged)]
+            accepted += [j < num_accepted for j in range(judged)]
         self.controller.observe_confidence(greedy, depth, seen, accepted)
 
     def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:

@@ -1,0 +1,152 @@
+"""Dynamic draft trees (``draft_tree_nodes``, ``spec/tree.py``): a greedy request verifies
+its drafted chain and the draft's likeliest runner-up candidates in one pass with tree
+attention; the path the target's greedy choices follow becomes its drafts. Exactness
+against plain greedy decoding (float32), the pieces on their own, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.errors import SpecserveError
+from specserve.spec.tree import Leaf, choose_leaves, leaves, walk
+from tiny_models import LLM32, save_perturbed
+
+PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
+           "import os\nimport sys\nimport os\n"]
+ENGINE = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=96)
+KS = (4, 2, 4, 1, 3)
+
+
+# ---------------------------------------------------------------------- the pieces
+def test_leaves_are_the_runner_ups_with_the_chance_of_reaching_them():
+    chain = [10, 11, 12]
+    candidates = [([10, 20, 30], [0.5, 0.3, 0.1]), ([11, 21, 31], [0.8, 0.1, 0.05]), ([12, 22, 32], [0.9, 0.05, 0.01])]
+    got = {(leaf.parent, leaf.token): leaf.chance for leaf in leaves(chain, candidates)}
+    assert got == pytest.approx({(-1, 20): 0.3, (-1, 30): 0.1, (0, 21): 0.05, (0, 31): 0.025,
+                                 (1, 22): 0.02, (1, 32): 0.004})
+    # A tie that ranks the chain's own token second is not a leaf; only the chain's depths count.
+    assert [(leaf.parent, leaf.token) for leaf in leaves([20], [([10, 20, 30], [0.4, 0.4, 0.1])] * 2)] == \
+        [(-1, 10), (-1, 30)]
+
+
+def test_choose_leaves_likeliest_first_within_each_request_the_budget_and_the_threshold():
+    found = [Leaf(0, -1, 1, 0.5), Leaf(0, 0, 2, 0.4), Leaf(1, -1, 3, 0.3), Leaf(0, 1, 4, 0.2), Leaf(1, 0, 5, 0.1)]
+    assert [leaf.token for leaf in choose_leaves(found, 2, 10)] == [1, 2, 3, 5]
+    assert [leaf.token for leaf in choose_leaves(found, 2, 3)] == [1, 2, 3]
+    assert [leaf.token for leaf in choose_leaves(found, 5, 10, threshold=0.25)] == [1, 2, 3]
+
+
+def test_walk_follows_the_targets_argmax_through_the_tree():
+    # chain 0 -> 1 -> 2 (tokens 10, 11, 12); leaf 3 (token 20) beside node 0, leaf 4 (21) beside node 1.
+    tokens, parents = [10, 11, 12, 20, 21], [-1, 0, 1, -1, 0]
+    assert walk(tokens, parents, [10, 11, 12, 99, 0, 0]) == [0, 1, 2]       # the whole chain
+    assert walk(tokens, parents, [10, 21, 0, 0, 0, 7]) == [0, 4]            # off the chain at depth 1
+    assert walk(tokens, parents, [20, 0, 0, 0, 0, 0]) == [3]                # a leaf at depth 0
+    assert walk(tokens, parents, [99, 0, 0, 0, 0, 0]) == []                 # nothing
+    # Two children with the same token: the first (the chain's) is followed.
+    assert walk([10, 10], [-1, -1], [10, 5, 6]) == [0]
+
+
+# ---------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def near_draft(tmp_path_factory, tiny_model_dir):
+    """The tiny target with perturbed weights: its best guess is often wrong, its runner-up
+    often right."""
+    return save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("draft-tree"), 0.01)
+
+
+def _greedy(k: int, max_tokens: int = 40, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k, **extra)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_model_dir):
+    return [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **ENGINE).generate(
+        PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "layerskip"])
+def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_draft, plain_outputs, method):
+    """Fixed k per request and up to 0, 3 or 8 further nodes: the same tokens as plain
+    greedy decoding, every block back, and the runner-ups win steps and lengthen them."""
+    target = str(tiny_model_dir("llama"))
+    drafter = dict(draft_model=near_draft) if method == "draft_model" else dict(layerskip_layers=1)
+    stats = {}
+    for nodes in (0, 3, 8):
+        llm = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
+                    draft_tree_nodes=nodes, **drafter, **ENGINE)
+        got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        assert [o.token_ids for o in got] == plain_outputs, nodes
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+        stats[nodes] = llm.engine.spec_stats
+    assert stats[0].num_path_wins == 0
+    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
+    assert stats[8].mean_acceptance_length > stats[0].mean_acceptance_length
+    assert stats[8].num_draft_tokens > stats[0].num_draft_tokens  # every verified node counts
+
+
+def test_adaptive_trees_with_penalties_and_sampling_beside_them_stay_exact(tiny_model_dir, near_draft):
+    """Adaptive k with drafting stopped by confidence (its prices choose the nodes), a
+    greedy request with a repetition penalty (the walk reads raw logits, the sampler the
+    processed ones), and a seeded sampling request (a chain) beside them: each gets the
+    tokens it gets without speculation."""
+    target = str(tiny_model_dir("llama"))
+    params = [_greedy(None), _greedy(None, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True), _greedy(None)]
+    plain = [o.token_ids for o in LLM32(target, **ENGINE).generate(PROMPTS[:4], params, use_tqdm=False)]
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near_draft, num_speculative_tokens=4,
+                draft_stopping="confidence", draft_tree_nodes=6, **ENGINE)
+    got = [o.token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    # The sampling request's tokens depend on where drafts were verified (its k is adaptive),
+    # so only the greedy ones are compared with plain decoding; it must finish all the same.
+    assert [got[i] for i in (0, 1, 3)] == [plain[i] for i in (0, 1, 3)]
+    assert len(got[2]) == 40
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_tree_moves_its_paths_kv_to_the_chains_slots(tiny_model_dir, near_draft):
+    """After a step whose path left the chain, the target's cache holds at the path's
+    positions what a plain pass over the emitted tokens stores there, and the draft's
+    own cache is valid only up to the runner-up."""
+    target = str(tiny_model_dir("llama"))
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near_draft, num_speculative_tokens=4,
+                speculative_adaptive=False, draft_tree_nodes=8, enable_prefix_caching=False, **ENGINE)
+    engine = llm.engine
+    engine.add_request(PROMPTS[1], _greedy(4, max_tokens=200), req_id="a")
+    plain = LLM32(target, enable_prefix_caching=False, **ENGINE).engine
+    won = False
+    for _ in range(30):
+        wins = engine.spec_stats.num_path_wins
+        engine.step()
+        req = engine.scheduler.requests.get("a")
+        if req is None:
+            break
+        if engine.spec_stats.num_path_wins > wins:
+            won = True
+            n = req.num_computed_tokens
+            # The path ended on a runner-up, its last token: the draft cache holds entries
+            # for the chain's tokens before it and forgot the rest (they are fed again).
+            assert engine.speculator.drafter.cached_tokens("a") == n - 1
+            plain.add_request(req.all_token_ids[:n], SamplingParams(temperature=0, max_tokens=3), req_id="p")
+            plain.step()
+            mine, theirs = engine.runner, plain.runner
+            pos = torch.arange(n)
+            for runner, table in ((mine, engine.kv.block_table("a")), (theirs, plain.kv.block_table("p"))):
+                slots = torch.tensor(table)[pos // 4] * 4 + pos % 4
+                runner.seen = runner.kv_storage.flatten(2, 3)[:, :, slots]
+            torch.testing.assert_close(mine.seen, theirs.seen, atol=1e-4, rtol=1e-4)
+            plain.abort("p")
+            plain.step()
+            break
+    assert won
+
+
+def test_trees_are_refused_where_they_cannot_run(tiny_model_dir):
+    target = str(tiny_model_dir("llama"))
+    with pytest.raises(SpecserveError, match="draft_tree_nodes 4 needs speculative_method"):
+        LLM32(target, speculative_method="ngram", draft_tree_nodes=4, **ENGINE)
+    with pytest.raises(SpecserveError, match="choose one"):
+        LLM32(target, speculative_method="layerskip", num_draft_paths=2, draft_tree_nodes=4, **ENGINE)
+    with pytest.raises(SpecserveError, match=r"draft_tree_nodes must be in \[0, 32\]"):
+        LLM32(target, speculative_method="layerskip", draft_tree_nodes=33, **ENGINE)
