@@ -250,7 +250,7 @@ class ModelDrafter:
                         self._fed[p.req_id] += 1
         proposal = self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
         if ranks:
-            self._add_candidates(proposal, scheduled, order, tops, session)
+            self._add_candidates(proposal, scheduled, order, tops)
         return proposal
 
     def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
@@ -269,7 +269,7 @@ class ModelDrafter:
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
                              session.passes, goodput=session.gain / session.time)
 
-    def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops, session: DraftStop | None) -> None:
+    def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """A draft tree's material, in one copy to the host: the proposals themselves, and
         for each greedy row without a grammar, per depth it kept, its ``TREE_RANKS`` + 1
         likeliest tokens and their probabilities under q (``DraftProposal.candidates``)."""
@@ -312,7 +312,7 @@ class ModelDrafter:
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],
                 meta: SamplingMetadata | None, forks: list | None = None, depth: int = 0,
-                process: LogitsProcess | None = None, confident: bool = False, ranks: int = 0):
+                process: LogitsProcess | None = None, confident: bool = False, runner_ups: int = 0):
         """Each row's proposal, on the device ``[len(active)]``: greedy requests take the
         argmax (a row whose fork, ``forks[i]`` = (depth, rank), is at this ``depth`` its
         rank-th candidate; ``forks`` None: no row forks), sampling ones draw from q, which is returned too
@@ -320,14 +320,14 @@ class ModelDrafter:
         the index of the token each row drafts, which keys its random number; ``meta``:
         the rows' sampling settings (None: all greedy); ``process``: their logits processing.
         With ``confident``, third: each row's confidence, the top probability of q (of
-        its greedy distribution for a greedy row), else None. Fourth, with ``ranks``: each
-        row's ``ranks`` + 1 likeliest tokens and their probabilities (of its greedy
+        its greedy distribution for a greedy row), else None. Fourth, with ``runner_ups``: each
+        row's ``runner_ups`` + 1 likeliest tokens and their probabilities (of its greedy
         distribution: softmax of the processed logits), on the device; else None."""
         if process is not None:
             logits = process.apply(logits)
         top = None
-        if ranks:
-            values, indices = logits.topk(ranks + 1, dim=-1)
+        if runner_ups:
+            values, indices = logits.topk(runner_ups + 1, dim=-1)
             top = (indices, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)))
         greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
@@ -335,8 +335,8 @@ class ModelDrafter:
             greedy = _runner_up(logits, greedy, ranks, self.device)
         confidence = None
         if confident:
-            top = logits.gather(1, greedy[:, None])[:, 0].float()
-            confidence = torch.exp(top - torch.logsumexp(logits.float(), dim=-1))
+            best = logits.gather(1, greedy[:, None])[:, 0].float()
+            confidence = torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
         if meta is None:
             return greedy, None, confidence, top
         q = target_probs(logits, meta)
