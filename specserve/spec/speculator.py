@@ -27,7 +27,7 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
-from specserve.spec.tree import DraftTrees, TreeOutcome
+from specserve.spec.tree import DraftTrees, TreeOutcome, drafted_rows
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
@@ -84,7 +84,7 @@ class Drafts:
         if self.probs is not None:
             parts, start, vocab = [], 0, self.probs.shape[1]
             for planned in self.scheduled.scheduled:
-                k = len(planned.draft_token_ids)
+                k = drafted_rows(planned)
                 new = tokens.get(id(planned))
                 if new is None:
                     parts.append(self.probs[start:start + k])
@@ -105,7 +105,7 @@ class Drafts:
         their rows of q: the rest are never verified."""
         rows, start = [], 0
         for planned in self.scheduled.scheduled:
-            k = len(planned.draft_token_ids)
+            k = drafted_rows(planned)
             n = keep.get(id(planned), k)
             rows += range(start, start + n)
             start += k

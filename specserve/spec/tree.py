@@ -176,6 +176,13 @@ class DraftTrees:
         return logits.index_select(0, to_device([keep], torch.int64, logits.device)[0])
 
 
+def drafted_rows(planned) -> int:
+    """An entry's rows of q (``Drafts.probs``): one per draft of its chain (a tree's
+    further nodes have none)."""
+    parents = planned.draft_parents
+    return len(planned.draft_token_ids) if parents is None else _chain_length(parents)
+
+
 def _chain_length(parents: Sequence[int]) -> int:
     """How many first nodes form the chain (node i's parent is i - 1)."""
     n = 0
