@@ -253,6 +253,16 @@ class ModelDrafter:
             self._add_candidates(proposal, scheduled, order, tops)
         return proposal
 
+    def expand(self, entries: list[ScheduledRequest]) -> tuple[list[list[int]], list[list[float]]]:
+        """One draft pass over draft tree nodes (``spec.tree``: each entry's fed tokens at
+        their positions, with their visibility masks): for each node, its ``TREE_RANKS`` + 1
+        likeliest next tokens and their probabilities under q (raw logits: a tree grows for
+        greedy requests), on the host."""
+        logits = self._forward(entries)
+        values, indices = logits.topk(TREE_RANKS + 1, dim=-1)
+        probs = torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+        return indices.tolist(), probs.tolist()
+
     def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
                   confidence: torch.Tensor | None, n: int) -> DraftProposal:
         """The step's proposals: every planned draft, or with ``session`` the ones its

@@ -137,21 +137,27 @@ def host_batch(planned, block_size: int, device_counts: list[int] | None = None,
                 input_ids += [0] * (span - n)
                 slots += [-1] * (span - n)
         first = p.start_pos + long_offset if p.long_rope else p.start_pos
-        if parents is None:
+        nodes = p.tree_nodes
+        if parents is None and nodes is None:
             positions += range(first, first + width)
             if out.tree_masks is not None:
                 out.tree_masks += [0] * width
-        else:  # a draft tree: its nodes at their depths, each seeing its ancestors
+        else:  # tree nodes: each at its depth's position, seeing its ancestors
             if span is not None and span > n:
-                raise ValueError("a draft tree is not verified in a padded pass")
-            depths, masks = tree_rows(parents)
-            fed = len(p.token_ids)
-            positions += range(first, first + fed)
-            positions += [first + fed + depth for depth in depths]
+                raise ValueError("tree nodes are not fed in a padded pass")
             if out.tree_masks is None:
                 out.tree_masks = [0] * num_rows
-            out.tree_masks += [0] * fed
-            out.tree_masks += masks
+            if nodes is not None:  # (a drafter's pass over nodes: positions given)
+                offset = first - p.start_pos
+                positions += [offset + pos for pos in nodes[0]]
+                out.tree_masks += nodes[1]
+            else:
+                depths, masks = tree_rows(parents)
+                fed = len(p.token_ids)
+                positions += range(first, first + fed)
+                positions += [first + fed + depth for depth in depths]
+                out.tree_masks += [0] * fed
+                out.tree_masks += masks
         end = num_rows + n
         if p.prompt_logits:  # every fed token's but a sampling row's, before it
             logits_rows += range(num_rows, num_rows + len(p.token_ids) - p.sample)

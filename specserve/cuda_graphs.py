@@ -142,7 +142,7 @@ class GraphRunner:
         """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket, logits
         rows)`` ragged, None for an eager step (one that wants a prompt's logits, or verifies a
         draft tree: the graphs have no visibility masks)."""
-        if any(p.prompt_logits or p.draft_parents is not None for p in planned):
+        if any(p.prompt_logits or p.draft_parents is not None or p.tree_nodes is not None for p in planned):
             return None
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         q = max(lengths)

@@ -32,6 +32,9 @@ class ScheduledRequest:
     # A draft tree instead of a chain: each draft's parent, an earlier draft or -1 for the
     # last fed token (``batch.tree_rows``); None: the drafts are one chain.
     draft_parents: list[int] | None = None
+    # A drafter's pass over draft tree nodes (``spec.tree``): the fed tokens' positions and
+    # visibility masks (``batch.tree_rows``), where they are not consecutive and causal.
+    tree_nodes: tuple[list[int], list[int]] | None = None
     # Set when the request was admitted this step: how many of its first tokens a draft
     # cache holds valid entries for (cached blocks it shares; 0 without any).
     draft_cache_valid: int | None = None

@@ -11,7 +11,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.errors import SpecserveError
-from specserve.spec.tree import Leaf, choose_leaves, leaves, walk
+from specserve.spec.tree import Node, candidate_tree, choose, feed_rows, frontier, walk
 from tiny_models import LLM32, save_perturbed
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
@@ -21,22 +21,53 @@ KS = (4, 2, 4, 1, 3)
 
 
 # ---------------------------------------------------------------------- the pieces
-def test_leaves_are_the_runner_ups_with_the_chance_of_reaching_them():
+def test_the_candidate_tree_is_the_chain_and_its_runner_ups_with_their_chances():
     chain = [10, 11, 12]
     candidates = [([10, 20, 30], [0.5, 0.3, 0.1]), ([11, 21, 31], [0.8, 0.1, 0.05]), ([12, 22, 32], [0.9, 0.05, 0.01])]
-    got = {(leaf.parent, leaf.token): leaf.chance for leaf in leaves(chain, candidates)}
+    nodes = candidate_tree(chain, candidates, end=100)
+    assert [(n.parent, n.token, n.depth, n.chain, n.slot) for n in nodes[:3]] == \
+        [(-1, 10, 0, True, 100), (0, 11, 1, True, 101), (1, 12, 2, True, None)]  # the last is not fed
+    assert [n.chance for n in nodes[:3]] == pytest.approx([0.5, 0.4, 0.36])
+    got = {(n.parent, n.token): n.chance for n in nodes[3:]}
     assert got == pytest.approx({(-1, 20): 0.3, (-1, 30): 0.1, (0, 21): 0.05, (0, 31): 0.025,
                                  (1, 22): 0.02, (1, 32): 0.004})
-    # A tie that ranks the chain's own token second is not a leaf; only the chain's depths count.
-    assert [(leaf.parent, leaf.token) for leaf in leaves([20], [([10, 20, 30], [0.4, 0.4, 0.1])] * 2)] == \
-        [(-1, 10), (-1, 30)]
+    # A tie that ranks the chain's own token second: the first is a runner-up.
+    nodes = candidate_tree([20], [([10, 20, 30], [0.4, 0.4, 0.1])], end=0)
+    assert [(n.token, n.chain) for n in nodes] == [(20, True), (10, False), (30, False)]
 
 
-def test_choose_leaves_likeliest_first_within_each_request_the_budget_and_the_threshold():
-    found = [Leaf(0, -1, 1, 0.5), Leaf(0, 0, 2, 0.4), Leaf(1, -1, 3, 0.3), Leaf(0, 1, 4, 0.2), Leaf(1, 0, 5, 0.1)]
-    assert [leaf.token for leaf in choose_leaves(found, 2, 10)] == [1, 2, 3, 5]
-    assert [leaf.token for leaf in choose_leaves(found, 2, 3)] == [1, 2, 3]
-    assert [leaf.token for leaf in choose_leaves(found, 5, 10, threshold=0.25)] == [1, 2, 3]
+def test_expanding_feeds_the_likeliest_nodes_each_seeing_its_ancestors():
+    chain = [10, 11, 12, 13]
+    candidates = [([10, 20, 30], [0.5, 0.3, 0.1]), ([11, 21, 31], [0.8, 0.1, 0.05])] + \
+        [([12, 22, 32], [0.9, 0.05, 0.01]), ([13, 23, 33], [0.9, 0.05, 0.01])]
+    nodes = candidate_tree(chain, candidates, end=50)
+    fed = frontier(nodes, 2, max_depth=3)
+    assert [nodes[i].token for i in fed] == [20, 30]  # the likeliest runner-ups, both at depth 0
+    positions, masks = feed_rows(nodes, fed, end=50, first_slot=53)  # chain fed at 50, 51, 52
+    assert positions == [50, 50] and [nodes[i].slot for i in fed] == [53, 54]
+    seq_len = 55
+    for i, mask in zip(fed, masks):
+        seen = {s for s in range(seq_len) if s < seq_len - 64 or (mask >> (seq_len - 1 - s)) & 1}
+        assert seen == set(range(50)) | {nodes[i].slot}  # the context and itself, no chain node
+    # A child of a runner-up at depth 1 sees its parent's slot and the chain's first token.
+    nodes.append(Node(parent=next(i for i, n in enumerate(nodes) if n.token == 21), token=40, chance=0.01, depth=2))
+    child = len(nodes) - 1
+    nodes[nodes[child].parent].slot = 55
+    positions, masks = feed_rows(nodes, [child], end=50, first_slot=56)
+    seen = {s for s in range(57) if (masks[0] >> (56 - s)) & 1}
+    assert positions == [52] and seen == set(range(50)) | {50, 55, 56}
+    # Nothing deeper than the chain, nothing already expanded, nothing below the threshold.
+    assert frontier(nodes, 9, max_depth=1, threshold=0.06) == [i for i, n in enumerate(nodes) if n.token in (20, 30)]
+
+
+def test_choose_takes_the_likeliest_nodes_whose_parents_are_taken():
+    trees = {0: [Node(-1, 1, 0.9, 0, chain=True), Node(-1, 2, 0.5, 0), Node(1, 3, 0.45, 1), Node(-1, 4, 0.2, 0)],
+             1: [Node(-1, 5, 0.8, 0, chain=True), Node(-1, 6, 0.4, 0), Node(1, 7, 0.6, 1)]}
+    # Request 1's node 2 ranks above its parent (never so in a real tree): skipped, as its
+    # parent is not taken when it comes up.
+    assert choose(trees, 2, 10) == {0: [1, 2], 1: [1]}
+    assert choose(trees, 5, 2) == {0: [1, 2]}
+    assert choose(trees, 5, 10, threshold=0.42) == {0: [1, 2]}
 
 
 def test_walk_follows_the_targets_argmax_through_the_tree():

@@ -3,12 +3,17 @@ the draft's runner-up candidates where they are likeliest to be what the target 
 in the one ragged pass.
 
 * **Growing** (``DraftTrees.grow``). At each depth j of its chain the drafter reports its
-  ``TREE_RANKS`` + 1 likeliest tokens and their probabilities under q. A runner-up r at
-  depth j is a leaf whose parent is the chain's token j - 1 (the last fed token for j = 0);
-  its chance of being emitted is estimated as the product of q's top probabilities before
-  j times its own probability. Across the step, leaves are taken likeliest first while
-  each request has at most ``max_nodes`` and the step's token budget lasts; where drafting
-  stops by confidence, a leaf must also pay for verifying it at the step's expected goodput
+  ``TREE_RANKS`` + 1 likeliest tokens and their probabilities under q. A runner-up at
+  depth j is a node whose parent is the chain's token j - 1 (the last fed token for j = 0);
+  its chance of being emitted is estimated as q's probabilities multiplied along its path
+  (EAGLE-2's score). Then ``TREE_LEVELS`` draft passes expand each request's
+  ``TREE_EXPAND`` likeliest nodes not yet expanded: the draft model reads them at their
+  positions with tree attention over its own cache (``ModelDrafter.expand``; slots after
+  the chain's, never reached by the draft's valid length) and their likeliest children
+  join the candidates. Nodes are never deeper than the chain. Across the step, nodes are
+  taken likeliest first (a node only after its parent) while each request has at most
+  ``max_nodes`` and the step's token budget lasts; where drafting stops by confidence, a
+  node (and an expansion) must also pay for verifying it at the step's expected goodput
   (the stopping rule's prices, ``spec.stopping``). Their KV slots are allocated after the
   chain's, and the token budget they use is what scheduling left.
 * **Verifying.** Nodes sit at their depths' positions and see the context, their
@@ -33,11 +38,15 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.scheduler import SchedulerOutput
+from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.transfer import to_device
 
-# Runner-up candidates per depth a tree may take (ranks 1 .. TREE_RANKS of q).
+# Runner-up candidates per depth a tree may take (ranks 1 .. TREE_RANKS of q), and how
+# the likeliest of them grow: TREE_LEVELS draft passes, each over a request's TREE_EXPAND
+# likeliest nodes not yet expanded, adding their TREE_RANKS + 1 likeliest children.
 TREE_RANKS = 2
+TREE_LEVELS = 2
+TREE_EXPAND = 2
 
 
 class TreeOutcome(NamedTuple):
@@ -48,39 +57,83 @@ class TreeOutcome(NamedTuple):
     prefix: int  # chain drafts on the path before a further node; the path's length if none
 
 
-@dataclass(frozen=True)
-class Leaf:
-    req: int        # index of the request's entry in the step
-    parent: int     # chain node (-1: the last fed token)
+@dataclass
+class Node:
+    """A candidate node of a request's draft tree."""
+
+    parent: int           # index of its parent among the request's candidates (-1: the last fed token)
     token: int
-    chance: float   # estimated chance that it is emitted
+    chance: float         # estimated chance that it is emitted: q's probabilities along its path
+    depth: int            # 0: right after the last fed token
+    chain: bool = False   # one of the drafted chain's (always verified)
+    slot: int | None = None  # where the draft's own cache holds its entries (None: not fed)
+    expanded: bool = False
 
 
-def leaves(chain: Sequence[int], candidates: Sequence[tuple[Sequence[int], Sequence[float]]],
-           req: int = 0) -> list[Leaf]:
-    """A chain's runner-up leaves at each of its depths, with their estimated chances."""
-    out, before = [], 1.0
-    for depth, (tokens, probs) in enumerate(candidates[:len(chain)]):
+def candidate_tree(chain: Sequence[int], candidates: Sequence[tuple[Sequence[int], Sequence[float]]],
+                   end: int) -> list[Node]:
+    """A request's chain (drafted from position ``end`` on; the draft fed all but its last
+    token, at their positions) and, at each of its depths, q's runner-ups as leaves."""
+    nodes, before = [], 1.0
+    k = len(chain)
+    for depth, (tokens, probs) in enumerate(candidates[:k]):
         own = chain[depth]  # (a tie may rank it second: then the first is a runner-up)
-        others = [(token, prob) for token, prob in zip(tokens, probs) if token != own]
+        p_own = probs[tokens.index(own)] if own in tokens else probs[0]
+        nodes.append(Node(depth - 1, own, before * p_own, depth, chain=True,
+                          slot=end + depth if depth < k - 1 else None))
+        before *= p_own
+    for depth, (tokens, probs) in enumerate(candidates[:k]):
+        others = [(token, prob) for token, prob in zip(tokens, probs) if token != chain[depth]]
+        parent_chance = nodes[depth - 1].chance if depth else 1.0
         for token, prob in others[:len(tokens) - 1]:
-            out.append(Leaf(req, depth - 1, token, before * prob))
-        before *= probs[tokens.index(own)] if own in tokens else probs[0]
-    return out
+            nodes.append(Node(depth - 1, token, parent_chance * prob, depth))
+    return nodes
 
 
-def choose_leaves(all_leaves: list[Leaf], max_nodes: int, budget: int, threshold: float = 0.0) -> list[Leaf]:
-    """The leaves to verify: likeliest first, at most ``max_nodes`` per request and
-    ``budget`` in all, each with a chance of at least ``threshold``."""
-    taken: list[Leaf] = []
-    per_request: dict[int, int] = {}
-    for leaf in sorted(all_leaves, key=lambda leaf: -leaf.chance):
-        if len(taken) >= budget or leaf.chance < threshold:
+def frontier(nodes: list[Node], count: int, max_depth: int, threshold: float = 0.0) -> list[int]:
+    """The likeliest ``count`` nodes to expand: not the chain's (the draft continued those),
+    not yet expanded, fed parents, children within ``max_depth``, chance at least ``threshold``."""
+    ready = [i for i, node in enumerate(nodes)
+             if not node.chain and not node.expanded and node.depth < max_depth and node.chance >= threshold
+             and (node.parent < 0 or nodes[node.parent].slot is not None)]
+    return sorted(ready, key=lambda i: -nodes[i].chance)[:count]
+
+
+def feed_rows(nodes: list[Node], fed: list[int], end: int, first_slot: int) -> tuple[list[int], list[int]]:
+    """Positions and visibility masks (``batch.tree_rows``) of nodes ``fed`` when the draft
+    feeds them at slots ``first_slot`` on (set on the nodes): each sees the context before
+    ``end``, its ancestors' slots and its own."""
+    for n, i in enumerate(fed):
+        nodes[i].slot = first_slot + n
+    seq_len = first_slot + len(fed)
+    context = -1 << (seq_len - end)
+    masks = []
+    for i in fed:
+        mask, node = context, i
+        while node >= 0:
+            mask |= 1 << (seq_len - 1 - nodes[node].slot)
+            node = nodes[node].parent
+        masks.append(mask)
+    return [end + nodes[i].depth for i in fed], masks
+
+
+def choose(trees: dict[int, list[Node]], max_nodes: int, budget: int, threshold: float = 0.0) -> dict[int, list[int]]:
+    """The further nodes to verify per request: likeliest first, each with its parent taken
+    (or the chain's), at most ``max_nodes`` per request and ``budget`` in all, each with a
+    chance of at least ``threshold``."""
+    ranked = sorted(((node.chance, node.depth, req, i) for req, nodes in trees.items()
+                     for i, node in enumerate(nodes) if not node.chain), key=lambda t: (-t[0], t[1]))
+    taken: dict[int, list[int]] = {}
+    total = 0
+    for chance, _, req, i in ranked:
+        if total >= budget or chance < threshold:
             break
-        if per_request.get(leaf.req, 0) < max_nodes:
-            per_request[leaf.req] = per_request.get(leaf.req, 0) + 1
-            taken.append(leaf)
-    return taken
+        mine = taken.setdefault(req, [])
+        parent = trees[req][i].parent
+        if len(mine) < max_nodes and (parent < 0 or trees[req][parent].chain or parent in mine):
+            mine.append(i)
+            total += 1
+    return {req: nodes for req, nodes in taken.items() if nodes}
 
 
 def walk(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -> list[int]:
@@ -100,31 +153,67 @@ def walk(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -
 class DraftTrees:
     """Grows a step's draft trees and settles them after the verify pass."""
 
-    def __init__(self, max_nodes: int, kv, runner, drafter) -> None:
+    def __init__(self, max_nodes: int, kv, runner, drafter, levels: int = TREE_LEVELS,
+                 expand: int = TREE_EXPAND) -> None:
         self.max_nodes = max_nodes
         self.kv = kv
         self.runner = runner
         self.drafter = drafter
+        self.levels = levels
+        self.expand = expand
 
     def grow(self, output: SchedulerOutput, candidates: list, budget: int, threshold: float = 0.0) -> bool:
         """Add further nodes to ``output``'s requests from their drafter's ``candidates``
-        (``DraftProposal.candidates``) within ``budget`` tokens; returns whether any grew."""
+        (``DraftProposal.candidates``), expanded by draft passes over the likeliest, within
+        ``budget`` tokens; returns whether any grew."""
         planned = output.scheduled
-        found = [leaf for i, c in enumerate(candidates) if c for leaf in leaves(planned[i].draft_token_ids, c, i)]
-        chosen = choose_leaves(found, self.max_nodes, budget, threshold)
-        by_request: dict[int, list[Leaf]] = {}
-        for leaf in chosen:
-            by_request.setdefault(leaf.req, []).append(leaf)
-        grew = False
-        for i, taken in by_request.items():
+        trees: dict[int, list[Node]] = {}
+        for i, c in enumerate(candidates):
             p = planned[i]
-            chain = len(p.draft_token_ids)
-            end = p.start_pos + len(p.token_ids)
-            if not self.kv.allocate_slots(p.req_id, end + chain + len(taken)):
+            if not c:
+                continue
+            end, k = p.start_pos + len(p.token_ids), len(p.draft_token_ids)
+            # Slots for the verify pass's nodes and for the draft's passes over nodes.
+            if not self.kv.allocate_slots(p.req_id, end + k + max(self.max_nodes, self.levels * self.expand)):
                 continue  # no blocks for them: the chain alone
             p.block_table = list(self.kv.block_table(p.req_id))
-            p.draft_parents = list(range(-1, chain - 1)) + [leaf.parent for leaf in taken]
-            p.draft_token_ids = p.draft_token_ids + [leaf.token for leaf in taken]
+            trees[i] = candidate_tree(p.draft_token_ids, c, end)
+        next_slot = {i: planned[i].start_pos + len(planned[i].token_ids) + len(planned[i].draft_token_ids) - 1
+                     for i in trees}
+        for _ in range(self.levels):
+            entries, fed_by = [], []
+            for i, nodes in trees.items():
+                p = planned[i]
+                fed = frontier(nodes, self.expand, len(p.draft_token_ids) - 1, threshold)
+                if not fed:
+                    continue
+                end = p.start_pos + len(p.token_ids)
+                rows = feed_rows(nodes, fed, end, next_slot[i])
+                entries.append(ScheduledRequest(p.req_id, [nodes[j].token for j in fed], next_slot[i],
+                                                p.block_table, p.params, prompt_logits=True,
+                                                long_rope=p.long_rope, tree_nodes=rows))
+                fed_by.append((i, fed))
+                next_slot[i] += len(fed)
+            if not entries:
+                break
+            tokens, probs = self.drafter.expand(entries)
+            row = 0
+            for i, fed in fed_by:
+                nodes = trees[i]
+                for j in fed:
+                    nodes[j].expanded = True
+                    for token, prob in zip(tokens[row], probs[row]):
+                        nodes.append(Node(j, token, nodes[j].chance * prob, nodes[j].depth + 1))
+                    row += 1
+        grew = False
+        for i, taken in choose(trees, self.max_nodes, budget, threshold).items():
+            p, nodes = planned[i], trees[i]
+            k = len(p.draft_token_ids)
+            index = {j: j for j in range(k)}  # candidate -> verified node (the chain first)
+            index.update({j: k + n for n, j in enumerate(taken)})
+            p.draft_parents = list(range(-1, k - 1)) + [-1 if nodes[j].parent < 0 else index[nodes[j].parent]
+                                                       for j in taken]
+            p.draft_token_ids = p.draft_token_ids + [nodes[j].token for j in taken]
             grew = True
         return grew
 
