@@ -46,6 +46,7 @@ class EagleDrafter(ModelDrafter):
     def catch_up_lazily(self) -> bool:
         return False  # its entries need the target's features of every step
     max_paths = 1  # its features follow each request's pass by request id
+    can_grow_trees = False  # (its features would have to follow a tree's path too)
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype,
                  feature_layers: tuple[int, ...] | None = None) -> None:

@@ -32,6 +32,7 @@ class MedusaDrafter(ModelDrafter):
     needs_every_step = False  # it reads the target's last pass, whichever step ran it
     confidence = False  # its drafts come from one pass: nothing to stop between
     max_paths = 1
+    can_grow_trees = False
 
     def __init__(self, heads, config, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__("draft_model", heads, config, device, dtype)

@@ -31,7 +31,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
 from specserve.spec.stopping import DraftStop, StopRule
-from specserve.spec.tree import TREE_RANKS
+from specserve.spec.tree import TREE_RANKS, grows
 from specserve.transfer import to_device
 
 
@@ -51,6 +51,7 @@ class ModelDrafter:
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
     grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
+    can_grow_trees = True  # it can (``propose`` reports candidates, ``expand`` reads nodes)
 
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
@@ -67,6 +68,7 @@ class ModelDrafter:
         self.draft_cache = None if shares_target_cache else "tokens"
         self.last_catch_up_s = 0.0
         self.lazy = False  # see ``catch_up_lazily``
+        self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
 
     # ------------------------------------------------------------------ set-up
     def kv_bytes_per_block(self) -> int:
@@ -281,8 +283,10 @@ class ModelDrafter:
 
     def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """A draft tree's material, in one copy to the host: the proposals themselves, and
-        for each greedy row without a grammar, per depth it kept, its ``TREE_RANKS`` + 1
-        likeliest tokens and their probabilities under q (``DraftProposal.candidates``)."""
+        for each row that may grow a tree (``spec.tree.grows``), per depth it kept, its
+        ``TREE_RANKS`` + 1 candidates and their probabilities under q: a greedy row's
+        likeliest tokens, a sampling row's drawn token and more drawn without replacement
+        (``DraftProposal.candidates``)."""
         counts = [len(d) for d in proposal.draft_token_ids]
         ids, start = proposal.draft_ids.tolist(), 0
         proposal.draft_token_ids = []
@@ -294,8 +298,7 @@ class ModelDrafter:
         probs = [p.tolist() for _, p in tops]
         proposal.candidates = [[] for _ in scheduled]
         for r, i in enumerate(order):
-            planned = scheduled[i]
-            if not planned.params.greedy or planned.params.structured_outputs is not None:
+            if not grows(scheduled[i].params):
                 continue
             proposal.candidates[i] = [(tokens[j][r], probs[j][r]) for j in range(counts[i])]
 
@@ -357,7 +360,23 @@ class ModelDrafter:
         sampled = sample_from_probs(q, uniforms_t)
         if confident:
             confidence = torch.where(meta.temperature > 0, q.amax(dim=-1).float(), confidence)
+        if top is not None:  # a sampling row's runner-ups: drawn from q without replacement
+            top = self._without_replacement(q, sampled, runner_ups, top, meta.temperature > 0)
         return torch.where(meta.temperature > 0, sampled, greedy), q, confidence, top
+
+    def _without_replacement(self, q: torch.Tensor, drawn: torch.Tensor, count: int, top, sampling: torch.Tensor):
+        """For sampling rows, in ``top``'s place: the drawn token, then ``count`` more drawn
+        from q without replacement (Gumbel top-k with the drawn token removed; a token q
+        cannot draw comes with probability 0), and their probabilities under q."""
+        if self._tree_rng is None:
+            self._tree_rng = torch.Generator(device=q.device).manual_seed(self.config.seed)
+        gumbel = -torch.log(-torch.log(torch.rand(q.shape, generator=self._tree_rng, device=q.device)
+                                       .clamp_(1e-20, 1.0 - 1e-7)))
+        keys = (q.float().log() + gumbel).scatter_(1, drawn[:, None], float("-inf"))
+        others = keys.topk(count, dim=-1).indices
+        tokens = torch.cat([drawn[:, None], others], dim=1)
+        probs = q.float().gather(1, tokens)
+        return (torch.where(sampling[:, None], tokens, top[0]), torch.where(sampling[:, None], probs, top[1]))
 
 
 def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:

@@ -383,7 +383,9 @@ class LLMEngine:
         chunks included), then rejection sampling: one device-to-host copy."""
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
         logits = self.speculator.settle_trees(drafts, logits)
-        planned = (drafts.settled or drafts.scheduled).scheduled
+        settled = (drafts.settled or drafts.scheduled).scheduled
+        decided = drafts.decided  # sampling requests' trees, verified in settling
+        planned = [p for p in settled if id(p) not in decided] if decided else settled
         requests = self.scheduler.requests
         logits, prompt, owners = self._prompt_rows(planned, logits)
         verify = [VerifyRequest(p.req_id, p.params, p.draft_token_ids, first_position=end,
@@ -392,7 +394,13 @@ class LLMEngine:
         # Drafts still on the device come back in the sampler's copy, filling draft_token_ids.
         sampled = self.sampler.sample(logits, verify, drafts.probs, drafts.draft_ids, prompt)
         self._add_prompt_logprobs(owners, sampled.prompt_logprobs)
-        return StepResult(sampled.new_token_ids, sampled.logprobs)
+        if not decided:
+            return StepResult(sampled.new_token_ids, sampled.logprobs)
+        tokens, logprobs = iter(sampled.new_token_ids), iter(sampled.logprobs or ())
+        merged = [(decided[id(p)], None) if id(p) in decided else (next(tokens), next(logprobs, None))
+                  for p in settled if p.sample]
+        return StepResult([t for t, _ in merged],
+                          None if sampled.logprobs is None else [lp for _, lp in merged])
 
     def _prompt_rows(self, planned, logits):
         """Split off the rows of prompt positions (a chunk with ``prompt_logits``, whose

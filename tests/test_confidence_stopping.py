@@ -5,13 +5,12 @@ tokens equal plain greedy (float32) and sampling keeps the target's distribution
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tiny_models import LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed
+from tiny_models import (LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed,
+                         sharpened)
 
 from specserve import LLMEngine, SamplingParams
 from specserve.scheduler import ScheduledRequest
@@ -156,17 +155,6 @@ def force_rule(engine, rule: StopRule) -> list[list[int]]:
 
     drafter.propose = ruled
     return kept
-
-
-def sharpened(path: str, factor: float = 40.0) -> str:
-    """The draft at ``path`` with its logits scaled by ``factor`` (its final norm): a tiny
-    random model's q is nearly uniform (top probability ~0.01), so its confidence would
-    say nothing; scaled, it ranges over (0, 1) and its argmax stays put."""
-    file = Path(path) / "model.safetensors"
-    weights = load_file(file)
-    weights["model.norm.weight"] = weights["model.norm.weight"] * factor
-    save_file(weights, file, metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 
-from specserve import SamplingParams
+from specserve import LLMEngine, SamplingParams
 from specserve.errors import SpecserveError
 from specserve.spec.tree import Node, candidate_tree, choose, feed_rows, frontier, walk
-from tiny_models import LLM32, save_perturbed
+from tiny_models import (LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed,
+                         sharpened)
 
 PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", "x = 1\ny = 2\nx = 1\n",
            "import os\nimport sys\nimport os\n"]
@@ -176,8 +177,11 @@ def test_a_tree_moves_its_paths_kv_to_the_chains_slots(tiny_model_dir, near_draf
     assert won
 
 
-def test_trees_are_refused_where_they_cannot_run(tiny_model_dir):
+def test_trees_are_refused_where_they_cannot_run(tiny_model_dir, tmp_path):
     target = str(tiny_model_dir("llama"))
+    head = make_eagle_head(target, [1], tmp_path)[0]
+    with pytest.raises(SpecserveError, match="does not grow draft trees"):
+        LLM32(target, speculative_method="draft_model", draft_model=head, draft_tree_nodes=4, **ENGINE)
     with pytest.raises(SpecserveError, match="draft_tree_nodes 4 needs speculative_method"):
         LLM32(target, speculative_method="ngram", draft_tree_nodes=4, **ENGINE)
     with pytest.raises(SpecserveError, match="choose one"):
@@ -201,3 +205,32 @@ def test_a_tree_beside_a_grammar_and_a_sampling_request_in_one_step(tiny_model_d
     assert got[0].token_ids == plain
     assert re.fullmatch("(ab|b)+", got[1].text) and len(got[2].token_ids) == 30
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def unsure(tmp_path_factory, tiny_model_dir):
+    """The target itself, sharpened: the same candidates as the target's, in other
+    proportions, so that drafts are rejected often and the residuals matter."""
+    return sharpened(save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("tree-unsure"), 0.0), 12.0)
+
+
+@pytest.mark.parametrize("top_k, length, outcomes, limit", [(2, 4, 16, 37.7), (3, 3, 27, 54.05)])
+def test_sampling_through_trees_has_the_target_distribution(tiny_model_dir, unsure, top_k, length, outcomes, limit):
+    """Continuations (top_k 2 or 3: 16 or 27 outcomes, exact from transformers) sampled
+    through trees: each depth's drafted token and others drawn without replacement,
+    verified by recursive rejection without replacement. Chi-square within its degrees of
+    freedom (p = 0.001); trees grew and their runner-ups were kept. (Accepting a runner-up
+    against p itself rather than the residual left by the rejected chain token gives a
+    chi-square in the hundreds, and with top_k 3 so does keeping a rejected token in q:
+    checked.)"""
+    target = str(tiny_model_dir("llama"))
+    prompt, sp = [5, 17, 99, 230, 17, 99], dict(temperature=1.0, top_k=top_k)
+    exact = exact_continuations(target, prompt, length, sp)
+    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=unsure,
+                       num_speculative_tokens=3, speculative_adaptive=False, draft_tree_nodes=4,
+                       max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
+    chi2 = continuation_chi_square(engine, prompt, sp, exact, 3000)
+    assert len(exact) == outcomes and chi2 < limit, chi2
+    stats = engine.spec_stats
+    assert stats.num_path_wins > 100, stats
+    assert engine.num_free_blocks == engine.kv.num_blocks

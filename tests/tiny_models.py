@@ -1,8 +1,11 @@
 """Tiny seeded random Llama-family checkpoints with a real (tiny) tokenizer."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -128,6 +131,17 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
             else:
                 p.normal_(0, 0.05)
     return model
+
+
+def sharpened(path: str, factor: float = 40.0) -> str:
+    """The draft at ``path`` with its logits scaled by ``factor`` (its final norm): a tiny
+    random model's q is nearly uniform (top probability ~0.01), so its confidence would
+    say nothing; scaled, it ranges over (0, 1) and its argmax stays put."""
+    file = Path(path) / "model.safetensors"
+    weights = load_file(file)
+    weights["model.norm.weight"] = weights["model.norm.weight"] * factor
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
 
 
 def save_perturbed(target_dir, path, noise: float, seed: int = 7) -> str:

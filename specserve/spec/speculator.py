@@ -64,6 +64,7 @@ class Drafts:
     # tree replaced by the path its verification followed; and what each tree came to.
     settled: SchedulerOutput | None = None
     trees: dict[str, TreeOutcome] = field(default_factory=dict)
+    decided: dict[int, list[int]] = field(default_factory=dict)  # id(settled entry) -> tokens verified in settling
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -129,10 +130,13 @@ class Speculator:
         self.paths = DraftPaths(kv, self._forks(config.num_draft_paths))
         self.trees = None
         if config.draft_tree_nodes and drafter is not None:
+            if not getattr(drafter, "can_grow_trees", False):
+                raise SpecserveError(f"draft_tree_nodes: this drafter ({drafter.describe()}) does not grow "
+                                     "draft trees yet (a draft model, layer-skip or the quantized self-draft does)")
             if any(layer.self_attn.sliding_window is not None for layer in runner.model.model.layers):
                 raise SpecserveError("draft_tree_nodes: this model attends within a sliding window, which "
                                      "draft trees do not support yet")
-            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter)
+            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter, seed=config.seed)
             drafter.grows_trees = True
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
         self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts

@@ -27,8 +27,11 @@ in the one ragged pass.
   the target's, whatever the tree (logits processors included: the walk reads raw logits
   only to choose the path).
 
-Sampling requests draft a chain: verifying several drafts of one distribution needs
-multi-draft rejection sampling, which is not built.
+A sampling request (no seed, logprobs or logits processing: ``grows``) grows a tree too:
+its candidates at a depth are the token it drew from q and more drawn from q without
+replacement; which are verified reads only the candidates drawn before them; the tree is
+verified here, by recursive rejection sampling without replacement (``_sample_walk``), and
+its tokens bypass the rejection sampler. Its nodes are not expanded.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from specserve.sampler import SamplingMetadata, sample_from_probs, target_probs
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.transfer import to_device
 
@@ -70,10 +74,24 @@ class Node:
     expanded: bool = False
 
 
+def grows(params) -> bool:
+    """Whether a request's drafts may grow into a tree: greedy ones without a grammar (its
+    drafts are checked on one chain); sampling ones without a seed (their tokens would
+    depend on the tree's shape), logprobs or logits processing (verified apart from the
+    rejection sampler, which has those; ``DraftTrees.settle``)."""
+    if params.structured_outputs is not None:
+        return False
+    return params.greedy or (params.seed is None and params.logprobs is None and not params.processes_logits)
+
+
 def candidate_tree(chain: Sequence[int], candidates: Sequence[tuple[Sequence[int], Sequence[float]]],
-                   end: int) -> list[Node]:
+                   end: int, sampling: bool = False) -> list[Node]:
     """A request's chain (drafted from position ``end`` on; the draft fed all but its last
-    token, at their positions) and, at each of its depths, q's runner-ups as leaves."""
+    token, at their positions) and, at each of its depths, the other candidates as leaves.
+    ``sampling``: the candidates were drawn from q without replacement, the chain's first;
+    a leaf's chance then reads only the candidates drawn before it (q's mass they leave),
+    never its own value, so which are verified does not depend on what they are, and the
+    verification stays exact (``DraftTrees.settle``)."""
     nodes, before = [], 1.0
     k = len(chain)
     for depth, (tokens, probs) in enumerate(candidates[:k]):
@@ -85,8 +103,12 @@ def candidate_tree(chain: Sequence[int], candidates: Sequence[tuple[Sequence[int
     for depth, (tokens, probs) in enumerate(candidates[:k]):
         others = [(token, prob) for token, prob in zip(tokens, probs) if token != chain[depth]]
         parent_chance = nodes[depth - 1].chance if depth else 1.0
+        left = 1.0 - nodes[depth].chance / parent_chance if sampling else 0.0  # q's mass not drawn yet
         for token, prob in others[:len(tokens) - 1]:
-            nodes.append(Node(depth - 1, token, parent_chance * prob, depth))
+            if prob <= 0.0:  # (q could not draw it)
+                break
+            nodes.append(Node(depth - 1, token, parent_chance * (max(left, 0.0) if sampling else prob), depth))
+            left -= prob
     return nodes
 
 
@@ -154,8 +176,10 @@ class DraftTrees:
     """Grows a step's draft trees and settles them after the verify pass."""
 
     def __init__(self, max_nodes: int, kv, runner, drafter, levels: int = TREE_LEVELS,
-                 expand: int = TREE_EXPAND) -> None:
+                 expand: int = TREE_EXPAND, seed: int = 0) -> None:
         self.max_nodes = max_nodes
+        self.seed = seed
+        self._rng: torch.Generator | None = None  # the sampling walks' random numbers
         self.kv = kv
         self.runner = runner
         self.drafter = drafter
@@ -177,13 +201,15 @@ class DraftTrees:
             if not self.kv.allocate_slots(p.req_id, end + k + max(self.max_nodes, self.levels * self.expand)):
                 continue  # no blocks for them: the chain alone
             p.block_table = list(self.kv.block_table(p.req_id))
-            trees[i] = candidate_tree(p.draft_token_ids, c, end)
+            trees[i] = candidate_tree(p.draft_token_ids, c, end, sampling=not p.params.greedy)
         next_slot = {i: planned[i].start_pos + len(planned[i].token_ids) + len(planned[i].draft_token_ids) - 1
                      for i in trees}
         for _ in range(self.levels):
             entries, fed_by = [], []
             for i, nodes in trees.items():
                 p = planned[i]
+                if not p.params.greedy:
+                    continue  # (expanded nodes' q is not kept for verifying samples)
                 fed = frontier(nodes, self.expand, len(p.draft_token_ids) - 1, threshold)
                 if not fed:
                     continue
@@ -219,8 +245,10 @@ class DraftTrees:
 
     def settle(self, drafts, logits: torch.Tensor) -> torch.Tensor:
         """Each tree's path as its request's drafts (``drafts.settled``, the outcomes in
-        ``drafts.trees``); returns the logits rows of the step as settled. ``logits``: the
-        verify pass's rows (a sampling entry's 1 + drafts, after any prompt rows)."""
+        ``drafts.trees``); returns the logits rows of the step as settled, without those
+        of sampling requests' trees, which are verified here (their tokens in
+        ``drafts.decided``, by entry). ``logits``: the verify pass's rows (a sampling
+        entry's 1 + drafts, after any prompt rows)."""
         scheduled = drafts.scheduled.scheduled
         begins, starts, row = [], [], 0  # each entry's first row, and its first sampling row
         for p in scheduled:
@@ -241,9 +269,14 @@ class DraftTrees:
                     q_keep += range(q_row, q_row + n)
                     q_row += n
                 continue
-            path = walk(p.draft_token_ids, p.draft_parents, argmax[at:at + 1 + n])
-            at += 1 + n
             chain = _chain_length(p.draft_parents)
+            if p.params.greedy:
+                path = walk(p.draft_token_ids, p.draft_parents, argmax[at:at + 1 + n])
+            else:
+                (q_rows,) = to_device([list(range(q_row, q_row + chain))], torch.int64, logits.device)
+                path, last = self._sample_walk(p, logits[starts[i]:starts[i] + 1 + n],
+                                               drafts.probs.index_select(0, q_rows))
+            at += 1 + n
             prefix = next((d for d, node in enumerate(path) if node != d), len(path))
             end = p.start_pos + len(p.token_ids)
             for depth, node in enumerate(path):
@@ -252,17 +285,68 @@ class DraftTrees:
                                   _slot(p.block_table, end + depth, self.kv.block_size)))
             if prefix < len(path):
                 self.drafter.rewind(p.req_id, end + prefix)
-            keep += [starts[i]] + [starts[i] + 1 + node for node in path]
-            q_keep += range(q_row, q_row + len(path))  # (a greedy row's q is never read)
             q_row += chain
             drafts.trees[p.req_id] = TreeOutcome(n, chain, prefix)
             settled[i] = replace(p, draft_token_ids=[p.draft_token_ids[node] for node in path], draft_parents=None)
+            if p.params.greedy:
+                keep += [starts[i]] + [starts[i] + 1 + node for node in path]
+                q_keep += range(q_row - chain, q_row - chain + len(path))  # (a greedy row's q is never read)
+            else:
+                drafts.decided[id(settled[i])] = settled[i].draft_token_ids + [last]
         if moves:  # (a draft sharing the target's cache moves with it; its own forgot them)
             self.runner.copy_slots(moves)
         drafts.settled = SchedulerOutput(settled, drafts.scheduled.preempted_req_ids, drafts.scheduled.block_copies)
         if drafts.probs is not None:
             drafts.probs = drafts.probs.index_select(0, to_device([q_keep], torch.int64, drafts.probs.device)[0])
         return logits.index_select(0, to_device([keep], torch.int64, logits.device)[0])
+
+
+    def _sample_walk(self, planned, logits: torch.Tensor, chain_q: torch.Tensor) -> tuple[list[int], int]:
+        """A sampling request's tree verified by recursive rejection sampling without
+        replacement (Sequoia's rule, as SpecInfer's with candidates drawn without
+        replacement): at each node its children are tried in the order they were drawn
+        from q (the chain's first); child c is accepted with probability min(1, p(c) / q(c));
+        after a rejection p becomes normalize(max(p − q, 0)) and q loses c (renormalised).
+        The first accepted child is followed; where none is (or there is none), the token is
+        drawn from p as it stands. Output tokens then follow the target's distribution p
+        exactly. ``logits``: the request's rows (the last fed token's, then each node's);
+        ``chain_q``: q at each depth of its chain, from which every candidate at that depth
+        was drawn. Returns the nodes followed and the token drawn after them."""
+        p_rows = target_probs(logits, SamplingMetadata.build([planned.params] * logits.shape[0], logits.device))
+        if self._rng is None:
+            self._rng = torch.Generator(device=logits.device).manual_seed(self.seed)
+        tokens, parents = planned.draft_token_ids, planned.draft_parents
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        depth = {-1: -1}
+        for i, parent in enumerate(parents):
+            depth[i] = depth[parent] + 1
+        node, path = -1, []
+        while True:
+            p = p_rows[node + 1]
+            kids = children.get(node, [])
+            if kids:
+                q = chain_q[depth[node] + 1].float().clone()
+            accepted = None
+            for child in kids:
+                token = tokens[child]
+                u = torch.rand((), generator=self._rng, device=p.device)
+                if bool(u * q[token] < p[token]):
+                    accepted = child
+                    break
+                residual = (p - q).clamp_(min=0.0)
+                if float(residual.sum()) > 0.0:
+                    p = residual / residual.sum()
+                q[token] = 0.0
+                if float(q.sum()) <= 0.0:
+                    break
+                q = q / q.sum()
+            if accepted is None:
+                u = torch.rand((1,), generator=self._rng, device=p.device)
+                return path, int(sample_from_probs(p[None], u)[0])
+            path.append(accepted)
+            node = accepted
 
 
 def drafted_rows(planned) -> int:
