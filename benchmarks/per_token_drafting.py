@@ -11,7 +11,9 @@ greedy, up to ``--max-tokens`` new tokens, one request at a time. Settings:
   request may draft and the drafter stops token by token by its calibrated confidence
   (``spec.stopping``; the default on a CPU);
 * ``adaptive, no stopping`` — ``draft_stopping=plan``: k from each request's smoothed
-  acceptance, every planned draft proposed (the default on a GPU).
+  acceptance, every planned draft proposed (the default on a GPU);
+* ``adaptive, tree`` (with ``--tree-nodes N``) — ``adaptive`` with a dynamic draft tree of
+  up to N further nodes, priced by the same rule (``spec.tree``).
 
 The settings take turns prompt by prompt (each prompt starting with the next setting),
 so load from elsewhere falls on all alike; every engine is warmed up first. Reports
@@ -19,7 +21,7 @@ tokens/s, the ratio to off and to the best fixed k, acceptance length, the mean 
 verified per step and how many outputs equal speculation off's; the adaptive engine's
 calibration map goes to the JSON.
 
-    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k 4] [--json out.json]
+    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k 4] [--tree-nodes 10] [--json out.json]
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=4, help="the adaptive engines' most drafts per step")
+    parser.add_argument("--tree-nodes", type=int, default=0,
+                        help="add an 'adaptive, tree' setting with a draft tree of up to N further nodes")
     parser.add_argument("--method", default="draft_model", help="draft_model, draft_model@PATH, layerskip")
     parser.add_argument("--settings", default=None,
                         help="';'-separated subset of: off; k=1..k=6; adaptive; adaptive, no stopping")
@@ -65,6 +69,10 @@ def main() -> None:
                                             **common)}
     settings = {"off": ("off", 0), **{f"k={k}": ("fixed", k) for k in FIXED},
                 "adaptive": ("adaptive", None), "adaptive, no stopping": ("adaptive, no stopping", None)}
+    if args.tree_nodes:
+        engines["adaptive, tree"] = LLM(num_speculative_tokens=args.max_k, draft_stopping="confidence",
+                                        draft_tree_nodes=args.tree_nodes, **drafter, **common)
+        settings["adaptive, tree"] = ("adaptive, tree", None)
     if args.settings:
         settings = {"off": settings["off"], **{n.strip(): settings[n.strip()] for n in args.settings.split(";")
                                                if n.strip() and n.strip() != "off"}}

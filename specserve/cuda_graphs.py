@@ -29,6 +29,10 @@ than the largest bucket (``EngineConfig.cuda_graph_max_tokens``, 2048 by default
 layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's launches are
 a small part of its time.
 
+With draft trees on (``trees``), the ragged graphs also read every row's visibility mask
+(``batch.tree_rows``) from a static buffer, zeros for causal rows, and run the steps that
+verify trees (never padded: a tree's rows are not a chain's).
+
 The attention kernels plan their launch (tile sizes, KV splits) from host-side lengths;
 graphs are captured with the worst case (``max_model_len`` keys for every request, and for
 ragged graphs the bucket's tokens in one request), so one graph serves every step that
@@ -95,9 +99,11 @@ class GraphRunner:
 
     def __init__(self, model, kv_caches, *, max_num_seqs: int, max_query_len: int,
                  max_blocks_per_seq: int, max_model_len: int, device: torch.device,
-                 capture: bool = True, max_num_tokens: int = 0) -> None:
+                 capture: bool = True, max_num_tokens: int = 0, trees: bool = False) -> None:
         """``max_num_tokens``: the step's token budget, which the ragged graphs' buckets
-        reach (0: no ragged graphs)."""
+        reach (0: no ragged graphs). ``trees``: steps verify draft trees; the ragged graphs
+        then read every row's visibility mask (``batch.tree_rows``; 0 for a causal row)
+        from a buffer of their own and run those steps too."""
         self.model, self.kv_caches = model, kv_caches
         self.buckets = batch_buckets(max_num_seqs)
         self.max_query_len = max_query_len
@@ -118,6 +124,8 @@ class GraphRunner:
                                  dtype=torch.int64, device=device)
         self._int = torch.zeros(2 * self.ragged_reqs + 1 + self.ragged_reqs * max_blocks_per_seq,
                                 dtype=torch.int32, device=device)
+        self.trees = trees
+        self._masks = torch.zeros(ragged_tokens if trees else 0, dtype=torch.int64, device=device)
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
@@ -140,13 +148,20 @@ class GraphRunner:
 
     def _shape(self, planned) -> tuple[int, ...] | None:
         """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket, logits
-        rows)`` ragged, None for an eager step (one that wants a prompt's logits, or verifies a
-        draft tree: the graphs have no visibility masks)."""
-        if any(p.prompt_logits or p.draft_parents is not None or p.tree_nodes is not None for p in planned):
-            return None
+        rows)`` ragged, None for an eager step (one that wants a prompt's logits, or feeds
+        draft tree nodes: a drafter's pass over them, or a tree's verification where the
+        graphs were made without ``trees``). A tree's verification is ragged."""
+        tree = False
+        for p in planned:
+            if p.prompt_logits or p.tree_nodes is not None:
+                return None
+            if p.draft_parents is not None:
+                if not self.trees:
+                    return None
+                tree = True
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         q = max(lengths)
-        if self.fits_lengths(len(planned), q):
+        if not tree and self.fits_lengths(len(planned), q):
             return next(b for b in self.buckets if b >= len(planned)), q
         tokens = sum(lengths)
         if len(planned) > self.buckets[-1] or not self.token_buckets or tokens > self.token_buckets[-1]:
@@ -234,7 +249,7 @@ class GraphRunner:
             logits_indices=rows,
             # Worst case: all the bucket's tokens in one request, every request at full length.
             query_lens_host=[n] + [0] * (reqs - 1), seq_lens_host=[self.max_model_len] * reqs,
-            has_padding=True), rows
+            has_padding=True, tree_masks=self._masks[:n] if self.trees else None), rows
 
     # ------------------------------------------------------------------ replay
     @torch.inference_mode()
@@ -305,6 +320,9 @@ class GraphRunner:
         tables = block_table_array(planned, self.ragged_reqs, self.max_blocks_per_seq)
         copy_into(self._int, [host.cu_query_lens + [tokens] * empty, host.seq_lens + [0] * empty, tables])
         self._scatter_device_ids(tokens, 3 * tokens + num_rows, len(host.device_rows), device_ids)
+        if self.trees:  # (every row's: a causal step's zeros clear the last tree's)
+            masks = host.tree_masks or []
+            copy_into(self._masks, [masks + [0] * (tokens - len(masks))])
         return None, host.query_lens, host.seq_lens
 
     def _scatter_device_ids(self, num_tokens: int, offset: int, count: int,

@@ -156,7 +156,8 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_blocks_per_seq=-(-(max_model_len + max_query_len) // self.block_size),
             max_model_len=max_model_len, device=self.device, capture=capture,
-            max_num_tokens=min(self.config.max_num_batched_tokens, self.config.cuda_graph_max_tokens))
+            max_num_tokens=min(self.config.max_num_batched_tokens, self.config.cuda_graph_max_tokens),
+            trees=self.config.draft_tree_nodes > 0)
         self.graphs.keep_hidden = self.keep_hidden  # set by a drafter's bind, before graphs
         if capture:
             with torch.inference_mode():

@@ -100,17 +100,31 @@ def plain_outputs(tiny_model_dir):
         PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "layerskip"])
-def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_draft, plain_outputs, method):
+@pytest.mark.parametrize("method, graphs", [("draft_model", False), ("layerskip", False), ("draft_model", True)])
+def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_draft, plain_outputs, method, graphs):
     """Fixed k per request and up to 0, 3 or 8 further nodes: the same tokens as plain
-    greedy decoding, every block back, and the runner-ups win steps and lengthen them."""
+    greedy decoding, every block back, and the runner-ups win steps and lengthen them.
+    ``graphs``: through the CUDA graphs' static buffers (run eagerly), where tree steps
+    take the ragged layout with its mask buffer."""
     target = str(tiny_model_dir("llama"))
     drafter = dict(draft_model=near_draft) if method == "draft_model" else dict(layerskip_layers=1)
     stats = {}
     for nodes in (0, 3, 8):
         llm = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
                     draft_tree_nodes=nodes, **drafter, **ENGINE)
+        trees_in_graphs = []
+        if graphs:
+            llm.engine.enable_graphs(capture=False)
+            runner = llm.engine.runner.graphs
+            ragged = runner._prepare_ragged
+
+            def spy(planned, *args, ragged=ragged, seen=trees_in_graphs):
+                seen.append(any(p.draft_parents is not None for p in planned))
+                return ragged(planned, *args)
+
+            runner._prepare_ragged = spy
         got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        assert not graphs or any(trees_in_graphs) == bool(nodes)
         assert [o.token_ids for o in got] == plain_outputs, nodes
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
         stats[nodes] = llm.engine.spec_stats
