@@ -47,6 +47,7 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0            # of which found there
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     draft_length_counts: dict[int, int] = field(default_factory=dict)  # k chosen -> requests
+    tree_size_counts: dict[int, int] = field(default_factory=dict)  # further tree nodes -> requests
     draft_calibration: ConfidenceCalibration | None = None  # live: read with ``describe()``
     num_steps: int = 0
 
@@ -272,6 +273,7 @@ class AsyncLLMEngine:
             num_rope_restarts=engine.scheduler.num_rope_restarts,
             prefix_cache_queries=kv.num_query_tokens, prefix_cache_hits=kv.num_hit_tokens,
             spec_stats=engine.spec_stats.copy(), draft_length_counts=dict(engine.draft_length_counts),
+            tree_size_counts=dict(engine.tree_size_counts),
             draft_calibration=engine.draft_calibration,
             num_steps=self._num_steps)
 

@@ -512,6 +512,11 @@ class LLMEngine:
         return self.speculator.draft_length_counts
 
     @property
+    def tree_size_counts(self) -> Counter[int]:
+        """How many request-steps verified each number of further draft tree nodes."""
+        return self.speculator.tree_size_counts
+
+    @property
     def draft_calibration(self) -> ConfidenceCalibration | None:
         """The adaptive controller's map from draft confidence to acceptance (None without
         one: speculation off, a fixed k, a drafter without confidence, draft paths)."""

@@ -248,3 +248,26 @@ def test_sampling_through_trees_has_the_target_distribution(tiny_model_dir, unsu
     stats = engine.spec_stats
     assert stats.num_path_wins > 100, stats
     assert engine.num_free_blocks == engine.kv.num_blocks
+
+
+def test_metrics_show_the_tree_sizes(chat_model_dir):
+    """``/metrics`` has a histogram of the further nodes each request-step verified, and
+    counts the steps whose path left the chain."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specserve.async_engine import AsyncLLMEngine
+    from specserve.server import ThreadedServer
+    from specserve.server.app import create_app
+
+    engine = AsyncLLMEngine(LLMEngine(model=str(chat_model_dir), dtype="float32", block_size=4, num_kv_blocks=256,
+                                      speculative_method="layerskip", layerskip_layers=1,
+                                      speculative_adaptive=False, draft_tree_nodes=3))
+    with ThreadedServer(create_app(engine, served_model_name="tiny")) as srv:
+        out = httpx.post(srv.url + "/v1/completions", json={"prompt": "a b c a b c", "temperature": 0,
+                                                            "max_tokens": 24, "ignore_eos": True}).json()
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    steps = out["usage"]["speculation"]["num_drafts"]
+    samples = {s.name: s.value for s in families["specserve:spec_decode_tree_nodes"].samples}
+    assert 0 < samples["specserve:spec_decode_tree_nodes_count"] <= steps
+    assert 0 < samples["specserve:spec_decode_tree_nodes_sum"] <= 3 * steps

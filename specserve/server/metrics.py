@@ -117,7 +117,8 @@ class _EngineCollector:
                 ("specserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                  spec.num_accepted_tokens),
                 ("specserve:spec_decode_num_path_wins",
-                 "Verify steps whose kept tokens came from a further draft path (num_draft_paths > 1).",
+                 "Verify steps whose kept tokens came from a further draft path (num_draft_paths > 1) "
+                 "or left a draft tree's chain (draft_tree_nodes).",
                  spec.num_path_wins)):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self.labels, value)
@@ -128,7 +129,12 @@ class _EngineCollector:
         for pos, count in enumerate(spec.accepted_per_position):
             per_pos.add_metric([*self.labels, str(pos)], count)
         yield per_pos
-        yield _draft_length_histogram(snap.draft_length_counts, self.labels)
+        yield _histogram("specserve:spec_decode_draft_length", "Draft length k verified per request per step.",
+                         snap.draft_length_counts, self.labels)
+        if snap.tree_size_counts:
+            yield _histogram("specserve:spec_decode_tree_nodes",
+                             "Further draft tree nodes verified per request per step with a tree "
+                             "(beside its chain of k).", snap.tree_size_counts, self.labels)
         if snap.draft_calibration is not None:
             yield from _calibration(snap.draft_calibration.describe(), self.labels)
 
@@ -161,11 +167,10 @@ def _calibration(described: dict, labels: list[str]):
     yield observed
 
 
-def _draft_length_histogram(counts: dict[int, int], labels: list[str]):
-    """Draft length k chosen per request per step (0 = no speculation that step)."""
-    hist = HistogramMetricFamily("specserve:spec_decode_draft_length",
-                                 "Draft length k verified per request per step.",
-                                 labels=["model_name"])
+def _histogram(name: str, doc: str, counts: dict[int, int], labels: list[str]):
+    """A histogram of small counts per request per step (``counts``: value -> request-steps;
+    the draft length k, 0 = no speculation that step; a tree's further nodes)."""
+    hist = HistogramMetricFamily(name, doc, labels=["model_name"])
     top = max(counts, default=0)
     buckets, cumulative = [], 0
     for k in range(top + 1):

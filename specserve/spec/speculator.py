@@ -141,6 +141,7 @@ class Speculator:
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
         self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
+        self.tree_size_counts: Counter[int] = Counter()  # further nodes verified per request-step with a tree
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
@@ -358,6 +359,8 @@ class Speculator:
         controller, paths, trees = self.controller, drafts.paths, drafts.trees
         if drafts.confidence and controller is not None:
             self._calibrate(drafts.confidence, updates, trees)
+        if trees:
+            self.tree_size_counts.update(tree.nodes - tree.chain for tree in trees.values())
         for update in updates:
             accepted = min(update.num_accepted, len(update.new_token_ids))
             if update.req.req_id in drafts.forced:
