@@ -37,6 +37,7 @@ from specserve.sampler import SamplingMetadata
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.stopping import StopRule
+from specserve.spec.tree import TREE_RANKS
 
 
 class EagleDrafter(ModelDrafter):
@@ -46,7 +47,9 @@ class EagleDrafter(ModelDrafter):
     def catch_up_lazily(self) -> bool:
         return False  # its entries need the target's features of every step
     max_paths = 1  # its features follow each request's pass by request id
-    can_grow_trees = False  # (its features would have to follow a tree's path too)
+    # A tree of runner-ups (``spec.tree``), its features following the path that settles
+    # it (``follow_settled``); not expanded (a pass over nodes needs their features).
+    expands_trees = False
 
     def __init__(self, model, config, device: torch.device, dtype: torch.dtype,
                  feature_layers: tuple[int, ...] | None = None) -> None:
@@ -170,9 +173,10 @@ class EagleDrafter(ModelDrafter):
                                              [p.params for p in order], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in order])
         session = None if stop is None else stop.begin(order)
-        tokens, q, confidence, _ = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
-                                             process=process, confident=session is not None)
-        columns, q_columns = [tokens], [q]
+        ranks = TREE_RANKS if self.grows_trees else 0
+        tokens, q, confidence, top = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
+                                                  process=process, confident=session is not None, runner_ups=ranks)
+        columns, q_columns, tops = [tokens], [q], [top]
         n = len(order)
         for j in range(1, order[0].num_lookahead):
             n = sum(p.num_lookahead > j for p in order) if session is None else \
@@ -187,13 +191,24 @@ class EagleDrafter(ModelDrafter):
             step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params,
                                      long_rope=p.long_rope) for p in active]
             logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q, confidence, _ = self._choose(logits, active, [ends[p.req_id] + j for p in active],
-                                                 meta and _head(meta, n), process=process,
-                                                 confident=session is not None)
+            tokens, q, confidence, top = self._choose(logits, active, [ends[p.req_id] + j for p in active],
+                                                      meta and _head(meta, n), process=process,
+                                                      confident=session is not None, runner_ups=ranks)
             columns.append(tokens)
             q_columns.append(q)
+            tops.append(top)
         index = {id(p): i for i, p in enumerate(scheduled)}
-        return self._proposal(scheduled, [index[id(p)] for p in order], columns, q_columns, session, confidence, n)
+        positions = [index[id(p)] for p in order]
+        proposal = self._proposal(scheduled, positions, columns, q_columns, session, confidence, n)
+        if ranks:
+            self._add_candidates(proposal, scheduled, positions, tops)
+        return proposal
+
+    def follow_settled(self, verified: list, settled: list) -> None:
+        """The target's last pass verified ``verified`` and its rows now follow ``settled``
+        (each tree replaced by its path: ``DraftTrees.settle``): features are read from it."""
+        if self._seen is verified:
+            self._seen = settled
 
     @torch.inference_mode()  # (as ModelRunner.execute: no autograd records)
     def _forward(self, entries: list[ScheduledRequest], features: list[torch.Tensor],

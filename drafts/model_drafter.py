@@ -51,7 +51,8 @@ class ModelDrafter:
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
     grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
-    can_grow_trees = True  # it can (``propose`` reports candidates, ``expand`` reads nodes)
+    can_grow_trees = True  # it can (``propose`` reports candidates)
+    expands_trees = True   # and ``expand`` reads nodes
 
     def __init__(self, name: str, model, config, device: torch.device, dtype: torch.dtype,
                  num_layers: int | None = None, shares_target_cache: bool = False) -> None:
@@ -103,6 +104,10 @@ class ModelDrafter:
         if self.runner is not None and not self.shares_target_cache:
             self.runner.close()  # its own cache (the shared one is the target runner's)
         self.runner = self.model = None
+
+    def follow_settled(self, verified: list, settled: list) -> None:
+        """The target's last pass over ``verified`` now reads as ``settled`` (a draft
+        tree replaced by its path, ``spec.tree``); nothing to do for a draft model."""
 
     def rewind(self, req_id: str, num_tokens: int) -> None:
         """The own cache's entries from position ``num_tokens`` on are no longer the

@@ -193,9 +193,11 @@ def test_a_tree_moves_its_paths_kv_to_the_chains_slots(tiny_model_dir, near_draf
 
 def test_trees_are_refused_where_they_cannot_run(tiny_model_dir, tmp_path):
     target = str(tiny_model_dir("llama"))
-    head = make_eagle_head(target, [1], tmp_path)[0]
+    from test_medusa import make_medusa_heads  # lazy: another test module's checkpoint maker
+
+    heads = make_medusa_heads(target, tmp_path / "medusa")[0]
     with pytest.raises(SpecserveError, match="does not grow draft trees"):
-        LLM32(target, speculative_method="draft_model", draft_model=head, draft_tree_nodes=4, **ENGINE)
+        LLM32(target, speculative_method="draft_model", draft_model=heads, draft_tree_nodes=4, **ENGINE)
     with pytest.raises(SpecserveError, match="draft_tree_nodes 4 needs speculative_method"):
         LLM32(target, speculative_method="ngram", draft_tree_nodes=4, **ENGINE)
     with pytest.raises(SpecserveError, match="choose one"):
@@ -271,3 +273,36 @@ def test_metrics_show_the_tree_sizes(chat_model_dir):
     samples = {s.name: s.value for s in families["specserve:spec_decode_tree_nodes"].samples}
     assert 0 < samples["specserve:spec_decode_tree_nodes_count"] <= steps
     assert 0 < samples["specserve:spec_decode_tree_nodes_sum"] <= 3 * steps
+
+
+def test_an_eagle_head_grows_trees_and_reads_the_features_of_the_path(tiny_model_dir, plain_outputs, tmp_path):
+    """An EAGLE head's tree (its runner-ups, not expanded): greedy output equals plain
+    decoding, every block comes back, runner-ups win, and after a step whose path left the
+    chain the head reads the target's hidden states of the path's positions, as a plain
+    pass over the emitted tokens computes them."""
+    target = str(tiny_model_dir("llama"))
+    head = sharpened(make_eagle_head(target, [1], tmp_path)[0], 12.0)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=head, num_speculative_tokens=4,
+                speculative_adaptive=False, draft_tree_nodes=6, **ENGINE)
+    got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+    assert [o.token_ids for o in got] == plain_outputs
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks and llm.engine.spec_stats.num_path_wins > 0
+    engine = llm.engine
+    engine.add_request(PROMPTS[1], _greedy(4, max_tokens=200), req_id="a")
+    plain = LLM32(target, enable_prefix_caching=False, **ENGINE).engine
+    plain.runner.keep_hidden = True
+    for _ in range(40):
+        wins = engine.spec_stats.num_path_wins
+        engine.step()
+        req = engine.scheduler.requests.get("a")
+        assert req is not None
+        if engine.spec_stats.num_path_wins == wins:
+            continue
+        (planned,) = engine.runner.last_pass  # the step as settled: the path as a chain
+        rows = engine.runner.last_hidden
+        first, n = planned.start_pos, len(planned.token_ids) + len(planned.draft_token_ids)
+        plain.add_request(req.all_token_ids[:first + n], SamplingParams(temperature=0, max_tokens=2), req_id="p")
+        plain.step()
+        torch.testing.assert_close(rows, plain.runner.last_hidden[first:first + n], atol=1e-4, rtol=1e-4)
+        return
+    raise AssertionError("no runner-up won")

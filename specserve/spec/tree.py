@@ -183,7 +183,7 @@ class DraftTrees:
         self.kv = kv
         self.runner = runner
         self.drafter = drafter
-        self.levels = levels
+        self.levels = levels if getattr(drafter, "expands_trees", False) else 0
         self.expand = expand
 
     def grow(self, output: SchedulerOutput, candidates: list, budget: int, threshold: float = 0.0) -> bool:
@@ -261,6 +261,7 @@ class DraftTrees:
         (index,) = to_device([tree_rows], torch.int64, logits.device)
         argmax = logits.index_select(0, index).argmax(dim=-1).tolist()  # (the step's one wait)
         settled, keep, moves, q_keep, q_row, at = list(scheduled), [], [], [], 0, 0
+        paths: dict[int, list[int]] = {}
         for i, p in enumerate(scheduled):
             n = len(p.draft_token_ids)
             if p.draft_parents is None:
@@ -277,6 +278,7 @@ class DraftTrees:
                 path, last = self._sample_walk(p, logits[starts[i]:starts[i] + 1 + n],
                                                drafts.probs.index_select(0, q_rows))
             at += 1 + n
+            paths[i] = path
             prefix = next((d for d, node in enumerate(path) if node != d), len(path))
             end = p.start_pos + len(p.token_ids)
             for depth, node in enumerate(path):
@@ -296,10 +298,33 @@ class DraftTrees:
         if moves:  # (a draft sharing the target's cache moves with it; its own forgot them)
             self.runner.copy_slots(moves)
         drafts.settled = SchedulerOutput(settled, drafts.scheduled.preempted_req_ids, drafts.scheduled.block_copies)
+        self._follow(scheduled, settled, paths)
         if drafts.probs is not None:
             drafts.probs = drafts.probs.index_select(0, to_device([q_keep], torch.int64, drafts.probs.device)[0])
         return logits.index_select(0, to_device([keep], torch.int64, logits.device)[0])
 
+
+    def _follow(self, scheduled: list, settled: list, paths: dict[int, list[int]]) -> None:
+        """Where the target's pass keeps its hidden states (for a head that reads them), its
+        rows become those of ``settled``: each tree's fed tokens and then its path's nodes
+        (``paths``: by entry), in the positions they now hold, and the drafter reads them
+        as such."""
+        runner = self.runner
+        if not runner.keep_hidden or runner.last_hidden is None or runner.last_pass is not scheduled:
+            return
+        rows, row = [], 0
+        for i, before in enumerate(scheduled):
+            fed = len(before.token_ids)
+            if i in paths:
+                rows += range(row, row + fed)
+                rows += [row + fed + node for node in paths[i]]
+            else:
+                rows += range(row, row + fed + len(before.draft_token_ids))
+            row += fed + len(before.draft_token_ids)
+        (index,) = to_device([rows], torch.int64, runner.last_hidden.device)
+        runner.last_hidden = runner.last_hidden.index_select(0, index)
+        runner.last_pass = settled
+        self.drafter.follow_settled(scheduled, settled)
 
     def _sample_walk(self, planned, logits: torch.Tensor, chain_q: torch.Tensor) -> tuple[list[int], int]:
         """A sampling request's tree verified by recursive rejection sampling without
