@@ -80,11 +80,11 @@ class EngineConfig:
     # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
     # draft tree; see spec/paths.py). Each costs 1 + k more tokens a step.
     num_draft_paths: int = 1
-    # draft_model / layerskip / quantized: a dynamic draft tree. Beside its drafted chain a
-    # greedy request verifies up to this many of the draft's runner-up candidates, chosen
-    # each step by the draft's confidence along the way (priced by the cost model where
-    # drafting stops by confidence), all in one pass with tree attention (spec/tree.py).
-    # 0: off.
+    # draft_model (a checkpoint or an EAGLE head) / layerskip / quantized: a dynamic draft
+    # tree. Beside its drafted chain a request verifies up to this many of the draft's other
+    # candidates, chosen each step by the draft's confidence along the way (priced by the
+    # cost model where drafting stops by confidence), all in one pass with tree attention,
+    # exactly (spec/tree.py). 0: off.
     draft_tree_nodes: int = 0
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match

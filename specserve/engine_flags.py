@@ -99,9 +99,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "1-4: its best guesses and up to 3 that take a runner-up candidate at one "
                         "depth (a static draft tree); each costs 1 + k more tokens (default: 1)")
     s.add_argument("--draft-tree-nodes", type=int, default=0,
-                   help="draft_model / layerskip / quantized: a dynamic draft tree; beside its drafted "
-                        "chain a greedy request verifies up to this many runner-up candidates, chosen by "
-                        "the draft's confidence, in the same pass (default: 0, off)")
+                   help="draft_model (a draft checkpoint or EAGLE head) / layerskip / quantized: a dynamic "
+                        "draft tree; beside its drafted chain a request verifies up to this many further "
+                        "candidates, chosen by the draft's confidence, in the same pass, exactly "
+                        "(default: 0, off)")
     s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched (default: 2)")
     s.add_argument("--layerskip-layers", type=int, default=None,

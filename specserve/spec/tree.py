@@ -1,6 +1,6 @@
-"""Dynamic draft trees: a greedy request verifies, beside the chain its draft model drafted,
-the draft's runner-up candidates where they are likeliest to be what the target says, all
-in the one ragged pass.
+"""Dynamic draft trees: a request verifies, beside the chain its draft model (or EAGLE head)
+drafted, the draft's other candidates where they are likeliest to be what the target says,
+all in the one ragged pass.
 
 * **Growing** (``DraftTrees.grow``). At each depth j of its chain the drafter reports its
   ``TREE_RANKS`` + 1 likeliest tokens and their probabilities under q. A runner-up at
@@ -10,7 +10,8 @@ in the one ragged pass.
   ``TREE_EXPAND`` likeliest nodes not yet expanded: the draft model reads them at their
   positions with tree attention over its own cache (``ModelDrafter.expand``; slots after
   the chain's, never reached by the draft's valid length) and their likeliest children
-  join the candidates. Nodes are never deeper than the chain. Across the step, nodes are
+  join the candidates (not for an EAGLE head, whose passes need the target's features).
+  Nodes are never deeper than the chain. Across the step, nodes are
   taken likeliest first (a node only after its parent) while each request has at most
   ``max_nodes`` and the step's token budget lasts; where drafting stops by confidence, a
   node (and an expansion) must also pay for verifying it at the step's expected goodput
@@ -22,7 +23,8 @@ in the one ragged pass.
   token, each node's child that is the target's argmax there is followed. The path found
   becomes the request's drafts, as if it had drafted that chain: its rows of logits are
   kept, its nodes' K/V move to the chain's slots (``ModelRunner.copy_slots``), and a
-  draft cache that holds the chain's entries forgets them from the first runner-up on.
+  draft cache that holds the chain's entries forgets them from the first runner-up on
+  (an EAGLE head's features, the target's kept hidden states, follow the path instead).
   The rejection sampler then verifies the path like any chain, so the output is exactly
   the target's, whatever the tree (logits processors included: the walk reads raw logits
   only to choose the path).
