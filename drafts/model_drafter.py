@@ -265,9 +265,7 @@ class ModelDrafter:
         their positions, with their visibility masks): for each node, its ``TREE_RANKS`` + 1
         likeliest next tokens and their probabilities under q (raw logits: a tree grows for
         greedy requests), on the host."""
-        logits = self._forward(entries)
-        values, indices = logits.topk(TREE_RANKS + 1, dim=-1)
-        probs = torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+        indices, probs = _likeliest(self._forward(entries), TREE_RANKS + 1)
         return indices.tolist(), probs.tolist()
 
     def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
@@ -343,10 +341,7 @@ class ModelDrafter:
         distribution: softmax of the processed logits), on the device; else None."""
         if process is not None:
             logits = process.apply(logits)
-        top = None
-        if runner_ups:
-            values, indices = logits.topk(runner_ups + 1, dim=-1)
-            top = (indices, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)))
+        top = _likeliest(logits, runner_ups + 1) if runner_ups else None
         greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         if any(ranks):
@@ -382,6 +377,12 @@ class ModelDrafter:
         tokens = torch.cat([drawn[:, None], others], dim=1)
         probs = q.float().gather(1, tokens)
         return (torch.where(sampling[:, None], tokens, top[0]), torch.where(sampling[:, None], probs, top[1]))
+
+
+def _likeliest(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``count`` likeliest tokens and their probabilities (softmax of ``logits``)."""
+    values, indices = logits.topk(count, dim=-1)
+    return indices, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
 
 
 def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:

@@ -126,6 +126,7 @@ class GraphRunner:
                                 dtype=torch.int32, device=device)
         self.trees = trees
         self._masks = torch.zeros(ragged_tokens if trees else 0, dtype=torch.int64, device=device)
+        self._masked_rows = 0  # rows of ``_masks`` the last tree step wrote (the rest are 0)
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
@@ -320,9 +321,11 @@ class GraphRunner:
         tables = block_table_array(planned, self.ragged_reqs, self.max_blocks_per_seq)
         copy_into(self._int, [host.cu_query_lens + [tokens] * empty, host.seq_lens + [0] * empty, tables])
         self._scatter_device_ids(tokens, 3 * tokens + num_rows, len(host.device_rows), device_ids)
-        if self.trees:  # (every row's: a causal step's zeros clear the last tree's)
+        if host.tree_masks is not None or self._masked_rows:  # (zeros clear the last tree step's)
             masks = host.tree_masks or []
-            copy_into(self._masks, [masks + [0] * (tokens - len(masks))])
+            width = max(len(masks), self._masked_rows)
+            copy_into(self._masks, [masks + [0] * (width - len(masks))])
+            self._masked_rows = len(masks)
         return None, host.query_lens, host.seq_lens
 
     def _scatter_device_ids(self, num_tokens: int, offset: int, count: int,

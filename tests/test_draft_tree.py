@@ -134,6 +134,19 @@ def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_dr
     assert stats[8].num_draft_tokens > stats[0].num_draft_tokens  # every verified node counts
 
 
+def test_a_graph_step_after_a_tree_attends_causally(tiny_model_dir, near_draft, plain_outputs):
+    """Through the CUDA graphs' static buffers (run eagerly): a request prefilled after
+    another's tree steps gets plain greedy's tokens, so the masks a tree step wrote into
+    the ragged graphs' buffer are cleared before the next ragged step reads it."""
+    target = str(tiny_model_dir("llama"))
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near_draft, num_speculative_tokens=4,
+                speculative_adaptive=False, draft_tree_nodes=8, **ENGINE)
+    llm.engine.enable_graphs(capture=False)
+    for i in (1, 3, 0):  # one at a time: each prompt's chunk is the step after a tree's
+        assert llm.generate([PROMPTS[i]], _greedy(KS[i]), use_tqdm=False)[0].token_ids == plain_outputs[i]
+    assert llm.engine.spec_stats.num_path_wins > 0
+
+
 def test_adaptive_trees_with_penalties_and_sampling_beside_them_stay_exact(tiny_model_dir, near_draft):
     """Adaptive k with drafting stopped by confidence (its prices choose the nodes), a
     greedy request with a repetition penalty (the walk reads raw logits, the sampler the

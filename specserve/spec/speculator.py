@@ -62,6 +62,7 @@ class Drafts:
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> its grammar's row masks
     # Draft trees (spec/tree.py): the step as the sampler and the scheduler see it, each
     # tree replaced by the path its verification followed; and what each tree came to.
+    grown: bool = False                      # some request's drafts grew into a tree this step
     settled: SchedulerOutput | None = None
     trees: dict[str, TreeOutcome] = field(default_factory=dict)
     decided: dict[int, list[int]] = field(default_factory=dict)  # id(settled entry) -> tokens verified in settling
@@ -275,7 +276,7 @@ class Speculator:
             threshold = 0.0  # a fixed budget of nodes; where drafting stops by confidence, priced
             if stop is not None and proposal.goodput is not None:
                 threshold = proposal.goodput * stop.prices.token
-            self.trees.grow(scheduled, proposal.candidates, budget, threshold)
+            drafts.grown = self.trees.grow(scheduled, proposal.candidates, budget, threshold)
         if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
             drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
             drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
@@ -335,7 +336,7 @@ class Speculator:
     def settle_trees(self, drafts: Drafts, logits: torch.Tensor) -> torch.Tensor:
         """Before sampling: each verified draft tree becomes the path its target followed
         (``DraftTrees.settle``); returns the logits rows of the step as settled."""
-        if self.trees is None or not any(p.draft_parents is not None for p in drafts.scheduled.scheduled):
+        if not drafts.grown:
             return logits
         return self.trees.settle(drafts, logits)
 
