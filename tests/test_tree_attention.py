@@ -29,7 +29,7 @@ def ancestors(parents: list[int], i: int) -> set[int]:
     return seen
 
 
-def tree_batch(seed: int, dtype, tree_sizes=(3, 9, 40), device=torch.device("cpu")):
+def tree_batch(seed: int, dtype, tree_sizes=(3, 9, 40)):
     """Causal requests (a decode row, a verify span, a prefill span) and draft trees of
     ``tree_sizes`` nodes after 1 fed token (the root), over contexts of random length."""
     rng = random.Random(seed)
@@ -43,11 +43,11 @@ def tree_batch(seed: int, dtype, tree_sizes=(3, 9, 40), device=torch.device("cpu
     order = list(range(len(spans)))
     rng.shuffle(order)
     spans, trees = [spans[i] for i in order], [trees[i] for i in order]
-    b = make_batch(spans, 9, 3, 64, 16, dtype, device, num_blocks=128, seed=seed)
+    b = make_batch(spans, 9, 3, 64, 16, dtype, torch.device("cpu"), num_blocks=128, seed=seed)
     masks = []
     for (q_len, _), parents in zip(spans, trees):
         masks += [0] * q_len if parents is None else [0] + tree_rows(parents)[1]
-    return b, trees, torch.tensor(masks, dtype=torch.int64, device=device)
+    return b, trees, torch.tensor(masks, dtype=torch.int64)
 
 
 def dense_oracle(b, trees) -> torch.Tensor:
@@ -138,10 +138,10 @@ def test_triton_kernel_attends_trees_like_the_dense_oracle(dtype):
     if not pa.interpreted() and not torch.cuda.is_available():
         pytest.skip("Triton needs a GPU or its interpreter")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b, trees, masks = tree_batch(1, dtype, tree_sizes=(3, 9, 40), device=device)
+    b, trees, masks = tree_batch(1, dtype, tree_sizes=(3, 9, 40))  # (on the CPU: the oracle's data)
+    want = dense_oracle(b, trees)
+    on = [t.to(device) for t in (b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens, b.seq_lens, masks)]
     for num_splits in (1, 3):
-        out = pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens, b.seq_lens,
-                                 SCALE, max_query_len=max(b.query_lens_host), max_seq_len=max(b.seq_lens_host),
-                                 num_splits=num_splits, tree_masks=masks)
-        b_cpu = tree_batch(1, dtype, tree_sizes=(3, 9, 40))[0]
-        check(out.cpu(), dense_oracle(b_cpu, trees), dtype)
+        out = pa.paged_attention(*on[:6], SCALE, max_query_len=max(b.query_lens_host),
+                                 max_seq_len=max(b.seq_lens_host), num_splits=num_splits, tree_masks=on[6])
+        check(out.cpu(), want, dtype)
