@@ -150,16 +150,17 @@ class GraphRunner:
     def _shape(self, planned) -> tuple[int, ...] | None:
         """The graph for a step: ``(batch bucket, q)`` padded, ``(0, token bucket, logits
         rows)`` ragged, None for an eager step (one that wants a prompt's logits, or feeds
-        draft tree nodes: a drafter's pass over them, or a tree's verification where the
-        graphs were made without ``trees``). A tree's verification is ragged."""
+        draft tree nodes where the graphs were made without ``trees``). With ``trees``, a
+        tree's verification and a drafter's pass over tree nodes (every fed row's logits,
+        explicit positions) are ragged."""
         tree = False
         for p in planned:
-            if p.prompt_logits or p.tree_nodes is not None:
-                return None
-            if p.draft_parents is not None:
+            if p.draft_parents is not None or p.tree_nodes is not None:
                 if not self.trees:
                     return None
                 tree = True
+            elif p.prompt_logits:
+                return None
         lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned]
         q = max(lengths)
         if not tree and self.fits_lengths(len(planned), q):
@@ -179,7 +180,10 @@ class GraphRunner:
 
     @staticmethod
     def _num_logits(planned) -> int:
-        return sum(1 + len(p.draft_token_ids) for p in planned if p.sample)
+        """Logits rows of a step (``host_batch``'s): a fed token's where its prompt's are
+        asked for (a drafter's pass over tree nodes), then each sampling row and its drafts'."""
+        return sum((len(p.token_ids) - p.sample if p.prompt_logits else 0)
+                   + (1 + len(p.draft_token_ids) if p.sample else 0) for p in planned)
 
     # ------------------------------------------------------------------ capture
     def capture_all(self, query_lens: list[int]) -> None:

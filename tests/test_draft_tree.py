@@ -105,29 +105,36 @@ def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_dr
     """Fixed k per request and up to 0, 3 or 8 further nodes: the same tokens as plain
     greedy decoding, every block back, and the runner-ups win steps and lengthen them.
     ``graphs``: through the CUDA graphs' static buffers (run eagerly), where tree steps
-    take the ragged layout with its mask buffer."""
+    take the ragged layout with its mask buffer, and so do the draft model's passes over
+    tree nodes, which then grow the same trees as the eager passes."""
     target = str(tiny_model_dir("llama"))
     drafter = dict(draft_model=near_draft) if method == "draft_model" else dict(layerskip_layers=1)
     stats = {}
     for nodes in (0, 3, 8):
         llm = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
                     draft_tree_nodes=nodes, **drafter, **ENGINE)
-        trees_in_graphs = []
+        trees_in_graphs, expanded_in_graphs = [], []
         if graphs:
             llm.engine.enable_graphs(capture=False)
-            runner = llm.engine.runner.graphs
-            ragged = runner._prepare_ragged
+            for runner, seen, key in ((llm.engine.runner.graphs, trees_in_graphs, "draft_parents"),
+                                      (llm.engine.speculator.drafter.runner.graphs, expanded_in_graphs, "tree_nodes")):
+                def spy(planned, *args, ragged=runner._prepare_ragged, seen=seen, key=key):
+                    seen.append(any(getattr(p, key) is not None for p in planned))
+                    return ragged(planned, *args)
 
-            def spy(planned, *args, ragged=ragged, seen=trees_in_graphs):
-                seen.append(any(p.draft_parents is not None for p in planned))
-                return ragged(planned, *args)
-
-            runner._prepare_ragged = spy
+                runner._prepare_ragged = spy
         got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
         assert not graphs or any(trees_in_graphs) == bool(nodes)
+        assert not graphs or any(expanded_in_graphs) == bool(nodes)
         assert [o.token_ids for o in got] == plain_outputs, nodes
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
         stats[nodes] = llm.engine.spec_stats
+    if graphs:  # the same trees grown as without graphs
+        eager = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
+                      draft_tree_nodes=8, **drafter, **ENGINE)
+        eager.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        assert (eager.engine.spec_stats.num_path_wins, eager.engine.spec_stats.num_accepted_tokens) == \
+            (stats[8].num_path_wins, stats[8].num_accepted_tokens)
     assert stats[0].num_path_wins == 0
     assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
     assert stats[8].mean_acceptance_length > stats[0].mean_acceptance_length
