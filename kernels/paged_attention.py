@@ -80,7 +80,12 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+# Sizes that vary step by step are not specialised on (1, multiples of 16): each new
+# combination would compile a variant in the middle of serving.
+_VARYING = ["num_reqs", "num_splits", "window", "stride_lt", "stride_lh", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, tree_masks_ptr,
@@ -192,7 +197,7 @@ def _paged_attention_kernel(
         tl.store(out[:, None] + d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_lt", "stride_lh"])
 def _reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
