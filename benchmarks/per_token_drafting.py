@@ -6,14 +6,16 @@ held-out chat and code prompts (``specserve.bench.prompt_sets``, chat template a
 greedy, up to ``--max-tokens`` new tokens, one request at a time. Settings:
 
 * ``off`` — speculation off;
-* ``k=1`` … ``k=6`` — a fixed k (one engine, the request's own k);
+* ``k=1`` … ``k=6`` — a fixed k (one engine, the request's own k); ``k=N, paths=P`` with
+  P draft paths (``--paths P``), ``k=N, tree=T`` with a draft tree of up to T further
+  nodes (``--tree-nodes T``);
 * ``adaptive`` — ``draft_stopping=confidence``: the controller plans the most each
   request may draft and the drafter stops token by token by its calibrated confidence
   (``spec.stopping``; the default on a CPU);
 * ``adaptive, no stopping`` — ``draft_stopping=plan``: k from each request's smoothed
   acceptance, every planned draft proposed (the default on a GPU);
-* ``adaptive, tree`` (with ``--tree-nodes N``) — ``adaptive`` with a dynamic draft tree of
-  up to N further nodes, priced by the same rule (``spec.tree``).
+* ``adaptive, tree`` and ``adaptive, no stopping, tree`` (with ``--tree-nodes T``) — the
+  two with a dynamic draft tree of up to T further nodes (``spec.tree``).
 
 The settings take turns prompt by prompt (each prompt starting with the next setting),
 so load from elsewhere falls on all alike; every engine is warmed up first. Reports
@@ -21,7 +23,8 @@ tokens/s, the ratio to off and to the best fixed k, acceptance length, the mean 
 verified per step and how many outputs equal speculation off's; the adaptive engine's
 calibration map goes to the JSON.
 
-    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k 4] [--tree-nodes 10] [--json out.json]
+    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k 4] [--tree-nodes 10] [--paths 2]
+        [--settings "k=2;k=4, tree=10;adaptive"] [--json out.json]
 """
 from __future__ import annotations
 
@@ -46,10 +49,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=4, help="the adaptive engines' most drafts per step")
     parser.add_argument("--tree-nodes", type=int, default=0,
-                        help="add an 'adaptive, tree' setting with a draft tree of up to N further nodes")
+                        help="add settings with a draft tree of up to N further nodes: adaptive ones, and "
+                             "'k=N, tree=T' where --settings names them")
+    parser.add_argument("--paths", type=int, default=0,
+                        help="add fixed-k settings verifying this many draft paths ('k=N, paths=P')")
     parser.add_argument("--method", default="draft_model", help="draft_model, draft_model@PATH, layerskip")
     parser.add_argument("--settings", default=None,
-                        help="';'-separated subset of: off; k=1..k=6; adaptive; adaptive, no stopping")
+                        help="';'-separated subset of: off; k=1..k=6; k=N, paths=P; k=N, tree=T; adaptive; "
+                             "adaptive, no stopping; adaptive, tree; adaptive, no stopping, tree")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None)
@@ -62,20 +69,34 @@ def main() -> None:
 
     common = dict(device=args.device, dtype=args.dtype, max_num_seqs=8, max_model_len=4096)
     drafter = drafter_settings(args.method)
-    engines = {"off": LLM(speculative_method="none", **common),
-               "fixed": LLM(num_speculative_tokens=max(FIXED), speculative_adaptive=False, **drafter, **common),
-               "adaptive": LLM(num_speculative_tokens=args.max_k, draft_stopping="confidence", **drafter, **common),
-               "adaptive, no stopping": LLM(num_speculative_tokens=args.max_k, draft_stopping="plan", **drafter,
-                                            **common)}
+    tree = {"draft_tree_nodes": args.tree_nodes}
+    kinds = {  # engine name -> its settings (made only if a setting uses it)
+        "off": dict(speculative_method="none"),
+        "fixed": dict(num_speculative_tokens=max(FIXED), speculative_adaptive=False, **drafter),
+        "fixed, paths": dict(num_speculative_tokens=max(FIXED), speculative_adaptive=False,
+                             num_draft_paths=args.paths, **drafter),
+        "fixed, tree": dict(num_speculative_tokens=max(FIXED), speculative_adaptive=False, **tree, **drafter),
+        "adaptive": dict(num_speculative_tokens=args.max_k, draft_stopping="confidence", **drafter),
+        "adaptive, no stopping": dict(num_speculative_tokens=args.max_k, draft_stopping="plan", **drafter),
+        "adaptive, tree": dict(num_speculative_tokens=args.max_k, draft_stopping="confidence", **tree, **drafter),
+        "adaptive, no stopping, tree": dict(num_speculative_tokens=args.max_k, draft_stopping="plan", **tree,
+                                            **drafter)}
     settings = {"off": ("off", 0), **{f"k={k}": ("fixed", k) for k in FIXED},
                 "adaptive": ("adaptive", None), "adaptive, no stopping": ("adaptive, no stopping", None)}
+    if args.paths:
+        settings.update({f"k={k}, paths={args.paths}": ("fixed, paths", k) for k in FIXED})
     if args.tree_nodes:
-        engines["adaptive, tree"] = LLM(num_speculative_tokens=args.max_k, draft_stopping="confidence",
-                                        draft_tree_nodes=args.tree_nodes, **drafter, **common)
-        settings["adaptive, tree"] = ("adaptive, tree", None)
+        settings.update({f"k={k}, tree={args.tree_nodes}": ("fixed, tree", k) for k in FIXED})
+        settings.update({name: (name, None) for name in ("adaptive, tree", "adaptive, no stopping, tree")})
     if args.settings:
-        settings = {"off": settings["off"], **{n.strip(): settings[n.strip()] for n in args.settings.split(";")
-                                               if n.strip() and n.strip() != "off"}}
+        chosen = ["off"] + [n.strip() for n in args.settings.split(";") if n.strip() and n.strip() != "off"]
+        unknown = [n for n in chosen if n not in settings]
+        if unknown:
+            raise SystemExit(f"unknown settings {unknown} (known: {list(settings)})")
+        settings = {n: settings[n] for n in chosen}
+    elif args.tree_nodes:  # by default, the adaptive trees beside every fixed chain
+        settings = {n: v for n, v in settings.items() if v[0] != "fixed, tree"}
+    engines = {kind: LLM(**kinds[kind], **common) for kind in dict.fromkeys(v[0] for v in settings.values())}
     first = engines["off"].engine
     machine, dtype = machine_name(first.device), str(first.dtype).removeprefix("torch.")
     workloads = {kind: chat_prompts(first.tokenizer, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
@@ -132,8 +153,10 @@ def main() -> None:
                 "same_as_off": f"{sum(x == y for x, y in zip(a['ids'], acc['off']['ids']))}/{len(prompts)}"})
             print(json.dumps(rows[-1]), flush=True)
 
-    adaptive = engines["adaptive"].engine.speculator
-    calibration = adaptive.controller.calibration.describe() if adaptive.controller else None
+    adaptive = next((engines[kind] for kind in ("adaptive", "adaptive, tree", "adaptive, no stopping")
+                     if kind in engines), engines["off"]).engine.speculator
+    calibration = adaptive.controller.calibration.describe() \
+        if adaptive.controller and adaptive.controller.calibration else None
     print(f"\nSmolLM2-135M-Instruct on {machine}, {dtype}; {adaptive.describe()}; held-out prompts "
           f"({args.prompts} chat, {args.prompts} code), greedy, batch 1, up to {args.max_tokens} new tokens\n")
     print("| workload | setting | tokens/s | vs off | vs best fixed k | acceptance length | mean k | same as off |")

@@ -175,7 +175,11 @@ def test_parse_speculation():
     assert parse_speculation("none,ngram:4,layerskip") == [
         Speculation("none"), Speculation("ngram", 4), Speculation("layerskip")]
     assert [s.label for s in parse_speculation("none,ngram:4")] == ["spec off", "ngram k=4"]
-    for bad in ("eagle", "ngram:0", "ngram:x", "none:2"):
+    assert parse_speculation("draft_model:4:adaptive:tree=10,draft_model:adaptive") == [
+        Speculation("draft_model", 4, True, 10), Speculation("draft_model", adaptive=True)]
+    assert parse_speculation("draft_model:4:tree=5")[0].label == "draft_model k=4 tree=5"
+    for bad in ("eagle", "ngram:0", "ngram:x", "none:2", "none:adaptive", "draft_model:4:tree=0",
+                "draft_model:4:tree", "draft_model:4:wide", "draft_model:4:adaptive:adaptive"):
         with pytest.raises(ValueError, match="--speculation"):
             parse_speculation(bad)
 

@@ -281,49 +281,57 @@ SERVER_MODES = {"process": ServerProcess, "thread": InProcessServer}
 # ---------------------------------------------------------------------- speculation settings
 @dataclass(frozen=True)
 class Speculation:
-    """One speculation setting for a server started here: ``none`` or ``METHOD[:K][:adaptive]``
-    (adaptive: the engine chooses each request's k up to K every step)."""
+    """One speculation setting for a server started here: ``none`` or
+    ``METHOD[:K][:adaptive][:tree=N]`` (adaptive: the engine chooses each request's k up to
+    K every step; tree: a dynamic draft tree of up to N further nodes)."""
 
     method: str
     k: int | None = None
     adaptive: bool = False
+    tree: int = 0
 
     @property
     def label(self) -> str:
         if self.method == "none":
             return "spec off"
         return (self.method + (f" k={self.k}" if self.k is not None else "")
-                + (" adaptive" if self.adaptive else ""))
+                + (" adaptive" if self.adaptive else "") + (f" tree={self.tree}" if self.tree else ""))
 
     def apply(self, config):
         if self.method == "none":
             return dataclasses.replace(config, speculative_method="none")
         k = self.k if self.k is not None else config.num_speculative_tokens
         return dataclasses.replace(config, speculative_method=self.method, num_speculative_tokens=k,
-                                   speculative_adaptive=self.adaptive)
+                                   speculative_adaptive=self.adaptive,
+                                   draft_tree_nodes=self.tree or config.draft_tree_nodes)
 
 
 def parse_speculation(text: str) -> list[Speculation]:
-    """``"none,ngram:4,ngram:4:adaptive,layerskip:2"`` -> settings; ValueError on an
-    unknown method or bad k."""
+    """``"none,ngram:4,ngram:4:adaptive,draft_model:4:adaptive:tree=10,layerskip:2"`` ->
+    settings; ValueError on an unknown method, a bad k or a bad option."""
     out = []
     for part in text.split(","):
-        adaptive = part.strip().endswith(":adaptive")
-        method, sep, k = part.strip().removesuffix(":adaptive").partition(":")
-        if adaptive and method == "none":
-            raise ValueError("--speculation none:adaptive: there is nothing to adapt")
-        if adaptive and not sep:
-            out.append(Speculation(method, adaptive=True))
-            continue
+        method, *rest = part.strip().split(":")
+        k, adaptive, tree = None, False, 0
+        if rest and rest[0].isdigit():
+            k = int(rest.pop(0))
+            if k < 1 or method == "none":
+                raise ValueError(f"--speculation {part.strip()!r}: give METHOD:K with K a positive integer")
+        for option in rest:
+            name, eq, value = option.partition("=")
+            if option == "adaptive" and not adaptive:
+                adaptive = True
+            elif name == "tree" and eq and value.isdigit() and int(value) > 0 and not tree:
+                tree = int(value)
+            else:
+                raise ValueError(f"--speculation {part.strip()!r}: unknown option {option!r} "
+                                 "(expected METHOD[:K][:adaptive][:tree=N], K and N positive integers)")
+        if method == "none" and (adaptive or tree):
+            raise ValueError(f"--speculation {part.strip()!r}: speculation off has nothing to adapt or grow")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculation {part.strip()!r}: the method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
-        if not sep:
-            out.append(Speculation(method))
-            continue
-        if method == "none" or not k.isdigit() or int(k) < 1:
-            raise ValueError(f"--speculation {part.strip()!r}: give METHOD:K with K a positive integer")
-        out.append(Speculation(method, int(k), adaptive))
+        out.append(Speculation(method, k, adaptive, tree))
     return out
 
 
