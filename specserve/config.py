@@ -81,10 +81,11 @@ class EngineConfig:
     # draft tree; see spec/paths.py). Each costs 1 + k more tokens a step.
     num_draft_paths: int = 1
     # draft_model (a checkpoint or an EAGLE head) / layerskip / quantized: a dynamic draft
-    # tree. Beside its drafted chain a request verifies up to this many of the draft's other
-    # candidates, chosen each step by the draft's confidence along the way (priced by the
-    # cost model where drafting stops by confidence), all in one pass with tree attention,
-    # exactly (spec/tree.py). 0: off.
+    # tree. Beside its drafted chain of k a request verifies this many more of the draft's
+    # candidates (a greedy one's chain competes with them for its k + N places), chosen
+    # each step by the draft's confidence along the way (priced by the cost model where
+    # drafting stops by confidence), all in one pass with tree attention, exactly
+    # (spec/tree.py). 0: off.
     draft_tree_nodes: int = 0
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match

@@ -5,12 +5,14 @@ against plain greedy decoding (float32), the pieces on their own, and the refusa
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
 
 from specserve import LLMEngine, SamplingParams
 from specserve.errors import SpecserveError
+from specserve.spec.speculator import Drafts
 from specserve.spec.tree import Node, candidate_tree, choose, feed_rows, frontier, walk
 from tiny_models import (LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed,
                          sharpened)
@@ -66,9 +68,25 @@ def test_choose_takes_the_likeliest_nodes_whose_parents_are_taken():
              1: [Node(-1, 5, 0.8, 0, chain=True), Node(-1, 6, 0.4, 0), Node(1, 7, 0.6, 1)]}
     # Request 1's node 2 ranks above its parent (never so in a real tree): skipped, as its
     # parent is not taken when it comes up.
-    assert choose(trees, 2, 10) == {0: [1, 2], 1: [1]}
-    assert choose(trees, 5, 2) == {0: [1, 2]}
-    assert choose(trees, 5, 10, threshold=0.42) == {0: [1, 2]}
+    assert choose(trees, 2, 10) == {0: (1, [1, 2]), 1: (1, [1])}
+    assert choose(trees, 5, 2) == {0: (1, [1, 2])}
+    assert choose(trees, 5, 10, threshold=0.42) == {0: (1, [1, 2])}
+
+
+def test_a_greedy_chain_shares_its_verify_budget_with_likelier_candidates():
+    """Chain 0.9 -> 0.3 -> 0.1; a runner-up of 0.5 at depth 0 and its child of 0.4. With one
+    further node the chain of 3 and the candidates share 4 places: the runner-up and its
+    child take the place of the chain's last node. A chain not ``cuttable`` (a sampling
+    request's) stays whole; the chain needs no threshold, the candidates do."""
+    nodes = [Node(-1, 1, 0.9, 0, chain=True), Node(0, 2, 0.3, 1, chain=True), Node(1, 3, 0.1, 2, chain=True),
+             Node(-1, 4, 0.5, 0), Node(3, 5, 0.4, 1)]
+    assert choose({0: nodes}, 1, 10, cuttable={0}) == {0: (2, [3, 4])}
+    assert choose({0: nodes}, 1, 10) == {0: (3, [3])}
+    assert choose({0: nodes}, 2, 10, cuttable={0}) == {0: (3, [3, 4])}  # room for all
+    assert choose({0: nodes}, 1, 10, threshold=0.45, cuttable={0}) == {0: (3, [3])}
+    assert choose({0: nodes}, 1, 1, cuttable={0}) == {0: (3, [3])}  # the step's budget: one further node
+    more = nodes + [Node(-1, 6, 0.35, 0)]
+    assert choose({0: more}, 1, 10, cuttable={0}) == {0: (1, [3, 4, 5])}
 
 
 def test_walk_follows_the_targets_argmax_through_the_tree():
@@ -123,7 +141,11 @@ def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_dr
                     return ragged(planned, *args)
 
                 runner._prepare_ragged = spy
-        got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        cuts = []  # chains cut where their candidates were likelier than the tail
+        cut = Drafts.cut
+        with mock.patch.object(Drafts, "cut", lambda self, keep: (cuts.append(keep), cut(self, keep))):
+            got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        assert bool(cuts) == bool(nodes), nodes
         assert not graphs or any(trees_in_graphs) == bool(nodes)
         assert not graphs or any(expanded_in_graphs) == bool(nodes)
         assert [o.token_ids for o in got] == plain_outputs, nodes
@@ -292,7 +314,8 @@ def test_metrics_show_the_tree_sizes(chat_model_dir):
     steps = out["usage"]["speculation"]["num_drafts"]
     samples = {s.name: s.value for s in families["specserve:spec_decode_tree_nodes"].samples}
     assert 0 < samples["specserve:spec_decode_tree_nodes_count"] <= steps
-    assert 0 < samples["specserve:spec_decode_tree_nodes_sum"] <= 3 * steps
+    # (A greedy chain of 4 and its candidates share 4 + 3 places; the chain keeps one at least.)
+    assert 0 < samples["specserve:spec_decode_tree_nodes_sum"] <= (4 + 3 - 1) * steps
 
 
 def test_an_eagle_head_grows_trees_and_reads_the_features_of_the_path(tiny_model_dir, plain_outputs, tmp_path):

@@ -134,7 +134,7 @@ class _EngineCollector:
         if snap.tree_size_counts:
             yield _histogram("specserve:spec_decode_tree_nodes",
                              "Further draft tree nodes verified per request per step with a tree "
-                             "(beside its chain of k).", snap.tree_size_counts, self.labels)
+                             "(beside the chain it kept).", snap.tree_size_counts, self.labels)
         if snap.draft_calibration is not None:
             yield from _calibration(snap.draft_calibration.describe(), self.labels)
 

@@ -271,12 +271,13 @@ class Speculator:
         self._failures = 0
         for planned, draft in zip(scheduled.scheduled, proposal.draft_token_ids):
             planned.draft_token_ids = draft
+        drafts.probs = proposal.draft_probs
         if proposal.candidates is not None:
             budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
             threshold = 0.0  # a fixed budget of nodes; where drafting stops by confidence, priced
             if stop is not None and proposal.goodput is not None:
                 threshold = proposal.goodput * stop.prices.token
-            drafts.grown = self.trees.grow(scheduled, proposal.candidates, budget, threshold)
+            drafts.grown = self.trees.grow(scheduled, proposal.candidates, budget, threshold, cut=drafts.cut)
         if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
             drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
             drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
@@ -287,7 +288,6 @@ class Speculator:
         if proposal.draft_ids is not None:
             drafts.device_ids = DeviceTokenIds(proposal.draft_ids,
                                                [len(p.draft_token_ids) for p in scheduled.scheduled])
-        drafts.probs = proposal.draft_probs
         drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
         return drafts
 

@@ -141,23 +141,35 @@ def feed_rows(nodes: list[Node], fed: list[int], end: int, first_slot: int) -> t
     return [end + nodes[i].depth for i in fed], masks
 
 
-def choose(trees: dict[int, list[Node]], max_nodes: int, budget: int, threshold: float = 0.0) -> dict[int, list[int]]:
-    """The further nodes to verify per request: likeliest first, each with its parent taken
-    (or the chain's), at most ``max_nodes`` per request and ``budget`` in all, each with a
-    chance of at least ``threshold``."""
+def choose(trees: dict[int, list[Node]], max_nodes: int, budget: int, threshold: float = 0.0,
+           cuttable: frozenset[int] | set[int] = frozenset()) -> dict[int, tuple[int, list[int]]]:
+    """Per request, how many of its chain's nodes stay and the further nodes to verify:
+    likeliest first, each with its parent taken, at most ``max_nodes`` further nodes per
+    request and ``budget`` in all, each with a chance of at least ``threshold``. The chain
+    of a request in ``cuttable`` competes too: its nodes and the further ones share a
+    verify budget of the chain's length + ``max_nodes``, so a runner-up likelier than the
+    chain's tail takes its place (EAGLE-2's reranking); the chain's nodes use none of
+    ``budget`` (the step scheduled them) and need no threshold (they were drafted)."""
     ranked = sorted(((node.chance, node.depth, req, i) for req, nodes in trees.items()
-                     for i, node in enumerate(nodes) if not node.chain), key=lambda t: (-t[0], t[1]))
-    taken: dict[int, list[int]] = {}
+                     for i, node in enumerate(nodes) if req in cuttable or not node.chain),
+                    key=lambda t: (-t[0], t[1]))
+    chains = {req: sum(node.chain for node in nodes) for req, nodes in trees.items()}
+    kept = {req: 0 if req in cuttable else chains[req] for req in trees}  # chain nodes kept
+    taken: dict[int, list[int]] = {req: [] for req in trees}
     total = 0
     for chance, _, req, i in ranked:
-        if total >= budget or chance < threshold:
-            break
-        mine = taken.setdefault(req, [])
-        parent = trees[req][i].parent
-        if len(mine) < max_nodes and (parent < 0 or trees[req][parent].chain or parent in mine):
+        node, nodes, mine = trees[req][i], trees[req], taken[req]
+        parent_in = node.parent < 0 or (node.parent < kept[req] if nodes[node.parent].chain else node.parent in mine)
+        if not parent_in:
+            continue
+        if node.chain:
+            if kept[req] + len(mine) < chains[req] + max_nodes:
+                kept[req] += 1
+            continue
+        if total < budget and chance >= threshold and kept[req] + len(mine) < chains[req] + max_nodes:
             mine.append(i)
             total += 1
-    return {req: nodes for req, nodes in taken.items() if nodes}
+    return {req: (kept[req], mine) for req, mine in taken.items() if mine}
 
 
 def walk(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -> list[int]:
@@ -188,10 +200,13 @@ class DraftTrees:
         self.levels = levels if getattr(drafter, "expands_trees", False) else 0
         self.expand = expand
 
-    def grow(self, output: SchedulerOutput, candidates: list, budget: int, threshold: float = 0.0) -> bool:
+    def grow(self, output: SchedulerOutput, candidates: list, budget: int, threshold: float = 0.0,
+             cut=None) -> bool:
         """Add further nodes to ``output``'s requests from their drafter's ``candidates``
         (``DraftProposal.candidates``), expanded by draft passes over the likeliest, within
-        ``budget`` tokens; returns whether any grew."""
+        ``budget`` tokens; returns whether any grew. A greedy request's chain is cut where
+        likelier candidates take its tail's place (``choose``), by ``cut`` (``Drafts.cut``:
+        its drafts and their rows of q)."""
         planned = output.scheduled
         trees: dict[int, list[Node]] = {}
         for i, c in enumerate(candidates):
@@ -234,9 +249,15 @@ class DraftTrees:
                         nodes.append(Node(j, token, nodes[j].chance * prob, nodes[j].depth + 1))
                     row += 1
         grew = False
-        for i, taken in choose(trees, self.max_nodes, budget, threshold).items():
+        # A sampling request's chain stays whole: which of its drafts are verified must not
+        # depend on the values drawn (their chances are q's of the drawn tokens).
+        chosen = choose(trees, self.max_nodes, budget, threshold,
+                        cuttable={i for i in trees if planned[i].params.greedy} if cut else frozenset())
+        cuts = {id(planned[i]): kept for i, (kept, _) in chosen.items() if kept < len(planned[i].draft_token_ids)}
+        if cuts:
+            cut(cuts)
+        for i, (k, taken) in chosen.items():
             p, nodes = planned[i], trees[i]
-            k = len(p.draft_token_ids)
             index = {j: j for j in range(k)}  # candidate -> verified node (the chain first)
             index.update({j: k + n for n, j in enumerate(taken)})
             p.draft_parents = list(range(-1, k - 1)) + [-1 if nodes[j].parent < 0 else index[nodes[j].parent]
