@@ -8,9 +8,10 @@ The methods take turns chunk by chunk, so load from elsewhere falls on all of th
 Reports mean acceptance length (tokens per verify step, as ``spec_stats`` counts it),
 tokens/s, speed-up over speculation off, how many verify steps kept a further draft
 path's tokens (``draft_model:paths=N``), and how many outputs equal speculation off's
-(all in float32; bf16 batched numerics may differ). ``--adaptive`` lets each engine choose
-k (up to ``--k``) and whether to verify further paths, as it does by default. Works on CPU
-and CUDA.
+(all in float32; bf16 batched numerics may differ). A method's options
+(``workloads.drafter_settings``): ``:paths=N``, ``:tree=N`` (a dynamic draft tree), ``:k=N``
+(its own k instead of ``--k``). ``--adaptive`` lets each engine choose k (up to ``--k``)
+and whether to verify further paths, as it does by default. Works on CPU and CUDA.
 
     python benchmarks/draft_acceptance.py [--prompts 8] [--batch 1,8] [--adaptive] [--json out.json]
 """
@@ -37,9 +38,10 @@ def machine_name(device: torch.device) -> str:
     return f"{platform.machine()} CPU {model}, {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
-def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: int | None) -> dict:
+def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: dict) -> dict:
     """Every method on the same prompts, interleaved chunk by chunk so that a burst of load
-    elsewhere on a shared machine hits all of them alike. ``k`` None: the engines choose."""
+    elsewhere on a shared machine hits all of them alike. ``k``: per method, its requests'
+    k (None: the engine chooses)."""
     from specserve import SamplingParams
 
     acc = {m: {"tokens": 0, "seconds": 0.0, "drafts": 0, "accepted": 0, "path_wins": 0, "token_ids": []}
@@ -48,7 +50,7 @@ def run_all(engines: dict, prompts: list[str], batch: int, max_tokens: int, k: i
         chunk = prompts[start:start + batch]
         for method, llm in engines.items():
             params = SamplingParams(temperature=0, max_tokens=max_tokens,
-                                    num_speculative_tokens=k if method != "none" else 0)
+                                    num_speculative_tokens=k[method] if method != "none" else 0)
             before = llm.engine.spec_stats.copy()
             began = time.perf_counter()
             outs = llm.generate(chunk, params, use_tqdm=False)
@@ -88,17 +90,19 @@ def main() -> None:
     from specserve import LLM
 
     methods = args.methods.split(",")
-    engines = {}
+    engines, ks = {}, {}
     share = {"gpu_memory_utilization": 0.8 / len(methods)}  # every engine lives in this process (CUDA)
     for method in methods:
+        settings = drafter_settings(method)
+        ks[method] = settings.pop("num_speculative_tokens", args.k)  # (a method's own :k=N)
         engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=args.adaptive,
-                              num_speculative_tokens=args.k, max_num_seqs=64, max_model_len=4096,
-                              **share, **drafter_settings(method))
+                              num_speculative_tokens=ks[method], max_num_seqs=64, max_model_len=4096,
+                              **share, **settings)
     first = engines[methods[0]].engine
     tok, device = first.tokenizer, first.device
     machine, dtype = machine_name(device), str(first.dtype).removeprefix("torch.")
     workloads = {kind: chat_prompts(tok, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
-    k = None if args.adaptive else args.k
+    k = {method: None if args.adaptive else ks[method] for method in methods}
     run_all(engines, workloads["chat"][:1], 1, 8, k)  # warm-up
 
     rows = []

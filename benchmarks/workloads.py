@@ -20,16 +20,19 @@ __all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "drafter_setting
 
 def drafter_settings(spec: str) -> dict:
     """A benchmark's drafter: a speculative method (``none`` for speculation off), or
-    ``draft_model@PATH`` for a draft checkpoint other than the built-in one; ``:paths=N``
-    after either verifies N draft paths per request (``num_draft_paths``), ``:tree=N`` a
-    draft tree of up to N further nodes (``draft_tree_nodes``)."""
-    spec, _, options = spec.partition(":")
+    ``draft_model@PATH`` for a draft checkpoint other than the built-in one; options after
+    it, each after a ``:`` — ``paths=N`` verifies N draft paths per request
+    (``num_draft_paths``), ``tree=N`` a draft tree of N further nodes (``draft_tree_nodes``),
+    ``k=N`` drafts N tokens where the benchmark's own k would be used
+    (``num_speculative_tokens``)."""
+    spec, *options = spec.split(":")
     method, _, path = spec.partition("@")
     settings = {"speculative_method": method, **({"draft_model": path} if path else {})}
-    if options:
-        name, _, value = options.partition("=")
-        option = {"paths": "num_draft_paths", "tree": "draft_tree_nodes"}.get(name)
-        if option is None or not value.isdigit():
-            raise SystemExit(f"unknown drafter option {options!r} (expected paths=N or tree=N)")
+    names = {"paths": "num_draft_paths", "tree": "draft_tree_nodes", "k": "num_speculative_tokens"}
+    for text in options:
+        name, _, value = text.partition("=")
+        option = names.get(name)
+        if option is None or not value.isdigit() or option in settings:
+            raise SystemExit(f"unknown or repeated drafter option {text!r} (expected paths=N, tree=N or k=N)")
         settings[option] = int(value)
     return settings

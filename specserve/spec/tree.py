@@ -50,7 +50,7 @@ from specserve.transfer import to_device
 # Runner-up candidates per depth a tree may take (ranks 1 .. TREE_RANKS of q), and how
 # the likeliest of them grow: TREE_LEVELS draft passes, each over a request's TREE_EXPAND
 # likeliest nodes not yet expanded, adding their TREE_RANKS + 1 likeliest children.
-TREE_RANKS = 2
+TREE_RANKS = 3
 TREE_LEVELS = 2
 TREE_EXPAND = 2
 
