@@ -166,6 +166,11 @@ class DraftLengthController:
         check = self.checks.get(regime)
         if check is None:
             check = self.checks[regime] = GoodputCheck(self.max_k, batch=1 << (regime[2] - 1))
+            for size in (regime[2] + 1, regime[2] - 1):  # a neighbour's verdict, the larger one's first
+                neighbour = self.checks.get((*regime[:2], size))
+                if neighbour is not None:
+                    check.inherit(neighbour)
+                    break
         if check.vetoed:
             check.saw(joined, len(caps))  # a batch mostly new to the veto weighs its evidence less
         standing = self._plans.get(regime)

@@ -24,6 +24,7 @@ CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone,
 VERDICT_EVERY = 8           # the verdict is weighed at drafted and checked steps, and every this many plain ones
 CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
 VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when most of the batch is new
+INHERIT = 0.5               # what a kind new to the check takes of its neighbour's evidence
 
 
 class GoodputCheck:
@@ -93,8 +94,14 @@ class GoodputCheck:
 
     @property
     def interval(self) -> int:
-        """How stale a side may go, in its mean step durations."""
-        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(self.z)))
+        """How stale a side may go, in its mean step durations: the longer the clearer the
+        verdict, but always the shortest while the evidence leans against what the kind
+        does now (drafting while drafts look slower, or vetoed while they look faster),
+        so a verdict that is forming forms in a few checks, not ever more rarely."""
+        z = self.z
+        if (z < 0) != self.vetoed and z != 0:
+            return CHECK_MIN
+        return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(z)))
 
     def stale(self, drafted: bool) -> bool:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
@@ -110,6 +117,15 @@ class GoodputCheck:
         if interval >= CHECK_MAX:
             wait = max(wait, CHECK_MAX_S)
         return self._since[side] >= wait
+
+    def inherit(self, other: "GoodputCheck") -> None:
+        """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
+        weight (the controller's kinds differ in batch size by a factor of two): where a
+        batch shrinks through the kinds as its requests finish (a burst draining), each
+        would otherwise try drafts afresh until its own checks agree with the last."""
+        self._sums = [[INHERIT * value for value in side] for side in other._sums]
+        self._counts = [int(INHERIT * count) for count in other._counts]
+        self.vetoed = other.vetoed
 
     def saw(self, joined: int, batch: int) -> None:
         """A step of this kind under a veto, of ``batch`` requests, ``joined`` of them ever
