@@ -34,6 +34,10 @@ from specserve.spec.stopping import DraftStop, StopRule
 from specserve.spec.tree import TREE_RANKS, grows
 from specserve.transfer import to_device
 
+# A lazy catch-up longer than this many tokens (a prompt) feeds all but its last token
+# in a pass of its own (``ModelDrafter.catch_up_lazily``).
+LAZY_APART = 16
+
 
 class ModelDrafter:
     """Proposes tokens by running a model autoregressively over the paged cache.
@@ -43,11 +47,12 @@ class ModelDrafter:
     whose entries for computed tokens are exactly what the draft would compute, so it
     holds no memory of its own and only ever feeds the pending token. Otherwise (a draft
     checkpoint) it owns a cache with the same block ids as the target's, prefills in
-    lockstep with the target's prefill chunks and tracks how far its cache is valid;
-    after a rollback that length is clamped to the target's accepted length.
+    lockstep with the target's prefill chunks (or, ``catch_up_lazily``, when a request
+    first drafts) and tracks how far its cache is valid; after a rollback that length is
+    clamped to the target's accepted length.
     """
 
-    needs_every_step = True  # a draft checkpoint's cache prefills in lockstep with the target's
+    needs_every_step = True  # it prefills in lockstep, or takes note of what an admission's cache holds
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
     grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
@@ -141,11 +146,13 @@ class ModelDrafter:
         return not self.lazy
 
     def catch_up_lazily(self) -> bool:
-        """From now on leave a decoding request that does not draft unfed: its cache
-        catches up (several tokens in one pass) when it next drafts, so a step that drafts
-        nothing runs no draft pass, and the catch-up is a draft pass, not a fixed cost of
-        every step. Prompt chunks are still fed in lockstep, in a pass of their own. (Set
-        where drafting stops by confidence, which then prices every pass it runs.)"""
+        """From now on leave a request that does not draft unfed, its prompt chunks
+        included: its cache catches up when it next drafts, so a step that drafts nothing
+        runs no draft pass, a request that never drafts (a veto, a workload where drafting
+        does not pay) costs the draft nothing, and the catch-up is a draft pass, not a fixed
+        cost of every step. A catch-up longer than ``LAZY_APART`` tokens (a prompt) feeds
+        all but its last token in a pass of its own, timed apart. (Set where drafting stops
+        by confidence, which then prices every pass it runs.)"""
         self.lazy = True
         return True
 
@@ -165,7 +172,7 @@ class ModelDrafter:
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
                 stop: StopRule | None = None) -> DraftProposal:
         began = time.perf_counter()
-        entries, drafting, ends, fed_before = [], [], {}, {}
+        entries, drafting, ends, fed_before, lockstep = [], [], {}, {}, []
         for i, planned in enumerate(scheduled):
             k = planned.num_lookahead
             if k == 0 and self.shares_target_cache:
@@ -174,15 +181,22 @@ class ModelDrafter:
             end = planned.start_pos + len(planned.token_ids)
             if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
                 self._fed[req_id] = planned.draft_cache_valid
-            if k == 0 and self.lazy and planned.start_pos >= requests[req_id].num_prompt_tokens:
-                # Decoding without drafts: its cache catches up when it next drafts (the
-                # entries past this step's start may be rejected drafts': not valid).
+            if k == 0 and self.lazy:
+                # A prompt chunk, or decoding without drafts: its cache catches up when it
+                # next drafts (the entries past this step's start may be rejected drafts':
+                # not valid).
                 self._fed[req_id] = min(self._fed.get(req_id, 0), planned.start_pos)
                 continue
             # A request's further draft paths catch up from where the request's own does.
             fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))
             tokens = requests[req_id].all_token_ids[fed:end]
+            if self.lazy and len(tokens) > LAZY_APART:
+                # A long catch-up (its prompt, at a request's first drafts): all but the
+                # last token in a pass of their own, the step's cost rather than drafting's.
+                lockstep.append(ScheduledRequest(req_id, tokens[:-1], fed, planned.block_table, planned.params,
+                                                 sample=False, long_rope=planned.long_rope))
+                fed, tokens = end - 1, tokens[-1:]
             entries.append((i, ScheduledRequest(req_id, tokens, fed, planned.block_table,
                                                 planned.params, sample=k > 0, long_rope=planned.long_rope)))
             if not self.shares_target_cache:
@@ -200,12 +214,10 @@ class ModelDrafter:
         # batch puts them first, in that order, so its logits rows are in it too.
         order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
         rank = {i: r for r, i in enumerate(order)}
-        lockstep = [e for i, e in entries if i not in ends] if self.lazy else []
         if lockstep:
-            # Prompt chunks fed in lockstep are the step's cost whatever k is: their own
-            # pass, timed apart; the drafting requests' catch-up is their first draft pass.
+            # Long catch-ups are the step's cost whatever k is: their own pass, timed apart;
+            # the drafting requests' last tokens are their first draft pass.
             self._forward(lockstep)
-            entries = [e for e in entries if e[0] in ends]
         lockstep_s = time.perf_counter() - began if lockstep else 0.0
         entries.sort(key=lambda e: rank.get(e[0], len(order)))
         active = [scheduled[i] for i in order]

@@ -204,6 +204,40 @@ def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_a_lazy_draft_proposes_what_a_draft_fed_in_lockstep_proposes(tiny_model_dir, near):
+    """Where drafting stops by confidence a draft model feeds a request only when it drafts,
+    its prompt included (at its first drafts; all but the last token in a pass of their own
+    when longer than ``LAZY_APART``, as the 37-token prompt here): requests drafting their
+    own k = 3 every step get the same drafts as from a draft fed in lockstep, chunk by chunk
+    (the plan's engine), so the same tokens are accepted; and a request that never drafts
+    costs the draft no pass."""
+    from specserve.drafts.model_drafter import LAZY_APART
+
+    assert max(len(p) for p in PROMPTS) > LAZY_APART
+    target = str(tiny_model_dir("llama"))
+    counts, passes = {}, {}
+    for stopping in ("confidence", "plan"):
+        llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=3,
+                    draft_stopping=stopping, **SMALL)
+        drafter = llm.engine.speculator.drafter
+        assert drafter.lazy == (stopping == "confidence")
+        fed = []
+        forward = drafter._forward
+        drafter._forward = lambda entries, *a: (fed.append(sum(len(e.token_ids) for e in entries)),
+                                                forward(entries, *a))[1]
+        got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                   num_speculative_tokens=3), use_tqdm=False)
+        stats = llm.engine.spec_stats
+        counts[stopping] = ([o.token_ids for o in got], stats.num_drafts, stats.num_accepted_tokens)
+        fed.clear()
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, num_speculative_tokens=0),
+                     use_tqdm=False)
+        passes[stopping] = len(fed)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert counts["confidence"] == counts["plan"] and counts["plan"][2] > 0
+    assert passes["confidence"] == 0 < passes["plan"]  # (the plan's draft prefills the prompt)
+
+
 def test_a_draft_path_engine_keeps_its_static_forks(tiny_model_dir, near):
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
                 num_speculative_tokens=4, num_draft_paths=2, draft_stopping="confidence", **SMALL)

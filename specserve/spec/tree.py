@@ -144,12 +144,13 @@ def feed_rows(nodes: list[Node], fed: list[int], end: int, first_slot: int) -> t
 def choose(trees: dict[int, list[Node]], max_nodes: int, budget: int, threshold: float = 0.0,
            cuttable: frozenset[int] | set[int] = frozenset()) -> dict[int, tuple[int, list[int]]]:
     """Per request, how many of its chain's nodes stay and the further nodes to verify:
-    likeliest first, each with its parent taken, at most ``max_nodes`` further nodes per
-    request and ``budget`` in all, each with a chance of at least ``threshold``. The chain
-    of a request in ``cuttable`` competes too: its nodes and the further ones share a
-    verify budget of the chain's length + ``max_nodes``, so a runner-up likelier than the
-    chain's tail takes its place (EAGLE-2's reranking); the chain's nodes use none of
-    ``budget`` (the step scheduled them) and need no threshold (they were drafted)."""
+    likeliest first, each with its parent taken, ``budget`` in all, each with a chance of
+    at least ``threshold``, and per request at most its chain's length + ``max_nodes``
+    nodes. A chain stays whole, unless its request is in ``cuttable``: then its nodes
+    compete for those places too, so a runner-up likelier than the chain's tail takes its
+    place (EAGLE-2's reranking) and the request verifies more than ``max_nodes`` further
+    nodes. The chain's nodes use none of ``budget`` (the step scheduled them) and need no
+    threshold (they were drafted)."""
     ranked = sorted(((node.chance, node.depth, req, i) for req, nodes in trees.items()
                      for i, node in enumerate(nodes) if req in cuttable or not node.chain),
                     key=lambda t: (-t[0], t[1]))
