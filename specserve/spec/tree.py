@@ -252,9 +252,10 @@ class DraftTrees:
         grew = False
         # A sampling request's chain stays whole: which of its drafts are verified must not
         # depend on the values drawn (their chances are q's of the drawn tokens).
-        chosen = choose(trees, self.max_nodes, budget, threshold,
-                        cuttable={i for i in trees if planned[i].params.greedy} if cut else frozenset())
-        cuts = {id(planned[i]): kept for i, (kept, _) in chosen.items() if kept < len(planned[i].draft_token_ids)}
+        cuttable = {i for i in trees if planned[i].params.greedy} if cut else set()
+        chosen = choose(trees, self.max_nodes, budget, threshold, cuttable)
+        cuts = {id(planned[i]): kept for i, (kept, _) in chosen.items()
+                if i in cuttable and kept < len(planned[i].draft_token_ids)}
         if cuts:
             cut(cuts)
         for i, (k, taken) in chosen.items():
