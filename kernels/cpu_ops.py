@@ -83,7 +83,8 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
                  bits: int, group: int, bias: torch.Tensor | None, dequant_rows: int = 0) -> torch.Tensor:
     """``x · Wᵀ + bias`` with W = scale · q + min held in ``bits`` bits per weight and one
     scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
-    32, VNNI integer dot products). ``bias``: float32. The result has ``x``'s dtype. From
+    32, VNNI integer dot products); ``scales`` and ``mins`` both float32, or both float16
+    with groups of 32. ``bias``: float32. The result has ``x``'s dtype. From
     ``dequant_rows`` rows on (0: never) W is unpacked to ``x``'s dtype for ATen's GEMM,
     which reuses each weight over the rows (a prefill chunk)."""
     return torch.ops.specserve_cpu.quant_linear(x, packed, scales, mins, bits, group, bias, dequant_rows)

@@ -29,7 +29,8 @@
 //    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
 //    bytes, byte j holding its inputs j and 32 + j.
 //  - 8 bits: Kp bytes.
-//  - scales, mins: [N, Kp/G] fp32, in group order (not reordered).
+//  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
+//    group order (not reordered).
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
 // with rows and columns tiled only to share loads: a row's result does not depend on how
 // many rows share the call, so the layer is batch-invariant as it stands.
@@ -88,6 +89,11 @@ struct QuantizedRows {
 
 template <typename T>
 float to_float(T v) { return static_cast<float>(v); }
+
+// A weight's scales and mins are float32, or float16 where every one of them is exactly
+// a float16 (Q4_0, Q4_1, Q8_0: GGUF stores them so), which reads fewer bytes per step.
+inline float scalar(float v) { return v; }
+inline float scalar(at::Half v) { return static_cast<float>(v); }
 
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
@@ -156,18 +162,27 @@ inline __m512i weight_chunk(const uint8_t* w, int64_t c) {
 }
 
 // Per lane, the value of its group: the block's `count` groups from p, each over 16 / count lanes.
-inline __m512 per_lane(const float* p, int64_t count) {
-  if (count == 16) return _mm512_loadu_ps(p);
-  const __m512 v = _mm512_maskz_loadu_ps(__mmask16((1u << count) - 1), p);
-  const int per = int(16 / count);
-  alignas(64) int32_t idx[16];
-  for (int l = 0; l < 16; ++l) idx[l] = l / per;
-  return _mm512_permutexvar_ps(_mm512_load_si512(idx), v);
+// 16 scales or mins (the first ``count``, the rest 0) as float32.
+inline __m512 load16(const float* p, int64_t count) {
+  return count == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << count) - 1), p);
+}
+inline __m512 load16(const at::Half* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << count) - 1), p));
+}
+
+template <typename S>
+inline __m512 per_lane(const S* p, int64_t count) {
+  const __m512 v = load16(p, count);
+  if (count == 16) return v;
+  // lane l takes group l / (16 / count): a shift, counts being powers of two
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(16 / count));
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, static_cast<unsigned>(shift)), v);
 }
 
 // Cols weight rows × Rows activation rows, one accumulator each.
-template <int Rows, int Cols, int Bits, int G>
-inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm, const QuantizedRows& q,
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
   const int64_t kp = q.kp, groups = kp / G;
   __m512 acc[Cols][Rows];
@@ -215,7 +230,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
         const __m512 scale = _mm512_mul_ps(per_lane(ws + n * groups + g0, count), d);
         acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[n][r]), scale, acc[n][r]);
         // the min term, once per group: Σ min · d·Σa
-        acc[n][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, wm + n * groups + g0), sums, acc[n][r]);
+        acc[n][r] = _mm512_fmadd_ps(load16(wm + n * groups + g0, count), sums, acc[n][r]);
       }
     }
     g0 += count;
@@ -225,8 +240,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
 }
 #else
 // Portable: the same sums, lane by lane, in the same order as the vector path.
-template <int Rows, int Cols, int Bits, int G>
-inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm, const QuantizedRows& q,
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
                      int64_t r0, float* out) {
   const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
   for (int n = 0; n < Cols; ++n) {
@@ -254,8 +269,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
           }
         for (int64_t l = 0; l < 16; ++l) {
           const int64_t grp = g0 + l / per;
-          acc[l] = std::fma(float(dots[l]), ws[n * groups + grp] * q.group_scale[row * groups + grp], acc[l]);
-          if (l < count) acc[l] = std::fma(wm[n * groups + g0 + l], q.group_sum[row * groups + g0 + l], acc[l]);
+          acc[l] = std::fma(float(dots[l]), scalar(ws[n * groups + grp]) * q.group_scale[row * groups + grp], acc[l]);
+          if (l < count) acc[l] = std::fma(scalar(wm[n * groups + g0 + l]), q.group_sum[row * groups + g0 + l], acc[l]);
         }
         g0 += count;
       }
@@ -269,8 +284,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const float* ws, const
 
 // Rows activation rows against `cols` weight rows, in column tiles: out [Rows][cols]. Tiles
 // of 4 columns for 1 or 2 rows, 2 for 3 or 4 (measured best on an AVX-512 Xeon).
-template <int Rows, int Bits, int G>
-void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws, const float* wm,
+template <int Rows, int Bits, int G, typename S>
+void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm,
               const QuantizedRows& q, int64_t r0, float* out) {
   constexpr int kCols = Rows <= 2 ? 4 : 2;
   float tile[Rows * kCols];
@@ -278,20 +293,20 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const float* ws
   for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
     const int64_t width = std::min<int64_t>(kCols, cols - n0);
     if (width == kCols) {
-      dot_tile<Rows, kCols, Bits, G>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, q, r0, tile);
+      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, q, r0, tile);
       for (int r = 0; r < Rows; ++r)
         for (int n = 0; n < kCols; ++n) out[r * cols + n0 + n] = tile[r * kCols + n];
     } else {
       for (int64_t n = n0; n < cols; ++n) {
-        dot_tile<Rows, 1, Bits, G>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, q, r0, tile);
+        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, q, r0, tile);
         for (int r = 0; r < Rows; ++r) out[r * cols + n] = tile[r];
       }
     }
   }
 }
-template <int Bits, int G, typename T>
+template <int Bits, int G, typename S, typename T>
 void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* packed, int64_t row_bytes,
-                  const float* scales, const float* mins, const float* bias, T* out) {
+                  const S* scales, const S* mins, const float* bias, T* out) {
   const int64_t groups = q.kp / G;
   constexpr int64_t kSpan = 32;  // columns a thread takes at once
   // Threads split the output columns only: each output element is made whole by one thread.
@@ -300,15 +315,15 @@ void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* p
     for (int64_t span = begin; span < end; ++span) {
       const int64_t c0 = span * kSpan, cols = std::min(kSpan, n - c0);
       const uint8_t* w = packed + c0 * row_bytes;
-      const float* ws = scales + c0 * groups;
-      const float* wm = mins + c0 * groups;
+      const S* ws = scales + c0 * groups;
+      const S* wm = mins + c0 * groups;
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, m - r0);
         switch (rows) {
-          case 1: dot_rows<1, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
-          case 2: dot_rows<2, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
-          case 3: dot_rows<3, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
-          default: dot_rows<4, Bits, G>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          case 1: dot_rows<1, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          case 2: dot_rows<2, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          case 3: dot_rows<3, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res); break;
+          default: dot_rows<4, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res); break;
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < cols; ++j) {
@@ -364,16 +379,16 @@ template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
 
 // W [N, K] in natural order: scale · q + min (exact in fp32), rounded once to T.
-template <typename T>
+template <typename S, typename T>
 void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t* packed, int64_t row_bytes,
-                const float* scales, const float* mins, int64_t groups, T* out) {
+                const S* scales, const S* mins, int64_t groups, T* out) {
   const Unpacking u = unpacking(k, groups * group, group, bits, row_bytes);
   const uint32_t mask = bits == 4 ? 0xFu : 0xFFu;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = packed + r * row_bytes;
-      const float* s = scales + r * groups;
-      const float* mn = mins + r * groups;
+      const S* s = scales + r * groups;
+      const S* mn = mins + r * groups;
       T* o = out + r * k;
       int64_t i = 0;
 #if defined(__AVX512F__)
@@ -382,8 +397,8 @@ void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t
         const __m512i words = _mm512_i32gather_epi32(_mm512_loadu_si512(u.offset.data() + i), row, 1);
         const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_loadu_si512(u.shift.data() + i)),
                                            _mm512_set1_epi32(int(mask)));
-        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[i / group]),
-                                         _mm512_set1_ps(mn[i / group]));
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scalar(s[i / group])),
+                                         _mm512_set1_ps(scalar(mn[i / group])));
         if constexpr (std::is_same_v<T, float>) {
           _mm512_storeu_ps(o + i, w);
         } else {  // to bf16, rounding to nearest even (weights are finite)
@@ -399,14 +414,14 @@ void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t
         uint32_t word;
         std::memcpy(&word, row + u.offset[i], 4);
         const float q = static_cast<float>((word >> u.shift[i]) & mask);
-        o[i] = from_float<T>(std::fma(q, s[i / group], mn[i / group]));
+        o[i] = from_float<T>(std::fma(q, scalar(s[i / group]), scalar(mn[i / group])));
       }
     }
   });
 }
 
 // y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8 [N, Kp·bits/8],
-// ``scales``/``mins`` fp32 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype. From
+// ``scales``/``mins`` fp32 or fp16 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype. From
 // ``dequant_rows`` rows on (0: never), W is unpacked for a library GEMM (see the top).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                         const at::Tensor& mins, int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias_in,
@@ -418,10 +433,12 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
   const int64_t n = packed.size(0), kp = packed.size(1) * 8 / bits, k = x_in.size(-1);
   TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
   for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
-                    t->size(1) == kp / group,
-                "scales and mins must be contiguous float32 [N, Kp / group]");
+    TORCH_CHECK(t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == n && t->size(1) == kp / group,
+                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16");
   const float* bias = nullptr;
   if (bias_in.has_value() && bias_in->defined()) {
     TORCH_CHECK(bias_in->scalar_type() == at::kFloat && bias_in->is_contiguous() && bias_in->numel() == n,
@@ -437,12 +454,17 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   if (dequant_rows > 0 && m >= dequant_rows) {
     at::Tensor w = at::empty({n, k}, x.options());
     const int64_t groups = scales.size(1);
-    if (x.scalar_type() == at::kFloat)
-      dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), scales.data_ptr<float>(),
-                 mins.data_ptr<float>(), groups, w.data_ptr<float>());
+    auto unpack = [&](auto* sc, auto* mn) {
+      if (x.scalar_type() == at::kFloat)
+        dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, groups, w.data_ptr<float>());
+      else
+        dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, groups,
+                   w.data_ptr<at::BFloat16>());
+    };
+    if (half)
+      unpack(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
     else
-      dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), scales.data_ptr<float>(),
-                 mins.data_ptr<float>(), groups, w.data_ptr<at::BFloat16>());
+      unpack(scales.data_ptr<float>(), mins.data_ptr<float>());
     const at::Tensor y = bias ? at::linear(x, w, bias_in->to(x.scalar_type())) : at::linear(x, w);
     return y.view(shape);
   }
@@ -452,22 +474,29 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   q.kp = kp;
   q.group = group;
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* mn = mins.data_ptr<float>();
   const int64_t row_bytes = packed.size(1);
-#define SPECSERVE_QUANT_CASES(T, OUT)                                                          \
-  if (bits == 4 && group == 32) quant_matmul<4, 32>(q, m, n, w, row_bytes, s, mn, bias, OUT);   \
-  else if (bits == 4) quant_matmul<4, 16>(q, m, n, w, row_bytes, s, mn, bias, OUT);             \
-  else if (group == 32) quant_matmul<8, 32>(q, m, n, w, row_bytes, s, mn, bias, OUT);           \
-  else quant_matmul<8, 16>(q, m, n, w, row_bytes, s, mn, bias, OUT);
+  auto run = [&](auto* o) {
+    if (half) {  // groups of 32 (checked above)
+      const at::Half* s = scales.data_ptr<at::Half>();
+      const at::Half* mn = mins.data_ptr<at::Half>();
+      if (bits == 4) quant_matmul<4, 32>(q, m, n, w, row_bytes, s, mn, bias, o);
+      else quant_matmul<8, 32>(q, m, n, w, row_bytes, s, mn, bias, o);
+      return;
+    }
+    const float* s = scales.data_ptr<float>();
+    const float* mn = mins.data_ptr<float>();
+    if (bits == 4 && group == 32) quant_matmul<4, 32>(q, m, n, w, row_bytes, s, mn, bias, o);
+    else if (bits == 4) quant_matmul<4, 16>(q, m, n, w, row_bytes, s, mn, bias, o);
+    else if (group == 32) quant_matmul<8, 32>(q, m, n, w, row_bytes, s, mn, bias, o);
+    else quant_matmul<8, 16>(q, m, n, w, row_bytes, s, mn, bias, o);
+  };
   if (x.scalar_type() == at::kFloat) {
     quantize_rows(x.data_ptr<float>(), m, k, q);
-    SPECSERVE_QUANT_CASES(float, out.data_ptr<float>())
+    run(out.data_ptr<float>());
   } else {
     quantize_rows(x.data_ptr<at::BFloat16>(), m, k, q);
-    SPECSERVE_QUANT_CASES(at::BFloat16, out.data_ptr<at::BFloat16>())
+    run(out.data_ptr<at::BFloat16>());
   }
-#undef SPECSERVE_QUANT_CASES
   return out.view(shape);
 }
 

@@ -16,7 +16,7 @@ from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
 from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
-from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, quantize_activations
+from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, pack, quantize_activations
 from test_model import ragged_logits
 from tiny_models import write_tiny_gguf
 
@@ -110,6 +110,30 @@ def test_a_row_does_not_depend_on_its_batch():
         for rows in (2, 3, 5, 8, 37):
             batched = torch.cat([layer(x[i:i + rows]) for i in range(0, 37, rows)])
             assert torch.equal(batched, alone), (kind, rows)
+
+
+@needs_cpu_kernels
+def test_scales_are_kept_in_float16_only_where_every_one_is_exact():
+    """Q4_0, Q4_1 and Q8_0 hold float16 scales (fewer bytes per step); K-quants' scales are
+    products and stay float32. Either way the layer computes the same bits as with the
+    scales in float32, through the integer kernel and the unpacked weight alike."""
+    want = {"Q4_0": torch.float16, "Q4_1": torch.float16, "Q8_0": torch.float16,
+            "Q4_K": torch.float32, "Q6_K": torch.float32}
+    for kind, dtype in want.items():
+        for k in WIDTHS[kind]:
+            layer = QuantLinear([(0, random_weight(kind, 40, k, seed=k))], k, 40, torch.randn(40))
+            assert layer.scales.dtype == layer.mins.dtype == dtype, (kind, k)
+            for rows, dequant_rows in ((1, 0), (5, 0), (9, 4)):
+                x = torch.randn(rows, k).bfloat16()
+                args = (layer.packed, layer.scales, layer.mins, layer.bits, layer.group, layer.bias, dequant_rows)
+                wide = (layer.packed, layer.scales.float(), layer.mins.float(), *args[3:])
+                assert torch.equal(cpu_ops.quant_linear(x, *args), cpu_ops.quant_linear(x, *wide)), (kind, k, rows)
+    layer = QuantLinear([(0, random_weight("Q4_1", 8, 64))], 64, 8, None)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        cpu_ops.quant_linear(torch.randn(1, 64), layer.packed, layer.scales, layer.mins.float(), 4, 32, None, 0)
+    decoded = decode(random_weight("Q4_1", 8, 64))
+    decoded.scale[0, 0] = 1e-9  # not a float16: the layer keeps float32
+    assert pack(decoded)[1].dtype == torch.float32
 
 
 @needs_cpu_kernels

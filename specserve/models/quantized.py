@@ -181,7 +181,8 @@ def block_order(kp: int, group: int) -> np.ndarray:
 def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's layout (``cpu_quant.cpp``): inputs padded with zero weights to a
     multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
-    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j)."""
+    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j); scales
+    and mins float16 where each is one exactly (groups of 32), else float32."""
     rows, k = decoded.q.shape
     kp = -(-k // CHUNK) * CHUNK
     q = np.zeros((rows, kp), np.uint8)
@@ -198,14 +199,24 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             tail = q[:, pairs * 2 * CHUNK:]
             packed.append(tail[:, :32] | (tail[:, 32:] << 4))
         q = np.concatenate(packed, axis=1)
+    if decoded.group == 32 and _exact_in_float16(scale) and _exact_in_float16(mins):
+        scale, mins = scale.astype(np.float16), mins.astype(np.float16)  # fewer bytes per step, same values
     return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale)),
             torch.from_numpy(np.ascontiguousarray(mins)))
 
 
+def _exact_in_float16(values: np.ndarray) -> bool:
+    """Whether every value is a float16 exactly (GGUF's Q4_0, Q4_1 and Q8_0 store their
+    scales so; K-quants' products of two scales often are not)."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(values.dtype), values))
+
+
 class QuantLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: 6 bits per
-    weight read per step for 4-bit formats, 10 to 12 for 8-bit ones (q plus an fp32 scale
-    and min per group), instead of 16. ``parts``: (first row, weight) filling the layer's
+    """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
+    weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0
+    and Q4_1 and 9 for Q8_0 (float16 scales, as the file has them), 6 for Q4_K and 12 for
+    Q6_K (float32, their scales being products). ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
