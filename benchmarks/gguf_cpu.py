@@ -14,7 +14,8 @@ processing included. Prompt processing apart: each prompt run cold for one token
 reset, specserve's prefix cache emptied), prompt tokens per second of that. Each engine is
 built, warmed up on one prompt, run and closed in turn.
 
-    python benchmarks/gguf_cpu.py [--threads 2,8] [--prompts 4] [--max-tokens 128] [--json out.json]
+    python benchmarks/gguf_cpu.py [--threads 2,8] [--prompts 4] [--max-tokens 128] [--methods quantized,ngram]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_acceptance import machine_name  # noqa: E402
 
-# specserve configurations: label -> engine settings
+# specserve configurations: short name -> (label, engine settings)
 METHODS = {
-    "specserve, Q4_1 kept quantized": {},
+    "quantized": ("specserve, Q4_1 kept quantized", {}),
     # The same, its prompt chunks through the integer kernel too (QuantLinear.dequant_rows 0,
     # as --deterministic runs them): what unpacking the weight for a GEMM gains.
-    "specserve, Q4_1, integer kernel for prompts too": {"dequant_rows": 0},
-    "specserve, dequantized to bf16": {"gguf_weights": "dequantized"},
-    "specserve quantized + n-gram": {"speculative_method": "ngram"},
-    "specserve quantized + built-in draft": {"speculative_method": "draft_model"},
-    "specserve bf16 + quantized self-draft": {"speculative_method": "quantized"},
+    "integer-prompts": ("specserve, Q4_1, integer kernel for prompts too", {"dequant_rows": 0}),
+    "bf16": ("specserve, dequantized to bf16", {"gguf_weights": "dequantized"}),
+    "ngram": ("specserve quantized + n-gram", {"speculative_method": "ngram"}),
+    "draft": ("specserve quantized + built-in draft", {"speculative_method": "draft_model"}),
+    "self-draft": ("specserve bf16 + quantized self-draft", {"speculative_method": "quantized"}),
 }
 
 
@@ -118,11 +119,17 @@ def main() -> None:
     parser.add_argument("--threads", default="2", help="comma-separated thread counts")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated specserve rows, of: {', '.join(METHODS)}")
     parser.add_argument("--json", default=None)
     parser.add_argument("--llama-cpp-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_cpp_job:
         return llama_cpp_job()
+    methods = [name.strip() for name in args.methods.split(",") if name.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown --methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
 
     import torch
 
@@ -138,7 +145,8 @@ def main() -> None:
         for workload, prompts in workloads.items():
             base = run_llama_cpp(gguf, prompts, threads, args.max_tokens)
             entries = [("llama.cpp (llama-cpp-python)", base)] if base else []
-            for label, settings in METHODS.items():
+            for name in methods:
+                label, settings = METHODS[name]
                 entries.append((label, run_specserve(settings, prompts, threads, args.max_tokens)))
             for label, r in entries:
                 row = {"threads": threads, "workload": workload, "method": label,

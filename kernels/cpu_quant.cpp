@@ -308,7 +308,9 @@ template <int Bits, int G, typename S, typename T>
 void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* packed, int64_t row_bytes,
                   const S* scales, const S* mins, const float* bias, T* out) {
   const int64_t groups = q.kp / G;
-  constexpr int64_t kSpan = 32;  // columns a thread takes at once
+  // Columns a thread takes at once: 16 leaves 8 threads less uneven work on a 576-column
+  // projection (36 spans) than 32 did (18), at no cost on 2.
+  constexpr int64_t kSpan = 16;
   // Threads split the output columns only: each output element is made whole by one thread.
   at::parallel_for(0, (n + kSpan - 1) / kSpan, 1, [&](int64_t begin, int64_t end) {
     float res[kTileRows * kSpan];
