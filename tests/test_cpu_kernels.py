@@ -85,6 +85,22 @@ def test_act_and_mul_matches_reference(dtype, act):
     assert_matches(op(gate_up), ref(gate_up), exact=act == "silu")
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_silu_and_mul_equals_torch_for_every_16_bit_gate(dtype):
+    """The kernel's own exp (vectorised) gives torch's SiLU bit for bit for every 16-bit
+    value the gate can take, infinities and NaNs included, and the product with up as
+    torch rounds it; split over threads at any size, as one row or many."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    for up_value in (1.0, -0.7, 3.0):
+        for rows in (1, 64):
+            g = gate.view(rows, -1)
+            up = torch.full_like(g, up_value)
+            got = cpu_ops.silu_and_mul(torch.cat([g, up], 1))
+            want = torch.nn.functional.silu(g) * up
+            same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+            assert same.all(), (dtype, up_value, rows, g[~same][:4])
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (5, 1, 80)])
 def test_rotary_store_kv_matches_reference(dtype, heads):
