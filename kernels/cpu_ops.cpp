@@ -135,22 +135,33 @@ inline uint16_t float_to_bf16(float f) {
   return f != f ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
 
-// exp(x) for SiLU, vectorisable: Cephes' expf (range reduction by ln 2, a degree-6
-// polynomial, the exponent set by bits), +inf above ln(FLT_MAX) as expf gives. Below -80
-// it is too small to change 1 + exp(x), which is all SiLU takes of it.
-inline float exp_silu(float x) {
-  const bool over = x > 88.72283905206835f;
-  x = std::min(std::max(x, -80.f), 88.72283905206835f);
+// Cephes' expf, in a form the compiler vectorises: x = n ln 2 + f (n rounded by adding
+// and taking away 1.5 · 2^23), e^f by a degree-6 polynomial, ~1 ulp; 2^n is left to the
+// callers, who set it by bits for their own ranges.
+inline float exp_poly(float x, int& n) {
   const float nf = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const int n = static_cast<int>(nf);
+  n = static_cast<int>(nf);
   const float f = x - nf * 0.693359375f - nf * -2.12194440e-4f;
   const float z = f * f;
-  const float p = ((((((1.9875691500e-4f * f + 1.3981999507e-3f) * f + 8.3334519073e-3f) * f +
-                      4.1665795894e-2f) * f + 1.6666665459e-1f) * f + 5.0000001201e-1f) * z) + f + 1.f;
-  int32_t bits = (n + 126) << 23;  // 2^(n-1), then times 2: n reaches 128 just below the top
+  return ((((((1.9875691500e-4f * f + 1.3981999507e-3f) * f + 8.3334519073e-3f) * f +
+             4.1665795894e-2f) * f + 1.6666665459e-1f) * f + 5.0000001201e-1f) * z) + f + 1.f;
+}
+
+inline float pow2(int n) {  // 2^n for a normal float's exponent
+  const int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return over ? INFINITY : p * scale * 2.f;
+  return scale;
+}
+
+// exp(x) for SiLU: +inf above ln(FLT_MAX), as expf gives; below -80 too small to change
+// 1 + exp(x), which is all SiLU takes of it. 2^n as 2^(n-1) · 2, n reaching 128 just
+// below the top.
+inline float exp_silu(float x) {
+  const bool over = x > 88.72283905206835f;
+  int n;
+  const float p = exp_poly(std::min(std::max(x, -80.f), 88.72283905206835f), n);
+  return over ? INFINITY : p * pow2(n - 1) * 2.f;
 }
 
 // act(gate) · up of the merged projection [rows, 2 · inter]: the activation rounded to
@@ -278,21 +289,11 @@ at::Tensor rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const 
 }
 
 // ------------------------------------------------------------------------------ attention
-// exp for softmax, written so the compiler can vectorise the loops that call it (Cephes'
-// expf: range reduction by ln 2, a degree-6 polynomial, the exponent set by bits; ~1 ulp).
+// exp for softmax (exp_poly; its arguments are at most 0, clamped at -87).
 inline float exp_approx(float x) {
-  x = std::max(x, -87.f);
-  // Round to the nearest integer by adding and taking away 1.5 · 2^23 (|t| < 126 here).
-  const float nf = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const int n = static_cast<int>(nf);
-  const float f = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-  const float z = f * f;
-  const float p = ((((((1.9875691500e-4f * f + 1.3981999507e-3f) * f + 8.3334519073e-3f) * f +
-                      4.1665795894e-2f) * f + 1.6666665459e-1f) * f + 5.0000001201e-1f) * z) + f + 1.f;
-  int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  int n;
+  const float p = exp_poly(std::max(x, -87.f), n);
+  return p * pow2(n);
 }
 
 // A row of the cache or the query in fp32 (bf16 by its bits, so the loop vectorises).
