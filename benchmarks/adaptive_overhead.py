@@ -1,14 +1,17 @@
 """What an adaptive step costs against a fixed-k step of the same length, in one process.
 
 Batch 1, the default model and its built-in draft, held-out chat and code prompts with the
-chat template, greedy, up to ``--max-tokens`` new tokens. Engines: adaptive k (the plan,
-``draft_stopping=plan``; k <= 4), the same with each plan standing ``--replan`` steps,
-fixed k = 4, and speculation off; the prompts take turns over the engines. Reports
-tokens/s, the median whole-step time by the number of drafts verified, and how many
-steps verified each k: where the plan chooses the same k as a fixed engine, the
-difference in step time is what choosing it costs.
+chat template, greedy, up to ``--max-tokens`` new tokens. Engines (``--engines``): ``plan``
+(adaptive k by the plan alone, ``draft_stopping=plan``; k <= 4), ``standing`` (the same,
+each plan standing ``--replan`` steps), ``confidence`` (adaptive k with drafting stopped
+by confidence, ``draft_stopping=confidence``, the CPU default), ``k=N`` (fixed) and
+``off``; the prompts take turns over the engines. Reports tokens/s, the median whole-step
+time by the number of drafts verified, and how many steps verified each k: where an
+adaptive engine chooses the same k as a fixed one, the difference in step time is what
+choosing it costs.
 
-    python benchmarks/adaptive_overhead.py [--device cuda] [--prompts 8] [--replan 8] [--json out.json]
+    python benchmarks/adaptive_overhead.py [--device cuda] [--prompts 8] [--replan 8]
+        [--engines plan,standing,k=4,off] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--replan", type=int, default=8, help="steps a plan stands in the second engine")
+    parser.add_argument("--replan", type=int, default=8, help="steps a plan stands in the standing engine")
+    parser.add_argument("--engines", default="plan,standing,k=4,off",
+                        help="comma-separated, of: plan, standing, confidence, k=N, off")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -37,11 +42,24 @@ def main() -> None:
     small = dict(gpu_memory_utilization=0.2) if args.device == "cuda" else {}
     common = dict(device=args.device, max_num_seqs=8, max_model_len=4096, **small)
     draft = dict(speculative_method="draft_model", num_speculative_tokens=4, **common)
-    engines = {"adaptive (plan)": LLM(draft_stopping="plan", **draft),
-               f"adaptive (plan), standing {args.replan} steps": LLM(draft_stopping="plan", **draft),
-               "fixed k=4": LLM(speculative_adaptive=False, **draft),
-               "off": LLM(speculative_method="none", **common)}
-    list(engines.values())[1].engine.speculator.controller.draft_replan = args.replan
+    engines = {}
+    for name in (n.strip() for n in args.engines.split(",") if n.strip()):
+        if name == "plan":
+            engines["adaptive (plan)"] = LLM(draft_stopping="plan", **draft)
+        elif name == "standing":
+            llm = engines[f"adaptive (plan), standing {args.replan} steps"] = LLM(draft_stopping="plan", **draft)
+            llm.engine.speculator.controller.draft_replan = args.replan
+        elif name == "confidence":
+            engines["adaptive (confidence)"] = LLM(draft_stopping="confidence", **draft)
+        elif name.startswith("k=") and name[2:].isdigit():
+            engines[f"fixed {name}"] = LLM(speculative_adaptive=False,
+                                           **{**draft, "num_speculative_tokens": int(name[2:])})
+        elif name == "off":
+            engines["off"] = LLM(speculative_method="none", **common)
+        else:
+            parser.error(f"unknown engine {name!r}: plan, standing, confidence, k=N or off")
+    if "off" not in engines:
+        parser.error("--engines needs off (its tokenizer builds the prompts, and it is the baseline)")
     steps: dict[str, list[tuple[int, float]]] = {name: [] for name in engines}
     for name, llm in engines.items():
         speculator = llm.engine.speculator

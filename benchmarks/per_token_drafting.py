@@ -18,8 +18,9 @@ greedy, up to ``--max-tokens`` new tokens, one request at a time. Settings:
   two with a dynamic draft tree of up to T further nodes (``spec.tree``).
 
 The settings take turns prompt by prompt (each prompt starting with the next setting),
-so load from elsewhere falls on all alike; every engine is warmed up first. Reports
-tokens/s, the ratio to off and to the best fixed k, acceptance length, the mean k
+so load from elsewhere falls on all alike; every engine is warmed up first, and every run
+starts with its engine's prefix cache emptied, so each pays its prompt's processing.
+Reports tokens/s, the ratio to off and to the best fixed k, acceptance length, the mean k
 verified per step and how many outputs equal speculation off's; the adaptive engine's
 calibration map goes to the JSON.
 
@@ -107,6 +108,9 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=k)
         before = llm.engine.spec_stats.copy()
         counts = dict(llm.engine.draft_length_counts)
+        # Cold: the fixed k settings share one engine, whose prefix cache would otherwise
+        # hold the prompt from the setting before and spare them its processing.
+        llm.engine.kv.reset_prefix_cache()
         began = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         if llm.engine.device.type == "cuda":
