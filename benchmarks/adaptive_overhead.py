@@ -42,8 +42,14 @@ def main() -> None:
     small = dict(gpu_memory_utilization=0.2) if args.device == "cuda" else {}
     common = dict(device=args.device, max_num_seqs=8, max_model_len=4096, **small)
     draft = dict(speculative_method="draft_model", num_speculative_tokens=4, **common)
+    chosen = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in ("plan", "standing", "confidence", "off")
+               and not (n.startswith("k=") and n[2:].isdigit())]
+    if unknown or "off" not in chosen:
+        parser.error(f"--engines: {', '.join(unknown) or 'off missing'} (of: plan, standing, confidence, k=N, off; "
+                     "off is needed: its tokenizer builds the prompts, and it is the baseline)")
     engines = {}
-    for name in (n.strip() for n in args.engines.split(",") if n.strip()):
+    for name in chosen:
         if name == "plan":
             engines["adaptive (plan)"] = LLM(draft_stopping="plan", **draft)
         elif name == "standing":
@@ -51,15 +57,11 @@ def main() -> None:
             llm.engine.speculator.controller.draft_replan = args.replan
         elif name == "confidence":
             engines["adaptive (confidence)"] = LLM(draft_stopping="confidence", **draft)
-        elif name.startswith("k=") and name[2:].isdigit():
-            engines[f"fixed {name}"] = LLM(speculative_adaptive=False,
-                                           **{**draft, "num_speculative_tokens": int(name[2:])})
         elif name == "off":
             engines["off"] = LLM(speculative_method="none", **common)
-        else:
-            parser.error(f"unknown engine {name!r}: plan, standing, confidence, k=N or off")
-    if "off" not in engines:
-        parser.error("--engines needs off (its tokenizer builds the prompts, and it is the baseline)")
+        else:  # k=N
+            engines[f"fixed {name}"] = LLM(speculative_adaptive=False,
+                                           **{**draft, "num_speculative_tokens": int(name[2:])})
     steps: dict[str, list[tuple[int, float]]] = {name: [] for name in engines}
     for name, llm in engines.items():
         speculator = llm.engine.speculator
