@@ -73,6 +73,7 @@ class ModelDrafter:
         # Cached blocks: the draft's own cache catches up from where its entries are valid.
         self.draft_cache = None if shares_target_cache else "tokens"
         self.last_catch_up_s = 0.0
+        self.last_backlog_s = 0.0  # the lazy catch-up's pass of its own (``catch_up_lazily``)
         self.lazy = False  # see ``catch_up_lazily``
         self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
 
@@ -150,9 +151,10 @@ class ModelDrafter:
         included: its cache catches up when it next drafts, so a step that drafts nothing
         runs no draft pass, a request that never drafts (a veto, a workload where drafting
         does not pay) costs the draft nothing, and the catch-up is a draft pass, not a fixed
-        cost of every step. A catch-up longer than ``LAZY_APART`` tokens (a prompt) feeds
-        all but its last token in a pass of its own, timed apart. (Set where drafting stops
-        by confidence, which then prices every pass it runs.)"""
+        cost of every step. A catch-up longer than ``LAZY_APART`` tokens (a prompt, or the
+        tokens of many steps without drafts) feeds all but its last token in a pass of its
+        own, timed apart (``last_backlog_s``): what starting to draft costs once. (Set
+        where drafting stops by confidence, which then prices every pass it runs.)"""
         self.lazy = True
         return True
 
@@ -204,6 +206,7 @@ class ModelDrafter:
             if k:
                 drafting.append(i)
                 ends[i] = end
+        self.last_backlog_s = 0.0
         if not drafting:
             if entries:
                 self._forward([e for _, e in entries])
@@ -215,10 +218,12 @@ class ModelDrafter:
         order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
         rank = {i: r for r, i in enumerate(order)}
         if lockstep:
-            # Long catch-ups are the step's cost whatever k is: their own pass, timed apart;
-            # the drafting requests' last tokens are their first draft pass.
+            # Long catch-ups are a cost of starting to draft, not of this step's drafts:
+            # their own pass, timed apart; the drafting requests' last tokens are their
+            # first draft pass.
             self._forward(lockstep)
         lockstep_s = time.perf_counter() - began if lockstep else 0.0
+        self.last_backlog_s = lockstep_s
         entries.sort(key=lambda e: rank.get(e[0], len(order)))
         active = [scheduled[i] for i in order]
         meta = None

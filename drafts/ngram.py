@@ -112,6 +112,7 @@ class NgramDrafter:
     first_draft_in_catch_up = False
     max_paths = 1  # one continuation per lookup
     last_catch_up_s = 0.0  # no cache to keep up
+    last_backlog_s = 0.0
     draft_cache = None  # no KV cache of its own
     confidence = False  # a match proposes with certainty: its k is the controller's
 

@@ -238,6 +238,47 @@ def test_a_lazy_draft_proposes_what_a_draft_fed_in_lockstep_proposes(tiny_model_
     assert passes["confidence"] == 0 < passes["plan"]  # (the plan's draft prefills the prompt)
 
 
+def test_a_lazy_drafts_backlog_is_not_charged_to_the_step_that_drafts(tiny_model_dir, near):
+    """A lazy draft catches a request up on its prompt (37 tokens, more than
+    ``LAZY_APART``) in a pass of its own at the request's first drafts, as it would on the
+    tokens of the steps a veto left undrafted: that pass is what starting to draft costs
+    once. The goodput check gets the step's time without it (else a check under a veto
+    paid for every token the plain steps left unfed, and confirmed the veto), and so does
+    the target's cost model; the next steps have no backlog."""
+    import time
+
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
+                num_speculative_tokens=3, draft_stopping="confidence", **SMALL)
+    speculator = llm.engine.speculator
+    drafter, controller = speculator.drafter, speculator.controller
+    assert drafter.lazy
+    forward = drafter._forward
+
+    def slow_backlog(entries, *args):  # the backlog pass: whole chunks, nothing sampled
+        if any(not e.sample and len(e.token_ids) > 1 for e in entries):
+            time.sleep(0.05)
+        return forward(entries, *args)
+
+    drafter._forward = slow_backlog
+    steps, charged = [], []
+    observe, goodput = speculator.observe, controller.observe_goodput
+
+    def spy(drafts, updates, elapsed):  # what the step cost, and what the cost model would learn of it
+        steps.append((drafts.backlog_s, elapsed, speculator._step_sample(drafts, elapsed).target_s, drafts.draft_s))
+        observe(drafts, updates, elapsed)
+
+    speculator.observe = spy
+    controller.observe_goodput = lambda tokens, seconds: (charged.append(seconds), goodput(tokens, seconds))[1]
+    llm.generate(PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              num_speculative_tokens=3), use_tqdm=False)
+    backlogs = [backlog for backlog, *_ in steps]
+    assert backlogs[0] == 0.0 and sum(b >= 0.05 for b in backlogs) == 1  # the prompt's chunk, then the first drafts
+    assert sum(b > 0 for b in backlogs) == 1
+    assert charged == [elapsed - backlog for backlog, elapsed, *_ in steps]
+    assert all(target == elapsed - draft - backlog for backlog, elapsed, target, draft in steps)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_a_draft_path_engine_keeps_its_static_forks(tiny_model_dir, near):
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
                 num_speculative_tokens=4, num_draft_paths=2, draft_stopping="confidence", **SMALL)

@@ -68,6 +68,11 @@ class Drafter(Protocol):
     # step): work that runs whatever k is, so the step's cost model counts it with the
     # target's pass, not with the drafts (0 for a drafter without a cache).
     last_catch_up_s: float
+    # Seconds of the last ``propose``'s catch-up over tokens that earlier steps left unfed
+    # (a drafter that catches up lazily: the prompt, and the tokens of the steps it did not
+    # draft): what starting to draft costs once, not what a drafted step costs, so neither
+    # the goodput check nor the cost model counts it (0 for any other drafter).
+    last_backlog_s: float
     # How a KV cache of the drafter's own (same block ids as the target's) uses cached
     # prefix blocks: None (it has none), "tokens" (it catches up from the blocks its entries
     # are valid for) or "features" (its entries need the target's hidden states): see

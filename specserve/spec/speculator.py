@@ -55,6 +55,7 @@ class Drafts:
     lookahead: list[int] = field(default_factory=list)  # k per sampling request (its own path)
     drafted: bool = False                    # whether any request drafted
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
+    backlog_s: float = 0.0                   # a lazy drafter's catch-up on earlier steps' tokens
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
     depth: int | None = None                 # drafter passes run where a stopping rule cut them short
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
@@ -289,6 +290,7 @@ class Speculator:
             drafts.device_ids = DeviceTokenIds(proposal.draft_ids,
                                                [len(p.draft_token_ids) for p in scheduled.scheduled])
         drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
+        drafts.backlog_s = self.drafter.last_backlog_s
         return drafts
 
     @staticmethod
@@ -419,8 +421,11 @@ class Speculator:
             # The whole step: the host work around the pass (verify lists, rollback,
             # detokenising more tokens) is part of what drafts cost, most of it on a GPU.
             # Without drafts each update is one token (the usual step where drafting does not pay).
+            # A lazy drafter's backlog is not: a request's first drafts after its prompt, or
+            # a check under a veto, would otherwise pay for every token the plain steps
+            # before it left unfed, and the check would confirm the veto that caused it.
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
-            controller.observe_goodput(emitted, elapsed)
+            controller.observe_goodput(emitted, elapsed - drafts.backlog_s)
             if controller.wants_step_cost:
                 controller.observe_step(self._step_sample(drafts, elapsed))
 
@@ -433,7 +438,7 @@ class Speculator:
         tokens = sum(lengths)
         prefill = tokens - sum(drafted) - fed.count(1)  # the chunks' tokens (fed > 1)
         return StepSample(
-            target_s=elapsed - drafts.draft_s, num_tokens=tokens - prefill,
+            target_s=elapsed - drafts.draft_s - drafts.backlog_s, num_tokens=tokens - prefill,
             num_spans=len(drafted) - drafted.count(0),
             num_padded=self.runner.padded_tokens(drafts.scheduled, lengths), num_reqs=len(planned),
             context=sum([p.start_pos for p in planned]) + tokens, num_prefill=prefill,
