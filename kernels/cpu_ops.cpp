@@ -315,8 +315,13 @@ struct SpanTask {
 };
 
 // Query vectors are scored 16 at a time ("a pack"), one per vector lane, so a key's dot
-// products with all of them are head_dim fused multiply-adds with no sum across lanes.
+// products with all of them are head_dim fused multiply-adds with no sum across lanes. A
+// span of at most kNarrowPack query vectors (a decode row of a model with up to 8 query
+// heads per KV head) is scored in a pack of 8 instead, half the lanes to compute where
+// most of 16 would be padding; each lane computes the same in either, so a row's
+// attention is bitwise the same alone and in a longer span.
 constexpr int64_t kPack = 16;
+constexpr int64_t kNarrowPack = 8;
 // Positions a tree row's visibility mask covers (reference.TREE_SPAN).
 constexpr int64_t kTreeSpan = 64;
 // Keys scored together: independent accumulators, so the adds do not wait on each other.
@@ -328,55 +333,57 @@ constexpr int64_t kValueChunk = 64;
 // Multiply-adds are written as std::fma here and below, so every key's score and every
 // value sum rounds the same way in the blocked loop and its tail, whatever the compiler
 // would contract: a row's attention is then the same in any span (the deterministic mode).
+template <int64_t Pack>
 inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t head_dim, float* st) {
   int64_t j = 0;
   for (; j + kKeys <= span; j += kKeys) {
-    float acc[kKeys][kPack] = {};
+    float acc[kKeys][Pack] = {};
     for (int64_t d = 0; d < head_dim; ++d) {
-      const float* qd = qt + d * kPack;
+      const float* qd = qt + d * Pack;
       for (int64_t t = 0; t < kKeys; ++t) {
         const float k = keys[(j + t) * head_dim + d];
 #pragma omp simd
-        for (int64_t l = 0; l < kPack; ++l) acc[t][l] = std::fma(k, qd[l], acc[t][l]);
+        for (int64_t l = 0; l < Pack; ++l) acc[t][l] = std::fma(k, qd[l], acc[t][l]);
       }
     }
-    std::memcpy(st + j * kPack, acc, sizeof(acc));
+    std::memcpy(st + j * Pack, acc, sizeof(acc));
   }
   for (; j < span; ++j) {
-    float acc[kPack] = {};
+    float acc[Pack] = {};
     for (int64_t d = 0; d < head_dim; ++d) {
       const float k = keys[j * head_dim + d];
 #pragma omp simd
-      for (int64_t l = 0; l < kPack; ++l) acc[l] = std::fma(k, qt[d * kPack + l], acc[l]);
+      for (int64_t l = 0; l < Pack; ++l) acc[l] = std::fma(k, qt[d * Pack + l], acc[l]);
     }
-    std::memcpy(st + j * kPack, acc, sizeof(acc));
+    std::memcpy(st + j * Pack, acc, sizeof(acc));
   }
 }
 
-// Softmax of each lane over its own key range [lo_l, hi_l) of st [span][16]; outside it
+// Softmax of each lane over its own key range [lo_l, hi_l) of st [span][Pack]; outside it
 // the probabilities are 0.
+template <int64_t Pack>
 inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32_t* hi) {
-  float m[kPack], total[kPack];
-  std::fill(m, m + kPack, -3.0e38f);
-  std::fill(total, total + kPack, 0.f);
+  float m[Pack], total[Pack];
+  std::fill(m, m + Pack, -3.0e38f);
+  std::fill(total, total + Pack, 0.f);
   for (int64_t j = 0; j < span; ++j) {
 #pragma omp simd
-    for (int64_t l = 0; l < kPack; ++l)
-      m[l] = (j >= lo[l] && j < hi[l]) ? std::max(m[l], st[j * kPack + l]) : m[l];
+    for (int64_t l = 0; l < Pack; ++l)
+      m[l] = (j >= lo[l] && j < hi[l]) ? std::max(m[l], st[j * Pack + l]) : m[l];
   }
   for (int64_t j = 0; j < span; ++j) {
 #pragma omp simd
-    for (int64_t l = 0; l < kPack; ++l) {
-      const float e = (j >= lo[l] && j < hi[l]) ? exp_approx(st[j * kPack + l] - m[l]) : 0.f;
-      st[j * kPack + l] = e;
+    for (int64_t l = 0; l < Pack; ++l) {
+      const float e = (j >= lo[l] && j < hi[l]) ? exp_approx(st[j * Pack + l] - m[l]) : 0.f;
+      st[j * Pack + l] = e;
       total[l] += e;
     }
   }
-  float inv[kPack];
-  for (int64_t l = 0; l < kPack; ++l) inv[l] = total[l] > 0.f ? 1.f / total[l] : 0.f;
+  float inv[Pack];
+  for (int64_t l = 0; l < Pack; ++l) inv[l] = total[l] > 0.f ? 1.f / total[l] : 0.f;
   for (int64_t j = 0; j < span; ++j) {
 #pragma omp simd
-    for (int64_t l = 0; l < kPack; ++l) st[j * kPack + l] *= inv[l];
+    for (int64_t l = 0; l < Pack; ++l) st[j * Pack + l] *= inv[l];
   }
 }
 
@@ -387,28 +394,28 @@ inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32
 // score s (already scaled) to softcap · tanh(s / softcap) before the softmax (Gemma 2).
 // ``tree_masks`` (null: none): each row's visibility mask over the span's last
 // kTreeSpan positions, 0 for a causal row (reference.TREE_SPAN).
-template <typename T>
+template <typename T, int64_t Pack>
 void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
                  const int32_t* block_tables, int64_t table_width, int64_t block_size,
                  int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
                  int64_t window, float softcap, const int64_t* tree_masks, T* out, std::vector<float>& scores,
                  std::vector<float>& rows, std::vector<float>& buf) {
   const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
-  const int64_t packs = (nq + kPack - 1) / kPack;
+  const int64_t packs = (nq + Pack - 1) / Pack;
   const int64_t first_pos = task.seq_len - task.q_len;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   const int64_t span = task.seq_len - lo;
-  scores.resize(packs * span * kPack);
+  scores.resize(packs * span * Pack);
   rows.resize(span * head_dim + kValueChunk);  // widened keys, then values (+ slack for vector reads)
-  buf.assign(packs * head_dim * kPack + nq * head_dim, 0.f);
-  float* qt = buf.data();                           // [packs, head_dim, 16], scaled, lanes padded with 0
-  float* acc = qt + packs * head_dim * kPack;       // [nq, head_dim]
+  buf.assign(packs * head_dim * Pack + nq * head_dim, 0.f);
+  float* qt = buf.data();                           // [packs, head_dim, Pack], scaled, lanes padded with 0
+  float* acc = qt + packs * head_dim * Pack;        // [nq, head_dim]
   std::vector<float> widened(head_dim);
   for (int64_t v = 0; v < nq; ++v) {
     const int64_t i = v / group, head = task.kv_head * group + v % group;
     to_float(query + ((task.row_start + i) * num_heads + head) * head_dim, widened.data(), head_dim);
-    float* dst = qt + (v / kPack) * head_dim * kPack + v % kPack;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d * kPack] = widened[d] * scale;
+    float* dst = qt + (v / Pack) * head_dim * Pack + v % Pack;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * Pack] = widened[d] * scale;
   }
   const int32_t* table = block_tables + task.table_row * table_width;
   const int64_t kv_width = kv_heads * head_dim;
@@ -426,43 +433,43 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
   };
   widen_rows(k_cache);
   for (int64_t p = 0; p < packs; ++p) {
-    int32_t key_lo[kPack], key_hi[kPack];
-    for (int64_t l = 0; l < kPack; ++l) {
-      const int64_t i = std::min(p * kPack + l, nq - 1) / group;  // padding lanes copy the last row
+    int32_t key_lo[Pack], key_hi[Pack];
+    for (int64_t l = 0; l < Pack; ++l) {
+      const int64_t i = std::min(p * Pack + l, nq - 1) / group;  // padding lanes copy the last row
       key_lo[l] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0);
       key_hi[l] = static_cast<int32_t>(first_pos + i - lo + 1);
     }
-    float* st = scores.data() + p * span * kPack;
-    score_pack(qt + p * head_dim * kPack, rows.data(), span, head_dim, st);
+    float* st = scores.data() + p * span * Pack;
+    score_pack<Pack>(qt + p * head_dim * Pack, rows.data(), span, head_dim, st);
     if (softcap > 0.f) {
       const float inv_cap = 1.f / softcap;
-      for (int64_t j = 0; j < span * kPack; ++j) st[j] = softcap * std::tanh(st[j] * inv_cap);
+      for (int64_t j = 0; j < span * Pack; ++j) st[j] = softcap * std::tanh(st[j] * inv_cap);
     }
     if (tree_masks != nullptr) {  // keys a tree row may not see score -inf (weigh < 1e-37)
       const int64_t tail = std::max(lo, task.seq_len - kTreeSpan);
-      for (int64_t l = 0; l < kPack; ++l) {
-        const int64_t i = std::min(p * kPack + l, nq - 1) / group;
+      for (int64_t l = 0; l < Pack; ++l) {
+        const int64_t i = std::min(p * Pack + l, nq - 1) / group;
         const uint64_t mask = static_cast<uint64_t>(tree_masks[task.row_start + i]);
         if (mask == 0) continue;
         for (int64_t pos = tail; pos < task.seq_len; ++pos)
-          if (((mask >> (task.seq_len - 1 - pos)) & 1u) == 0) st[(pos - lo) * kPack + l] = -INFINITY;
+          if (((mask >> (task.seq_len - 1 - pos)) & 1u) == 0) st[(pos - lo) * Pack + l] = -INFINITY;
       }
     }
-    softmax_pack(st, span, key_lo, key_hi);
+    softmax_pack<Pack>(st, span, key_lo, key_hi);
   }
   widen_rows(v_cache);
   // Probability-weighted values: two query vectors and 64 dimensions at a time, so eight
   // vector accumulators stay in registers and their adds do not wait on one another.
   for (int64_t v0 = 0; v0 < nq; v0 += 2) {
     const int64_t v1 = std::min(v0 + 1, nq - 1);
-    const float* p0 = scores.data() + (v0 / kPack) * span * kPack + v0 % kPack;  // stride kPack
-    const float* p1 = scores.data() + (v1 / kPack) * span * kPack + v1 % kPack;
+    const float* p0 = scores.data() + (v0 / Pack) * span * Pack + v0 % Pack;  // stride Pack
+    const float* p1 = scores.data() + (v1 / Pack) * span * Pack + v1 % Pack;
     const int64_t hi = first_pos + v1 / group - lo + 1;  // later positions have probability 0
     for (int64_t d0 = 0; d0 < head_dim; d0 += kValueChunk) {
       const int64_t width = std::min(kValueChunk, head_dim - d0);
       float sums[2][kValueChunk] = {};
       for (int64_t j = 0; j < hi; ++j) {
-        const float a = p0[j * kPack], b = p1[j * kPack];
+        const float a = p0[j * Pack], b = p1[j * Pack];
         const float* val = rows.data() + j * head_dim + d0;
 #pragma omp simd
         for (int64_t d = 0; d < kValueChunk; ++d) {
@@ -531,12 +538,14 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, rows, buf;
-      for (int64_t t = begin; t < end; ++t)
-        attend_span<scalar_t>(tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                              v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(), tables.size(1),
-                              block_size, num_heads, kv_heads, query.size(2),
-                              static_cast<float>(scale), window, static_cast<float>(softcap), tmp,
-                              out.data_ptr<scalar_t>(), scores, rows, buf);
+      for (int64_t t = begin; t < end; ++t) {
+        const bool narrow = tasks[t].q_len * (num_heads / kv_heads) <= kNarrowPack;
+        (narrow ? attend_span<scalar_t, kNarrowPack> : attend_span<scalar_t, kPack>)(
+            tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+            tables.data_ptr<int32_t>(), tables.size(1), block_size, num_heads, kv_heads, query.size(2),
+            static_cast<float>(scale), window, static_cast<float>(softcap), tmp, out.data_ptr<scalar_t>(), scores,
+            rows, buf);
+      }
     });
   });
 }

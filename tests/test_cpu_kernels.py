@@ -168,6 +168,30 @@ def test_paged_attention_short_matches_reference(dtype, window, softcap, seed):
         torch.testing.assert_close(out[short].float(), want[short].float(), atol=1.6e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_rows_attention_is_the_same_alone_and_in_a_verify_span(dtype):
+    """A decode row (3 query vectors per KV head: the narrow pack of 8 lanes), the rows of
+    a 2-row span (6: narrow) and of a 5-row span (15: the pack of 16) compute each lane
+    alike: every row of a span attends bitwise as it does alone at its position."""
+    generator = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(12, 16, 3, 64, generator=generator).to(dtype) for _ in range(2))
+    table = torch.randperm(12, generator=generator).to(torch.int32)[None]
+    query = torch.randn(5, 9, 64, generator=generator).to(dtype)
+
+    def attend(rows: torch.Tensor, seq_len: int) -> torch.Tensor:
+        out = torch.full_like(rows, float("nan"))
+        cpu_ops.paged_attention_short(rows, k_cache, v_cache, table, torch.tensor([0, len(rows)]),
+                                      torch.tensor([seq_len]), 0.125, None, reference.SHORT_SPAN, out)
+        return out
+
+    for seq_len in (5, 70, 190):
+        for q_len in (2, 5):
+            span = attend(query[5 - q_len:], seq_len)
+            for i in range(q_len):
+                alone = attend(query[5 - q_len + i:6 - q_len + i], seq_len - q_len + 1 + i)
+                assert torch.equal(span[i], alone[0]), (seq_len, q_len, i)
+
+
 def test_paged_attention_short_refuses_a_block_outside_the_cache():
     b = paged_batch([(1, 20), (3, 40)], F32)
     b.block_tables[1, 0] = b.k_cache.shape[0]
