@@ -305,9 +305,8 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 template <>
 inline void to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  for (int64_t d = 0; d < n; ++d) dst[d] = bf16_to_float(bits[d]);
 }
 
 struct SpanTask {
