@@ -15,8 +15,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -327,6 +329,15 @@ constexpr int64_t kTreeSpan = 64;
 constexpr int64_t kKeys = 4;
 // Value dimensions summed together (reads past a row's end stay inside the buffer's slack).
 constexpr int64_t kValueChunk = 64;
+// Keys are taken a chunk of this many positions at a time, counted from a span's first
+// visible position. Each chunk gives every query vector a partial softmax (its max m, the
+// sum l of exp(s - m), and the exp-weighted value sums o), and the chunks are folded in
+// position order (``fold``). A chunk's partial depends on that chunk alone, so a short
+// span's chunks can run on different threads and fold to the same bits as one thread
+// taking them in turn: the result depends on neither the batch nor the thread count.
+constexpr int64_t kKeyChunk = 64;
+// A vector's partial softmax before any key: no key seen (l = 0; folding it changes nothing).
+constexpr float kNoScore = -3.0e38f;
 
 // Scores of one pack: st[j][l] = q_l · key_j for the span's keys (rows of ``keys``).
 // Multiply-adds are written as std::fma here and below, so every key's score and every
@@ -358,112 +369,137 @@ inline void score_pack(const float* qt, const float* keys, int64_t span, int64_t
   }
 }
 
-// Softmax of each lane over its own key range [lo_l, hi_l) of st [span][Pack]; outside it
-// the probabilities are 0.
+// Partial softmax of each lane over the keys it sees in st [len][Pack]: those in its range
+// [lo_l, hi_l) whose score is not -inf (a tree row's hidden keys). st becomes exp(s - m_l)
+// there and 0 elsewhere; m, l: each lane's max and sum (kNoScore and 0 where it sees none).
 template <int64_t Pack>
-inline void softmax_pack(float* st, int64_t span, const int32_t* lo, const int32_t* hi) {
-  float m[Pack], total[Pack];
-  std::fill(m, m + Pack, -3.0e38f);
-  std::fill(total, total + Pack, 0.f);
-  for (int64_t j = 0; j < span; ++j) {
+inline void partial_softmax(float* st, int64_t len, const int32_t* lo, const int32_t* hi, float* m, float* l) {
+  std::fill(m, m + Pack, kNoScore);
+  std::fill(l, l + Pack, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
 #pragma omp simd
-    for (int64_t l = 0; l < Pack; ++l)
-      m[l] = (j >= lo[l] && j < hi[l]) ? std::max(m[l], st[j * Pack + l]) : m[l];
+    for (int64_t v = 0; v < Pack; ++v)
+      m[v] = (j >= lo[v] && j < hi[v]) ? std::max(m[v], st[j * Pack + v]) : m[v];
   }
-  for (int64_t j = 0; j < span; ++j) {
+  for (int64_t j = 0; j < len; ++j) {
 #pragma omp simd
-    for (int64_t l = 0; l < Pack; ++l) {
-      const float e = (j >= lo[l] && j < hi[l]) ? exp_approx(st[j * Pack + l] - m[l]) : 0.f;
-      st[j * Pack + l] = e;
-      total[l] += e;
+    for (int64_t v = 0; v < Pack; ++v) {
+      const float s = st[j * Pack + v];
+      const float e = (j >= lo[v] && j < hi[v] && s > -INFINITY) ? exp_approx(s - m[v]) : 0.f;
+      st[j * Pack + v] = e;
+      l[v] += e;
     }
-  }
-  float inv[Pack];
-  for (int64_t l = 0; l < Pack; ++l) inv[l] = total[l] > 0.f ? 1.f / total[l] : 0.f;
-  for (int64_t j = 0; j < span; ++j) {
-#pragma omp simd
-    for (int64_t l = 0; l < Pack; ++l) st[j * Pack + l] *= inv[l];
   }
 }
 
-// One KV head of one short span (a decode row or a verify span), with every query head
-// that shares it: its keys and values are read and widened once for all of them. Query
-// vector v = i · group + g is row i, head kv_head · group + g; row i attends causally to
-// positions [max(lo, first_pos + i - window + 1), first_pos + i]. ``softcap`` > 0 caps each
-// score s (already scaled) to softcap · tanh(s / softcap) before the softmax (Gemma 2).
-// ``tree_masks`` (null: none): each row's visibility mask over the span's last
-// kTreeSpan positions, 0 for a causal row (reference.TREE_SPAN).
+// Where one span and KV head reads: query vector v = i · group + g is row i, head
+// kv_head · group + g; row i sees positions [max(lo, first_pos + i - window + 1), first_pos + i].
+// Its query vectors are scored in packs of kNarrowPack where they fit one, else of kPack.
+struct SpanView {
+  int64_t group, nq, pack, packs, first_pos, window, lo, span, chunks;
+  SpanView(const SpanTask& task, int64_t num_heads, int64_t kv_heads, int64_t window_)
+      : group(num_heads / kv_heads), nq(task.q_len * group), pack(nq <= kNarrowPack ? kNarrowPack : kPack),
+        packs((nq + pack - 1) / pack),
+        first_pos(task.seq_len - task.q_len), window(window_),
+        lo(window_ > 0 ? std::max<int64_t>(0, first_pos - window_ + 1) : 0), span(task.seq_len - lo),
+        chunks((span + kKeyChunk - 1) / kKeyChunk) {}
+  int64_t row(int64_t v) const { return std::min(v, nq - 1) / group; }  // padding lanes copy the last row
+  // Row i's visible positions as indices from lo: [first(i), last(i)).
+  int64_t first(int64_t i) const { return window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0; }
+  int64_t last(int64_t i) const { return first_pos + i - lo + 1; }
+};
+
+// The task's query vectors, scaled, in packs: qt [packs, head_dim, Pack], lanes padded with 0.
 template <typename T, int64_t Pack>
-void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T* v_cache,
-                 const int32_t* block_tables, int64_t table_width, int64_t block_size,
-                 int64_t num_heads, int64_t kv_heads, int64_t head_dim, float scale,
-                 int64_t window, float softcap, const int64_t* tree_masks, T* out, std::vector<float>& scores,
-                 std::vector<float>& rows, std::vector<float>& buf) {
-  const int64_t group = num_heads / kv_heads, nq = task.q_len * group;
-  const int64_t packs = (nq + Pack - 1) / Pack;
-  const int64_t first_pos = task.seq_len - task.q_len;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const int64_t span = task.seq_len - lo;
-  scores.resize(packs * span * Pack);
-  rows.resize(span * head_dim + kValueChunk);  // widened keys, then values (+ slack for vector reads)
-  buf.assign(packs * head_dim * Pack + nq * head_dim, 0.f);
-  float* qt = buf.data();                           // [packs, head_dim, Pack], scaled, lanes padded with 0
-  float* acc = qt + packs * head_dim * Pack;        // [nq, head_dim]
+void pack_queries(const SpanTask& task, const SpanView& s, const T* query, int64_t num_heads, int64_t head_dim,
+                  float scale, std::vector<float>& qt) {
+  qt.assign(s.packs * head_dim * Pack, 0.f);
   std::vector<float> widened(head_dim);
-  for (int64_t v = 0; v < nq; ++v) {
-    const int64_t i = v / group, head = task.kv_head * group + v % group;
+  for (int64_t v = 0; v < s.nq; ++v) {
+    const int64_t i = v / s.group, head = task.kv_head * s.group + v % s.group;
     to_float(query + ((task.row_start + i) * num_heads + head) * head_dim, widened.data(), head_dim);
-    float* dst = qt + (v / Pack) * head_dim * Pack + v % Pack;
+    float* dst = qt.data() + (v / Pack) * head_dim * Pack + v % Pack;
     for (int64_t d = 0; d < head_dim; ++d) dst[d * Pack] = widened[d] * scale;
   }
-  const int32_t* table = block_tables + task.table_row * table_width;
-  const int64_t kv_width = kv_heads * head_dim;
-  // The rows of positions lo .. seq_len - 1 of ``cache``, widened into ``rows``, a block
-  // at a time (no division per position).
-  auto widen_rows = [&](const T* cache) {
-    for (int64_t pos = lo; pos < task.seq_len;) {
+}
+
+// The paged cache as the spans read it.
+template <typename T>
+struct CacheView {
+  const T* k_cache;
+  const T* v_cache;
+  const int32_t* tables;
+  int64_t table_width, block_size, kv_width, head_dim;
+  float softcap;              // > 0: each score s (already scaled) becomes softcap · tanh(s / softcap) (Gemma 2)
+  const int64_t* tree_masks;  // null, or each row's visibility over its span's last kTreeSpan positions (0: causal)
+
+  // The rows of positions pos … pos + count - 1 of ``cache`` (K or V) for one span and KV
+  // head, widened into ``rows``, a block at a time (no division per position).
+  void widen(const T* cache, const SpanTask& task, int64_t pos, int64_t count, float* rows) const {
+    const int32_t* table = tables + task.table_row * table_width;
+    for (const int64_t end = pos + count; pos < end;) {
       const int64_t block = pos / block_size, offset = pos - block * block_size;
-      const int64_t count = std::min(block_size - offset, task.seq_len - pos);
+      const int64_t n = std::min(block_size - offset, end - pos);
       const T* base = cache + (static_cast<int64_t>(table[block]) * block_size + offset) * kv_width +
                       task.kv_head * head_dim;
-      for (int64_t r = 0; r < count; ++r) to_float(base + r * kv_width, rows.data() + (pos - lo + r) * head_dim, head_dim);
-      pos += count;
+      for (int64_t r = 0; r < n; ++r) to_float(base + r * kv_width, rows + r * head_dim, head_dim);
+      rows += n * head_dim;
+      pos += n;
     }
-  };
-  widen_rows(k_cache);
-  for (int64_t p = 0; p < packs; ++p) {
-    int32_t key_lo[Pack], key_hi[Pack];
-    for (int64_t l = 0; l < Pack; ++l) {
-      const int64_t i = std::min(p * Pack + l, nq - 1) / group;  // padding lanes copy the last row
-      key_lo[l] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, first_pos + i - window + 1 - lo) : 0);
-      key_hi[l] = static_cast<int32_t>(first_pos + i - lo + 1);
+  }
+};
+
+// Chunk c of one span and KV head: each query vector's partial softmax over the chunk's
+// keys, into m [nq], l [nq] and o [nq, head_dim] (see kKeyChunk).
+template <typename T, int64_t Pack>
+void attend_chunk(const SpanTask& task, const SpanView& s, const CacheView<T>& cache, int64_t c, const float* qt,
+                  float* m, float* l, float* o, std::vector<float>& rows, std::vector<float>& scores) {
+  const int64_t head_dim = cache.head_dim, c0 = c * kKeyChunk, len = std::min(kKeyChunk, s.span - c0);
+  rows.resize(len * head_dim + kValueChunk);  // widened keys, then values (+ slack for vector reads)
+  scores.resize(s.packs * len * Pack);
+  cache.widen(cache.k_cache, task, s.lo + c0, len, rows.data());
+  for (int64_t p = 0; p < s.packs; ++p) {
+    int32_t key_lo[Pack], key_hi[Pack];  // each lane's visible keys, as indices into the chunk
+    bool any = false;
+    for (int64_t v = 0; v < Pack; ++v) {
+      const int64_t i = s.row(p * Pack + v);
+      key_lo[v] = static_cast<int32_t>(std::clamp<int64_t>(s.first(i) - c0, 0, len));
+      key_hi[v] = static_cast<int32_t>(std::clamp<int64_t>(s.last(i) - c0, 0, len));
+      any |= key_lo[v] < key_hi[v];
     }
-    float* st = scores.data() + p * span * Pack;
-    score_pack<Pack>(qt + p * head_dim * Pack, rows.data(), span, head_dim, st);
-    if (softcap > 0.f) {
-      const float inv_cap = 1.f / softcap;
-      for (int64_t j = 0; j < span * Pack; ++j) st[j] = softcap * std::tanh(st[j] * inv_cap);
-    }
-    if (tree_masks != nullptr) {  // keys a tree row may not see score -inf (weigh < 1e-37)
-      const int64_t tail = std::max(lo, task.seq_len - kTreeSpan);
-      for (int64_t l = 0; l < Pack; ++l) {
-        const int64_t i = std::min(p * Pack + l, nq - 1) / group;
-        const uint64_t mask = static_cast<uint64_t>(tree_masks[task.row_start + i]);
-        if (mask == 0) continue;
-        for (int64_t pos = tail; pos < task.seq_len; ++pos)
-          if (((mask >> (task.seq_len - 1 - pos)) & 1u) == 0) st[(pos - lo) * Pack + l] = -INFINITY;
+    float* st = scores.data() + p * len * Pack;
+    if (!any) {  // rows that see none of the chunk (before it, or windowed past it)
+      std::fill(st, st + len * Pack, 0.f);
+    } else {
+      score_pack<Pack>(qt + p * head_dim * Pack, rows.data(), len, head_dim, st);
+      if (cache.softcap > 0.f) {
+        const float cap = cache.softcap, inv_cap = 1.f / cap;
+        for (int64_t j = 0; j < len * Pack; ++j) st[j] = cap * std::tanh(st[j] * inv_cap);
+      }
+      if (cache.tree_masks != nullptr) {  // keys a tree row may not see: -inf, left out of its softmax
+        const int64_t tail = std::max(s.lo + c0, task.seq_len - kTreeSpan), end = s.lo + c0 + len;
+        for (int64_t v = 0; v < Pack; ++v) {
+          const uint64_t mask = static_cast<uint64_t>(cache.tree_masks[task.row_start + s.row(p * Pack + v)]);
+          if (mask == 0) continue;
+          for (int64_t pos = tail; pos < end; ++pos)
+            if (((mask >> (task.seq_len - 1 - pos)) & 1u) == 0) st[(pos - s.lo - c0) * Pack + v] = -INFINITY;
+        }
       }
     }
-    softmax_pack<Pack>(st, span, key_lo, key_hi);
+    float pm[Pack], pl[Pack];
+    partial_softmax<Pack>(st, len, key_lo, key_hi, pm, pl);
+    const int64_t lanes = std::min(Pack, s.nq - p * Pack);
+    std::copy(pm, pm + lanes, m + p * Pack);
+    std::copy(pl, pl + lanes, l + p * Pack);
   }
-  widen_rows(v_cache);
-  // Probability-weighted values: two query vectors and 64 dimensions at a time, so eight
-  // vector accumulators stay in registers and their adds do not wait on one another.
-  for (int64_t v0 = 0; v0 < nq; v0 += 2) {
-    const int64_t v1 = std::min(v0 + 1, nq - 1);
-    const float* p0 = scores.data() + (v0 / Pack) * span * Pack + v0 % Pack;  // stride Pack
-    const float* p1 = scores.data() + (v1 / Pack) * span * Pack + v1 % Pack;
-    const int64_t hi = first_pos + v1 / group - lo + 1;  // later positions have probability 0
+  cache.widen(cache.v_cache, task, s.lo + c0, len, rows.data());
+  // Exp-weighted values: two query vectors and 64 dimensions at a time, so eight vector
+  // accumulators stay in registers and their adds do not wait on one another.
+  for (int64_t v0 = 0; v0 < s.nq; v0 += 2) {
+    const int64_t v1 = std::min(v0 + 1, s.nq - 1);
+    const float* p0 = scores.data() + (v0 / Pack) * len * Pack + v0 % Pack;  // stride Pack
+    const float* p1 = scores.data() + (v1 / Pack) * len * Pack + v1 % Pack;
+    const int64_t hi = std::clamp<int64_t>(s.last(v1 / s.group) - c0, 0, len);  // later keys weigh 0
     for (int64_t d0 = 0; d0 < head_dim; d0 += kValueChunk) {
       const int64_t width = std::min(kValueChunk, head_dim - d0);
       float sums[2][kValueChunk] = {};
@@ -476,15 +512,112 @@ void attend_span(const SpanTask& task, const T* query, const T* k_cache, const T
           sums[1][d] = std::fma(b, val[d], sums[1][d]);
         }
       }
-      std::copy(sums[0], sums[0] + width, acc + v0 * head_dim + d0);
-      std::copy(sums[1], sums[1] + width, acc + v1 * head_dim + d0);
+      std::copy(sums[0], sums[0] + width, o + v0 * head_dim + d0);
+      std::copy(sums[1], sums[1] + width, o + v1 * head_dim + d0);
     }
   }
-  for (int64_t v = 0; v < nq; ++v) {
-    const int64_t i = v / group, head = task.kv_head * group + v % group;
-    T* dst = out + ((task.row_start + i) * num_heads + head) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[v * head_dim + d]);
+}
+
+// Folds one chunk's partial softmax (m, l, o) of a query vector into the running one (M, L, O),
+// the chunks taken in position order; a running state with L = 0 has seen no key yet.
+inline void fold(float& M, float& L, float* O, float m, float l, const float* o, int64_t head_dim) {
+  if (l == 0.f) return;  // no key of this chunk is visible to the vector
+  if (L == 0.f) {
+    M = m;
+    L = l;
+    std::copy(o, o + head_dim, O);
+    return;
   }
+  const float top = std::max(M, m), a = exp_approx(M - top), b = exp_approx(m - top);
+  L = std::fma(L, a, l * b);
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) O[d] = std::fma(O[d], a, o[d] * b);
+  M = top;
+}
+
+// The folded softmax of each query vector, O / L, into ``out`` [tokens, heads, head_dim].
+template <typename T>
+void write_out(const SpanTask& task, const SpanView& s, const float* L, const float* O, int64_t num_heads,
+               int64_t head_dim, T* out) {
+  for (int64_t v = 0; v < s.nq; ++v) {
+    const int64_t i = v / s.group, head = task.kv_head * s.group + v % s.group;
+    T* dst = out + ((task.row_start + i) * num_heads + head) * head_dim;
+    const float inv = L[v] > 0.f ? 1.f / L[v] : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(O[v * head_dim + d] * inv);
+  }
+}
+
+// Every task's attention: a task (a span and KV head) per thread, its chunks in turn; or,
+// where there are fewer tasks than threads to keep busy and their partials are small (a
+// few decode rows or verify spans), every (task, chunk) on its own, the last chunk of a
+// task to finish folding them. Both give the same bits (see kKeyChunk).
+template <typename T>
+void attend_tasks(const std::vector<SpanTask>& tasks, const T* query, const CacheView<T>& cache, int64_t num_heads,
+                  int64_t kv_heads, float scale, int64_t window, T* out) {
+  const int64_t head_dim = cache.head_dim, n = static_cast<int64_t>(tasks.size());
+  std::vector<SpanView> views;
+  std::vector<int64_t> first_item(n + 1, 0), first_partial(n + 1, 0);  // per task: its items, its partials' floats
+  for (int64_t t = 0; t < n; ++t) {
+    views.emplace_back(tasks[t], num_heads, kv_heads, window);
+    first_item[t + 1] = first_item[t] + views[t].chunks;
+    first_partial[t + 1] = first_partial[t] + views[t].chunks * views[t].nq * (head_dim + 2);
+  }
+  auto queries = [&](int64_t t, std::vector<float>& qt) {
+    (views[t].pack == kNarrowPack ? pack_queries<T, kNarrowPack> : pack_queries<T, kPack>)(
+        tasks[t], views[t], query, num_heads, head_dim, scale, qt);
+  };
+  auto chunk = [&](int64_t t, int64_t c, const std::vector<float>& qt, float* part, std::vector<float>& rows,
+                   std::vector<float>& scores) {  // part: the chunk's m [nq], l [nq], o [nq, head_dim]
+    const SpanView& s = views[t];
+    (s.pack == kNarrowPack ? attend_chunk<T, kNarrowPack> : attend_chunk<T, kPack>)(
+        tasks[t], s, cache, c, qt.data(), part, part + s.nq, part + 2 * s.nq, rows, scores);
+  };
+  auto fold_all = [&](int64_t t, float* state, const float* part) {  // state: running M, L, O
+    const int64_t nq = views[t].nq;
+    for (int64_t v = 0; v < nq; ++v)
+      fold(state[v], state[nq + v], state + 2 * nq + v * head_dim, part[v], part[nq + v],
+           part + 2 * nq + v * head_dim, head_dim);
+  };
+  constexpr int64_t kMaxPartials = int64_t(1) << 20;  // floats held for split tasks at most (4 MiB)
+  if (n >= 2 * at::get_num_threads() || first_partial[n] > kMaxPartials || first_item[n] == n) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qt, rows, scores, state, part;
+      for (int64_t t = begin; t < end; ++t) {
+        const SpanView& s = views[t];
+        queries(t, qt);
+        state.assign(s.nq * (head_dim + 2), 0.f);
+        part.resize(s.nq * (head_dim + 2));
+        for (int64_t c = 0; c < s.chunks; ++c) {
+          chunk(t, c, qt, part.data(), rows, scores);
+          fold_all(t, state.data(), part.data());
+        }
+        write_out(tasks[t], s, state.data() + s.nq, state.data() + 2 * s.nq, num_heads, head_dim, out);
+      }
+    });
+    return;
+  }
+  std::vector<float> partials(first_partial[n]);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n]);  // chunks yet to run, per task
+  for (int64_t t = 0; t < n; ++t) left[t].store(views[t].chunks, std::memory_order_relaxed);
+  at::parallel_for(0, first_item[n], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qt, rows, scores, state;
+    int64_t queried = -1;  // the task whose queries qt holds
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const SpanView& s = views[t];
+      const int64_t part_size = s.nq * (head_dim + 2);
+      if (queried != t) {
+        queries(t, qt);
+        queried = t;
+      }
+      chunk(t, item - first_item[t], qt, partials.data() + first_partial[t] + (item - first_item[t]) * part_size,
+            rows, scores);
+      if (left[t].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      state.assign(part_size, 0.f);  // the task's last chunk to finish: fold them all, in order
+      for (int64_t c = 0; c < s.chunks; ++c) fold_all(t, state.data(), partials.data() + first_partial[t] + c * part_size);
+      write_out(tasks[t], s, state.data() + s.nq, state.data() + 2 * s.nq, num_heads, head_dim, out);
+    }
+  });
 }
 
 // Causal attention over the paged cache for every request whose query span is at most
@@ -535,17 +668,11 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block ", table[b], " is outside the cache");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_short", [&] {
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, rows, buf;
-      for (int64_t t = begin; t < end; ++t) {
-        const bool narrow = tasks[t].q_len * (num_heads / kv_heads) <= kNarrowPack;
-        (narrow ? attend_span<scalar_t, kNarrowPack> : attend_span<scalar_t, kPack>)(
-            tasks[t], query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-            tables.data_ptr<int32_t>(), tables.size(1), block_size, num_heads, kv_heads, query.size(2),
-            static_cast<float>(scale), window, static_cast<float>(softcap), tmp, out.data_ptr<scalar_t>(), scores,
-            rows, buf);
-      }
-    });
+    const CacheView<scalar_t> cache{k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tables.data_ptr<int32_t>(),
+                                    tables.size(1), block_size, kv_heads * query.size(2), query.size(2),
+                                    static_cast<float>(softcap), tmp};
+    attend_tasks<scalar_t>(tasks, query.data_ptr<scalar_t>(), cache, num_heads, kv_heads, static_cast<float>(scale), window,
+        out.data_ptr<scalar_t>());
   });
 }
 

@@ -192,6 +192,30 @@ def test_a_rows_attention_is_the_same_alone_and_in_a_verify_span(dtype):
                 assert torch.equal(span[i], alone[0]), (seq_len, q_len, i)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (70, 0.5)])
+def test_attention_is_the_same_on_one_thread_and_split_across_two(dtype, window, softcap):
+    """Keys are taken 64 positions at a time. With few spans, two threads split them by
+    chunk and the last to finish folds the chunks; one thread takes each span's chunks in
+    turn. Both fold in position order, to the same bits, and match the reference: decode
+    rows and verify spans over 1 to 5 chunks, one and two requests."""
+    threads = torch.get_num_threads()
+    try:
+        for seed, spans in enumerate(([(1, 300)], [(1, 64)], [(2, 65)], [(5, 190)], [(1, 20), (3, 250)])):
+            b = paged_batch(spans, dtype, seed)
+            outs = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                outs.append(attend_short(b, window, softcap=softcap))
+            assert torch.equal(outs[0], outs[1]), spans
+            want = reference.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.query_lens_host,
+                                             b.seq_lens_host, 0.125, window, softcap=softcap)
+            tol = 1e-5 if dtype == F32 else 1.6e-2
+            torch.testing.assert_close(outs[1].float(), want.float(), atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_short_refuses_a_block_outside_the_cache():
     b = paged_batch([(1, 20), (3, 40)], F32)
     b.block_tables[1, 0] = b.k_cache.shape[0]

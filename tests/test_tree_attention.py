@@ -130,6 +130,31 @@ def test_cpu_kernel_attends_trees_like_the_dense_oracle(dtype, seed):
     check(out[covered], dense_oracle(b, trees)[covered], dtype)
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_cpu_kernel_attends_a_lone_tree_alike_on_one_thread_and_split_across_two(dtype):
+    """One tree over a context whose last 64 positions (the masks' reach) cross a 64-key
+    chunk boundary: two threads split its keys by chunk, one takes them in turn; both
+    match the oracle and each other bitwise, hidden keys weighing nothing in either."""
+    rng = random.Random(5)
+    parents = random_parents(rng, 12)
+    b = make_batch([(13, 150)], 9, 3, 64, 16, dtype, torch.device("cpu"), num_blocks=32, seed=5)
+    masks = torch.tensor([0] + tree_rows(parents)[1], dtype=torch.int64)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.full_like(b.query, float("nan"))
+            cpu_ops.paged_attention_short(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
+                                          b.seq_lens, SCALE, None, 64, out, None, masks)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    check(outs[1], dense_oracle(b, [parents]), dtype)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_triton_kernel_attends_trees_like_the_dense_oracle(dtype):
     pytest.importorskip("triton")
