@@ -23,6 +23,8 @@ the residual stream entering three of its layers (low, middle, high), concatenat
 """
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -168,7 +170,7 @@ class Eagle3ForCausalLM(LlamaForCausalLM):
                                  kv_caches[0], batch)
         hidden, residual = first.post_attention_layernorm(hidden, residual)
         hidden = first.mlp(hidden)
-        for layer, kv_cache in zip(self.model.layers[1:num_layers], kv_caches[1:]):
+        for layer, kv_cache in zip(islice(self.model.layers, 1, num_layers), kv_caches[1:]):
             hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
         return hidden + residual
 

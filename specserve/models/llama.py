@@ -20,6 +20,7 @@ into the next norm (the last one into the final norm).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch import nn
@@ -232,14 +233,14 @@ class LlamaForCausalLM(nn.Module):
         if self.model.rotary_local is not None:
             local_tables = ops.rotary_tables(self.model.rotary_local, positions, hidden.dtype)
         fused = self.fused_cpu is not None and self.fused_cpu.covers(batch)
-        last = len(self.model.layers[:num_layers])
+        last = len(range(len(self.model.layers))[:num_layers])  # (a ModuleList's slice is a new module: slow)
         taps = self.feature_layers if num_layers is None and self.feature_layers else ()
         residual, start, features = None, 0, []
         for stop in (*taps, last):  # the layers in runs, the residual stream read between them
             if fused:
                 hidden, residual = self.fused_cpu.run(hidden, residual, rotary_tables, kv_caches, batch, start, stop)
             else:
-                for layer, kv_cache in zip(self.model.layers[start:stop], kv_caches[start:stop]):
+                for layer, kv_cache in zip(islice(self.model.layers, start, stop), kv_caches[start:stop]):
                     tables = local_tables if layer.self_attn.local_rope else rotary_tables
                     hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
             if len(features) < len(taps):
