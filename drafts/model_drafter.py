@@ -26,7 +26,8 @@ from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.models.rotary import position_limit
 from specserve.request import Request
-from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_probs
+from specserve.sampler import (SamplingMetadata, Uniforms, greedy_confidence, greedy_tokens, sample_from_probs,
+                               target_probs)
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
@@ -162,8 +163,8 @@ class ModelDrafter:
         """Seconds of one draft pass over ``scheduled`` (a token each, over their blocks:
         the start-up profile of what a draft depth costs)."""
         start = time.perf_counter()
-        self._forward([ScheduledRequest(p.req_id, [0], p.start_pos, p.block_table, p.params) for p in scheduled]
-                      ).argmax(-1).tolist()
+        greedy_tokens(self._forward([ScheduledRequest(p.req_id, [0], p.start_pos, p.block_table, p.params)
+                                     for p in scheduled])).tolist()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ the step
@@ -359,14 +360,17 @@ class ModelDrafter:
         if process is not None:
             logits = process.apply(logits)
         top = _likeliest(logits, runner_ups + 1) if runner_ups else None
-        greedy = logits.argmax(dim=-1)
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
+        confidence = None
+        if confident and not any(ranks):
+            greedy, confidence = greedy_confidence(logits)
+        else:
+            greedy = greedy_tokens(logits)
         if any(ranks):
             greedy = _runner_up(logits, greedy, ranks, self.device)
-        confidence = None
-        if confident:
-            best = logits.gather(1, greedy[:, None])[:, 0].float()
-            confidence = torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
+            if confident:  # the chosen token's probability, a runner-up's where a row forks
+                best = logits.gather(1, greedy[:, None])[:, 0].float()
+                confidence = torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
         if meta is None:
             return greedy, None, confidence, top
         q = target_probs(logits, meta)

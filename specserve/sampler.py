@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels import cpu_ops
 from specserve.sampling_params import SamplingParams
 from specserve.transfer import to_device
 
@@ -36,6 +37,28 @@ class SamplingMetadata:
         return cls(temperature=temperature, top_k=top_k_t, top_p=top_p, min_p=min_p,
                    all_greedy=all(p.greedy for p in params), any_top_k=any(k > 0 for k in top_k),
                    any_top_p=any(p.top_p < 1 for p in params), any_min_p=any(p.min_p > 0 for p in params))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as ``logits.argmax(dim=-1)``; on a CPU through the C++ op, which
+    vectorises what torch runs element by element over the vocabulary."""
+    if _cpu_greedy(logits):
+        return torch.ops.specserve_cpu.greedy_rows(logits, False)[0]
+    return logits.argmax(dim=-1)
+
+
+def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax and its probability under softmax(logits), float32."""
+    if _cpu_greedy(logits):
+        return torch.ops.specserve_cpu.greedy_rows(logits, True)
+    greedy = logits.argmax(dim=-1)
+    best = logits.gather(1, greedy[:, None])[:, 0].float()
+    return greedy, torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
+
+
+def _cpu_greedy(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.dtype in (torch.float32, torch.bfloat16) and cpu_ops.available())
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

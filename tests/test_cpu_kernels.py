@@ -22,6 +22,7 @@ from specserve.attention import TorchAttentionBackend, get_backend
 from specserve.loader import ModelFiles, build_model, load_hf_config
 from specserve.models.layer_ops import CpuLayerOps, TorchLayerOps
 from specserve.models.rotary import apply_rotary
+from specserve.sampler import greedy_confidence, greedy_tokens
 from specserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
@@ -214,6 +215,30 @@ def test_attention_is_the_same_on_one_thread_and_split_across_two(dtype, window,
             torch.testing.assert_close(outs[1].float(), want.float(), atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_greedy_rows_are_torch_argmax_and_the_softmax_top(dtype, vocab):
+    """Ties, a restricted vocabulary (-inf elsewhere), an all -inf row and NaNs give
+    torch.argmax's index; the confidence is softmax's top probability, NaN where
+    softmax's is."""
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 100] = logits[1, vocab - 3] = logits[1].max() + 1  # a tie: the first
+    logits[2] = float("-inf")
+    logits[2, 700] = 0.5                                          # one token allowed
+    logits[3] = float("-inf")                                     # none: index 0
+    logits[4, 7] = logits[4, 9] = float("nan")                    # the first NaN
+    logits[5, :100] = 1e4                                         # ties across blocks
+    logits[6, vocab - 1] = 50.0                                   # in the last, partial block
+    index, top = torch.ops.specserve_cpu.greedy_rows(logits, True)
+    assert torch.equal(index, logits.argmax(dim=-1))
+    want = torch.softmax(logits.float(), dim=-1).gather(1, index[:, None])[:, 0]
+    assert torch.equal(torch.isnan(top), torch.isnan(want))
+    torch.testing.assert_close(top[~torch.isnan(want)], want[~torch.isnan(want)], rtol=1e-5, atol=0)
+    tokens, confidence = greedy_confidence(logits)
+    assert torch.equal(tokens, index) and torch.equal(greedy_tokens(logits), index)
+    torch.testing.assert_close(confidence, top, rtol=0, atol=0, equal_nan=True)
 
 
 def test_paged_attention_short_refuses_a_block_outside_the_cache():

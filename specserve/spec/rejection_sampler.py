@@ -27,7 +27,8 @@ import torch
 
 from specserve.logits_process import RowHistory, process_rows
 from specserve.logprobs import TokenLogprob
-from specserve.sampler import SamplingMetadata, Uniforms, sample_from_probs, target_logprobs, target_probs
+from specserve.sampler import (SamplingMetadata, Uniforms, greedy_tokens, sample_from_probs, target_logprobs,
+                               target_probs)
 from specserve.sampling_params import SamplingParams
 from specserve.transfer import to_device
 
@@ -106,7 +107,7 @@ class RejectionSampler:
             # Plain greedy decoding: nothing to verify.
             if processing:
                 logits = process_rows(logits, histories, [0] * num_rows, None)
-            return SampledTokens([[token] for token in logits.argmax(dim=-1).tolist()])
+            return SampledTokens([[token] for token in greedy_tokens(logits).tolist()])
         # Row index of every draft token's verifying row (all of a request's rows but its last).
         verify_rows: list[int] = []
         start = 0
@@ -122,7 +123,7 @@ class RejectionSampler:
         draft_ids = host_drafts[0] if on_host else draft_ids
         if processing:
             logits = process_rows(logits, histories, [n - 1 for n in rows_per_req], draft_ids)
-        greedy = logits.argmax(dim=-1)                        # [R]
+        greedy = greedy_tokens(logits)                        # [R]
 
         if all_greedy:  # no sampling metadata needed
             accepted = draft_ids == greedy[verify_idx]
