@@ -684,8 +684,7 @@ void paged_attention_short(const at::Tensor& query, const at::Tensor& k_cache, c
 // Each row of logits [rows, vocab]: its argmax as torch.argmax gives it (the first largest
 // value; the first NaN where there is one), and with ``confidence`` its top probability,
 // 1 / Σ exp(x - max) (NaN for a row with a NaN). torch's argmax over a vocabulary runs
-// element by element (~44 µs a row of 49,152 on a CPU, and a draft pass also took a
-// logsumexp); here each pass vectorises.
+// element by element, and a draft pass also took a logsumexp; here each pass vectorises.
 template <typename T>
 inline float logit_at(const T* row, int64_t i) { return static_cast<float>(row[i]); }
 template <>
