@@ -27,7 +27,7 @@ from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.models.rotary import position_limit
 from specserve.request import Request
 from specserve.sampler import (SamplingMetadata, Uniforms, greedy_confidence, greedy_tokens, sample_from_probs,
-                               target_probs)
+                               target_probs, token_probability)
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.paths import DRAFT_FORKS, PathEntry
@@ -369,8 +369,7 @@ class ModelDrafter:
         if any(ranks):
             greedy = _runner_up(logits, greedy, ranks, self.device)
             if confident:  # the chosen token's probability, a runner-up's where a row forks
-                best = logits.gather(1, greedy[:, None])[:, 0].float()
-                confidence = torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
+                confidence = token_probability(logits, greedy)
         if meta is None:
             return greedy, None, confidence, top
         q = target_probs(logits, meta)

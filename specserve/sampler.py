@@ -52,8 +52,13 @@ def greedy_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if _cpu_greedy(logits):
         return torch.ops.specserve_cpu.greedy_rows(logits, True)
     greedy = logits.argmax(dim=-1)
-    best = logits.gather(1, greedy[:, None])[:, 0].float()
-    return greedy, torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
+    return greedy, token_probability(logits, greedy)
+
+
+def token_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's probability of its token ``tokens[i]`` under softmax(logits), float32."""
+    best = logits.gather(1, tokens[:, None])[:, 0].float()
+    return torch.exp(best - torch.logsumexp(logits.float(), dim=-1))
 
 
 def _cpu_greedy(logits: torch.Tensor) -> bool:

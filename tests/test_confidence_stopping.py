@@ -5,6 +5,7 @@ tokens equal plain greedy (float32) and sampling keeps the target's distribution
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -245,8 +246,6 @@ def test_a_lazy_drafts_backlog_is_not_charged_to_the_step_that_drafts(tiny_model
     once. The goodput check gets the step's time without it (else a check under a veto
     paid for every token the plain steps left unfed, and confirmed the veto), and so does
     the target's cost model; the next steps have no backlog."""
-    import time
-
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near,
                 num_speculative_tokens=3, draft_stopping="confidence", **SMALL)
     speculator = llm.engine.speculator
