@@ -18,13 +18,15 @@ verification the next catch-up rewrites them from the target's features, so roll
 the same clamp as a draft model's, and blocks are the target's (same ids).
 
 Like the draft model it never waits for its own proposals (they stay on the device). The
-target's CUDA graphs hand back the hidden states with the logits; the head's own steps run
-eagerly.
+target's CUDA graphs hand back the hidden states with the logits; the head's own passes are
+graph replays too, their feature rows copied into the graph's buffer (an EAGLE-3 head's
+``fc`` fuses the target's rows first, so every pass reads rows of the head's width).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from itertools import accumulate
 
 import torch
 
@@ -38,6 +40,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.stopping import StopRule
 from specserve.spec.tree import TREE_RANKS
+from specserve.transfer import to_device
 
 
 class EagleDrafter(ModelDrafter):
@@ -72,7 +75,11 @@ class EagleDrafter(ModelDrafter):
         self.runner.keep_hidden = True
 
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
-        """Nothing: the head's steps run eagerly (see the module docstring)."""
+        """Graphs for the head's passes: its draft steps (one token each) and its catch-up,
+        which feeds at most 1 + k tokens per request once the prompt is in (the accepted
+        drafts and the target's token); prompt chunks take the ragged graphs. Each graph
+        reads the feature rows from a buffer of its own (``GraphRunner.run``)."""
+        self.runner.enable_graphs(1 + self.config.num_speculative_tokens, max_model_len, capture)
 
     def free(self, req_id: str) -> None:
         super().free(req_id)
@@ -215,8 +222,13 @@ class EagleDrafter(ModelDrafter):
                  device_ids: DeviceTokenIds | None = None):
         """The head over ``entries`` with their feature rows: the logits of the sampling
         rows, and the head's outputs there (the features of the next draft step)."""
-        runner = self.runner
-        batch = runner.prepare(SchedulerOutput(entries, []), device_ids)
-        batch.features = features[0] if len(features) == 1 else torch.cat(features)
-        logits = runner.forward(batch)
-        return logits, runner.last_hidden.index_select(0, batch.logits_indices)
+        rows = features[0] if len(features) == 1 else torch.cat(features)
+        logits = self.runner.execute(SchedulerOutput(entries, []), device_ids=device_ids,
+                                     features=self.model.input_features(rows))
+        hidden = self.runner.last_hidden  # every fed row's output, in schedule order
+        ends = list(accumulate(len(e.token_ids) for e in entries))
+        sampled = [end - 1 for e, end in zip(entries, ends) if e.sample]
+        if len(sampled) == ends[-1]:  # a token each, every one sampled (a draft step)
+            return logits, hidden
+        (index,) = to_device([sampled], torch.int64, self.device)
+        return logits, hidden.index_select(0, index)

@@ -29,6 +29,10 @@ than the largest bucket (``EngineConfig.cuda_graph_max_tokens``, 2048 by default
 layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's launches are
 a small part of its time.
 
+A draft head that reads its target's features (``models/eagle.py``) gets them through a
+static buffer too: ``run`` copies each pass's feature rows where its tokens are (request
+i's at i * q when padded), and the graphs read ``batch.features`` from there.
+
 With draft trees on (``trees``), the ragged graphs also read every row's visibility mask
 (``batch.tree_rows``) from a static buffer, zeros for causal rows, and run the steps that
 verify trees (never padded: a tree's rows are not a chain's).
@@ -126,6 +130,10 @@ class GraphRunner:
                                 dtype=torch.int32, device=device)
         self.trees = trees
         self._masks = torch.zeros(ragged_tokens if trees else 0, dtype=torch.int64, device=device)
+        # A draft head's feature rows (``ForwardBatch.features``), laid out as the tokens.
+        width = getattr(model, "feature_input_width", 0)
+        self._features = torch.zeros(max(max_tokens, ragged_tokens) if width else 0, width,
+                                     dtype=model.model.embed_tokens.weight.dtype, device=device)
         self._masked_rows = 0  # rows of ``_masks`` the last tree step wrote (the rest are 0)
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
@@ -240,7 +248,7 @@ class GraphRunner:
             logits_indices=self._long[:0],  # unused: logits are computed for every row
             # Worst-case lengths: the kernels plan for them, so any real step fits the graph.
             query_lens_host=[q] * bucket, seq_lens_host=[self.max_model_len] * bucket,
-            has_padding=True)
+            has_padding=True, features=self._features[:n] if self._features.shape[1] else None)
 
     def _static_ragged_batch(self, tokens: int, num_rows: int) -> tuple[ForwardBatch, torch.Tensor]:
         """A ragged graph's inputs, and the ``num_rows`` rows it computes logits for."""
@@ -254,17 +262,27 @@ class GraphRunner:
             logits_indices=rows,
             # Worst case: all the bucket's tokens in one request, every request at full length.
             query_lens_host=[n] + [0] * (reqs - 1), seq_lens_host=[self.max_model_len] * reqs,
-            has_padding=True, tree_masks=self._masks[:n] if self.trees else None), rows
+            has_padding=True, tree_masks=self._masks[:n] if self.trees else None,
+            features=self._features[:n] if self._features.shape[1] else None), rows
 
     # ------------------------------------------------------------------ replay
     @torch.inference_mode()
-    def run(self, output: SchedulerOutput, block_size: int,
-            device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
-        """Logits ``[Σ(1 + k_i), vocab]`` of the real rows, in schedule order."""
+    def run(self, output: SchedulerOutput, block_size: int, device_ids: DeviceTokenIds | None = None,
+            features: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[Σ(1 + k_i), vocab]`` of the real rows, in schedule order. ``features``:
+        a draft head's feature rows ``[Σ n_i, width]``, ragged in schedule order."""
         planned = output.scheduled
         key = self._shape(planned)
         graph, outputs, batch = self._get(key)  # before writing: building overwrites inputs
         rows, query_lens, seq_lens = self.prepare(planned, key, block_size, device_ids)
+        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned] \
+            if self.keep_hidden or features is not None else None
+        real = self._real_rows(key, lengths) if lengths else None
+        if features is not None:
+            if real is None:
+                self._features[:features.shape[0]].copy_(features)
+            else:
+                self._features.index_copy_(0, real, features)
         if self.capture:
             graph.replay()
         else:  # eager: the torch backend needs the real lengths; Triton plans as captured
@@ -273,17 +291,22 @@ class GraphRunner:
                 batch.attn_plans.clear()
             outputs = graph()
         logits, hidden = outputs
-        lengths = [len(p.token_ids) + len(p.draft_token_ids) for p in planned] if self.keep_hidden else None
+        if self.keep_hidden:  # copied, as the next replay overwrites them
+            self.last_hidden = hidden[:sum(lengths)].clone() if real is None else hidden.index_select(0, real)
         if key[0] == 0:  # ragged: the graph computed the sampled rows' logits, then padding
-            if lengths:  # the requests' rows come first; copied, as the next replay overwrites them
-                self.last_hidden = hidden[:sum(lengths)].clone()
             return logits[:self._num_logits(planned)]
-        if lengths:  # padded: request i's rows start at i * q
-            q = key[1]
-            (real,) = to_device([[i * q + r for i, n in enumerate(lengths) for r in range(n)]],
-                                torch.int64, self.device)
-            self.last_hidden = hidden.index_select(0, real)
         return logits if rows is None else logits.index_select(0, rows)
+
+    def _real_rows(self, key: tuple[int, ...], lengths: list[int]) -> torch.Tensor | None:
+        """The rows of graph ``key`` that hold the requests' tokens (``lengths`` each), on
+        the device; None where they are its first ``sum(lengths)`` rows (ragged, or padded
+        with every request at the step's longest query). Padded: request i's rows start
+        at i * q."""
+        q = key[1]
+        if key[0] == 0 or all(n == q for n in lengths):
+            return None
+        (real,) = to_device([[i * q + r for i, n in enumerate(lengths) for r in range(n)]], torch.int64, self.device)
+        return real
 
     def prepare(self, planned, key: tuple[int, ...], block_size: int,
                 device_ids: DeviceTokenIds | None = None

@@ -191,15 +191,18 @@ class ModelRunner:
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, num_layers: int | None = None,
-                device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
+                device_ids: DeviceTokenIds | None = None, features: torch.Tensor | None = None) -> torch.Tensor:
         """Run one ragged forward pass; returns logits ``[num_logits, vocab]`` float32 for
         each sampling request's last 1 + k positions, in schedule order. ``num_layers``
         runs only the first layers (layer-skip drafting). ``device_ids``: tokens whose
-        values are still on the device (their lists hold placeholders)."""
+        values are still on the device (their lists hold placeholders). ``features``: a
+        draft head's feature rows, one per token (``ForwardBatch.features``)."""
         if self.closed:
             raise RuntimeError("this model runner was closed")
         if self.channel is None:
-            return self._forward(output, num_layers, device_ids)
+            return self._forward(output, num_layers, device_ids, features)
+        if features is not None:
+            raise ValueError("a draft head's passes run on one rank: its runner has no tensor-parallel channel")
         try:
             self.channel.send_step(output, num_layers, device_ids)
             return self._forward(output, num_layers, device_ids)
@@ -212,15 +215,17 @@ class ModelRunner:
                                       f"({type(exc).__name__}: {exc})") from exc
 
     def _forward(self, output: SchedulerOutput, num_layers: int | None,
-                 device_ids: DeviceTokenIds | None) -> torch.Tensor:
+                 device_ids: DeviceTokenIds | None, features: torch.Tensor | None = None) -> torch.Tensor:
         if self.keep_hidden:
             self.last_pass = output.scheduled
         if self.graphs is not None and num_layers is None and self.graphs.fits(output):
-            logits = self.graphs.run(output, self.block_size, device_ids)
+            logits = self.graphs.run(output, self.block_size, device_ids, features)
             if self.keep_hidden:
                 self.last_hidden = self.graphs.last_hidden
             return logits
-        return self.forward(self.prepare(output, device_ids), num_layers)
+        batch = self.prepare(output, device_ids)
+        batch.features = features
+        return self.forward(batch, num_layers)
 
     @torch.inference_mode()
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:

@@ -257,22 +257,33 @@ def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert "EAGLE-style draft head" in card and "64 tokens most frequent" in card and "unrolled" in card
 
 
+def record_graph_shapes(graphs) -> list[tuple[int, ...]]:
+    """The shape of every step ``graphs`` runs from now on (``GraphRunner._shape``)."""
+    shapes, run = [], graphs.run
+    graphs.run = lambda *a: shapes.append(graphs._shape(a[0].scheduled)) or run(*a)
+    return shapes
+
+
 def test_the_graph_path_hands_the_head_its_features(eagle):
     """The target's padded and ragged CUDA-graph paths (eagerly here, ``capture=False``)
-    give the head the same hidden-state rows as the plain path: same tokens, same drafts
-    accepted."""
+    give the head the same hidden-state rows as the plain path, and the head's own graphs
+    read its feature rows where each pass's tokens are (ragged prompt chunks, padded
+    catch-ups of several tokens beside single ones, draft steps): same proposals, same
+    tokens, same drafts accepted."""
     target_dir, head_dir, _ = eagle()
     params = [greedy(k) for k in KS]
     plain = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    want_proposals = record_proposals(plain.engine.speculator.drafter)
     want = plain.generate(PROMPTS, params, use_tqdm=False)
     llm = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
     llm.engine.enable_graphs(capture=False)
-    graphs = llm.engine.runner.graphs
-    shapes = []
-    run = graphs.run
-    graphs.run = lambda *a: shapes.append(graphs._shape(a[0].scheduled)) or run(*a)
+    shapes = record_graph_shapes(llm.engine.runner.graphs)
+    head_shapes = record_graph_shapes(llm.engine.speculator.drafter.runner.graphs)
+    proposals = record_proposals(llm.engine.speculator.drafter)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert {s[0] == 0 for s in shapes} == {True, False}  # ragged (prefill) and padded steps
+    assert {s[0] == 0 for s in head_shapes} == {True, False} and max(s[1] for s in head_shapes if s[0]) > 1
+    assert proposals == want_proposals and len(proposals) > 10
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.spec_stats.num_accepted_tokens == plain.engine.spec_stats.num_accepted_tokens
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
@@ -306,7 +317,8 @@ def test_a_head_with_a_draft_vocabulary_proposes_only_from_it_and_stays_lossless
 @pytest.mark.parametrize("input_norms", [False, True])
 def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(input_norms, eagle):
     """On a GPU, with real captures: float32 greedy tokens and accepted drafts equal the
-    eager engine's (the head reads the graphs' hidden-state outputs)."""
+    eager engine's (the head reads the graphs' hidden-state outputs, and its own passes
+    are replays reading their feature rows from the graphs' buffer)."""
     target_dir, head_dir, _ = eagle(input_norms=input_norms)
     kwargs = dict(device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=8)
     params = [greedy(k) for k in KS]
@@ -314,6 +326,7 @@ def test_captured_graphs_hand_the_head_the_eager_features_on_cuda(input_norms, e
     want = eager.generate(PROMPTS, params, use_tqdm=False)
     llm = eagle_llm(target_dir, head_dir, **kwargs)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.capture
+    assert llm.engine.speculator.drafter.runner.graphs.capture  # the head's passes are replays too
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.engine.spec_stats.num_accepted_tokens == eager.engine.spec_stats.num_accepted_tokens > 0

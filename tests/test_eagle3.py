@@ -233,6 +233,7 @@ def test_captured_graphs_hand_an_eagle3_head_the_eager_features_on_cuda(deep_tar
     want = eager.generate(PROMPTS, params, use_tqdm=False)
     llm = eagle_llm(target_dir, head_dir, **kwargs)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.capture
+    assert llm.engine.speculator.drafter.runner.graphs.capture  # the head's passes are replays too
     proposals = record_proposals(llm.engine.speculator.drafter)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -55,11 +55,22 @@ class EagleForCausalLM(LlamaForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                 num_layers: int | None = None) -> torch.Tensor:
         embeds = self.model.embed_tokens(input_ids)
-        features = batch.features.to(embeds.dtype)
+        features = self.input_features(batch.features.to(embeds.dtype))
         if self.input_norms:
             embeds, features = self.embed_norm(embeds), self.feature_norm(features)
         hidden = self.fc(torch.cat([embeds, features], dim=-1))
         return self.decode(hidden, positions, kv_caches, batch, num_layers)
+
+    @property
+    def feature_input_width(self) -> int:
+        """The width of the feature rows its passes read (``batch.features``), once
+        ``input_features`` has made them."""
+        return self.config.hidden_size
+
+    def input_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """Feature rows as its passes read them, from the target's kept rows or its own
+        outputs: the same rows (an EAGLE-3 head fuses the target's)."""
+        return rows
 
     def checkpoint_name(self, name: str) -> str:
         if self.weights_layout == "eagle1" and name.startswith(("layers.", "embed_tokens.")):
@@ -160,9 +171,7 @@ class Eagle3ForCausalLM(LlamaForCausalLM):
         ops = self.model.ops
         embeds = self.model.embed_tokens(input_ids)
         tables = ops.rotary_tables(self.model.rotary, positions, embeds.dtype)
-        features = batch.features.to(embeds.dtype)
-        if features.shape[-1] == self.feature_width:  # the target's: fused by fc
-            features = self.fc(features)
+        features = self.input_features(batch.features.to(embeds.dtype))
         first = self.model.layers[0]
         normed = first.hidden_norm(features)
         residual = normed if self.norm_before_residual else features
@@ -173,6 +182,18 @@ class Eagle3ForCausalLM(LlamaForCausalLM):
         for layer, kv_cache in zip(islice(self.model.layers, 1, num_layers), kv_caches[1:]):
             hidden, residual = layer(hidden, residual, tables, kv_cache, batch)
         return hidden + residual
+
+    @property
+    def feature_input_width(self) -> int:
+        """The width of the feature rows its passes read: its own (see ``input_features``)."""
+        return self.config.hidden_size
+
+    def input_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's kept rows (its feature layers' states, concatenated) fused by
+        ``fc`` to the head's width; its own outputs (already that wide) as they are.
+        The drafter fuses them before a pass, so that a captured pass reads rows of one
+        width whichever they are."""
+        return self.fc(rows) if rows.shape[-1] == self.feature_width else rows
 
     @property
     def vocab_head(self) -> nn.Module:
