@@ -132,8 +132,8 @@ class GraphRunner:
         self._masks = torch.zeros(ragged_tokens if trees else 0, dtype=torch.int64, device=device)
         # A draft head's feature rows (``ForwardBatch.features``), laid out as the tokens.
         width = getattr(model, "feature_input_width", 0)
-        self._features = torch.zeros(max(max_tokens, ragged_tokens) if width else 0, width,
-                                     dtype=model.model.embed_tokens.weight.dtype, device=device)
+        self._features = torch.zeros(max(max_tokens, ragged_tokens), width, dtype=model.fc.weight.dtype,
+                                     device=device) if width else torch.zeros(0, 0, device=device)
         self._masked_rows = 0  # rows of ``_masks`` the last tree step wrote (the rest are 0)
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
