@@ -50,7 +50,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -238,6 +238,110 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
   for (int r = 0; r < Rows; ++r)
     for (int n = 0; n < Cols; ++n) out[r * Cols + n] = _mm512_reduce_add_ps(acc[n][r]);
 }
+
+// Column tiles of dot_rows: 32 vector registers hold 4 columns' accumulators for 1 or 2 rows.
+template <int Rows>
+constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: the same integer sums with vpmaddwd, each 16-lane accumulator as two 8-lane halves
+// (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63), the float work per block
+// as the AVX-512 path's. A machine without AVX-512 VNNI (most desktop CPUs, AVX-512 ones
+// before Cascade Lake) runs this rather than the portable loop.
+
+// The chunk's 64 weights as unsigned bytes: inputs 0-31 (lo) and 32-63 (hi) of chunk c of
+// the row at w, which for 4 bits is half `nibble` (0 low, 1 high) of the pair's 64 bytes, or
+// both halves of the odd last chunk's 32.
+template <int Bits>
+inline void weight_halves(const uint8_t* w, int64_t c, int64_t chunks, __m256i& lo, __m256i& hi) {
+  if constexpr (Bits == 8) {
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * kChunk));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * kChunk + 32));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if ((c & 1) == 0 && c + 1 == chunks) {  // the odd last chunk: byte j holds inputs j and 32 + j
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (kChunk / 2)));
+      lo = _mm256_and_si256(packed, low4);
+      hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      return;
+    }
+    const uint8_t* pair = w + (c & ~int64_t(1)) * (kChunk / 2);  // byte j: input j of c (low), of c + 1 (high)
+    const int shift = (c & 1) ? 4 : 0;
+    lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)), shift), low4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32)), shift),
+                          low4);
+  }
+}
+
+// 16 per-lane values of a block: lane l takes entry l / (16 / count) of p (a group's value),
+// or with `once` entry l for l < count and 0 after (the min term, once per group).
+template <typename S>
+inline void lanes16(const S* p, int64_t count, bool once, float* out) {
+  const int64_t per = 16 / count;
+  for (int l = 0; l < 16; ++l) out[l] = once ? (l < count ? scalar(p[l]) : 0.f) : scalar(p[l / per]);
+}
+
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+                     int64_t r0, float* out /* [Rows][Cols] */) {
+  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
+  __m256 acc[Cols][Rows][2];
+  for (int n = 0; n < Cols; ++n)
+    for (int r = 0; r < Rows; ++r) acc[n][r][0] = acc[n][r][1] = _mm256_setzero_ps();
+  const int16_t* a = q.a.data() + r0 * kp;
+  // Bytes 4l, 4l + 1 (first) and 4l + 2, 4l + 3 (second) of each dword as int16 pairs, per 128 bits.
+  const __m256i first = _mm256_set_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u),
+                                         int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
+  const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi32(0x0002'0002));
+  alignas(32) float lanes_a[16], lanes_b[16];
+  int64_t c = 0, g0 = 0;
+  for (const int64_t size : q.blocks) {
+    const int64_t count = size * kChunk / G;  // groups in this block
+    __m256i dots[Cols][Rows][2];
+    for (int n = 0; n < Cols; ++n)
+      for (int r = 0; r < Rows; ++r) dots[n][r][0] = dots[n][r][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < size; ++j, ++c)
+      for (int n = 0; n < Cols; ++n) {
+        __m256i lo, hi;
+        weight_halves<Bits>(w + n * row_bytes, c, chunks, lo, hi);
+        const __m256i w0 = _mm256_shuffle_epi8(lo, first), w1 = _mm256_shuffle_epi8(lo, second);
+        const __m256i w2 = _mm256_shuffle_epi8(hi, first), w3 = _mm256_shuffle_epi8(hi, second);
+        for (int r = 0; r < Rows; ++r) {
+          const int16_t* ac = a + r * kp + c * kChunk;
+          auto load = [&](int64_t at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ac + at)); };
+          dots[n][r][0] = _mm256_add_epi32(dots[n][r][0], _mm256_add_epi32(_mm256_madd_epi16(w0, load(0)),
+                                                                            _mm256_madd_epi16(w1, load(32))));
+          dots[n][r][1] = _mm256_add_epi32(dots[n][r][1], _mm256_add_epi32(_mm256_madd_epi16(w2, load(16)),
+                                                                            _mm256_madd_epi16(w3, load(48))));
+        }
+      }
+    for (int r = 0; r < Rows; ++r) {
+      alignas(32) float d[16], sums[16];
+      lanes16(q.group_scale.data() + (r0 + r) * groups + g0, count, false, d);
+      lanes16(q.group_sum.data() + (r0 + r) * groups + g0, count, true, sums);
+      for (int n = 0; n < Cols; ++n) {
+        lanes16(ws + n * groups + g0, count, false, lanes_a);
+        lanes16(wm + n * groups + g0, count, true, lanes_b);
+        for (int h = 0; h < 2; ++h) {
+          const __m256 scale = _mm256_mul_ps(_mm256_load_ps(lanes_a + 8 * h), _mm256_load_ps(d + 8 * h));
+          acc[n][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), scale, acc[n][r][h]);
+          // the min term, once per group: Σ min · d·Σa
+          acc[n][r][h] = _mm256_fmadd_ps(_mm256_load_ps(lanes_b + 8 * h), _mm256_load_ps(sums + 8 * h), acc[n][r][h]);
+        }
+      }
+    }
+    g0 += count;
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int n = 0; n < Cols; ++n) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, _mm256_add_ps(acc[n][r][0], acc[n][r][1]));
+      out[r * Cols + n] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+}
+
+// 16 vector registers: 4 columns' accumulators for 1 row, 2 for 2 rows, 1 for more.
+template <int Rows>
+constexpr int tile_cols() { return Rows == 1 ? 4 : Rows == 2 ? 2 : 1; }
 #else
 // Portable: the same sums, lane by lane, in the same order as the vector path.
 template <int Rows, int Cols, int Bits, int G, typename S>
@@ -280,6 +384,9 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     }
   }
 }
+
+template <int Rows>
+constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
 #endif
 
 // How far ahead of its column tile a thread asks for weights (into L2), in weight rows:
@@ -288,13 +395,14 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
 constexpr int64_t kPrefetchCols = 16;
 
 // Rows activation rows against `cols` weight rows, in column tiles: out [Rows][cols]. Tiles
-// of 4 columns for 1 or 2 rows, 2 for 3 or 4 (measured best on an AVX-512 Xeon). With
+// of ``tile_cols`` columns (on AVX-512, 4 for 1 or 2 rows and 2 for 3 or 4: measured best
+// on a Xeon; on AVX2, as many as 16 registers hold). With
 // `prefetch`, each tile first asks for the weight rows kPrefetchCols ahead of it, of the
 // `left` rows from w on (a span's first row tile: the others find them in cache).
 template <int Rows, int Bits, int G, typename S>
 void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm,
               const QuantizedRows& q, int64_t r0, float* out, bool prefetch, int64_t left) {
-  constexpr int kCols = Rows <= 2 ? 4 : 2;
+  constexpr int kCols = tile_cols<Rows>();
   float tile[Rows * kCols];
   const int64_t groups = q.kp / G;
   for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
