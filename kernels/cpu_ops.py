@@ -27,8 +27,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).
-_VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-                 "AVX2": ["-mavx2", "-mfma"]}
+_VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+                 "AVX2": ["-mavx2", "-mfma", "-mf16c"]}  # (every AVX2 CPU converts float16: F16C)
 
 
 @functools.cache

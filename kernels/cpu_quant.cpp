@@ -242,7 +242,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
 // Column tiles of dot_rows: 32 vector registers hold 4 columns' accumulators for 1 or 2 rows.
 template <int Rows>
 constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2: the same integer sums with vpmaddwd, each 16-lane accumulator as two 8-lane halves
 // (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63), the float work per block
 // as the AVX-512 path's. A machine without AVX-512 VNNI (most desktop CPUs, AVX-512 ones
@@ -272,12 +272,26 @@ inline void weight_halves(const uint8_t* w, int64_t c, int64_t chunks, __m256i& 
   }
 }
 
-// 16 per-lane values of a block: lane l takes entry l / (16 / count) of p (a group's value),
-// or with `once` entry l for l < count and 0 after (the min term, once per group).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float one(float v) { return v; }
+inline float one(at::Half v) { return _cvtsh_ss(v.x); }
+
+// 16 per-lane values of a block, as two halves: lane l takes entry l / (16 / count) of p (a
+// group's value), or with `once` entry l for l < count and 0 after (the min term, once per
+// group). A whole block (16 groups) is two loads.
 template <typename S>
-inline void lanes16(const S* p, int64_t count, bool once, float* out) {
+inline void lanes16(const S* p, int64_t count, bool once, __m256& lo, __m256& hi) {
+  if (count == 16) {
+    lo = load8(p);
+    hi = load8(p + 8);
+    return;
+  }
+  alignas(32) float v[16];
   const int64_t per = 16 / count;
-  for (int l = 0; l < 16; ++l) out[l] = once ? (l < count ? scalar(p[l]) : 0.f) : scalar(p[l / per]);
+  for (int l = 0; l < 16; ++l) v[l] = once ? (l < count ? one(p[l]) : 0.f) : one(p[l / per]);
+  lo = _mm256_load_ps(v);
+  hi = _mm256_load_ps(v + 8);
 }
 
 template <int Rows, int Cols, int Bits, int G, typename S>
@@ -292,7 +306,6 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
   const __m256i first = _mm256_set_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u),
                                          int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
   const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi32(0x0002'0002));
-  alignas(32) float lanes_a[16], lanes_b[16];
   int64_t c = 0, g0 = 0;
   for (const int64_t size : q.blocks) {
     const int64_t count = size * kChunk / G;  // groups in this block
@@ -314,20 +327,22 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
                                                                             _mm256_madd_epi16(w3, load(48))));
         }
       }
+    __m256 d[Rows][2], sums[Rows][2];
     for (int r = 0; r < Rows; ++r) {
-      alignas(32) float d[16], sums[16];
-      lanes16(q.group_scale.data() + (r0 + r) * groups + g0, count, false, d);
-      lanes16(q.group_sum.data() + (r0 + r) * groups + g0, count, true, sums);
-      for (int n = 0; n < Cols; ++n) {
-        lanes16(ws + n * groups + g0, count, false, lanes_a);
-        lanes16(wm + n * groups + g0, count, true, lanes_b);
+      lanes16(q.group_scale.data() + (r0 + r) * groups + g0, count, false, d[r][0], d[r][1]);
+      lanes16(q.group_sum.data() + (r0 + r) * groups + g0, count, true, sums[r][0], sums[r][1]);
+    }
+    for (int n = 0; n < Cols; ++n) {
+      __m256 scale[2], mins[2];
+      lanes16(ws + n * groups + g0, count, false, scale[0], scale[1]);
+      lanes16(wm + n * groups + g0, count, true, mins[0], mins[1]);
+      for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < 2; ++h) {
-          const __m256 scale = _mm256_mul_ps(_mm256_load_ps(lanes_a + 8 * h), _mm256_load_ps(d + 8 * h));
-          acc[n][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), scale, acc[n][r][h]);
+          acc[n][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), _mm256_mul_ps(scale[h], d[r][h]),
+                                         acc[n][r][h]);
           // the min term, once per group: Σ min · d·Σa
-          acc[n][r][h] = _mm256_fmadd_ps(_mm256_load_ps(lanes_b + 8 * h), _mm256_load_ps(sums + 8 * h), acc[n][r][h]);
+          acc[n][r][h] = _mm256_fmadd_ps(mins[h], sums[r][h], acc[n][r][h]);
         }
-      }
     }
     g0 += count;
   }
@@ -530,6 +545,18 @@ void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(rounded));
         }
       }
+#elif defined(__AVX2__) && defined(__FMA__)
+      // 8 inputs at a time, inside one group, into float32 (bf16 takes the loop below).
+      if constexpr (std::is_same_v<T, float>)
+        for (; i + 8 <= k; i += 8) {
+          const __m256i words = _mm256_i32gather_epi32(
+              reinterpret_cast<const int*>(row), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.offset.data() + i)), 1);
+          const __m256i q = _mm256_and_si256(
+              _mm256_srlv_epi32(words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.shift.data() + i))),
+              _mm256_set1_epi32(int(mask)));
+          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scalar(s[i / group])),
+                                                  _mm256_set1_ps(scalar(mn[i / group]))));
+        }
 #endif
       for (; i < k; ++i) {
         uint32_t word;
