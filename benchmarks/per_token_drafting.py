@@ -15,7 +15,9 @@ greedy, up to ``--max-tokens`` new tokens, one request at a time. Settings:
 * ``adaptive, no stopping`` — ``draft_stopping=plan``: k from each request's smoothed
   acceptance, every planned draft proposed (the default on a GPU);
 * ``adaptive, tree`` and ``adaptive, no stopping, tree`` (with ``--tree-nodes T``) — the
-  two with a dynamic draft tree of up to T further nodes (``spec.tree``).
+  two with a dynamic draft tree of up to T further nodes (``spec.tree``);
+* any adaptive setting followed by ``, max k=N`` — the same with a cap of N drafts a step
+  instead of ``--max-k`` (so two caps run side by side).
 
 The settings take turns prompt by prompt (each prompt starting with the next setting),
 so load from elsewhere falls on all alike; every engine is warmed up first, and every run
@@ -91,6 +93,11 @@ def main() -> None:
         settings.update({name: (name, None) for name in ("adaptive, tree", "adaptive, no stopping, tree")})
     if args.settings:
         chosen = ["off"] + [n.strip() for n in args.settings.split(";") if n.strip() and n.strip() != "off"]
+        for name in chosen:  # an adaptive setting with a cap of its own: "adaptive, max k=6"
+            base, _, cap = name.rpartition(", max k=")
+            if base in kinds and base.startswith("adaptive") and cap.isdigit():
+                kinds[name] = {**kinds[base], "num_speculative_tokens": int(cap)}
+                settings[name] = (name, None)
         unknown = [n for n in chosen if n not in settings]
         if unknown:
             raise SystemExit(f"unknown settings {unknown} (known: {list(settings)})")
