@@ -376,7 +376,10 @@ def test_the_activation_quantizer_rounds_as_torch_does(group, static):
 
 def test_a_row_does_not_depend_on_its_batch():
     """The Triton GEMMs' tiles never depend on the rows: a row's output alone equals its
-    output in any batch, bit for bit (``--deterministic`` relies on it)."""
+    output in any batch, bit for bit on a GPU (``--deterministic`` relies on it). Under
+    the Triton interpreter (CPU) a tile's product is numpy's, whose BLAS may round a
+    tile's rows differently with the rows beside them (seen with OpenBLAS's Haswell
+    kernels on an AVX2 machine): there the rows agree to float32 rounding."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 256, generator=g) * 0.1
     fp8, int4 = quantize_fp8(w, (32, 64)), quantize_int4(w, 64)
@@ -386,7 +389,10 @@ def test_a_row_does_not_depend_on_its_batch():
     for layer in (fp8_layer, int4_layer):
         whole = layer(x)
         for rows in (slice(0, 1), slice(3, 8), slice(18, 19)):
-            assert torch.equal(layer(x[rows]), whole[rows])
+            if CUDA:
+                assert torch.equal(layer(x[rows]), whole[rows])
+            else:
+                torch.testing.assert_close(layer(x[rows]), whole[rows], rtol=1e-6, atol=1e-6)
 
 
 def _to_device(weight):
