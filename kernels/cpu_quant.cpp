@@ -239,9 +239,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     for (int n = 0; n < Cols; ++n) out[r * Cols + n] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
-// Column tiles of dot_rows: 32 vector registers hold 4 columns' accumulators for 1 or 2 rows.
-template <int Rows>
-constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
+constexpr int kVectorRegisters = 32;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2: the same integer sums with vpmaddwd, each 16-lane accumulator as two 8-lane halves
 // (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63), the float work per block
@@ -249,8 +247,8 @@ constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
 // before Cascade Lake) runs this rather than the portable loop.
 
 // The chunk's 64 weights as unsigned bytes: inputs 0-31 (lo) and 32-63 (hi) of chunk c of
-// the row at w, which for 4 bits is half `nibble` (0 low, 1 high) of the pair's 64 bytes, or
-// both halves of the odd last chunk's 32.
+// the row at w. For 4 bits, the low nibbles of its pair's 64 bytes (c even) or the high ones
+// (c odd), or both nibbles of the odd last chunk's 32 bytes.
 template <int Bits>
 inline void weight_halves(const uint8_t* w, int64_t c, int64_t chunks, __m256i& lo, __m256i& hi) {
   if constexpr (Bits == 8) {
@@ -354,9 +352,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     }
 }
 
-// 16 vector registers: 4 columns' accumulators for 1 row, 2 for 2 rows, 1 for more.
-template <int Rows>
-constexpr int tile_cols() { return Rows == 1 ? 4 : Rows == 2 ? 2 : 1; }
+constexpr int kVectorRegisters = 16;
 #else
 // Portable: the same sums, lane by lane, in the same order as the vector path.
 template <int Rows, int Cols, int Bits, int G, typename S>
@@ -400,18 +396,25 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
   }
 }
 
-template <int Rows>
-constexpr int tile_cols() { return Rows <= 2 ? 4 : 2; }
+constexpr int kVectorRegisters = 32;  // (no vector registers: the AVX-512 tiles)
 #endif
+
+// Column tiles of dot_rows, by the accumulators the vector registers hold: on AVX-512, 4
+// columns for 1 or 2 rows and 2 for 3 or 4 (measured best on a Xeon); on AVX2's 16, 4
+// columns for 1 row, 2 for 2, 1 for more.
+template <int Rows>
+constexpr int tile_cols() {
+  if constexpr (kVectorRegisters == 16) return Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+  return Rows <= 2 ? 4 : 2;
+}
 
 // How far ahead of its column tile a thread asks for weights (into L2), in weight rows:
 // columns of the output. Left to the hardware prefetchers, a decode step on few threads
 // waited on DRAM: a tile reads kCols row streams at once, 64 bytes of each in turn.
 constexpr int64_t kPrefetchCols = 16;
 
-// Rows activation rows against `cols` weight rows, in column tiles: out [Rows][cols]. Tiles
-// of ``tile_cols`` columns (on AVX-512, 4 for 1 or 2 rows and 2 for 3 or 4: measured best
-// on a Xeon; on AVX2, as many as 16 registers hold). With
+// Rows activation rows against `cols` weight rows, in column tiles of ``tile_cols``
+// columns: out [Rows][cols]. With
 // `prefetch`, each tile first asks for the weight rows kPrefetchCols ahead of it, of the
 // `left` rows from w on (a span's first row tile: the others find them in cache).
 template <int Rows, int Bits, int G, typename S>
