@@ -54,6 +54,13 @@
 #include <immintrin.h>
 #endif
 
+// The kernel's path, by what the build targets (kernels/cpu_ops.py's flags).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUANT_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+#endif
+
 namespace {
 
 constexpr int64_t kChunk = 64;    // inputs per weight vector
@@ -76,10 +83,20 @@ std::vector<int64_t> blocks(int64_t kp, int64_t group) {
   return out;
 }
 
-// Activations of one call, quantized: a [M, Kp] int16 in block order, each 64-input chunk
-// as two halves of 16 pairs: pair l of the first half is the chunk's inputs 4l, 4l + 1, of
-// the second 4l + 2, 4l + 3 (int32 lane l of a vpdpwssd sums one pair); per weight group
-// (G inputs), d of the group's 32-input block and d · Σ a over the group, [M, Kp / G].
+// Where a chunk's input 4l + t (int32 lane l's t-th) sits among the chunk's 64 quantized
+// activations. AVX-512 VNNI and the portable loop: two halves of 16 pairs, pair l of the
+// first half holding inputs 4l, 4l + 1, of the second 4l + 2, 4l + 3 (lane l of a vpdpwssd
+// sums one pair). AVX2: four vectors of 16, the even then the odd inputs of 0-31, then of
+// 32-63 (the weights' even and odd inputs of a half, as its dot_tile widens them).
+#if defined(QUANT_AVX2)
+constexpr int64_t slot(int64_t l, int64_t t) { return 32 * (l / 8) + 16 * (t % 2) + 2 * (l % 8) + t / 2; }
+#else
+constexpr int64_t slot(int64_t l, int64_t t) { return 32 * (t / 2) + 2 * l + t % 2; }
+#endif
+
+// Activations of one call, quantized: a [M, Kp] int16 in block order, each 64-input chunk's
+// inputs at their ``slot``; per weight group (G inputs), d of the group's 32-input block and
+// d · Σ a over the group, [M, Kp / G].
 struct QuantizedRows {
   std::vector<int16_t> a;
   std::vector<float> group_scale, group_sum;
@@ -125,8 +142,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
         }
       }
       // Into block order: chunk j, lane l of a block of 16 / L groups holds inputs
-      // (j · L + l % L) · 4 … + 3 of its group l / L, the first two in the chunk's first
-      // half, the other two in its second.
+      // (j · L + l % L) · 4 … + 3 of its group l / L, each at its slot.
       int16_t* dst = out.a.data() + r * kp;
       int64_t k0 = 0;
       for (const int64_t size : out.blocks) {
@@ -135,10 +151,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
           for (int64_t l = 0; l < 16; ++l) {
             const int16_t* src = natural.data() + k0 + (l / per_lane) * g + (j * per_lane + l % per_lane) * kLaneIn;
             int16_t* chunk = dst + k0 + j * kChunk;
-            chunk[2 * l] = src[0];
-            chunk[2 * l + 1] = src[1];
-            chunk[32 + 2 * l] = src[2];
-            chunk[32 + 2 * l + 1] = src[3];
+            for (int64_t t = 0; t < kLaneIn; ++t) chunk[slot(l, t)] = src[t];
           }
         k0 += size * kChunk;
       }
@@ -146,7 +159,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(QUANT_AVX512)
 // Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w, outside chunk
 // pairs: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, inputs j and 32 + j).
 template <int Bits>
@@ -240,44 +253,90 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
 }
 
 constexpr int kVectorRegisters = 32;
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(QUANT_AVX2)
 // AVX2: the same integer sums with vpmaddwd, each 16-lane accumulator as two 8-lane halves
-// (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63), the float work per block
-// as the AVX-512 path's. A machine without AVX-512 VNNI (most desktop CPUs, AVX-512 ones
-// before Cascade Lake) runs this rather than the portable loop.
+// (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63). A machine without AVX-512
+// VNNI (most desktop CPUs, AVX-512 ones before Cascade Lake) runs this rather than the
+// portable loop. The weights are widened to int16 by masks and shifts of 16-bit words,
+// never by byte shuffles (which the shuffle ports would serialize): a word of a half holds
+// its inputs 2i and 2i + 1, so the even inputs (e) and the odd ones (o) of each half come
+// out as two vectors, and the activations are laid out to match (``slot``).
 
-// The chunk's 64 weights as unsigned bytes: inputs 0-31 (lo) and 32-63 (hi) of chunk c of
-// the row at w. For 4 bits, the low nibbles of its pair's 64 bytes (c even) or the high ones
-// (c odd), or both nibbles of the odd last chunk's 32 bytes.
+// A chunk's weights as int16, the madd operands: e[v] holds half v's even inputs 32v + 2i,
+// o[v] its odd inputs 32v + 2i + 1 (i = 0..15).
+struct ChunkWeights {
+  __m256i e[2], o[2];
+};
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// Chunk c + `second` of the pair of chunks c, c + 1 of a row at w (c even, both in the
+// row's chunk pairs), from the pair's words (loaded once for both: ``pair_words``). 8 bits: a
+// chunk's 64 bytes in order. 4 bits: the pair's 64 bytes, byte j holding input j of c (low
+// nibble) and of c + 1 (high): word i of half v has c's 32v + 2i, c + 1's 32v + 2i, c's
+// 32v + 2i + 1, c + 1's 32v + 2i + 1 in its four nibbles.
 template <int Bits>
-inline void weight_halves(const uint8_t* w, int64_t c, int64_t chunks, __m256i& lo, __m256i& hi) {
+inline void pair_words(const uint8_t* w, int64_t c, __m256i words[4]) {
   if constexpr (Bits == 8) {
-    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * kChunk));
-    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * kChunk + 32));
+    for (int i = 0; i < 4; ++i) words[i] = load256(w + c * kChunk + 32 * i);
   } else {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if ((c & 1) == 0 && c + 1 == chunks) {  // the odd last chunk: byte j holds inputs j and 32 + j
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (kChunk / 2)));
-      lo = _mm256_and_si256(packed, low4);
-      hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-      return;
+    words[0] = load256(w + c * (kChunk / 2));
+    words[1] = load256(w + c * (kChunk / 2) + 32);
+  }
+}
+
+template <int Bits, int Second>
+inline ChunkWeights pair_chunk(const __m256i words[4]) {
+  ChunkWeights x;
+  if constexpr (Bits == 8) {
+    const __m256i byte = _mm256_set1_epi16(0x00FF);
+    for (int v = 0; v < 2; ++v) {
+      x.e[v] = _mm256_and_si256(words[2 * Second + v], byte);
+      x.o[v] = _mm256_srli_epi16(words[2 * Second + v], 8);
     }
-    const uint8_t* pair = w + (c & ~int64_t(1)) * (kChunk / 2);  // byte j: input j of c (low), of c + 1 (high)
-    const int shift = (c & 1) ? 4 : 0;
-    lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)), shift), low4);
-    hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32)), shift),
-                          low4);
+  } else {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    for (int v = 0; v < 2; ++v) {
+      x.e[v] = _mm256_and_si256(_mm256_srli_epi16(words[v], 4 * Second), nibble);
+      x.o[v] = Second ? _mm256_srli_epi16(words[v], 12) : _mm256_and_si256(_mm256_srli_epi16(words[v], 8), nibble);
+    }
+  }
+  return x;
+}
+
+// A lone chunk c: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, byte j holding
+// inputs j and 32 + j: word i has inputs 2i, 32 + 2i, 2i + 1, 32 + 2i + 1 in its nibbles).
+template <int Bits>
+inline void lone_chunk(const uint8_t* w, int64_t c, ChunkWeights& x) {
+  if constexpr (Bits == 8) {
+    const __m256i byte = _mm256_set1_epi16(0x00FF);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i words = load256(w + c * kChunk + 32 * v);
+      x.e[v] = _mm256_and_si256(words, byte);
+      x.o[v] = _mm256_srli_epi16(words, 8);
+    }
+  } else {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    const __m256i words = load256(w + c * (kChunk / 2));
+    x.e[0] = _mm256_and_si256(words, nibble);
+    x.e[1] = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);
+    x.o[0] = _mm256_and_si256(_mm256_srli_epi16(words, 8), nibble);
+    x.o[1] = _mm256_srli_epi16(words, 12);
   }
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load4(const float* p) { return _mm256_castps128_ps256(_mm_loadu_ps(p)); }  // upper lanes unused
+inline __m256 load4(const at::Half* p) {
+  return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline float one(float v) { return v; }
 inline float one(at::Half v) { return _cvtsh_ss(v.x); }
 
-// 16 per-lane values of a block, as two halves: lane l takes entry l / (16 / count) of p (a
-// group's value), or with `once` entry l for l < count and 0 after (the min term, once per
-// group). A whole block (16 groups) is two loads.
+// 16 per-lane values of a block of `count` groups (16, 8, 4 or 2) as two halves: lane l
+// takes its group's entry l / (16 / count) of p, or with `once` entry l for l < count and 0
+// after (the min term, once per group). Never reads past p's count entries.
 template <typename S>
 inline void lanes16(const S* p, int64_t count, bool once, __m256& lo, __m256& hi) {
   if (count == 16) {
@@ -285,46 +344,73 @@ inline void lanes16(const S* p, int64_t count, bool once, __m256& lo, __m256& hi
     hi = load8(p + 8);
     return;
   }
-  alignas(32) float v[16];
-  const int64_t per = 16 / count;
-  for (int l = 0; l < 16; ++l) v[l] = once ? (l < count ? one(p[l]) : 0.f) : one(p[l / per]);
-  lo = _mm256_load_ps(v);
-  hi = _mm256_load_ps(v + 8);
+  hi = _mm256_setzero_ps();
+  if (count == 8) {
+    const __m256 v = load8(p);
+    if (once) {
+      lo = v;
+      return;
+    }
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+  } else if (count == 4) {
+    const __m256 v = load4(p);
+    if (once) {
+      lo = _mm256_blend_ps(_mm256_setzero_ps(), v, 0x0F);
+      return;
+    }
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+  } else {  // 2
+    if (once) {
+      lo = _mm256_setr_ps(one(p[0]), one(p[1]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+      return;
+    }
+    lo = _mm256_set1_ps(one(p[0]));
+    hi = _mm256_set1_ps(one(p[1]));
+  }
 }
 
 template <int Rows, int Cols, int Bits, int G, typename S>
 inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
-  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
-  __m256 acc[Cols][Rows][2];
+  const int64_t kp = q.kp, groups = kp / G;
+  // One accumulator per output: the two halves' lanes fold into one, l and l + 8.
+  __m256 acc[Cols][Rows];
   for (int n = 0; n < Cols; ++n)
-    for (int r = 0; r < Rows; ++r) acc[n][r][0] = acc[n][r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < Rows; ++r) acc[n][r] = _mm256_setzero_ps();
   const int16_t* a = q.a.data() + r0 * kp;
-  // Bytes 4l, 4l + 1 (first) and 4l + 2, 4l + 3 (second) of each dword as int16 pairs, per 128 bits.
-  const __m256i first = _mm256_set_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u),
-                                         int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
-  const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi32(0x0002'0002));
   int64_t c = 0, g0 = 0;
   for (const int64_t size : q.blocks) {
     const int64_t count = size * kChunk / G;  // groups in this block
     __m256i dots[Cols][Rows][2];
     for (int n = 0; n < Cols; ++n)
       for (int r = 0; r < Rows; ++r) dots[n][r][0] = dots[n][r][1] = _mm256_setzero_si256();
-    for (int64_t j = 0; j < size; ++j, ++c)
-      for (int n = 0; n < Cols; ++n) {
-        __m256i lo, hi;
-        weight_halves<Bits>(w + n * row_bytes, c, chunks, lo, hi);
-        const __m256i w0 = _mm256_shuffle_epi8(lo, first), w1 = _mm256_shuffle_epi8(lo, second);
-        const __m256i w2 = _mm256_shuffle_epi8(hi, first), w3 = _mm256_shuffle_epi8(hi, second);
-        for (int r = 0; r < Rows; ++r) {
-          const int16_t* ac = a + r * kp + c * kChunk;
-          auto load = [&](int64_t at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ac + at)); };
-          dots[n][r][0] = _mm256_add_epi32(dots[n][r][0], _mm256_add_epi32(_mm256_madd_epi16(w0, load(0)),
-                                                                            _mm256_madd_epi16(w1, load(32))));
-          dots[n][r][1] = _mm256_add_epi32(dots[n][r][1], _mm256_add_epi32(_mm256_madd_epi16(w2, load(16)),
-                                                                            _mm256_madd_epi16(w3, load(48))));
-        }
+    auto madd = [&](const ChunkWeights& x, int n, int64_t chunk) __attribute__((always_inline)) {
+      for (int r = 0; r < Rows; ++r) {
+        const int16_t* ac = a + r * kp + chunk * kChunk;
+        for (int v = 0; v < 2; ++v)
+          dots[n][r][v] = _mm256_add_epi32(dots[n][r][v],
+                                           _mm256_add_epi32(_mm256_madd_epi16(x.e[v], load256(ac + 32 * v)),
+                                                            _mm256_madd_epi16(x.o[v], load256(ac + 32 * v + 16))));
       }
+    };
+    if (size == 1) {  // a block of one chunk: the row's last (blocks of 2+ chunks hold whole pairs)
+      for (int n = 0; n < Cols; ++n) {
+        ChunkWeights x;
+        lone_chunk<Bits>(w + n * row_bytes, c, x);
+        madd(x, n, c);
+      }
+      ++c;
+    } else {
+      for (int64_t j = 0; j < size; j += 2, c += 2)
+        for (int n = 0; n < Cols; ++n) {
+          __m256i words[4];
+          pair_words<Bits>(w + n * row_bytes, c, words);
+          madd(pair_chunk<Bits, 0>(words), n, c);
+          madd(pair_chunk<Bits, 1>(words), n, c + 1);
+        }
+    }
     __m256 d[Rows][2], sums[Rows][2];
     for (int r = 0; r < Rows; ++r) {
       lanes16(q.group_scale.data() + (r0 + r) * groups + g0, count, false, d[r][0], d[r][1]);
@@ -336,10 +422,9 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
       lanes16(wm + n * groups + g0, count, true, mins[0], mins[1]);
       for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < 2; ++h) {
-          acc[n][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), _mm256_mul_ps(scale[h], d[r][h]),
-                                         acc[n][r][h]);
+          acc[n][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), _mm256_mul_ps(scale[h], d[r][h]), acc[n][r]);
           // the min term, once per group: Σ min · d·Σa
-          acc[n][r][h] = _mm256_fmadd_ps(mins[h], sums[r][h], acc[n][r][h]);
+          acc[n][r] = _mm256_fmadd_ps(mins[h], sums[r][h], acc[n][r]);
         }
     }
     g0 += count;
@@ -347,7 +432,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
   for (int r = 0; r < Rows; ++r)
     for (int n = 0; n < Cols; ++n) {
       alignas(32) float v[8];
-      _mm256_store_ps(v, _mm256_add_ps(acc[n][r][0], acc[n][r][1]));
+      _mm256_store_ps(v, acc[n][r]);
       out[r * Cols + n] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
     }
 }
@@ -379,8 +464,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
               const uint8_t byte = wn[(c & ~int64_t(1)) * (kChunk / 2) + i];
               wq = (c & 1) ? (byte >> 4) : (byte & 0x0F);
             }
-            const int64_t lane = i / kLaneIn, in_lane = i % kLaneIn;  // where the chunk's halves keep it
-            dots[lane] += wq * int32_t(a[c * kChunk + (in_lane < 2 ? 0 : 32) + 2 * lane + in_lane % 2]);
+            const int64_t lane = i / kLaneIn, in_lane = i % kLaneIn;
+            dots[lane] += wq * int32_t(a[c * kChunk + slot(lane, in_lane)]);
           }
         for (int64_t l = 0; l < 16; ++l) {
           const int64_t grp = g0 + l / per;
@@ -404,7 +489,7 @@ constexpr int kVectorRegisters = 32;  // (no vector registers: the AVX-512 tiles
 // columns for 1 row, 2 for 2, 1 for more.
 template <int Rows>
 constexpr int tile_cols() {
-  if constexpr (kVectorRegisters == 16) return Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+  if constexpr (kVectorRegisters == 16) return Rows == 1 ? 2 : Rows == 2 ? 2 : 1;
   return Rows <= 2 ? 4 : 2;
 }
 
