@@ -37,8 +37,9 @@
 //
 // Many rows (a prefill chunk; ``dequant_rows`` or more): the integer dot products cost as
 // much per row at any M, while a library GEMM reuses each weight over many rows. There the
-// weight is unpacked to natural order in x's dtype (scale · q + min, exact in fp32, rounded
-// once to bf16 for bf16 activations) and multiplied by ATen's GEMM. A row's result then
+// weight is unpacked in its own block order to x's dtype (scale · q + min, exact in fp32,
+// rounded once to bf16 for bf16 activations), x's columns are put in the same order, and
+// ATen's GEMM multiplies them. A row's result then
 // depends on M crossing the threshold: the deterministic mode passes 0 (never).
 // Registered (TORCH_LIBRARY_FRAGMENT) beside cpu_ops.cpp's ops as torch.ops.specserve_cpu.*.
 #include <ATen/ATen.h>
@@ -559,14 +560,10 @@ void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* p
   });
 }
 
-// Where each natural input's q lies in its row, the same for every row: the dword holding
-// it (clamped inside the row, so a gather never reads past the weight) and its bit shift.
-struct Unpacking {
-  std::vector<int32_t> offset, shift;
-};
-
-Unpacking unpacking(int64_t k, int64_t kp, int64_t group, int64_t bits, int64_t row_bytes) {
-  std::vector<int64_t> position(kp);  // reordered position of each natural input
+// Block order: the position of each natural input 0..kp-1 in a row of the packed layout
+// (models/quantized.py: block_order, inverted).
+std::vector<int64_t> block_positions(int64_t kp, int64_t group) {
+  std::vector<int64_t> position(kp);
   int64_t k0 = 0;
   for (const int64_t size : blocks(kp, group)) {
     const int64_t per_lane = group / (kLaneIn * size);
@@ -577,80 +574,70 @@ Unpacking unpacking(int64_t k, int64_t kp, int64_t group, int64_t bits, int64_t 
               k0 + j * kChunk + kLaneIn * l + t;
     k0 += size * kChunk;
   }
-  const int64_t pairs = kp / (2 * kChunk);
-  Unpacking u;
-  u.offset.resize(k);
-  u.shift.resize(k);
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t p = position[i];
-    int64_t byte = p, bit = 0;
-    if (bits == 4 && p < pairs * 2 * kChunk) {  // a chunk pair: byte j holds its inputs j and 64 + j
-      byte = (p / (2 * kChunk)) * kChunk + p % kChunk;
-      bit = 4 * ((p % (2 * kChunk)) / kChunk);
-    } else if (bits == 4) {  // the odd last chunk: byte j holds its inputs j and 32 + j
-      const int64_t j = p - pairs * 2 * kChunk;
-      byte = pairs * kChunk + j % 32;
-      bit = 4 * (j / 32);
-    }
-    const int64_t dword = std::min(byte, row_bytes - 4);
-    u.offset[i] = static_cast<int32_t>(dword);
-    u.shift[i] = static_cast<int32_t>(8 * (byte - dword) + bit);
-  }
-  return u;
+  return position;
 }
 
 template <typename T>
 inline T from_float(float v) { return static_cast<T>(v); }
 
-// W [N, K] in natural order: scale · q + min (exact in fp32), rounded once to T.
+// W [N, Kp] in the packed layout's own block order (``block_positions``): scale · q + min,
+// exact in fp32, rounded once to T (padding inputs weigh 0: their groups' scales and mins
+// are 0). Each row is read once, in order, with no gathers: the caller puts x's columns in
+// the same order, which leaves every product as it was.
 template <typename S, typename T>
-void dequantize(int64_t n, int64_t k, int64_t group, int64_t bits, const uint8_t* packed, int64_t row_bytes,
-                const S* scales, const S* mins, int64_t groups, T* out) {
-  const Unpacking u = unpacking(k, groups * group, group, bits, row_bytes);
-  const uint32_t mask = bits == 4 ? 0xFu : 0xFFu;
+void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uint8_t* packed, int64_t row_bytes,
+                   const S* scales, const S* mins, T* out) {
+  const std::vector<int64_t> sizes = blocks(kp, group);
+  const int64_t groups = kp / group, chunks = kp / kChunk;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) uint8_t q[kChunk];
+    float lane_scale[16], lane_min[16];
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* row = packed + r * row_bytes;
-      const S* s = scales + r * groups;
-      const S* mn = mins + r * groups;
-      T* o = out + r * k;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      // 16 inputs at a time, inside one group (groups are 16 or 32 inputs, i a multiple of 16).
-      for (; i + 16 <= k; i += 16) {
-        const __m512i words = _mm512_i32gather_epi32(_mm512_loadu_si512(u.offset.data() + i), row, 1);
-        const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(words, _mm512_loadu_si512(u.shift.data() + i)),
-                                           _mm512_set1_epi32(int(mask)));
-        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scalar(s[i / group])),
-                                         _mm512_set1_ps(scalar(mn[i / group])));
-        if constexpr (std::is_same_v<T, float>) {
-          _mm512_storeu_ps(o + i, w);
-        } else {  // to bf16, rounding to nearest even (weights are finite)
-          const __m512i bits32 = _mm512_castps_si512(w);
-          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits32, 16), _mm512_set1_epi32(1));
-          const __m512i rounded = _mm512_srli_epi32(
-              _mm512_add_epi32(bits32, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(rounded));
+      T* o = out + r * kp;
+      int64_t c = 0, g0 = 0;
+      for (const int64_t size : sizes) {
+        const int64_t per = 16 / (size * kChunk / group);  // lanes per group
+        for (int l = 0; l < 16; ++l) {
+          lane_scale[l] = scalar(scales[r * groups + g0 + l / per]);
+          lane_min[l] = scalar(mins[r * groups + g0 + l / per]);
         }
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      // 8 inputs at a time, inside one group, into float32 (bf16 takes the loop below).
-      if constexpr (std::is_same_v<T, float>)
-        for (; i + 8 <= k; i += 8) {
-          const __m256i words = _mm256_i32gather_epi32(
-              reinterpret_cast<const int*>(row), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.offset.data() + i)), 1);
-          const __m256i q = _mm256_and_si256(
-              _mm256_srlv_epi32(words, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.shift.data() + i))),
-              _mm256_set1_epi32(int(mask)));
-          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scalar(s[i / group])),
-                                                  _mm256_set1_ps(scalar(mn[i / group]))));
-        }
+        for (int64_t j = 0; j < size; ++j, ++c) {
+          // the chunk's 64 q in its order (lane l: positions 4l … 4l + 3)
+          if (bits == 8) {
+            std::memcpy(q, row + c * kChunk, kChunk);
+          } else if ((c & 1) == 0 && c + 1 == chunks) {  // the odd last chunk: byte i holds i and 32 + i
+            for (int i = 0; i < 32; ++i) {
+              q[i] = row[c * (kChunk / 2) + i] & 0x0F;
+              q[32 + i] = row[c * (kChunk / 2) + i] >> 4;
+            }
+          } else {  // a pair: byte i holds input i of c (low nibble) and of c + 1 (high)
+            const uint8_t* pair = row + (c & ~int64_t(1)) * (kChunk / 2);
+            const int shift = (c & 1) ? 4 : 0;
+            for (int i = 0; i < kChunk; ++i) q[i] = (pair[i] >> shift) & 0x0F;
+          }
+          T* oc = o + c * kChunk;
+          int64_t p = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+          for (; p < kChunk; p += 8) {  // lanes p / 4 and p / 4 + 1
+            const __m256 sv = _mm256_set_m128(_mm_set1_ps(lane_scale[p / 4 + 1]), _mm_set1_ps(lane_scale[p / 4]));
+            const __m256 mv = _mm256_set_m128(_mm_set1_ps(lane_min[p / 4 + 1]), _mm_set1_ps(lane_min[p / 4]));
+            const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + p))));
+            const __m256 w = _mm256_fmadd_ps(qv, sv, mv);
+            if constexpr (std::is_same_v<T, float>) {
+              _mm256_storeu_ps(oc + p, w);
+            } else {  // to bf16, rounding to nearest even (weights are finite)
+              const __m256i b = _mm256_castps_si256(w);
+              const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+              const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+              const __m256i halves = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(oc + p), _mm256_castsi256_si128(halves));
+            }
+          }
 #endif
-      for (; i < k; ++i) {
-        uint32_t word;
-        std::memcpy(&word, row + u.offset[i], 4);
-        const float q = static_cast<float>((word >> u.shift[i]) & mask);
-        o[i] = from_float<T>(std::fma(q, scalar(s[i / group]), scalar(mn[i / group])));
+          for (; p < kChunk; ++p) oc[p] = from_float<T>(std::fma(float(q[p]), lane_scale[p / 4], lane_min[p / 4]));
+        }
+        g0 += size * kChunk / group;
       }
     }
   });
@@ -688,20 +675,24 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
   if (dequant_rows > 0 && m >= dequant_rows) {
-    at::Tensor w = at::empty({n, k}, x.options());
-    const int64_t groups = scales.size(1);
+    // The weight unpacked in its block order, x's columns put in that order (zeros for the
+    // padding inputs): the same products, one pass over the weight for ATen's GEMM.
+    const std::vector<int64_t> position = block_positions(kp, group);
+    const at::Tensor index = at::tensor(at::ArrayRef<int64_t>(position.data(), k), at::kLong);
+    const at::Tensor xb = at::zeros({m, kp}, x.options()).index_copy_(1, index, x);
+    at::Tensor w = at::empty({n, kp}, x.options());
     auto unpack = [&](auto* sc, auto* mn) {
       if (x.scalar_type() == at::kFloat)
-        dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, groups, w.data_ptr<float>());
+        unpack_weight(n, kp, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, w.data_ptr<float>());
       else
-        dequantize(n, k, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, groups,
-                   w.data_ptr<at::BFloat16>());
+        unpack_weight(n, kp, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn,
+                      w.data_ptr<at::BFloat16>());
     };
     if (half)
       unpack(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
     else
       unpack(scales.data_ptr<float>(), mins.data_ptr<float>());
-    const at::Tensor y = bias ? at::linear(x, w, bias_in->to(x.scalar_type())) : at::linear(x, w);
+    const at::Tensor y = bias ? at::linear(xb, w, bias_in->to(x.scalar_type())) : at::linear(xb, w);
     return y.view(shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
