@@ -27,8 +27,9 @@ once its stale estimate, pulled back, would pay. The engine-wide estimates in tu
 slowly back to their optimistic start while no request drafts at all (and the path gains
 while none verifies paths), so a workload that changes is tried again.
 
-Per-request state lives in rows of a few arrays, and a step's observations are queued and
-applied together in one vectorised update when they are next needed.
+Per-request state lives in rows of a few arrays. Observations are queued until the
+estimates are next read (a plan), then applied step by step, each step's in one vectorised
+update: at batch 1 the steps between two plans cost one short loop, not an update each.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ INITIAL_ACCEPTANCE = 0.6    # before any observation
 PATH_GAIN_START = 0.3       # extra accepted tokens a further draft path adds, before any is observed
 DRIFT = 0.05                # per idle step, how far a request's estimates move back to the engine's
 PRIOR_DRIFT = 0.002         # per step without observations, how far the engine's move back to the start
+MAX_PENDING = 4096          # outcomes queued at most before they are applied unasked
 
 
 class DraftOutcome(NamedTuple):
@@ -74,7 +76,7 @@ class AcceptanceEstimates:
         self._free_rows: list[int] = []
         self._pending: list[tuple[int, ...]] = []  # (row, *DraftOutcome)
         self._pending_rows: set[int] = set()
-        self._pending_paths = False  # any queued outcome verified further paths
+        self._steps: list[int] = []  # where in the queue each step after the first begins
         self._releasing: list[int] = []  # rows of freed requests, reusable once their observation is applied
         self._observed = False       # any acceptance observed since the last drift
         self._path_observed = False  # any further path verified since then
@@ -85,38 +87,69 @@ class AcceptanceEstimates:
         if outcome.num_planned == 0:
             return
         row = self._row(req_id)
-        if row in self._pending_rows:  # a second observation before the first was applied
-            self.apply_pending()
         planned, proposed, accepted, paths, extra = outcome
         self._pending.append((row, planned, min(proposed, planned), accepted, paths, extra))
         self._pending_rows.add(row)
-        self._pending_paths = self._pending_paths or paths > 1
+        if len(self._pending) >= MAX_PENDING:  # nothing asked for a while (drafts vetoed)
+            self.apply_pending()
 
     def apply_pending(self) -> None:
-        """Exponential smoothing of the queued observations, one array operation each:
-        per request its proposal rate and, where anything was proposed, its acceptance at
-        the positions verified (the accepted ones, then the first rejection), pooled over
-        them, and at the positions not reached, towards that pooled acceptance; the
-        engine-wide priors move by the batch's mean, weighted as that many observations."""
-        if len(self._pending) == 1:  # batch 1: every step's one outcome
-            self._apply_one(*self._pending[0])
-        elif self._pending:
-            self._apply_many()
-
-    def _apply_many(self) -> None:
-        """``apply_pending`` over the arrays."""
-        rows, planned, proposed, accepted, paths, extra = np.array(self._pending, dtype=int).T
+        """Exponential smoothing of the queued observations, step by step: per request its
+        proposal rate and, where anything was proposed, its acceptance at the positions
+        verified (the accepted ones, then the first rejection), pooled over them, and at
+        the positions not reached, towards that pooled acceptance; the engine-wide priors
+        move by the batch's mean, weighted as that many observations. A step's outcomes
+        (one per request) are applied in one array operation each; the queue holds
+        several steps' where a request was observed again before anything read the
+        estimates (at batch 1, every step between two plans), applied in their order."""
+        pending, steps = self._pending, self._steps
+        if not pending:
+            return
         self._observed = True
-        if self._pending_paths:  # what further paths added, per number of paths
-            self._path_observed, self._pending_paths = True, False
-            for m in np.unique(paths[paths > 1]):
-                seen = paths == m
-                self.path_gain[m] += _batch_weight(int(seen.sum())) * (extra[seen].mean() - self.path_gain[m])
-        self._pending.clear()
+        if len(self._pending_rows) == 1:  # batch 1: one request's, step after step
+            self._apply_one(pending[0][0], pending)
+        elif not steps and len(self._pending_rows) == len(pending):  # one step's outcomes
+            self._apply_many(pending)
+        else:  # step by step (and a row's later outcome after its earlier one, whatever the steps)
+            bounds = iter(steps)
+            bound = next(bounds, None)
+            start, rows = 0, set()
+            for i, item in enumerate(pending):
+                if i == bound or item[0] in rows:
+                    self._apply_some(pending[start:i])
+                    start, rows = i, set()
+                    while bound is not None and bound <= i:
+                        bound = next(bounds, None)
+                rows.add(item[0])
+            self._apply_some(pending[start:])
+        pending.clear()
+        steps.clear()
         self._pending_rows.clear()
         if self._releasing:  # freed requests' rows: their last observation is read above
             self._free_rows += self._releasing
             self._releasing.clear()
+
+    def new_step(self) -> None:
+        """Outcomes observed from now on are a new step's (applied after the earlier ones,
+        as a group of their own)."""
+        if self._pending and (not self._steps or self._steps[-1] != len(self._pending)):
+            self._steps.append(len(self._pending))
+
+    def _apply_some(self, outcomes: list[tuple[int, ...]]) -> None:
+        """Outcomes of distinct rows, applied together."""
+        if len(outcomes) == 1:
+            self._apply_one(outcomes[0][0], outcomes)
+        else:
+            self._apply_many(outcomes)
+
+    def _apply_many(self, outcomes: list[tuple[int, ...]]) -> None:
+        """``apply_pending`` for outcomes of distinct rows, over the arrays."""
+        rows, planned, proposed, accepted, paths, extra = np.array(outcomes, dtype=int).T
+        if (paths > 1).any():  # what further paths added, per number of paths
+            self._path_observed = True
+            for m in np.unique(paths[paths > 1]):
+                seen = paths == m
+                self.path_gain[m] += _batch_weight(int(seen.sum())) * (extra[seen].mean() - self.path_gain[m])
         share = proposed / planned
         self.rate[rows] += ACCEPT_SMOOTHING * (share - self.rate[rows])
         self.prior_rate += _batch_weight(len(rows)) * (share.mean() - self.prior_rate)
@@ -145,43 +178,36 @@ class AcceptanceEstimates:
         unseen = ~observed
         self.prior[unseen] += _batch_weight(len(rows)) * (self.prior_pooled - self.prior[unseen])
 
-    def _apply_one(self, row: int, planned: int, proposed: int, accepted: int, paths: int, extra: int) -> None:
-        """``apply_pending`` for one queued outcome, in Python floats: the same updates,
-        where at batch 1 (every step's) some fifty numpy calls on one row cost more than
-        the arithmetic."""
-        self._pending.clear()
-        self._pending_rows.clear()
-        self._observed = True
-        if self._releasing:
-            self._free_rows += self._releasing
-            self._releasing.clear()
+    def _apply_one(self, row: int, outcomes: list[tuple[int, ...]]) -> None:
+        """``apply_pending`` for one request's outcomes, in their order, in Python floats:
+        the same updates, where at batch 1 (every step's) some fifty numpy calls on one
+        row cost more than the arithmetic. Its state is read once and written once."""
         one = _batch_weight(1)
-        if paths > 1:
-            self._path_observed, self._pending_paths = True, False
-            self.path_gain[paths] += one * (extra - self.path_gain[paths])
-        share = proposed / planned
-        self.rate[row] += ACCEPT_SMOOTHING * (share - self.rate[row])
-        self.prior_rate += one * (share - self.prior_rate)
-        if proposed == 0:
-            return
-        seen = min(accepted + 1, proposed)
-        mean = min(accepted, seen) / seen
-        pooled = float(self.pooled[row])
-        pooled += (1.0 - (1.0 - ACCEPT_SMOOTHING) ** seen) * (mean - pooled)
-        self.pooled[row] = pooled
-        prior_pooled = self.prior_pooled + _batch_weight(seen) * (mean - self.prior_pooled)
-        self.prior_pooled = prior_pooled
-        alpha, prior = self.alpha[row].tolist(), self.prior.tolist()
-        for j in range(self.max_k):
-            if j < seen:
-                outcome = 1.0 if j < accepted else 0.0
-                alpha[j] += ACCEPT_SMOOTHING * (outcome - alpha[j])
-                prior[j] += one * (outcome - prior[j])
-            else:
-                alpha[j] += ACCEPT_SMOOTHING * (pooled - alpha[j])
-                prior[j] += one * (prior_pooled - prior[j])
-        self.alpha[row] = alpha
-        self.prior[:] = prior
+        rate, prior_rate, prior_pooled = float(self.rate[row]), self.prior_rate, self.prior_pooled
+        pooled, alpha, prior = float(self.pooled[row]), self.alpha[row].tolist(), self.prior.tolist()
+        for _, planned, proposed, accepted, paths, extra in outcomes:
+            if paths > 1:
+                self._path_observed = True
+                self.path_gain[paths] += one * (extra - self.path_gain[paths])
+            share = proposed / planned
+            rate += ACCEPT_SMOOTHING * (share - rate)
+            prior_rate += one * (share - prior_rate)
+            if proposed == 0:
+                continue
+            seen = min(accepted + 1, proposed)
+            mean = min(accepted, seen) / seen
+            pooled += (1.0 - (1.0 - ACCEPT_SMOOTHING) ** seen) * (mean - pooled)
+            prior_pooled += _batch_weight(seen) * (mean - prior_pooled)
+            for j in range(self.max_k):
+                if j < seen:
+                    outcome = 1.0 if j < accepted else 0.0
+                    alpha[j] += ACCEPT_SMOOTHING * (outcome - alpha[j])
+                    prior[j] += one * (outcome - prior[j])
+                else:
+                    alpha[j] += ACCEPT_SMOOTHING * (pooled - alpha[j])
+                    prior[j] += one * (prior_pooled - prior[j])
+        self.rate[row], self.prior_rate, self.prior_pooled = rate, prior_rate, prior_pooled
+        self.pooled[row], self.alpha[row], self.prior[:] = pooled, alpha, prior
 
     def drift_priors(self, steps: int) -> None:
         """``steps`` steps have passed since the last drift: the queued observations are

@@ -35,7 +35,8 @@ IDLE_REPLAN_BATCH = 16      # steps (all kinds) since it was made,
 IDLE_REPLAN_MAX = 128       # or after this many steps of its kind, however short
 DRAFT_REPLAN = 2            # while it drafts, every this many (requests keep their k in between),
 PLAN_SHARE = 0.02           # or more, until a plan's host time is at most this share of the steps it serves,
-DRAFT_REPLAN_MAX = 8        # up to this many
+PLAN_SMOOTHING = 0.2        # (a plan's host time smoothed with this weight a plan)
+DRAFT_REPLAN_MAX = 16       # up to this many
 
 
 @dataclass
@@ -95,7 +96,8 @@ class DraftLengthController:
         self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many at least,
         self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
         self.timer = time.perf_counter      # times the plans
-        self._plan_s = 0.0                  # a plan's host time, smoothed
+        self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
+        self._fit_weight = 0.0              # what the next fit's time weighs in it
         self._step_s = 0.0                  # a step's wall time, smoothed
         self._last: _LastChoice | None = None
 
@@ -107,8 +109,12 @@ class DraftLengthController:
         return self._planned
 
     def observe_step(self, sample: StepSample) -> None:
-        """One step's measured cost: the verify pass and, if any drafting ran, the drafter."""
+        """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
+        The fit is host time the plan that asked for it costs: it counts in the plan's."""
+        began = self.timer()
         self.costs.observe(sample)
+        self._plan_s += self._fit_weight * (self.timer() - began)
+        self._fit_weight = 0.0  # one fit a plan
 
     def observe_goodput(self, num_tokens: int, seconds: float) -> None:
         """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
@@ -162,6 +168,7 @@ class DraftLengthController:
             return dict(caps)
         self._steps_since_plan += 1
         self._choices += 1
+        self.estimates.new_step()
         regime = (padded, num_other_tokens > 0, len(caps).bit_length())
         check = self.checks.get(regime)
         if check is None:
@@ -193,27 +200,31 @@ class DraftLengthController:
             # drafts nothing until the next plan).
             standing.served += 1
             get = standing.draft_lengths.get
-            k = np.fromiter((min(get(r, 0), cap) for r, cap in caps.items()), dtype=int, count=len(caps))
+            k = [min(get(r, 0), cap) for r, cap in caps.items()]
             self.unforked = standing.unforked
         else:
             began = self.timer()
-            k, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
-                                                  forkable)
-            spent = self.timer() - began
-            self._plan_s = spent if not self._plan_s else self._plan_s + 0.2 * (spent - self._plan_s)
+            planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
+                                                        forkable)
+            k = planned.tolist()
+            spent, first = self.timer() - began, not self._plan_s
+            self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
+            self._fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
             self._planned = True
-            standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k.tolist()) if kr},
+            standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k) if kr},
                                                           self.unforked, self._choices, self._clock, prices,
-                                                          stands=self._stands(), joined=joined)
-        drafted = bool(k.any())
+                                                          stands=self._stands(self._plans.get(regime), joined,
+                                                                              len(caps)),
+                                                          joined=joined)
+        drafted = any(k)
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         if checked and not check.vetoed:
-            k[:] = 0  # the check: this step runs without the plan's drafts
-            drafted = False
+            self._last = _LastChoice(check, False, True)  # the check: this step runs without the plan's drafts
+            return dict.fromkeys(caps, 0)
         self._last = _LastChoice(check, drafted, checked)
         if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
-        return dict(zip(caps, k.tolist()))
+        return dict(zip(caps, k))
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other
@@ -235,13 +246,23 @@ class DraftLengthController:
         return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
             (not large or self._clock - standing.made_s >= self.idle_replan_s)
 
-    def _stands(self) -> int:
+    def _stands(self, previous: StandingPlan | None = None, joined: int = 0, batch: int = 1) -> int:
         """Steps a plan with drafts serves: ``draft_replan``, or as many as keep the plans'
-        host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``."""
+        host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``;
+        but at most twice what the kind's ``previous`` plan served, and ``draft_replan`` for a
+        batch mostly new since it (``joined``, as ``choose``'s): a new request's estimates
+        move most in its first steps, so its plans are made again after 2, 4, 8, ... steps
+        (where acceptance differs between requests, standing 16–32 steps at once left each
+        request's first ~20 steps with the k planned from the engine-wide estimate)."""
         if not self.plan_share or self._step_s <= 0:
             return self.draft_replan
         wanted = math.ceil(self._plan_s / (self.plan_share * self._step_s))
-        return max(self.draft_replan, min(DRAFT_REPLAN_MAX, wanted))
+        longest = DRAFT_REPLAN_MAX
+        if previous is None or 2 * (joined - previous.joined) > batch:
+            longest = self.draft_replan
+        else:
+            longest = min(longest, 2 * previous.stands)
+        return max(self.draft_replan, min(longest, wanted))
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],

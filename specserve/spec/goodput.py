@@ -14,7 +14,7 @@ import math
 CHECK_MIN = 4               # a side stale after CHECK_MIN to CHECK_MAX of its mean step
 CHECK_MAX = 64              # durations without a step, the more by CHECK_SPREAD
 CHECK_MAX_S = 0.5           # and once the verdict is clear (CHECK_MAX), this many seconds at least
-CHECK_SPREAD = 8            # per standard error between the two sides' goodputs
+CHECK_SPREAD = 16           # per standard error between the two sides' goodputs
 CHECK_DECAY = 0.95          # per step of a side, how much of its sums is kept
 CHECK_STALL = 3.0           # a step counts at most this many times its side's mean duration
 VETO_HYSTERESIS = 0.02      # drafts are vetoed below -this log goodput ratio, allowed above +this
@@ -67,6 +67,7 @@ class GoodputCheck:
         self._sums = [[0.0] * 6, [0.0] * 6]
         self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
         self._joined: int | None = None            # requests joined by the last step, while vetoed
+        self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
 
     @property
     def ratio(self) -> float:
@@ -79,7 +80,14 @@ class GoodputCheck:
 
     @property
     def z(self) -> float:
-        """log(ratio) in standard errors (each side's goodput a ratio estimator)."""
+        """log(ratio) in standard errors (each side's goodput a ratio estimator); kept
+        until the sums change (``stale`` asks for it at every choice, ``observe`` at every
+        drafted step)."""
+        if self._z is None:
+            self._z = self._compute_z()
+        return self._z
+
+    def _compute_z(self) -> float:
         variance = 0.0
         for steps, tokens, seconds, tt, ts, ss in self._sums:
             if tokens <= 0 or seconds <= 0:
@@ -124,6 +132,7 @@ class GoodputCheck:
         batch shrinks through the kinds as its requests finish (a burst draining), each
         would otherwise try drafts afresh until its own checks agree with the last."""
         self._sums = [[INHERIT * value for value in side] for side in other._sums]
+        self._z = None
         self._counts = [int(INHERIT * count) for count in other._counts]
         self.vetoed = other.vetoed
 
@@ -133,6 +142,7 @@ class GoodputCheck:
         drafted side's evidence (formed on other requests) weighs half."""
         if self._joined is not None and 2 * (joined - self._joined) > batch:
             self._sums[0] = [VETO_NEW_BATCH * value for value in self._sums[0]]
+            self._z = None
         self._joined = joined
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
@@ -149,6 +159,7 @@ class GoodputCheck:
         self._counts[side] += 1
         new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
         self._sums[side] = [CHECK_DECAY * old + value for old, value in zip(sums, new)]
+        self._z = None
         self._since[1 - side] += seconds
         self._since[side] = 0.0
         self.num_checks += checked
