@@ -306,7 +306,10 @@ def test_openai_client_round_trip_types(server):
 def test_default_model_calls_tools_with_required_and_named(default_model_path):
     """The embedded model, its tools written into its prompt (its template has none), with
     the built-in draft: tool_choice required and named give calls whose arguments follow
-    the schemas, greedy and sampled."""
+    the schemas, greedy and sampled. A sampled required reply may go on calling until its
+    max_tokens (the grammar allows any number of calls, and a seeded sample follows the
+    machine's rounding: seed 0 did on an AVX-512 CPU, not on an AVX2 one); its complete
+    calls must still follow the schemas."""
     from specserve import LLM
     from specserve.prompts import chat_prompt_ids
     from specserve.sampling_params import SamplingParams
@@ -327,7 +330,9 @@ def test_default_model_calls_tools_with_required_and_named(default_model_path):
                                              structured_outputs={"json": schema}))
             for out in llm.generate(prompts, params, use_tqdm=False):
                 message, finish = ChatReply(mode, named=named).message(out.text, out.finish_reason)
-                assert finish == ("tool_calls" if mode == "required" else "stop") and message["content"] is None, out.text
+                cut = temperature > 0 and mode == "required" and finish == "length"
+                assert cut or finish == ("tool_calls" if mode == "required" else "stop"), out.text
+                assert cut or message["content"] is None, out.text
                 for call in message["tool_calls"]:
                     tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
                     jsonschema.validate(json.loads(call["function"]["arguments"]), tool["parameters"])
