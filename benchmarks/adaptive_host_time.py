@@ -5,7 +5,7 @@ wrapped by timers, in microseconds per engine step.
 Batch 1, the default model and its built-in draft, held-out code and chat prompts with the
 chat template, greedy, up to ``--max-tokens`` new tokens, each engine twice in turn. Per
 engine: tokens/s, steps, wall time per step, the controller's smoothed plan time and step
-time and how many steps a plan with drafts stands; then each wrapped method's time per
+time and how many steps its last plan with drafts stood; then each wrapped method's time per
 step (calls, time per call). What the plan engine spends in ``Speculator.plan`` and
 ``Speculator.observe`` beyond the fixed engine's is the controller's host time.
 
@@ -82,8 +82,9 @@ def main() -> None:
             seconds = time.perf_counter() - began
             steps = totals["LLMEngine.step"][0]
             ctl = llm.engine.speculator.controller
-            plan = (f"; plan {ctl._plan_s * 1e6:.0f} us, step {ctl._step_s * 1e6:.0f} us, a plan stands "
-                    f"{ctl._stands()} steps" if ctl is not None else "")
+            stood = max((p.stands for p in ctl._plans.values() if p.draft_lengths), default=0) if ctl else 0
+            plan = (f"; plan {ctl._plan_s * 1e6:.0f} us, step {ctl._step_s * 1e6:.0f} us, its last plan with "
+                    f"drafts stood {stood} steps" if ctl is not None else "")
             print(f"{kind} {name}: {tokens / seconds:.0f} tokens/s, {steps} steps, "
                   f"{1e6 * seconds / steps:.0f} us a step{plan}")
             print("   " + " ".join(f"{label}={1e6 * t / steps:.0f}us({n},{1e6 * t / max(n, 1):.0f})"

@@ -111,15 +111,11 @@ class AcceptanceEstimates:
         elif not steps and len(self._pending_rows) == len(pending):  # one step's outcomes
             self._apply_many(pending)
         else:  # step by step (and a row's later outcome after its earlier one, whatever the steps)
-            bounds = iter(steps)
-            bound = next(bounds, None)
-            start, rows = 0, set()
+            bounds, start, rows = set(steps), 0, set()
             for i, item in enumerate(pending):
-                if i == bound or item[0] in rows:
+                if i in bounds or item[0] in rows:
                     self._apply_some(pending[start:i])
                     start, rows = i, set()
-                    while bound is not None and bound <= i:
-                        bound = next(bounds, None)
                 rows.add(item[0])
             self._apply_some(pending[start:])
         pending.clear()

@@ -246,7 +246,7 @@ class DraftLengthController:
         return (served >= self.idle_replan or age >= 2 * self.idle_replan) and \
             (not large or self._clock - standing.made_s >= self.idle_replan_s)
 
-    def _stands(self, previous: StandingPlan | None = None, joined: int = 0, batch: int = 1) -> int:
+    def _stands(self, previous: StandingPlan | None, joined: int, batch: int) -> int:
         """Steps a plan with drafts serves: ``draft_replan``, or as many as keep the plans'
         host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``;
         but at most twice what the kind's ``previous`` plan served, and ``draft_replan`` for a
