@@ -19,6 +19,7 @@ import logging
 import torch
 
 from specserve.attention import get_backend
+from specserve.config import AUTO_DRAFT_QUANTIZATION
 from specserve.drafts.eagle import EagleDrafter
 from specserve.drafts.medusa import MedusaDrafter
 from specserve.drafts.model_drafter import ModelDrafter
@@ -26,13 +27,13 @@ from specserve.drafts.ngram import NgramDrafter
 from specserve.drafts.shipped import (is_eagle3_head, is_eagle_head, published_layout, shares_target_embeddings,
                                       shipped_draft_for)
 from specserve.errors import ModelLoadError, SpecserveError
+from specserve.kernels import cpu_ops
 from specserve.loader import (build_model, checkpoint_names, load_hf_config, load_tokenizer, quantized_gguf,
                               read_tensors, resolve_model)
 from specserve.models.eagle import Eagle3ForCausalLM, EagleForCausalLM, MtpForCausalLM, eagle3_feature_layers
-from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.medusa import HEAD_FILE as MEDUSA_HEAD_FILE
 from specserve.models.medusa import is_medusa_checkpoint, load_medusa_heads
-from specserve.models.quantized import quantize_linears
+from specserve.models.quantized import QuantLinear
 
 logger = logging.getLogger("specserve")
 
@@ -72,6 +73,7 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
             raise SpecserveError("speculative_method 'draft_model' needs a draft checkpoint "
                                  "(--draft-model); only the embedded default model has one built in")
     if is_medusa_checkpoint(files.path):
+        _no_draft_quantization(config, files, "Medusa heads")
         return _medusa(files, config, target_hf_config, device, dtype)
     draft_config = load_hf_config(files, draft=True)
     found = published_layout(checkpoint_names(files))
@@ -101,6 +103,7 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
     # proposed, never the output, which the target's verification decides alone.
     backend = get_backend(config.attention_backend, device)
     if is_eagle_head(draft_config):
+        _no_draft_quantization(config, files, "EAGLE heads")
         if shared is None:
             raise SpecserveError(f"draft model {files.name} is an EAGLE head without "
                                  "shares_target_embeddings: it must use the target's embeddings")
@@ -114,10 +117,47 @@ def _draft_model(config, target, target_hf_config, target_tokenizer, device, dty
                             model_class=Eagle3ForCausalLM)
         _restrict_vocab(model, files)
         return EagleDrafter(model, config, device, dtype, feature_layers=layers)
-    model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
-                        quantized=quantized_gguf(files, "auto", device))
+    from_blocks = quantized_gguf(files, "auto", device)
+    quantize = _draft_quantization(config, target, files, from_blocks, device)
+    try:
+        model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared,
+                            quantized=from_blocks, quantize=quantize)
+    except ModelLoadError as exc:
+        if config.draft_quantization != "auto" or quantize is None:
+            raise
+        logger.info("draft model %s runs unquantized: %s", files.name, exc)
+        model = build_model(files, draft_config, dtype, device, backend, shared_modules=shared)
     _restrict_vocab(model, files)
     return ModelDrafter("draft_model", model, config, device, dtype)
+
+
+def _draft_quantization(config, target, files, from_blocks: bool, device: torch.device) -> str | None:
+    """The GGUF kind a draft checkpoint's float linears are quantized to at load
+    (``EngineConfig.draft_quantization``), or None. ``auto``: the draft follows its target,
+    quantized where the target runs from quantized weights on a CPU (the default model's
+    Q4_1 file), so that a draft step reads a few bits per weight, not 16, and runs one C++
+    call per layer. A kind named outright is refused in one line where it cannot apply."""
+    choice = config.draft_quantization
+    if choice == "none" or from_blocks:
+        if from_blocks and choice not in ("auto", "none"):
+            raise SpecserveError(f"draft_quantization {choice}: draft model {files.name} is a GGUF file run from "
+                                 "its own blocks; quantizing at load applies to float checkpoints")
+        return None
+    runs_here = device.type == "cpu" and cpu_ops.available()
+    if choice == "auto":
+        target_quantized = any(isinstance(m, QuantLinear) for m in target.modules())
+        return AUTO_DRAFT_QUANTIZATION if runs_here and target_quantized else None
+    if not runs_here:
+        where = f"on {device.type}" if device.type != "cpu" else "here: the C++ CPU kernels are unavailable (see the log)"
+        raise SpecserveError(f"draft_quantization {choice} runs the draft on the C++ CPU kernels, which it "
+                             f"cannot {where}; use 'none' or 'auto'")
+    return choice
+
+
+def _no_draft_quantization(config, files, kind: str) -> None:
+    if config.draft_quantization not in ("auto", "none"):
+        raise SpecserveError(f"draft_quantization {config.draft_quantization}: draft model {files.name} holds "
+                             f"{kind}, which run unquantized; quantizing at load applies to draft models")
 
 
 def _medusa(files, config, target_hf_config, device, dtype):
@@ -170,13 +210,11 @@ def _quantized(config, target, target_hf_config, _tokenizer, device, dtype):
     shared = {"model.embed_tokens": target.model.embed_tokens}
     backend = get_backend(config.attention_backend, device)
     from_blocks = quantized_gguf(files, "auto", device)
-    model = build_model(files, target_hf_config, dtype, device, backend, shared_modules=shared, quantized=from_blocks)
-    if not from_blocks:
-        try:
-            quantize_linears(model, "Q4_1")
-        except ValueError as exc:
-            raise SpecserveError(f"speculative_method 'quantized': {exc}") from None
-        model.fused_cpu = FusedCpuLayers.of(model)
+    try:
+        model = build_model(files, target_hf_config, dtype, device, backend, shared_modules=shared,
+                            quantized=from_blocks, quantize=None if from_blocks else "Q4_1")
+    except ModelLoadError as exc:
+        raise SpecserveError(f"speculative_method 'quantized': {exc}") from None
     return ModelDrafter("quantized", model, config, device, dtype)
 
 

@@ -136,7 +136,9 @@ class ModelDrafter:
             formats = sorted({f for m in self.model.modules() for f in getattr(m, "formats", ())})
             return f"quantized (the target's weights in {'+'.join(formats)}, {params:.0f}M parameters)"
         shared = " + the target's embeddings and LM head" if self.model.shared_modules else ""
-        return (f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers, "
+        formats = sorted({f for m in self.model.model.layers.modules() for f in getattr(m, "formats", ())})
+        layers = f" in {'+'.join(formats)}" if formats else ""
+        return (f"draft_model ({cfg.architectures[0]}, {cfg.num_hidden_layers} layers{layers}, "
                 f"{params:.0f}M parameters{shared}{self._among()})")
 
     def _among(self) -> str:

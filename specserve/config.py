@@ -15,6 +15,12 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "layerskip", "quantized",
 # A .gguf model's weights: quantized (kept in their blocks, run by the C++ CPU kernels),
 # dequantized (converted to the model's dtype), or auto (quantized on a CPU where it can).
 GGUF_WEIGHTS = ("auto", "quantized", "dequantized")
+# A draft checkpoint's float linear layers on the CPU: quantized at load to one of these GGUF
+# kinds (run by the C++ kernels, one call per layer), kept as they are (none), or auto: the
+# draft follows its target, quantized (AUTO_DRAFT_QUANTIZATION) where the target runs from
+# quantized weights on a CPU. A draft's numerics change which tokens it proposes, never the output.
+DRAFT_QUANTIZATION = ("auto", "none", "Q8_0", "Q4_1", "Q4_0")
+AUTO_DRAFT_QUANTIZATION = "Q4_1"
 DRAFT_STOPPING = ("auto", "confidence", "plan")
 # The target's KV cache: the model's dtype (auto), or float8 e4m3 (fp8; fp8_e4m3 as vLLM
 # spells it) with per-layer scales calibrated at start, half the bytes of bf16. A draft
@@ -76,6 +82,7 @@ class EngineConfig:
     # what the controller planned; "auto": confidence on a CPU, plan on a GPU (DRAFT_STOPPING).
     draft_stopping: str = "auto"
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)
+    draft_quantization: str = "auto"     # draft_model, CPU: auto | none | Q8_0 | Q4_1 | Q4_0 (DRAFT_QUANTIZATION)
     # draft_model / layerskip: draft paths a greedy request verifies per step — its best
     # guesses, and up to 3 more that take a runner-up candidate at one depth (a static
     # draft tree; see spec/paths.py). Each costs 1 + k more tokens a step.
@@ -188,6 +195,12 @@ class EngineConfig:
                                  "its full-precision ones: gguf_weights must not be 'quantized'")
         if self.draft_model is not None and self.speculative_method != "draft_model":
             raise SpecserveError("draft_model is set but speculative_method is not 'draft_model'")
+        if self.draft_quantization not in DRAFT_QUANTIZATION:
+            raise SpecserveError(f"draft_quantization must be one of {', '.join(DRAFT_QUANTIZATION)}, "
+                                 f"got {self.draft_quantization!r}")
+        if self.draft_quantization not in ("auto", "none") and self.speculative_method != "draft_model":
+            raise SpecserveError(f"draft_quantization {self.draft_quantization} quantizes a draft checkpoint: it "
+                                 f"needs speculative_method 'draft_model', not {self.speculative_method!r}")
         _ = self.torch_device  # raises on a bad or unavailable device
         check_tensor_parallel_size(self.tensor_parallel_size, self.device)
         if self.dtype != "auto" and self.dtype not in _DTYPES:

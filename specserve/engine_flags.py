@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from specserve.config import DRAFT_STOPPING, GGUF_WEIGHTS, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
+from specserve.config import DRAFT_QUANTIZATION, DRAFT_STOPPING, GGUF_WEIGHTS, KV_CACHE_DTYPES, SPECULATIVE_METHODS, EngineConfig
 from specserve.logprobs import LOGPROBS_MODES
 
 # The flags' destinations: EngineConfig's fields, so that one always matches the other.
@@ -94,6 +94,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "the k chosen before drafting), auto (confidence on a CPU, plan on a GPU; default)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")
+    s.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATION,
+                   help="draft_model on a CPU: the draft checkpoint's linear layers quantized at load to "
+                        "Q8_0, Q4_1 or Q4_0 and run by the C++ kernels, or none; auto: Q4_1 where the "
+                        "target runs from quantized weights (a .gguf model), else none (default). Changes "
+                        "which tokens the draft proposes, never the output")
     s.add_argument("--num-draft-paths", type=int, default=1,
                    help="draft_model / layerskip: draft paths a greedy request verifies per step, "
                         "1-4: its best guesses and up to 3 that take a runner-up candidate at one "

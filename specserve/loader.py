@@ -34,7 +34,7 @@ from specserve.models.fused_cpu import FusedCpuLayers
 from specserve.models.checkpoint_quant import Fp8Weight, Int4Weight, QuantScheme, gather, parse_scheme, quantized_linear
 from specserve.models.invariant import make_batch_invariant
 from specserve.models.packed_linear import bf16_packing_supported, linears_replaced, pack_linears
-from specserve.models.quantized import GGUFWeight, QuantLinear
+from specserve.models.quantized import GGUFWeight, QuantLinear, quantize_linears
 
 logger = logging.getLogger("specserve")
 
@@ -288,7 +288,8 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 # ---------------------------------------------------------------------------- weights
 def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
-                shared_modules: dict | None = None, tp=None, model_class=None, quantized: bool = False):
+                shared_modules: dict | None = None, tp=None, model_class=None, quantized: bool = False,
+                quantize: str | None = None):
     """Build our model on the meta device (no random init), then stream the checkpoint's
     tensors into it on ``device``, merging q/k/v and gate/up as they arrive.
 
@@ -300,6 +301,8 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
     head takes them this way, and its checkpoint holds only its own tensors.
     ``quantized`` (see ``quantized_gguf``): the weights come from ``files.gguf``, and its
     quantized linear weights stay in their blocks (``QuantLinear``).
+    ``quantize`` (a GGUF kind, e.g. ``Q8_0``): the model's float linear layers are quantized
+    to it once loaded, before any repacking, and run as QuantLinears (a CPU draft's layers).
     ``model.num_parameters`` counts the model's own parameters. ``model_class``: a
     subclass of ``LlamaForCausalLM`` to build instead (an EAGLE draft head)."""
     # lazy: accelerate imports much of transformers, only to load weights
@@ -357,11 +360,16 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
                                                           device, deterministic, files.name))
         linears_replaced(model)  # (MoE experts stacked from the float placeholders drop the stacks)
         logger.info("%s: %d linear layers run quantized (%s)", files.name, len(blocks), scheme.name)
+    if quantize is not None:
+        try:
+            quantize_linears(model, quantize)
+        except ValueError as exc:
+            raise ModelLoadError(f"{files.name}: cannot quantize its linear layers to {quantize}: {exc}") from None
     if deterministic:
         make_batch_invariant(model)
     elif device.type == "cpu" and dtype == torch.bfloat16 and bf16_packing_supported():
         pack_linears(model)
-    if (gguf is not None or blocks) and device.type == "cpu":
+    if (gguf is not None or blocks or quantize is not None) and device.type == "cpu":
         # Once the layers are final: the one-call layers run them as they are (deterministic included).
         model.fused_cpu = FusedCpuLayers.of(model)
     return model.eval()

@@ -18,7 +18,7 @@ from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
 from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, pack, quantize_activations
 from test_model import ragged_logits
-from tiny_models import write_tiny_gguf
+from tiny_models import make_hf_model, make_tokenizer, write_tiny_gguf
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
 CPU = torch.device("cpu")
@@ -297,6 +297,79 @@ def test_the_quantized_self_draft_is_lossless(tmp_path, tiny_model_dir, monkeypa
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
     with pytest.raises(ValueError, match="gguf_weights must not be 'quantized'"):
         EngineConfig(gguf_weights="quantized", **spec)
+
+
+@needs_cpu_kernels
+def test_a_draft_checkpoint_follows_its_quantized_target(tmp_path, monkeypatch):
+    """``draft_quantization``: ``auto`` quantizes a float draft's linears to Q4_1 where the
+    target runs from GGUF blocks (one C++ call per draft layer), not beside a float target;
+    a kind named outright applies to either; greedy output equals speculation off's in every
+    case, and every KV block comes back. Refused in one line where it cannot apply."""
+    import specserve.drafts
+    import specserve.engine
+
+    files, _ = tiny_gguf(tmp_path)
+    float_files = ModelFiles("tiny-float", files.path)  # the same model's dequantised weights, beside the file
+    prompts = [[(5 * i + j) % 500 + 3 for i in range(12)] for j in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = dict(speculative_method="draft_model", draft_model="draft", num_speculative_tokens=3,
+                speculative_adaptive=False)
+    monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: float_files)
+    # (target's weights, draft_quantization, the draft layers' formats, least share of drafts
+    # accepted: the draft is the target's own weights, which Q8_0 keeps, where 4 bits made
+    # from a random model move its logits much more; chance is about 1 in 512)
+    for gguf_weights, choice, want_formats, accepted in (
+            ("auto", "auto", ["Q4_1"], 0.08), ("auto", "none", [], 0.8), ("auto", "Q8_0", ["Q8_0"], 0.8),
+            ("dequantized", "auto", [], 0.8), ("dequantized", "Q4_0", ["Q4_0"], 0.08)):
+        monkeypatch.setattr(specserve.engine, "resolve_model", lambda _: files)
+        common = dict(model="tiny", dtype="float32", block_size=4, num_kv_blocks=128, gguf_weights=gguf_weights)
+        want = [o.token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+        llm = LLM(**common, **spec, draft_quantization=choice)
+        draft = llm.engine.speculator.drafter.model
+        formats = sorted({f for m in draft.model.layers.modules() for f in getattr(m, "formats", ())})
+        assert formats == want_formats, (gguf_weights, choice)
+        assert (draft.fused_cpu is not None) == bool(want_formats)
+        assert ("layers in " in llm.engine.speculator.drafter.describe()) == bool(want_formats)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want, (gguf_weights, choice)
+        stats = llm.engine.spec_stats
+        assert stats.num_accepted_tokens >= accepted * stats.num_draft_tokens > 0, (gguf_weights, choice, stats)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    monkeypatch.setattr(specserve.engine, "resolve_model", lambda _: files)
+    with pytest.raises(ValueError, match="draft_quantization must be one of"):
+        EngineConfig(draft_quantization="Q5_K", speculative_method="draft_model")
+    with pytest.raises(ValueError, match="needs speculative_method 'draft_model', not 'ngram'"):
+        EngineConfig(draft_quantization="Q8_0", speculative_method="ngram")
+    monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: files)  # a GGUF draft: its own blocks
+    with pytest.raises(ValueError, match="is a GGUF file run from its own blocks"):
+        LLM(model="tiny", dtype="float32", num_kv_blocks=128, **spec, draft_quantization="Q8_0")
+    odd = tmp_path / "odd"  # inputs 48 wide
+    make_hf_model("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1).save_pretrained(odd)
+    make_tokenizer(512).save_pretrained(odd)
+    monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: ModelFiles("odd", odd))
+    with pytest.raises(ValueError, match="input widths that are multiples of 32, got 48"):
+        LLM(model="tiny", dtype="float32", num_kv_blocks=128, **spec, draft_quantization="Q8_0")
+    with monkeypatch.context() as patch:
+        patch.setattr(specserve.drafts.cpu_ops, "available", lambda: False)
+        with pytest.raises(ValueError, match="runs the draft on the C\\+\\+ CPU kernels"):
+            LLM(model="tiny", dtype="float32", num_kv_blocks=128, **spec, draft_quantization="Q8_0")
+
+
+@needs_cpu_kernels
+def test_a_bf16_float_model_quantized_as_its_own_draft_runs_quantized(tmp_path, monkeypatch):
+    """The quantized self-draft of a float checkpoint in bfloat16, where the CPU repacks
+    bf16 linears for oneDNN: its layers are quantized before that repacking, so the draft
+    runs Q4_1 (it once kept bf16 layers, having nothing left to quantize)."""
+    import specserve.drafts
+    import specserve.engine
+
+    files, _ = tiny_gguf(tmp_path)
+    model = ModelFiles("tiny-float", files.path)  # the dequantised weights beside the file
+    monkeypatch.setattr(specserve.engine, "resolve_model", lambda _: model)
+    monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: model)
+    llm = LLM(model="tiny", dtype="bfloat16", num_kv_blocks=128, speculative_method="quantized")
+    draft = llm.engine.speculator.drafter.model
+    assert {f for m in draft.modules() for f in getattr(m, "formats", ())} == {"Q4_1"}
+    assert draft.fused_cpu is not None
 
 
 def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog, monkeypatch):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specserve.kernels import cpu_ops
+from specserve.models.packed_linear import replace_linears
 
 # Rows from which a QuantLinear unpacks its weight for a library GEMM (``QuantLinear``):
 # where unpacking costs less than the integer kernel's extra rows on the default model's
@@ -270,23 +271,23 @@ class QuantLinear(nn.Module):
 def quantize_linears(model: nn.Module, kind: str = "Q4_1") -> int:
     """Quantize every float ``nn.Linear`` of ``model`` to GGUF format ``kind`` (one the
     ``gguf`` package quantizes: Q4_0, Q4_1, Q8_0) and run it as a QuantLinear; returns how
-    many. For a model whose checkpoint holds float weights (the quantized self-draft)."""
+    many. For a model whose checkpoint holds float weights (a draft on the CPU, the quantized
+    self-draft). Raises ValueError, naming the layer, where one cannot be."""
     # lazy: the gguf package, only to quantize at load
     import gguf
     from gguf.quants import quantize
 
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if child.in_features % 32:
-                raise ValueError(f"{kind} needs input widths that are multiples of 32, got {child.in_features}")
-            raw = quantize(child.weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType[kind])
-            weight = GGUFWeight(kind, raw, child.in_features)
-            setattr(module, name, QuantLinear([(0, weight)], child.in_features, child.out_features, child.bias))
-            replaced += 1
-    return replaced
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ValueError(f"cannot quantize to {kind!r} at load (Q4_0, Q4_1 or Q8_0)")
+
+    def make(linear: nn.Linear) -> QuantLinear:
+        if linear.in_features % 32:
+            raise ValueError(f"{kind} needs input widths that are multiples of 32, got {linear.in_features}")
+        raw = quantize(linear.weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType[kind])
+        return QuantLinear([(0, GGUFWeight(kind, raw, linear.in_features))], linear.in_features,
+                           linear.out_features, linear.bias)
+
+    return replace_linears(model, make)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
