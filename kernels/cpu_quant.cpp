@@ -560,6 +560,10 @@ void quant_matmul(const QuantizedRows& q, int64_t m, int64_t n, const uint8_t* p
   });
 }
 
+// Most bytes of unpacked weight a prompt chunk's GEMM takes at once (``quant_linear``): a
+// slice stays in the last-level cache between its unpacking and its GEMM.
+constexpr int64_t kUnpackBytes = int64_t(4) << 20;
+
 // Block order: the position of each natural input 0..kp-1 in a row of the packed layout
 // (models/quantized.py: block_order, inverted).
 std::vector<int64_t> block_positions(int64_t kp, int64_t group) {
@@ -676,24 +680,39 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   shape.back() = n;
   if (dequant_rows > 0 && m >= dequant_rows) {
     // The weight unpacked in its block order, x's columns put in that order (zeros for the
-    // padding inputs): the same products, one pass over the weight for ATen's GEMM.
+    // padding inputs): the same products, one pass over the weight for ATen's GEMM. A large
+    // weight (an LM head: 49,152 x 576) goes in slices of output columns of at most
+    // kUnpackBytes, each unpacked into one reused buffer while the cache still holds it:
+    // unpacked whole it was written to memory and read back, in a fresh allocation each
+    // call, and 40 rows cost twice the integer kernel's.
     const std::vector<int64_t> position = block_positions(kp, group);
     const at::Tensor index = at::tensor(at::ArrayRef<int64_t>(position.data(), k), at::kLong);
     const at::Tensor xb = at::zeros({m, kp}, x.options()).index_copy_(1, index, x);
-    at::Tensor w = at::empty({n, kp}, x.options());
-    auto unpack = [&](auto* sc, auto* mn) {
-      if (x.scalar_type() == at::kFloat)
-        unpack_weight(n, kp, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn, w.data_ptr<float>());
+    const int64_t groups = kp / group, row_bytes = packed.size(1);
+    const int64_t slice = std::min(n, std::max<int64_t>(64, kUnpackBytes / (kp * x.element_size()) / 64 * 64));
+    at::Tensor w = at::empty({slice, kp}, x.options());
+    const at::Tensor b = bias ? bias_in->to(x.scalar_type()) : at::Tensor();
+    at::Tensor out = slice < n ? at::empty({m, n}, x.options()) : at::Tensor();
+    for (int64_t n0 = 0; n0 < n; n0 += slice) {
+      const int64_t cols = std::min(slice, n - n0);
+      auto unpack = [&](auto* sc, auto* mn) {
+        const uint8_t* p = packed.data_ptr<uint8_t>() + n0 * row_bytes;
+        if (x.scalar_type() == at::kFloat)
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, w.data_ptr<float>());
+        else
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups,
+                        w.data_ptr<at::BFloat16>());
+      };
+      if (half)
+        unpack(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
       else
-        unpack_weight(n, kp, group, bits, packed.data_ptr<uint8_t>(), packed.size(1), sc, mn,
-                      w.data_ptr<at::BFloat16>());
-    };
-    if (half)
-      unpack(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
-    else
-      unpack(scales.data_ptr<float>(), mins.data_ptr<float>());
-    const at::Tensor y = bias ? at::linear(xb, w, bias_in->to(x.scalar_type())) : at::linear(xb, w);
-    return y.view(shape);
+        unpack(scales.data_ptr<float>(), mins.data_ptr<float>());
+      const at::Tensor ws = w.narrow(0, 0, cols);
+      const at::Tensor y = bias ? at::linear(xb, ws, b.narrow(0, n0, cols)) : at::linear(xb, ws);
+      if (slice == n) return y.view(shape);
+      out.narrow(1, n0, cols).copy_(y);
+    }
+    return out.view(shape);
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out.view(shape);

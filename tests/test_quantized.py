@@ -99,6 +99,25 @@ def test_many_rows_unpack_the_weight_exactly_for_a_library_gemm(kind):
 
 
 @needs_cpu_kernels
+def test_a_large_weight_is_unpacked_in_slices_exactly():
+    """A weight larger than the kernel's unpacking slice (4 MiB: 1,792 rows of 576 inputs in
+    float32, 3,584 in bfloat16; an LM head is 49,152) goes through the GEMM slice by slice:
+    every slice's weights, scales, mins and bias are its own rows', bit for bit."""
+    weight = random_weight("Q4_1", 4000, 576, seed=3)
+    dense = torch.from_numpy(decode(weight).dequantize())
+    layer = QuantLinear([(0, weight)], 576, 4000, None)
+    layer.dequant_rows = 1
+    assert torch.equal(layer(torch.eye(576)), dense.T)
+    assert torch.equal(layer(torch.eye(576).bfloat16()), dense.bfloat16().T)
+    bias = torch.randn(4000)
+    layer = QuantLinear([(0, weight)], 576, 4000, bias)
+    layer.dequant_rows = 1
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0))
+    want = x.double() @ dense.double().T + bias.double()
+    assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_cpu_kernels
 def test_a_row_does_not_depend_on_its_batch():
     """With ``dequant_rows`` 0 (the deterministic mode's), each output is summed in one
     order whatever the number of rows: the layer is batch-invariant."""

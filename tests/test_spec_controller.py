@@ -453,8 +453,8 @@ def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
     tell a token's cost from a request's. The anchored profile still can."""
     ctl = DraftLengthController(4)
     cost = lambda tokens, reqs: 0.02 + 0.0005 * tokens + 0.002 * reqs  # noqa: E731
-    for reqs in (1, 8, 32):  # the engine's profile: none, one or all draft, 4 or 1 each
-        for drafting, each in ((0, 4), (1, 4), (reqs, 4), (reqs, 1)):
+    for reqs in (1, 8, 32):  # the engine's profile: none or one drafts 4, all draft 1
+        for drafting, each in ((0, 4), (1, 4), (reqs, 1)):
             tokens = reqs + each * drafting
             ctl.observe_step(StepSample(cost(tokens, reqs), num_tokens=tokens, num_spans=drafting, num_reqs=reqs,
                                         context=reqs * (65 if drafting or reqs == 1 else 257) + each * drafting))
@@ -464,6 +464,33 @@ def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
         ctl.observe_step(StepSample(cost(reqs, reqs), num_tokens=reqs, num_reqs=reqs, context=reqs * 65))
     _a, b, q, *_ = ctl.costs.target.theta
     assert b == pytest.approx(0.0005, rel=0.05) and q == pytest.approx(0.002, rel=0.05)
+
+
+def test_the_start_up_profile_prices_a_token_by_the_steps_a_lone_request_runs(tiny_model_dir):
+    """The engine's start-up profile, over a pass whose rows cost 6 ms each up to 32 and 25
+    ms each beyond (as a CPU's quantized layers turn to another kernel for many rows): the
+    fitted cost of a token is the small batches' 6 ms, not pulled towards what a batch
+    where every request drafts k would cost (it was, to 4x, and a lone request's drafts
+    looked dear: on the CPU the default stopped drafting on chat)."""
+    import time
+
+    from specserve.spec.cost_model import StepCosts
+
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                max_num_seqs=8, block_size=4, num_kv_blocks=256)
+    speculator = llm.engine.speculator
+    real = speculator.runner.execute
+
+    def execute(step):
+        rows = sum(len(p.token_ids) + len(p.draft_token_ids) for p in step.scheduled)
+        time.sleep(0.02 + (0.006 * rows if rows <= 32 else 0.025 * rows))
+        return real(step)
+
+    speculator.runner.execute = execute
+    speculator.controller.costs = StepCosts()
+    speculator.profile_step_cost()
+    token = speculator.controller.costs.target.theta[1]
+    assert token == pytest.approx(0.006, rel=0.25)
 
 
 def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_model_dir):
