@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_acceptance import machine_name  # noqa: E402
+from workloads import run_cold  # noqa: E402
 
 FIXED = (1, 2, 3)
 
@@ -73,20 +74,11 @@ def main() -> None:
 
     def run(name: str, prompt: str, max_tokens: int) -> tuple:
         engine, k = settings[name]
-        llm = engines[engine]
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=k)
-        before = llm.engine.spec_stats.copy()
-        counts = dict(llm.engine.draft_length_counts)
         proposing = timers[engine].seconds if engine in timers else 0.0
-        llm.engine.kv.reset_prefix_cache()
-        began = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        seconds = time.perf_counter() - began
-        after = llm.engine.spec_stats
-        steps = {j: n - counts.get(j, 0) for j, n in llm.engine.draft_length_counts.items()}
-        return (seconds, len(out.token_ids), after.num_draft_tokens - before.num_draft_tokens,
-                after.num_drafts - before.num_drafts, after.num_accepted_tokens - before.num_accepted_tokens,
-                steps, (timers[engine].seconds if engine in timers else 0.0) - proposing, out.token_ids)
+        done = run_cold(engines[engine], prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                num_speculative_tokens=k))
+        return (done.seconds, len(done.token_ids), done.draft_tokens, done.drafts, done.accepted, done.steps,
+                (timers[engine].seconds if engine in timers else 0.0) - proposing, done.token_ids)
 
     for name in settings:  # warm-up: every engine, both kinds
         for prompts in workloads.values():

@@ -37,11 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_acceptance import machine_name  # noqa: E402
-from workloads import drafter_settings  # noqa: E402
+from workloads import drafter_settings, run_cold  # noqa: E402
 
 FIXED = range(1, 7)
 
@@ -110,23 +108,12 @@ def main() -> None:
     workloads = {kind: chat_prompts(first.tokenizer, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
 
     def run(name: str, prompt: str, max_tokens: int) -> tuple:
-        engine, k = settings[name]
-        llm = engines[engine]
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=k)
-        before = llm.engine.spec_stats.copy()
-        counts = dict(llm.engine.draft_length_counts)
         # Cold: the fixed k settings share one engine, whose prefix cache would otherwise
         # hold the prompt from the setting before and spare them its processing.
-        llm.engine.kv.reset_prefix_cache()
-        began = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        if llm.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - began
-        after = llm.engine.spec_stats
-        steps = {j: n - counts.get(j, 0) for j, n in llm.engine.draft_length_counts.items()}
-        return (seconds, len(out.token_ids), after.num_drafts - before.num_drafts,
-                after.num_accepted_tokens - before.num_accepted_tokens, steps, out.token_ids)
+        engine, k = settings[name]
+        done = run_cold(engines[engine], prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                num_speculative_tokens=k))
+        return (done.seconds, len(done.token_ids), done.drafts, done.accepted, done.steps, done.token_ids)
 
     for name in settings:  # warm-up: every engine, both kinds
         for prompts in workloads.values():

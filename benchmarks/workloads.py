@@ -7,6 +7,9 @@ held-out split, so draft training can never see them); this module keeps the ben
 names."""
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from specserve.bench.prompt_sets import (
     CHAT,
     CODE_EDITING,
@@ -15,7 +18,8 @@ from specserve.bench.prompt_sets import (
     held_out_prompts,
 )
 
-__all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "chat_prompts", "drafter_settings", "held_out_prompts"]
+__all__ = ["CHAT", "CODE_EDITING", "WORKLOADS", "ColdRun", "chat_prompts", "drafter_settings", "held_out_prompts",
+           "run_cold"]
 
 
 def drafter_settings(spec: str) -> dict:
@@ -36,3 +40,38 @@ def drafter_settings(spec: str) -> dict:
             raise SystemExit(f"unknown or repeated drafter option {text!r} (expected paths=N, tree=N or k=N)")
         settings[option] = int(value)
     return settings
+
+
+@dataclass
+class ColdRun:
+    """One prompt run alone on an engine: its wall time, tokens and what speculation did."""
+
+    seconds: float
+    token_ids: list[int]
+    drafts: int            # steps that verified drafts
+    draft_tokens: int      # draft tokens verified
+    accepted: int          # of which accepted
+    steps: dict[int, int]  # steps by the k they verified
+
+
+def run_cold(llm, prompt: str, params) -> ColdRun:
+    """Run ``prompt`` alone on ``llm`` with its prefix cache emptied first, so that it pays
+    its prompt's processing whatever ran before (settings sharing one engine would
+    otherwise find it cached)."""
+    # lazy: torch only where a benchmark runs an engine
+    import torch
+
+    engine = llm.engine
+    before = engine.spec_stats.copy()
+    counts = dict(engine.draft_length_counts)
+    engine.kv.reset_prefix_cache()
+    began = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    after = engine.spec_stats
+    return ColdRun(seconds, out.token_ids, after.num_drafts - before.num_drafts,
+                   after.num_draft_tokens - before.num_draft_tokens,
+                   after.num_accepted_tokens - before.num_accepted_tokens,
+                   {j: n - counts.get(j, 0) for j, n in engine.draft_length_counts.items()})
