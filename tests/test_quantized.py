@@ -367,6 +367,8 @@ def test_a_draft_checkpoint_follows_its_quantized_target(tmp_path, monkeypatch):
     monkeypatch.setattr(specserve.drafts, "resolve_model", lambda _: ModelFiles("odd", odd))
     with pytest.raises(ValueError, match="input widths that are multiples of 32, got 48"):
         LLM(model="tiny", dtype="float32", num_kv_blocks=128, **spec, draft_quantization="Q8_0")
+    llm = LLM(model="tiny", dtype="float32", num_kv_blocks=128, **spec)  # auto: runs it as it is
+    assert not any(getattr(m, "formats", ()) for m in llm.engine.speculator.drafter.model.model.layers.modules())
     with monkeypatch.context() as patch:
         patch.setattr(specserve.drafts.cpu_ops, "available", lambda: False)
         with pytest.raises(ValueError, match="runs the draft on the C\\+\\+ CPU kernels"):

@@ -455,8 +455,8 @@ class Speculator:
     # ------------------------------------------------------------------ start-up
     def profile_step_cost(self) -> None:
         """Seed the adaptive controller's cost model (nothing without one): time a few
-        verify passes of dummy requests (batch sizes x how many of them draft k tokens:
-        none, one, all; two context lengths) over scratch KV blocks, freed afterwards, and
+        verify passes of dummy requests (batch sizes x none or one of them drafting k tokens,
+        or all drafting one; two context lengths) over scratch KV blocks, freed afterwards, and
         a draft pass per batch size where the drafter has one to time, and keep them for
         good at a small weight (``PROFILE_WEIGHT``). One drafter in a batch
         separates what padding costs (every request padded to 1 + k on a CUDA graph) from
@@ -470,10 +470,11 @@ class Speculator:
         # A longer context for the undrafted batches, so the fit can tell what a request
         # costs from what the tokens of its context cost, and one draft each besides k,
         # so it can tell a verify span's cost from its tokens'.
-        # A batch where every request drafts k is left out: its batch x (1 + k) rows are
-        # where a CPU's quantized layers turn to another kernel (8 x 5 rows cost 4.6 ms a
-        # token where 1 to 5 rows cost ~1.3), and a linear fit pulled to that slope priced a
-        # lone request's drafts at four times their cost; the steps that run it teach it.
+        # A batch where every request drafts k is left out: its batch x (1 + k) rows cross
+        # the row count where a CPU's quantized layers turn to another kernel (8 x 5 rows
+        # cost 2.5-4.6 ms a token at start-up where 1 to 5 rows cost ~1.5), and a linear fit
+        # pulled to that slope priced a lone request's drafts at two to four times their
+        # cost. The steps that run such batches teach the fit what they cost.
         plans = [(batch, num_drafting, 4 * c.block_size, k) for batch in batches for num_drafting in (0, 1)]
         plans += [(batch, 0, 16 * c.block_size, k) for batch in batches[1:]]
         plans += [(batch, batch, 4 * c.block_size, 1) for batch in batches[1:] if k > 1]
