@@ -466,31 +466,35 @@ def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
     assert b == pytest.approx(0.0005, rel=0.05) and q == pytest.approx(0.002, rel=0.05)
 
 
-def test_the_start_up_profile_prices_a_token_by_the_steps_a_lone_request_runs(tiny_model_dir):
+def test_the_start_up_profile_prices_a_token_by_the_steps_a_lone_request_runs(tiny_model_dir, monkeypatch):
     """The engine's start-up profile, over a pass whose rows cost 6 ms each up to 32 and 25
-    ms each beyond (as a CPU's quantized layers turn to another kernel for many rows): the
-    fitted cost of a token is the small batches' 6 ms, not pulled towards what a batch
-    where every request drafts k would cost (it was, to 4x, and a lone request's drafts
-    looked dear: on the CPU the default stopped drafting on chat)."""
-    import time
+    ms each beyond (as a CPU's quantized layers turn to another kernel for many rows; a
+    clock that advances by that, so the fit sees those costs exactly): the fitted cost of a
+    token is the small batches' 6 ms, not pulled towards what a batch where every request
+    drafts k would cost (it was, to 4x, and a lone request's drafts looked dear: on the CPU
+    the default stopped drafting on chat)."""
+    import types
 
+    import specserve.spec.speculator
     from specserve.spec.cost_model import StepCosts
 
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 max_num_seqs=8, block_size=4, num_kv_blocks=256)
     speculator = llm.engine.speculator
     real = speculator.runner.execute
+    clock = [0.0]
 
     def execute(step):
         rows = sum(len(p.token_ids) + len(p.draft_token_ids) for p in step.scheduled)
-        time.sleep(0.02 + (0.006 * rows if rows <= 32 else 0.025 * rows))
+        clock[0] += 0.02 + (0.006 * rows if rows <= 32 else 0.025 * rows)
         return real(step)
 
+    monkeypatch.setattr(specserve.spec.speculator, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     speculator.runner.execute = execute
     speculator.controller.costs = StepCosts()
     speculator.profile_step_cost()
     token = speculator.controller.costs.target.theta[1]
-    assert token == pytest.approx(0.006, rel=0.25)
+    assert token == pytest.approx(0.006, rel=0.02)
 
 
 def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_model_dir):
