@@ -4,7 +4,8 @@ side by side, in one run.
 llama.cpp is ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``, built on the
 machine), on the same file with the same thread count, in a process of its own. specserve runs the file with its
 weights kept quantized (the default on a CPU), dequantised to bf16 (the path before), and
-with speculation: n-gram, the built-in draft (both over the quantized target) and the
+with speculation: n-gram, the built-in draft (both over the quantized target; the draft's
+layers in Q4_1, its default there, or bf16 as its checkpoint holds them) and the
 quantized self-draft (the file's Q4_1 blocks drafting for the bf16 target).
 
 Held-out chat and code prompts (``specserve.bench.prompt_sets``) with the chat template,
@@ -38,6 +39,9 @@ METHODS = {
     "bf16": ("specserve, dequantized to bf16", {"gguf_weights": "dequantized"}),
     "ngram": ("specserve quantized + n-gram", {"speculative_method": "ngram"}),
     "draft": ("specserve quantized + built-in draft", {"speculative_method": "draft_model"}),
+    # The same, the draft's layers as its checkpoint holds them (bf16), as before --draft-quantization.
+    "draft-bf16": ("specserve quantized + built-in draft, its layers bf16", {"speculative_method": "draft_model",
+                                                                           "draft_quantization": "none"}),
     "self-draft": ("specserve bf16 + quantized self-draft", {"speculative_method": "quantized"}),
 }
 
