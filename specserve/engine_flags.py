@@ -97,7 +97,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATION,
                    help="draft_model on a CPU: the draft checkpoint's linear layers quantized at load to "
                         "Q8_0, Q4_1 or Q4_0 and run by the C++ kernels, or none; auto: Q4_1 where the "
-                        "target runs from quantized weights (a .gguf model), else none (default). Changes "
+                        "target runs from quantized weights (a .gguf model; AWQ/GPTQ), else none (default). Changes "
                         "which tokens the draft proposes, never the output")
     s.add_argument("--num-draft-paths", type=int, default=1,
                    help="draft_model / layerskip: draft paths a greedy request verifies per step, "

@@ -61,8 +61,9 @@ class _Clock:
 
 
 def seeded_controller(max_k: int, costs: StepCosts) -> DraftLengthController:
-    """A controller whose cost model is seeded as ``Speculator.profile_step_cost`` seeds it
-    at batch 1: verify passes without drafts and with k, at two contexts, and a draft pass."""
+    """A controller whose cost model is seeded much as ``Speculator.profile_step_cost``
+    seeds it at batch 1: verify passes without drafts and with k (here at two contexts, so
+    the fit can tell a context's cost from the fixed one), and a draft pass."""
     ctl = DraftLengthController(max_k, first_draft_in_catch_up=True)
     ctl.timer = _Clock(costs.plan_host)  # the simulation's own: its plans stand as long wherever it runs
     for k in (0, max_k):

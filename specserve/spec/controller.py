@@ -257,12 +257,9 @@ class DraftLengthController:
         if not self.plan_share or self._step_s <= 0:
             return self.draft_replan
         wanted = math.ceil(self._plan_s / (self.plan_share * self._step_s))
-        longest = DRAFT_REPLAN_MAX
         if previous is None or 2 * (joined - previous.joined) > batch:
-            longest = self.draft_replan
-        else:
-            longest = min(longest, 2 * previous.stands)
-        return max(self.draft_replan, min(longest, wanted))
+            return self.draft_replan
+        return max(self.draft_replan, min(DRAFT_REPLAN_MAX, 2 * previous.stands, wanted))
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],
