@@ -11,7 +11,8 @@
   zero point per row and group of ``G`` inputs (AWQ's and GPTQ's asymmetric form;
   symmetric GPTQ is zero 8). The tile is dequantised in fp32, ``(q − z) · s``, exact,
   rounded to the activations' dtype (what a dequantised copy of the weights would hold)
-  and multiplied there.
+  and multiplied there. A single row (outside ``invariant``) goes through
+  ``_int4_row_kernel`` instead: CUDA-core products in fp32, the weights never rounded.
 
 Tiles along N and K depend on the weight's shape and the GPU. At a decode step's few rows
 one column tile per program leaves most SMs idle, or each with too few bytes in flight, so
@@ -121,6 +122,52 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT
     _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+                     stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
+                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One row (a decode step's) without tensor cores: a product of 1 × 16 × N pads the
+    tensor cores' 16 rows and routes the weights through shared memory for each nibble;
+    here each program multiplies its ``[BLOCK_N, 16]`` words nibble by nibble in fp32 and
+    sums along K once a chunk. ``q − z`` is applied as ``Σ q·x − z · Σ x`` per group, and
+    the group's scale multiplies the sum (per nibble where groups are shorter than a chunk)."""
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rc = tl.arange(0, 16)
+    n_valid = rn < N
+    k_start = tl.program_id(2) * K_SPLIT
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + rc)[None, :],
+                        mask=n_valid[:, None], other=0)                      # [BLOCK_N, 16]; K padded
+        if TILE_IN_GROUP:
+            group = rn.to(tl.int64) * stride_sn + k0 // GROUP
+            s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
+            tile = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+            x_sum = tl.zeros([16], dtype=tl.float32)
+        for j in tl.static_range(8):
+            kj = k0 + 16 * j
+            a = tl.load(x_ptr + row * stride_xm + kj + rc, mask=(kj + rc) < K, other=0.0).to(tl.float32)
+            q = ((words >> (4 * j)) & 0xF).to(tl.float32)
+            if TILE_IN_GROUP:
+                tile += q * a[None, :]
+                x_sum += a
+            else:
+                group = rn.to(tl.int64) * stride_sn + kj // GROUP
+                g_valid = n_valid & ((kj + tl.zeros_like(rn)) < K)
+                s = tl.load(s_ptr + group, mask=g_valid, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.float32)
+                acc += (tl.sum(q * a[None, :], axis=1) - z * tl.sum(a, axis=0)) * s
+        if TILE_IN_GROUP:
+            acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
+             mask=n_valid)
+
+
 @triton.jit
 def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BLOCK: tl.constexpr):
@@ -191,11 +238,13 @@ FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row 
 INT4_CHUNK = 128  # inputs per packed K tile of a 4-bit weight
 
 # For few rows, per kind of weight: (column tile, deepest K tile, pipeline stages, programs
-# per SM at most, K split at most), from a sweep on an H200 (benchmarks/quant_gpu.py
-# --sections tiles). Each program streams its columns' weights; float8 inputs go straight
+# per SM at most, K split at most, K tiles a program at least), from sweeps on an H200
+# (benchmarks/quant_gpu.py --sections tiles; int4_row: benchmarks/results/quant_gpu/
+# int4_one_row/). Each program streams its columns' weights; float8 inputs go straight
 # to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
-# narrow ones; 4-bit tiles are bound by unpacking and want many programs.
-FEW_ROW_TILES = {"w8a8": (128, 128, 4, 2, 16), "w8a16": (32, 128, 4, 4, 16), "w4a16": (64, INT4_CHUNK, 2, 14, 8)}
+# narrow ones; 4-bit tiles want many programs, and one row's most of all.
+FEW_ROW_TILES = {"w8a8": (128, 128, 4, 2, 16, 4), "w8a16": (32, 128, 4, 4, 16, 4),
+                 "w4a16": (64, INT4_CHUNK, 2, 14, 8, 4), "w4a16_row": (128, INT4_CHUNK, 3, 14, 16, 2)}
 
 
 @functools.cache
@@ -216,8 +265,8 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
         smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
     else:  # the interpreter
         sms, smem = 4, 1 << 30
-    bytes_per_weight = 0.5 if kind == "w4a16" else 1
-    block_n, deepest, stages, per_sm, most = FEW_ROW_TILES[kind] if few else (128, 256, 4, 2, 1)
+    bytes_per_weight = 0.5 if kind.startswith("w4a16") else 1
+    block_n, deepest, stages, per_sm, most, fewest = FEW_ROW_TILES[kind] if few else (128, 256, 4, 2, 1, 4)
     if not few:
         while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
             block_n //= 2
@@ -225,11 +274,11 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     block_k = deepest
     while block_k > 16 and (step % block_k or (block_m * 2 + block_n * bytes_per_weight) * block_k * stages > smem - 8192):
         block_k //= 2
-    if kind == "w4a16":
+    if kind.startswith("w4a16"):
         block_k = INT4_CHUNK
     split = 1
     while (split < most and triton.cdiv(n, block_n) * split * 2 <= per_sm * sms
-           and triton.cdiv(k, block_k * split * 2) >= 4):
+           and triton.cdiv(k, block_k * split * 2) >= fewest):
         split *= 2
     return Tiles(block_m, block_n, block_k, split, 4, stages)
 
@@ -310,7 +359,10 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         return (packed, scales, zeros, bias if bias is not None else scales, part, x2.shape[0], n, k, k_split,
                 x2.stride(0), packed.stride(0), scales.stride(0), stride_om, stride_os, group)
 
-    return _launch(_int4_kernel, "w4a16", x, n, k, INT4_CHUNK, x.dtype, args,
+    # One row (a decode step) runs without tensor cores, unless a row must not depend on its batch.
+    one_row = x.numel() == k and not invariant
+    return _launch(_int4_row_kernel if one_row else _int4_kernel, "w4a16_row" if one_row else "w4a16", x, n, k,
+                   INT4_CHUNK, x.dtype, args,
                    lambda t: {"TILE_IN_GROUP": group % INT4_CHUNK == 0 or group >= k}, bias, invariant, tiles)
 
 

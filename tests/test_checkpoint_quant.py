@@ -323,12 +323,23 @@ def _quantize_groups(x: torch.Tensor, group: int):
 @pytest.mark.parametrize("group", [32, 128, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [False, True], ids=["planned", "split"])
-def test_the_int4_gemm_computes_its_reference(group, dtype, split):
+def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
     """The Triton W4A16 GEMM against (q − z) · s rounded to the activations' dtype, then
     matmul in fp64; groups of 32, 128 or all of K (K tiles over several groups, or within
-    one); tails in N; with the planned tiles and with K split among programs."""
+    one); tails in N; with the planned tiles and with K split among programs. One row
+    goes through the one-row kernel (no tensor cores), more through the tiled one."""
     from specserve.kernels import quant_matmul
 
+    class Launches:
+        def __init__(self, kernel):
+            self.kernel, self.count = kernel, 0
+
+        def __getitem__(self, grid):
+            self.count += 1
+            return self.kernel[grid]
+
+    one_row = Launches(quant_matmul._int4_row_kernel)
+    monkeypatch.setattr(quant_matmul, "_int4_row_kernel", one_row)
     g = torch.Generator().manual_seed(3)
     for n, k in SHAPES:
         size = group or k
@@ -346,6 +357,8 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split):
             want = want + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
             assert got.dtype == dtype and err <= (BF16_TOLERANCE if dtype == torch.bfloat16 else 1e-5), (n, k, rows, err)
+            assert one_row.count == (rows == 1), rows
+            one_row.count = 0
 
 
 @pytest.mark.parametrize("group, static", [(48, None), (64, None), (10_000, None), (10_000, 0.004)])

@@ -1,0 +1,21 @@
+#!/bin/bash
+# 4-bit one-row kernel: CUDA tests, then the 8B-shape decode step, new (this tree) against base (the tarball)
+nvidia-smi --query-gpu=name --format=csv,noheader
+mkdir -p /root/base && tar xzf device_carry_q3/base.tar.gz -C /root/base
+for R in $PWD /root/base; do (cd $R && ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts); done
+T0=$(date +%s)
+PYTHONPATH=$PWD timeout 150 python -m pytest -q -x -p no:cacheprovider tests/test_checkpoint_quant.py -k "int4_gemm or row_does" 2>&1 | tail -3
+echo "tests took $(( $(date +%s) - T0 )) s"
+run() {  # label root
+  (cd $2 && PYTHONPATH=$2 timeout 100 python benchmarks/quant_gpu.py --sections decode --reps 30 --json $OUT/decode_$1.json > $OUT/decode_$1.log 2>&1)
+  grep '"decode"' $OUT/decode_$1.log | python -c "
+import sys, json
+for l in sys.stdin:
+    r = json.loads(l[l.index('{'):])
+    print('$1', r['scheme'], r['step_ms'], r['floor_ms'], r['vs_floor'], r['verify_1_plus_4_ms'])"
+  echo "$1 done at $(( $(date +%s) - T0 )) s"
+}
+run new1 $PWD
+run base1 /root/base
+run base2 /root/base
+run new2 $PWD
