@@ -11,8 +11,11 @@
   zero point per row and group of ``G`` inputs (AWQ's and GPTQ's asymmetric form;
   symmetric GPTQ is zero 8). The tile is dequantised in fp32, ``(q − z) · s``, exact,
   rounded to the activations' dtype (what a dequantised copy of the weights would hold)
-  and multiplied there. A single row (outside ``invariant``) goes through
-  ``_int4_row_kernel`` instead: CUDA-core products in fp32, the weights never rounded.
+  and multiplied there.
+
+A single row (a decode step's, outside ``invariant``) of W8A16 or 4-bit goes through
+``_fp8_row_kernel`` or ``_int4_row_kernel`` instead: products on the CUDA cores in fp32,
+the weights never rounded.
 
 Tiles along N and K depend on the weight's shape and the GPU. At a decode step's few rows
 one column tile per program leaves most SMs idle, or each with too few bytes in flight, so
@@ -76,6 +79,35 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLI
             part = part * xs[:, None]
         acc += part * ws[None, :]
     _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+                    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
+                    AK, BN, BK,
+                    A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
+    widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
+    sums along K, a K tile at a time, scaled by the weights' block. (Float8 inputs keep
+    ``_fp8_kernel``: they go to the tensor cores as they are, which measured faster.)"""
+    row = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_valid = rn < N
+    k_start = tl.program_id(2) * K_SPLIT
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        k_valid = (k0 + rk) < K
+        a = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k_valid, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :],
+                    mask=n_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        ws = tl.load(ws_ptr + (rn // BN).to(tl.int64) * stride_wsn + k0 // BK, mask=n_valid, other=0.0)
+        acc += tl.sum(b * a[None, :], axis=1) * ws
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
+             mask=n_valid)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -244,7 +276,8 @@ INT4_CHUNK = 128  # inputs per packed K tile of a 4-bit weight
 # to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
 # narrow ones; 4-bit tiles want many programs, and one row's most of all.
 FEW_ROW_TILES = {"w8a8": (128, 128, 4, 2, 16, 4), "w8a16": (32, 128, 4, 4, 16, 4),
-                 "w4a16": (64, INT4_CHUNK, 2, 14, 8, 4), "w4a16_row": (128, INT4_CHUNK, 3, 14, 16, 2)}
+                 "w4a16": (64, INT4_CHUNK, 2, 14, 8, 4), "w4a16_row": (128, INT4_CHUNK, 3, 14, 16, 2),
+                 "w8a16_row": (64, 128, 3, 14, 16, 2)}
 
 
 @functools.cache
@@ -339,7 +372,10 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
                 x2.shape[0], n, k, k_split, x2.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0),
                 stride_om, stride_os, act_group, bn, bk)
 
-    return _launch(_fp8_kernel, "w8a8" if x_scale is not None else "w8a16", x, n, k, step, out_dtype, args,
+    # One row of W8A16 (a decode step) runs without tensor cores, unless a row must not depend on its batch.
+    one_row = x.numel() == k and not invariant and x_scale is None
+    kind = "w8a16_row" if one_row else "w8a8" if x_scale is not None else "w8a16"
+    return _launch(_fp8_row_kernel if one_row else _fp8_kernel, kind, x, n, k, step, out_dtype, args,
                    lambda t: {"A_FP8": x_scale is not None}, bias, invariant, tiles)
 
 

@@ -270,6 +270,17 @@ FP8_CASES = [  # (weight block, activations)
     ((32, 64), "group"), ((128, 128), "group"), ((1, None), "token"), ((1, None), None), ((64, 64), None)]
 
 
+class Launches:
+    """Counts a Triton kernel's launches (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
 def split_tiles(block_k: int):
     """Tiles that split K among 2 to 3 programs at the tests' shapes (CPU and CUDA)."""
     from specserve.kernels.quant_matmul import Tiles
@@ -280,21 +291,23 @@ def split_tiles(block_k: int):
 @pytest.mark.parametrize("block, activations", FP8_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [False, True], ids=["planned", "split"])
-def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split):
+def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, monkeypatch):
     """The Triton FP8 GEMM (interpreted on a CPU) against dequantise-then-matmul in fp64:
     block or per-row weight scales, float8 inputs per token or per token and group, or
     inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias; with the
     tiles planned for the shape and rows, and with K split among programs whose partial
-    sums are added after."""
+    sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores)."""
     from specserve.kernels import quant_matmul
 
+    one_row = Launches(quant_matmul._fp8_row_kernel)
+    monkeypatch.setattr(quant_matmul, "_fp8_row_kernel", one_row)
     g = torch.Generator().manual_seed(2)
     for n, k in SHAPES:
         if activations == "group" and k % block[1]:
             continue
         bk = block[1] or k
         weight = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (block[0], bk))
-        for rows, bias in ((1, None), (5, torch.randn(n, generator=g)), (33, None)):
+        for rows, bias in ((1, torch.randn(n, generator=g)), (5, torch.randn(n, generator=g)), (33, None)):
             x = torch.randn(rows, k, generator=g).to(dtype)
             if activations is None:
                 xq, xs, act_group = x, None, k
@@ -311,6 +324,8 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split):
             fp32_tolerance = 1e-3 if CUDA and activations else 1e-5  # float8 tensor-core sums
             assert got.dtype == dtype and err <= (BF16_TOLERANCE if dtype == torch.bfloat16 else fp32_tolerance), \
                 (n, k, rows, err)
+            assert one_row.count == (rows == 1 and activations is None), rows  # W8A16 only
+            one_row.count = 0
 
 
 def _quantize_groups(x: torch.Tensor, group: int):
@@ -329,14 +344,6 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
     one); tails in N; with the planned tiles and with K split among programs. One row
     goes through the one-row kernel (no tensor cores), more through the tiled one."""
     from specserve.kernels import quant_matmul
-
-    class Launches:
-        def __init__(self, kernel):
-            self.kernel, self.count = kernel, 0
-
-        def __getitem__(self, grid):
-            self.count += 1
-            return self.kernel[grid]
 
     one_row = Launches(quant_matmul._int4_row_kernel)
     monkeypatch.setattr(quant_matmul, "_int4_row_kernel", one_row)
