@@ -289,8 +289,8 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     memory holds; 4-bit tiles are one packed chunk.
 
     Few rows read each weight once for at most 16 rows: the step takes the weight's bytes
-    over the bandwidth if enough programs stream it, so K splits (each split keeping at
-    least four K tiles) until the programs reach the kind's count per SM. Many rows:
+    over the bandwidth if enough programs stream it, so K splits (each split keeping the
+    kind's fewest K tiles) until the programs reach the kind's count per SM. Many rows:
     column tiles narrow until the single row tile has about two programs per SM."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
