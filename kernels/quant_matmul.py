@@ -85,7 +85,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLI
 def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
                     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                     AK, BN, BK,
-                    A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
     widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
@@ -376,7 +376,7 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
     one_row = x.numel() == k and not invariant and x_scale is None
     kind = "w8a16_row" if one_row else "w8a8" if x_scale is not None else "w8a16"
     return _launch(_fp8_row_kernel if one_row else _fp8_kernel, kind, x, n, k, step, out_dtype, args,
-                   lambda t: {"A_FP8": x_scale is not None}, bias, invariant, tiles)
+                   lambda t: {} if one_row else {"A_FP8": x_scale is not None}, bias, invariant, tiles)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
