@@ -11,13 +11,14 @@ settings take turns over the rounds, as in ``adaptive_check.py``.
 
     python benchmarks/step_records.py                                   # CPU, chat, 128 requests
     python benchmarks/step_records.py --device cuda --num-prompts 384 --num-kv-blocks 4096 --rounds 3
+    python benchmarks/step_records.py --device cuda --method draft_model --num-prompts 192
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-SETTINGS = {  # name -> engine kwargs beside n-gram speculation
+SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method``)
     "off": dict(speculative_method="none"),
     "fixed k": dict(speculative_adaptive=False),
     "adaptive": dict(),
@@ -33,13 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     add_turns_flags(parser, num_prompts=128)
     parser.set_defaults(workloads="chat")
     add_settings_flags(parser, SETTINGS)
+    parser.add_argument("--method", default="ngram", help="the speculation method of the fixed-k and "
+                        "adaptive settings (ngram, draft_model: the default model's built-in draft, ...)")
     args = parser.parse_args(argv)
     chosen = chosen_settings(parser, args, SETTINGS)
 
     from specserve import LLMEngine
     from specserve.bench.cli import describe_machine
 
-    common = engine_flags(args, speculative_method="ngram", num_speculative_tokens=args.k)
+    common = engine_flags(args, speculative_method=args.method, num_speculative_tokens=args.k)
     engines = {name: LLMEngine(**{**common, **SETTINGS[name]}) for name in chosen}
     recorders = {name: StepRecorder(engine) for name, engine in engines.items()}
     full_batch = int(0.9 * args.max_num_seqs)
