@@ -263,9 +263,12 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
                           num_stages=2, split_tokens=DETERMINISTIC_SPLIT_TOKENS)
     # Decode: one token per tile. Longer spans: up to 128 rows, so prefill tiles reuse each
     # K/V tile for many queries; decode rows in such a batch waste compute, not bandwidth.
+    # A tile holds as many query tokens as its rows allow, whatever the longest span: the
+    # tile size alone picks the compiled variant, so spans of every length (a draft's
+    # catch-ups, prompt chunks) share a few, compiled early, not in the middle of a run.
     block_m = max(16, triton.next_power_of_2(max_query_len * group))
     block_m = max(min(block_m, 128), triton.next_power_of_2(group))
-    block_q = max(1, min(block_m // group, max_query_len))
+    block_q = 1 if max_query_len <= 1 else max(1, block_m // group)
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
     if num_splits is None:
         wanted = triton.cdiv(2 * _num_sms(query.device), num_tiles * num_kv_heads)
@@ -341,7 +344,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(plan.num_splits), num_warps=4)
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4)
     return out
 
 

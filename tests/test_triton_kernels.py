@@ -192,9 +192,41 @@ def test_plan_splits_small_batches_not_large_ones():
     prefill = pa.plan_launch(shaped(4096, 32, 128), cache, 1, 4096, 4096)
     assert prefill.num_splits == 1 and prefill.block_m == 128 and prefill.block_q == 32
     verify = pa.plan_launch(shaped(40, 32, 128), cache, 8, 5, 1000)
-    assert verify.block_m == 32 and verify.block_q == 5 and verify.num_tiles == 40 // 5 + 8
+    assert verify.block_m == 32 and verify.block_q == 8 and verify.num_tiles == 40 // 8 + 8
     wide = pa.plan_launch(shaped(4096, 32, 128, dtype=F32), cache, 1, 4096, 4096)
     assert wide.block_n == 32  # fp32 K/V stages must fit in shared memory
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (32, 8), (8, 8)])
+def test_spans_of_any_length_share_a_few_kernel_variants(heads):
+    """What picks a compiled variant (the tile's query tokens, rows, keys and warps) takes
+    at most five values over every longest span from 1 to 300 tokens: a span length first
+    seen mid-run (a lazy draft's catch-up, a prompt chunk) finds its variant compiled by the
+    steps before it, instead of stalling its step for a compilation."""
+    num_heads, num_kv_heads = heads
+    cache = shaped(1000, 16, num_kv_heads, 64)
+    plans = [pa.plan_launch(shaped(n, num_heads, 64), cache, 1, n, 2000) for n in range(1, 301)]
+    variants = {(p.block_q, p.block_m, p.block_n, p.num_warps, p.num_stages) for p in plans}
+    assert len(variants) <= 5, sorted(variants)
+
+
+def test_kv_splits_of_any_count_share_one_reduce_variant(monkeypatch):
+    """The sum of KV splits compiles one variant for every split count (its split axis is
+    as wide as the most splits, masked), and is still exact at each count."""
+    reduce, widths = pa._reduce_splits_kernel, set()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                widths.add(kwargs["BLOCK_S"])
+                return reduce[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", Spy())
+    b = make_batch(MIXED_SPANS, 4, 2, 64, 16, F32)
+    for num_splits in (2, 3, 5, 9):
+        assert_close(triton_attention(b, 0.125, num_splits=num_splits), reference_attention(b, 0.125), F32)
+    assert len(widths) == 1, widths
 
 
 def test_paged_attention_rejects_bad_shapes():
