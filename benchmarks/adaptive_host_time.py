@@ -1,15 +1,18 @@
-"""Where an adaptive engine's extra host time goes: the plan (``draft_stopping=plan``)
-against a fixed k on the same prompts, with the speculator's and controller's methods
-wrapped by timers, in microseconds per engine step.
+"""Where an adaptive engine's extra host time goes: the plan (``draft_stopping=plan``, the
+GPU default) or drafting stopped by confidence (``--stopping confidence``, the CPU default)
+against a fixed k on the same prompts, with the speculator's, controller's, calibration
+map's and stopping rule's methods wrapped by timers, in microseconds per engine step.
 
 Batch 1, the default model and its built-in draft, held-out code and chat prompts with the
 chat template, greedy, up to ``--max-tokens`` new tokens, each engine twice in turn. Per
 engine: tokens/s, steps, wall time per step, the controller's smoothed plan time and step
 time and how many steps its last plan with drafts stood; then each wrapped method's time per
-step (calls, time per call). What the plan engine spends in ``Speculator.plan`` and
-``Speculator.observe`` beyond the fixed engine's is the controller's host time.
+step (calls, time per call). What the adaptive engine spends in ``Speculator.plan``,
+``Speculator.record`` and ``Speculator.observe`` beyond the fixed engine's is the
+controller's host time (and the stopping rule's, inside ``Speculator.propose``).
 
     python benchmarks/adaptive_host_time.py --device cuda [--prompts 6] [--k 4]
+    python benchmarks/adaptive_host_time.py --stopping confidence --k 1
 """
 from __future__ import annotations
 
@@ -41,13 +44,22 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=6, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="the fixed engine's k and the plan's cap")
+    parser.add_argument("--k", type=int, default=4, help="the fixed engine's k")
+    parser.add_argument("--stopping", choices=("plan", "confidence"), default="plan",
+                        help="the adaptive engine's draft_stopping (its cap: 4)")
     args = parser.parse_args()
 
     from specserve import LLM, SamplingParams
     from specserve import engine as engine_module
     from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
-    from specserve.spec import acceptance, controller, cost_model, speculator
+    from specserve.spec import (
+        acceptance,
+        calibration,
+        controller,
+        cost_model,
+        speculator,
+        stopping,
+    )
 
     totals = collections.defaultdict(lambda: [0, 0.0])
     for owner, name in ((engine_module.LLMEngine, "step"), (engine_module.LLMEngine, "_verify"),
@@ -57,14 +69,16 @@ def main() -> None:
                         (controller.DraftLengthController, "observe_step"),
                         (controller.DraftLengthController, "observe_goodput"),
                         (acceptance.AcceptanceEstimates, "apply_pending"), (controller, "plan_draft_lengths"),
-                        (cost_model.CostModel, "solve")):
+                        (cost_model.CostModel, "solve"), (speculator.Speculator, "_calibrate"),
+                        (calibration.ConfidenceCalibration, "observe"), (calibration.ConfidenceCalibration, "predict"),
+                        (calibration.ConfidenceCalibration, "best_case"), (stopping.DraftStop, "after")):
         wrap(owner, name, f"{getattr(owner, '__name__', '').rpartition('.')[2]}.{name}", totals)
     small = {"gpu_memory_utilization": 0.2} if args.device == "cuda" else {}
-    common = dict(device=args.device, max_num_seqs=8, max_model_len=4096, speculative_method="draft_model",
-                  num_speculative_tokens=args.k, **small)
-    engines = {"plan": LLM(draft_stopping="plan", **common), f"k={args.k}": LLM(speculative_adaptive=False, **common)}
-    sync = torch.cuda.synchronize if engines["plan"].engine.device.type == "cuda" else (lambda: None)
-    tokenizer = engines["plan"].engine.tokenizer
+    common = dict(device=args.device, max_num_seqs=8, max_model_len=4096, speculative_method="draft_model", **small)
+    engines = {args.stopping: LLM(draft_stopping=args.stopping, num_speculative_tokens=4, **common),
+               f"k={args.k}": LLM(speculative_adaptive=False, num_speculative_tokens=args.k, **common)}
+    sync = torch.cuda.synchronize if engines[args.stopping].engine.device.type == "cuda" else (lambda: None)
+    tokenizer = engines[args.stopping].engine.tokenizer
     for kind in ("code", "chat"):
         prompts = chat_prompts(tokenizer, held_out_prompts(kind, args.prompts))
         for llm in engines.values():  # warm-up

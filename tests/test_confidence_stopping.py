@@ -86,6 +86,41 @@ def test_the_map_stays_monotone_when_its_data_is_not():
     assert row[1] == pytest.approx(row[8])
 
 
+def test_the_map_is_remade_step_by_step_as_a_whole_remake_would_make_it():
+    """Steps of a few tokens each (kinds, depths, confidences on and around the bins'
+    edges, at 0 and 1): the map remade row by row after each, and its predictions, equal
+    bit for bit a map made whole from every observation in arrays (a straightforward
+    reference of the same rule)."""
+    from specserve.spec.calibration import DEPTHS, FORGET, PRIOR_WEIGHT, _monotone
+
+    rng = np.random.default_rng(7)
+    cal, total = ConfidenceCalibration(), 0
+    seen, hits = np.zeros((2, DEPTHS, len(EDGES) - 1)), np.zeros((2, DEPTHS, len(EDGES) - 1))
+    points = np.concatenate([EDGES, EDGES[1:-1] - 1e-12, rng.uniform(0, 1, 50)])
+    for step in range(300):
+        n = int(rng.integers(0, 9))
+        greedy, depth = rng.uniform(size=n) < 0.7, rng.integers(0, 6, n)
+        conf, accepted = rng.choice(points, n), rng.uniform(size=n) < 0.6
+        cal.observe(greedy.tolist(), depth.tolist(), conf.tolist(), accepted.tolist())
+        total += n
+        kinds, depths = np.where(greedy, 0, 1), np.minimum(depth, DEPTHS - 1)
+        counts = np.zeros((2, DEPTHS))
+        np.add.at(counts, (kinds, depths), 1.0)
+        seen *= (FORGET ** counts)[:, :, None]
+        hits *= (FORGET ** counts)[:, :, None]
+        index = (kinds, depths, ConfidenceCalibration.bins(conf))
+        np.add.at(seen, index, 1.0)
+        np.add.at(hits, index, accepted.astype(float))
+        if step % 7 == 0 or step > 290:
+            weight = seen + PRIOR_WEIGHT
+            raw = (hits + PRIOR_WEIGHT * cal.prior) / weight
+            want = np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)] for k in range(2)])
+            assert np.array_equal(cal.table, want), step
+            assert np.array_equal(cal.predict(True, 2, points), want[0, 2][ConfidenceCalibration.bins(points)])
+            assert cal.describe()["greedy"]["acceptance"] == want[0].round(4).tolist()
+    assert cal.num_observed == total
+
+
 def rows(*caps: int, params: SamplingParams = GREEDY) -> list[ScheduledRequest]:
     return [ScheduledRequest(f"r{i}", [0], 10, [0], params, num_lookahead=k) for i, k in enumerate(caps)]
 

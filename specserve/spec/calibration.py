@@ -23,6 +23,8 @@ distribution; one that looks only at q keeps rejection sampling exact.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 # Bin edges over confidence; finer near 1, where a good draft's tokens gather.
@@ -31,10 +33,20 @@ NUM_BINS = len(EDGES) - 1
 DEPTHS = 4            # depths 0, 1, 2 and 3 or deeper (deeper ones behave alike given confidence)
 PRIOR_WEIGHT = 4.0    # observations the calibrated-draft prior is worth, per bin
 FORGET = 0.9995       # per observed token of a kind and depth: a half-life of ~1,400 tokens
+_EDGES = EDGES.tolist()
+
+
+def _bin(confidence: float) -> int:
+    """A confidence's bin (``ConfidenceCalibration.bins`` for one value)."""
+    return min(max(bisect_right(_EDGES, confidence) - 1, 0), NUM_BINS - 1)
 
 
 class ConfidenceCalibration:
-    """P(a draft token is accepted | all before it were, its confidence, its depth)."""
+    """P(a draft token is accepted | all before it were, its confidence, its depth).
+
+    It runs at every step of a drafting engine with a handful of tokens, so it works in
+    plain Python per token and keeps its monotone map, remaking only the rows (a kind of
+    request at a depth) that a step's tokens changed."""
 
     def __init__(self) -> None:
         centres = (EDGES[:-1] + EDGES[1:]) / 2
@@ -42,7 +54,8 @@ class ConfidenceCalibration:
         self.accepted = np.zeros((2, DEPTHS, NUM_BINS))  # [greedy?, depth, bin], forgetting weights
         self.seen = np.zeros((2, DEPTHS, NUM_BINS))
         self.num_observed = 0
-        self._table: np.ndarray | None = None  # the monotone map, made on first read after a change
+        self._table = self._made()  # the monotone map (the engine's thread only)
+        self._changed: set[tuple[int, int]] = set()  # its rows to make again before it is read
 
     @staticmethod
     def bins(confidence) -> np.ndarray:
@@ -55,36 +68,45 @@ class ConfidenceCalibration:
         one's request is greedy, its depth, confidence and whether it was accepted. A
         request's tokens count up to and including its first rejection (those past it
         were never judged)."""
-        greedy = np.asarray(greedy, dtype=bool)
-        if greedy.size == 0:
-            return
-        kinds, depths = np.where(greedy, 0, 1), np.minimum(np.asarray(depth), DEPTHS - 1)
-        counts = np.zeros((2, DEPTHS))
-        np.add.at(counts, (kinds, depths), 1.0)
-        decay = (FORGET ** counts)[:, :, None]  # each depth's row forgets by its own tokens
-        self.accepted *= decay
-        self.seen *= decay
-        index = (kinds, depths, self.bins(confidence))
-        np.add.at(self.seen, index, 1.0)
-        np.add.at(self.accepted, index, np.asarray(accepted, dtype=float))
-        self.num_observed += greedy.size
-        self._table = None
+        rows: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        for g, d, c, a in zip(greedy, depth, confidence, accepted):
+            rows.setdefault((0 if g else 1, min(int(d), DEPTHS - 1)), []).append((_bin(float(c)), float(a)))
+        for (kind, d), tokens in rows.items():
+            seen, hits = self.seen[kind, d], self.accepted[kind, d]  # views
+            decay = FORGET ** float(len(tokens))  # each row forgets by its own tokens
+            seen *= decay
+            hits *= decay
+            for b, a in tokens:
+                seen[b] += 1.0
+                hits[b] += a
+            self.num_observed += len(tokens)
+        self._changed.update(rows)
+
+    def _made(self, rows=None) -> np.ndarray:
+        """The monotone map made from the observations: every row, or ``rows`` of the
+        current map (a new array either way)."""
+        weight = self.seen + PRIOR_WEIGHT
+        raw = (self.accepted + PRIOR_WEIGHT * self.prior) / weight
+        if rows is None:
+            return np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)] for k in range(2)])
+        table = self._table.copy()
+        for k, d in rows:
+            table[k, d] = _monotone(raw[k, d], weight[k, d])
+        return table
 
     @property
     def table(self) -> np.ndarray:
         """``[2, DEPTHS, NUM_BINS]`` the acceptance predicted per bin (greedy, sampling),
         monotone in confidence."""
-        table = self._table  # (the server's metrics read it from another thread)
-        if table is None:
-            weight = self.seen + PRIOR_WEIGHT
-            raw = (self.accepted + PRIOR_WEIGHT * self.prior) / weight
-            table = self._table = np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)]
-                                            for k in range(2)])
-        return table
+        if self._changed:
+            self._table = self._made(self._changed)
+            self._changed = set()
+        return self._table
 
     def predict(self, greedy: bool, depth: int, confidence) -> np.ndarray:
         """The acceptance of tokens drafted at ``depth`` with these confidences."""
-        return self.table[0 if greedy else 1, min(depth, DEPTHS - 1)][self.bins(confidence)]
+        row = self.table[0 if greedy else 1, min(depth, DEPTHS - 1)]
+        return row[[_bin(c) for c in confidence]]
 
     def best_case(self, greedy: bool, max_k: int) -> np.ndarray:
         """``[max_k]`` per depth, the acceptance of the most confident drafts: what a plan
@@ -94,10 +116,11 @@ class ConfidenceCalibration:
 
     def describe(self) -> dict:
         """The map for ``/metrics`` and benchmark output: bin edges, and per kind and
-        depth the predicted acceptance and the (forgetting-weighted) observations per bin."""
-        table = self.table
+        depth the predicted acceptance and the (forgetting-weighted) observations per bin.
+        Made afresh (the server's metrics read it from another thread than the engine's)."""
+        table, seen = self._made(), self.seen.copy()
         return {"edges": EDGES.tolist(), "observed_tokens": self.num_observed,
-                **{kind: {"acceptance": table[i].round(4).tolist(), "observations": self.seen[i].round(1).tolist()}
+                **{kind: {"acceptance": table[i].round(4).tolist(), "observations": seen[i].round(1).tolist()}
                    for i, kind in enumerate(("greedy", "sampling"))}}
 
 
