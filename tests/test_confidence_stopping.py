@@ -93,6 +93,9 @@ def test_the_map_is_remade_step_by_step_as_a_whole_remake_would_make_it():
     reference of the same rule)."""
     from specserve.spec.calibration import DEPTHS, FORGET, PRIOR_WEIGHT, _monotone
 
+    def bins(confidence):  # each confidence's bin: the last edge at or below it, clipped to the bins
+        return np.clip(np.searchsorted(EDGES, confidence, side="right") - 1, 0, len(EDGES) - 2)
+
     rng = np.random.default_rng(7)
     cal, total = ConfidenceCalibration(), 0
     seen, hits = np.zeros((2, DEPTHS, len(EDGES) - 1)), np.zeros((2, DEPTHS, len(EDGES) - 1))
@@ -108,7 +111,7 @@ def test_the_map_is_remade_step_by_step_as_a_whole_remake_would_make_it():
         np.add.at(counts, (kinds, depths), 1.0)
         seen *= (FORGET ** counts)[:, :, None]
         hits *= (FORGET ** counts)[:, :, None]
-        index = (kinds, depths, ConfidenceCalibration.bins(conf))
+        index = (kinds, depths, bins(conf))
         np.add.at(seen, index, 1.0)
         np.add.at(hits, index, accepted.astype(float))
         if step % 7 == 0 or step > 290:
@@ -116,7 +119,7 @@ def test_the_map_is_remade_step_by_step_as_a_whole_remake_would_make_it():
             raw = (hits + PRIOR_WEIGHT * cal.prior) / weight
             want = np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)] for k in range(2)])
             assert np.array_equal(cal.table, want), step
-            assert np.array_equal(cal.predict(True, 2, points), want[0, 2][ConfidenceCalibration.bins(points)])
+            assert np.array_equal(cal.predict(True, 2, points), want[0, 2][bins(points)])
             assert cal.describe()["greedy"]["acceptance"] == want[0].round(4).tolist()
     assert cal.num_observed == total
 

@@ -37,7 +37,7 @@ _EDGES = EDGES.tolist()
 
 
 def _bin(confidence: float) -> int:
-    """A confidence's bin (``ConfidenceCalibration.bins`` for one value)."""
+    """A confidence's bin: the last edge at or below it (0 below 0, the last bin at 1)."""
     return min(max(bisect_right(_EDGES, confidence) - 1, 0), NUM_BINS - 1)
 
 
@@ -56,12 +56,6 @@ class ConfidenceCalibration:
         self.num_observed = 0
         self._table = self._made()  # the monotone map (the engine's thread only)
         self._changed: set[tuple[int, int]] = set()  # its rows to make again before it is read
-
-    @staticmethod
-    def bins(confidence) -> np.ndarray:
-        """Each confidence's bin."""
-        return np.clip(np.searchsorted(EDGES, np.asarray(confidence, dtype=float), side="right") - 1,
-                       0, NUM_BINS - 1)
 
     def observe(self, greedy, depth, confidence, accepted) -> None:
         """Verified draft tokens, flat (a step's, all requests together): whether each
@@ -82,16 +76,19 @@ class ConfidenceCalibration:
             self.num_observed += len(tokens)
         self._changed.update(rows)
 
+    def _row(self, kind: int, depth: int) -> np.ndarray:
+        """One row of the map (a kind of request at a depth), made from its observations."""
+        weight = self.seen[kind, depth] + PRIOR_WEIGHT
+        return _monotone((self.accepted[kind, depth] + PRIOR_WEIGHT * self.prior[kind, depth]) / weight, weight)
+
     def _made(self, rows=None) -> np.ndarray:
         """The monotone map made from the observations: every row, or ``rows`` of the
         current map (a new array either way)."""
-        weight = self.seen + PRIOR_WEIGHT
-        raw = (self.accepted + PRIOR_WEIGHT * self.prior) / weight
         if rows is None:
-            return np.array([[_monotone(raw[k, d], weight[k, d]) for d in range(DEPTHS)] for k in range(2)])
+            return np.array([[self._row(k, d) for d in range(DEPTHS)] for k in range(2)])
         table = self._table.copy()
         for k, d in rows:
-            table[k, d] = _monotone(raw[k, d], weight[k, d])
+            table[k, d] = self._row(k, d)
         return table
 
     @property
