@@ -33,6 +33,10 @@ SPEED_SETTINGS = {
     "off": ({}, {}),
     "ngram k=4": ({"speculative_method": "ngram", "speculative_adaptive": False}, {}),
     "ngram adaptive": ({"speculative_method": "ngram"}, {}),
+    "draft k=1": ({"speculative_method": "draft_model", "speculative_adaptive": False,
+                   "num_speculative_tokens": 1}, {}),
+    "draft k=2": ({"speculative_method": "draft_model", "speculative_adaptive": False,
+                   "num_speculative_tokens": 2}, {}),
     "draft k=4": ({"speculative_method": "draft_model", "speculative_adaptive": False}, {}),
     "draft adaptive": ({"speculative_method": "draft_model"}, {}),
 }

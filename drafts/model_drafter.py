@@ -300,9 +300,16 @@ class ModelDrafter:
         rank = {i: r for r, i in enumerate(order)}
         lengths = [session.kept[rank[i]] if i in rank else 0 for i in range(len(scheduled))]
         draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns, lengths)
+        dropped: list[tuple[int, int, float] | None] = [None] * len(scheduled)
+        depths = {miss[0] for miss in session.dropped if miss is not None}
+        if depths:  # their tokens, from the device (a CPU's, where drafting stops by confidence)
+            tokens = {d: columns[d].tolist() for d in depths}
+            for r, miss in enumerate(session.dropped):
+                if miss is not None:
+                    dropped[order[r]] = (miss[0], tokens[miss[0]][r], miss[1])
         return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
-                             session.passes, goodput=session.gain / session.time)
+                             session.passes, dropped, goodput=session.gain / session.time)
 
     def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """A draft tree's material, in one copy to the host: the proposals themselves, and

@@ -147,7 +147,7 @@ def test_uninformative_confidence_where_tokens_are_dear_stops_at_depth_zero():
     cal = learned_everywhere(lambda c: np.full_like(c, 0.3))  # confidence says nothing: 30% whatever it is
     stop = StopRule(cal, COMPUTE_BOUND, 1, Everyone()).begin(rows(6))
     assert drive(stop, [[0.99]] * 6) == [0]
-    assert stop.passes == 1 and stop.confidence == [[]]
+    assert stop.passes == 1 and stop.confidence == [[]] and stop.dropped == [(0, 0.99)]
 
 
 def test_confident_drafts_where_tokens_are_cheap_go_to_the_plan():
@@ -159,6 +159,17 @@ def test_confident_drafts_where_tokens_are_cheap_go_to_the_plan():
     # it keeps two and stops.
     stop = StopRule(cal, MEMORY_BOUND, 1, Everyone()).begin(rows(6))
     assert drive(stop, [[0.99], [0.99], [0.3], [0.99], [0.99], [0.99]]) == [2]
+
+
+def test_the_spent_first_pass_is_part_of_the_steps_time():
+    """A first draft pays if its chance covers its verify cost at the step's goodput, and the
+    step's time includes the first draft pass, already run: a 34 % draft pays (0.34 >=
+    4 / 16) where it would not against the step without the pass (4 / 10); a 16 % one
+    does not."""
+    prices = Prices(fixed=0.010, token=0.004, span=0.0, padded_token=0.0, draft_pass=0.006, draft_token=0.0)
+    for acceptance, kept in ((0.34, [1]), (0.16, [0])):
+        cal = learned_everywhere(lambda c, a=acceptance: np.full_like(c, a))
+        assert drive(StopRule(cal, prices, 1, Everyone()).begin(rows(1)), [[0.5]]) == kept, acceptance
 
 
 def test_requests_the_controller_did_not_choose_draft_what_they_planned():
@@ -173,6 +184,7 @@ def test_a_batch_stops_row_by_row():
     # Row 1 is unsure from depth 1, row 2 reaches its cap, row 0 goes on.
     assert drive(stop, [[0.99, 0.99, 0.99], [0.99, 0.2, 0.99], [0.99, 0.99, 0.99],
                         [0.99, 0.99, 0.99], [0.99, 0.99, 0.99]]) == [5, 1, 3]
+    assert stop.dropped == [None, (1, 0.2), None]  # the draft row 1 did not keep; the others reached their caps
 
 
 # ------------------------------------------------------------------ in the engine
@@ -240,6 +252,38 @@ def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     if any(stops):  # drafting paid on this machine's step times: the rule ran and the map learned
         assert controller.calibration.num_observed > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_the_map_learns_from_the_drafts_the_rule_drops(tiny_model_dir, unsure):
+    """A draft the rule drops is never verified, but where every draft kept before it was
+    accepted, a greedy request's next token is the target's choice at its position: the
+    map learns whether it would have been accepted. Here every first draft is dropped
+    (tokens priced out), so nothing is verified, and the draft (the target, sharpened) has
+    the target's argmax: every dropped greedy draft is learned as accepted, at depth 0, and
+    the output is plain greedy's. Sampled drafts are not learned from when dropped."""
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=unsure, num_speculative_tokens=3,
+                draft_stopping="confidence", **SMALL)
+    controller = llm.engine.speculator.controller
+    dear = dataclasses.replace(HALF, token=1e6)
+
+    def choose(caps, *args, **kwargs):  # every request drafts its cap, under the dear rule
+        controller.stop = StopRule(controller.calibration, dear, len(caps), Everyone())
+        return dict(caps)
+
+    controller.choose = choose
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_stats.num_drafts == 0  # nothing verified
+    cal = controller.calibration
+    assert cal.seen[0, 0].sum() > 0 and np.allclose(cal.accepted[0, 0], cal.seen[0, 0])
+    assert cal.seen[0, 1:].sum() == 0 and cal.seen[1].sum() == 0
+    observed = cal.num_observed
+    llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert cal.num_observed == observed and cal.seen[1].sum() == 0
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 

@@ -13,10 +13,12 @@ MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or
 COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than the fixed part
 
 
-def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, forks=()) -> DraftLengthController:
+def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, forks=(),
+               confidence=False) -> DraftLengthController:
     """``pad``: cost per token of the padded shape a graph replays (every request padded to
-    the longest query); ``forks``: further draft paths (``DraftPaths.forks``)."""
-    ctl = DraftLengthController(max_k, forks=forks)
+    the longest query); ``forks``: further draft paths (``DraftPaths.forks``);
+    ``confidence``: the drafter stops token by token (a calibration map)."""
+    ctl = DraftLengthController(max_k, forks=forks, confidence=confidence)
     for tokens, spans, padded, reqs in ((1, 0, 1, 1), (5, 1, 5, 1), (8, 0, 8, 8), (40, 8, 40, 8), (12, 1, 40, 8),
                                         (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),
                                         (100, 3, 128, 32)):
@@ -722,6 +724,31 @@ def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(
     assert serve("r", 1, 41) == [step for step in want if step <= 40]
     ctl.free("r")
     assert serve("next", 2, 3) == [0, 2]
+
+
+def test_where_the_drafter_stops_by_confidence_a_plan_stands_longest_and_keeps_no_estimates():
+    """With a calibration map the plan is the most each request may draft, from the map's
+    best case: it keeps no per-request estimates (nothing would read them) and a plan with
+    drafts stands DRAFT_REPLAN_MAX steps from the first, however cheap; a request new to it
+    is still planned at once."""
+    from specserve.spec.controller import DRAFT_REPLAN_MAX
+
+    ctl = controller(confidence=True, **MEMORY_BOUND)
+    ctl.check_goodput = False
+    assert ctl.calibration is not None and ctl.estimates is None
+
+    def serve(req_id, joined, steps):
+        planned = []
+        for _ in range(steps):
+            assert ctl.choose({req_id: 4}, joined=joined) == {req_id: 4}
+            planned.append(ctl.wants_step_cost)
+            ctl.observe_acceptance(req_id, DraftOutcome(4, 4, 4))
+            ctl.observe_goodput(5, 0.01)
+        return [i for i, p in enumerate(planned) if p]
+
+    assert serve("r", 1, 40) == list(range(0, 40, DRAFT_REPLAN_MAX))
+    ctl.free("r")
+    assert serve("next", 2, 3) == [0]
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():

@@ -8,7 +8,10 @@ P(accepted | the tokens before it were accepted, confidence, depth) from every v
 draft token (each is an outcome, so what it learns does not depend on which steps chose
 to draft), in bins of confidence per depth, separately for greedy and sampling requests
 (a sampled draft is accepted with probability min(1, p/q), not when it is the target's
-argmax).
+argmax). A greedy request's first draft that the stopping rule dropped teaches it too,
+where every draft kept before it was accepted: the target's next token says whether it
+would have been (``Speculator._calibrate``). Else the bins the rule drops from would
+learn only from the few drafts it kept there, and a bin predicted too low would stay so.
 
 Each bin starts from a prior that the draft is calibrated (its acceptance is its
 confidence), worth ``PRIOR_WEIGHT`` observations, and forgets old outcomes

@@ -10,7 +10,9 @@ each kind of step (same padding, prefill or not, batch size within a factor of t
 keeps its plan for a few of its steps (``StandingPlan``), longer while it drafts nothing,
 and only freshly planned steps are timed for the cost model. A plan with drafts stands
 ``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
-of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it.
+of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it;
+``DRAFT_REPLAN_MAX`` where the drafter stops token by token by its confidence, which then
+decides what the plan only bounds.
 """
 from __future__ import annotations
 
@@ -80,7 +82,9 @@ class DraftLengthController:
         self.stop: StopRule | None = None  # the last choice's stopping rule (None: drafts as planned)
         # Draft paths per request at k = 0..max_k (1 at k = 0: none but its own).
         self._paths = np.array([1 + sum(depth < k for depth, _ in forks) for k in range(max_k + 1)])
-        self.estimates = AcceptanceEstimates(max_k, len(forks) + 1)
+        # Per-request acceptance, what the plan reads without a map (with one it reads the
+        # map's best case, and the drafter judges each token): not kept where unread.
+        self.estimates = AcceptanceEstimates(max_k, len(forks) + 1) if self.calibration is None else None
         self.costs = StepCosts(first_draft_in_catch_up)
         self.unforked: set[str] = set()  # the last choice's requests to verify their own path only
         self.min_gain = min_gain
@@ -93,7 +97,10 @@ class DraftLengthController:
         self._clock = 0.0            # seconds of steps observed (observe_goodput), all kinds together
         self.idle_replan = IDLE_REPLAN      # a plan without drafts stands for this many steps
         self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
-        self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many at least,
+        # and one with drafts for this many at least; where the drafter stops token by
+        # token, the plan is only the most each request may draft, from the map's best
+        # case (no per-request estimates to follow), and stands longest.
+        self.draft_replan = DRAFT_REPLAN if self.calibration is None else DRAFT_REPLAN_MAX
         self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
         self.timer = time.perf_counter      # times the plans
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
@@ -126,7 +133,8 @@ class DraftLengthController:
             last.check.observe(last.drafted, last.checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
-        self.estimates.observe(req_id, outcome)
+        if self.estimates is not None:
+            self.estimates.observe(req_id, outcome)
 
     def observe_confidence(self, greedy, depth, confidence, accepted) -> None:
         """Verified draft tokens, flat: the calibration map learns from each
@@ -135,13 +143,15 @@ class DraftLengthController:
             self.calibration.observe(greedy, depth, confidence, accepted)
 
     def acceptance(self, req_id: str) -> np.ndarray:
+        """The request's acceptance per position as the plan reads it (without a map)."""
         return self.estimates.acceptance(req_id)
 
     def set_estimates(self, req_id: str, alpha, rate: float) -> None:
         self.estimates.set(req_id, alpha, rate)
 
     def free(self, req_id: str) -> None:
-        self.estimates.free(req_id)
+        if self.estimates is not None:
+            self.estimates.free(req_id)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
@@ -168,7 +178,8 @@ class DraftLengthController:
             return dict(caps)
         self._steps_since_plan += 1
         self._choices += 1
-        self.estimates.new_step()
+        if self.estimates is not None:
+            self.estimates.new_step()
         regime = (padded, num_other_tokens > 0, len(caps).bit_length())
         check = self.checks.get(regime)
         if check is None:
@@ -271,13 +282,9 @@ class DraftLengthController:
         if callable(context):
             context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
-        estimates = self.estimates
-        estimates.drift_priors(steps)
         req_ids = list(caps)
-        rows = estimates.rows(req_ids)
         num_reqs = len(req_ids)
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), self.max_k)
-        estimates.drift_idle(rows, steps)  # not observed since the last plan: trusted a little less
         theta = self.costs.target.theta
         d, e = self.costs.draft.theta
         prices = Prices(
@@ -287,15 +294,21 @@ class DraftLengthController:
             draft_pass=d, draft_token=e)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
             if forkable and self._paths[-1] > 1 else None
-        alpha, rate = estimates.alpha[rows], estimates.rate[rows]
-        if self.calibration is not None:
+        estimates = self.estimates
+        if estimates is None:  # the map's best case: the drafter stops where its tokens are less sure
             best = [self.calibration.best_case(greedy, self.max_k) for greedy in (True, False)]
             alpha = np.array([best[r not in forkable] for r in req_ids]).reshape(num_reqs, self.max_k)
-            rate = np.ones(num_reqs)
+            rate, path_gain = np.ones(num_reqs), None
+        else:
+            estimates.drift_priors(steps)
+            rows = estimates.rows(req_ids)
+            estimates.drift_idle(rows, steps)  # not observed since the last plan: trusted a little less
+            alpha, rate, path_gain = estimates.alpha[rows], estimates.rate[rows], estimates.path_gain
         k, chain_only = plan_draft_lengths(
             alpha, rate, cap, prices, self.costs.drafter_passes(np.arange(self.max_k + 1)), self.min_gain,
-            self._paths, estimates.path_gain, can_fork)
-        estimates.idle[rows] = (k == 0) & (cap > 0)
+            self._paths, path_gain, can_fork)
+        if estimates is not None:
+            estimates.idle[rows] = (k == 0) & (cap > 0)
         if chain_only is None:
             return k, set(), prices
         return k, {req_ids[i] for i in np.flatnonzero(chain_only)}, prices

@@ -34,6 +34,9 @@ class DraftProposal:
     # and the drafter's passes run (the first included); None: every planned draft proposed.
     confidence: list[list[float]] | None = None
     num_passes: int | None = None
+    # And per request the first draft the rule did not keep, (depth, token, confidence), or
+    # None: its target token tells the calibration map whether it would have been accepted.
+    dropped: list[tuple[int, int, float] | None] | None = None
     # The stopping rule's expected goodput of the step as drafted (emitted tokens per
     # second), which further tree nodes must pay at; None without one.
     goodput: float | None = None

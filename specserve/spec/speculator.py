@@ -59,6 +59,7 @@ class Drafts:
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
     depth: int | None = None                 # drafter passes run where a stopping rule cut them short
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
+    dropped: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # req_id -> (depth, token, confidence)
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> its grammar-forced drafts
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> its grammar's row masks
     # Draft trees (spec/tree.py): the step as the sampler and the scheduler see it, each
@@ -281,6 +282,8 @@ class Speculator:
             drafts.grown = self.trees.grow(scheduled, proposal.candidates, budget, threshold, cut=drafts.cut)
         if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
             drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
+            if proposal.dropped is not None:
+                drafts.dropped = {p.req_id: d for p, d in zip(scheduled.scheduled, proposal.dropped) if d is not None}
             drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
             drafts.drafted = any(drafts.lookahead)
             drafts.depth = proposal.num_passes
@@ -360,8 +363,8 @@ class Speculator:
         are counted apart and teach the controller nothing. Then the requests that
         finished are forgotten."""
         controller, paths, trees = self.controller, drafts.paths, drafts.trees
-        if drafts.confidence and controller is not None:
-            self._calibrate(drafts.confidence, updates, trees)
+        if (drafts.confidence or drafts.dropped) and controller is not None:
+            self._calibrate(drafts.confidence, drafts.dropped, updates, trees)
         if trees:
             self.tree_size_counts.update(tree.nodes - tree.chain for tree in trees.values())
         for update in updates:
@@ -386,24 +389,35 @@ class Speculator:
             if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
                 self.free(update.req.req_id)  # its last observation is queued: forget it
 
-    def _calibrate(self, confidence: dict[str, list[float]], updates: list[RequestUpdate],
-                   trees: dict[str, TreeOutcome]) -> None:
+    def _calibrate(self, confidence: dict[str, list[float]], dropped: dict[str, tuple[int, int, float]],
+                   updates: list[RequestUpdate], trees: dict[str, TreeOutcome]) -> None:
         """The calibration map learns from every verified draft token: per request, the
         accepted ones and the first rejected one (those after it were never judged). A
-        tree's chain is judged, not the path its verification followed."""
+        tree's chain is judged, not the path its verification followed. And from the
+        first draft the stopping rule dropped, where the request is greedy and every draft
+        it kept was accepted: its next token is the target's choice at that draft's
+        position. Without it the map would learn only from the drafts it kept, and a bin
+        it predicts too low would never be verified to say so."""
         greedy, depth, seen, accepted = [], [], [], []
         for update in updates:
-            drafted = confidence.get(update.req.req_id)
-            if not drafted:
+            req_id = update.req.req_id
+            drafted, miss = confidence.get(req_id, ()), dropped.get(req_id)
+            if not drafted and miss is None:
                 continue
             num_accepted, proposed = update.num_accepted, update.num_draft_tokens
-            if (tree := trees.get(update.req.req_id)) is not None:
-                num_accepted, proposed = min(num_accepted, tree.prefix), tree.chain
+            if (tree := trees.get(req_id)) is not None:
+                num_accepted, proposed, miss = min(num_accepted, tree.prefix), tree.chain, None
             judged = min(num_accepted + 1, proposed, len(drafted))
             greedy += [update.req.params.greedy] * judged
             depth += range(judged)
             seen += drafted[:judged]
             accepted += [j < num_accepted for j in range(judged)]
+            if miss is not None and update.req.params.greedy and num_accepted == proposed == miss[0] \
+                    and len(update.new_token_ids) > proposed:
+                greedy.append(True)
+                depth.append(miss[0])
+                seen.append(miss[2])
+                accepted.append(update.new_token_ids[proposed] == miss[1])
         self.controller.observe_confidence(greedy, depth, seen, accepted)
 
     def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:

@@ -8,7 +8,9 @@ model and the calibration map:
 * **Keep a drafted token** if its chance of being emitted, P = the product of the
   calibrated acceptance of it and every kept token before it, pays for what verifying
   it costs at the step's goodput so far: P >= G * (token [+ span for a first draft]),
-  G = expected emitted tokens / expected step time. A depth no request kept before
+  G = expected emitted tokens / expected step time. That time counts the drafter's first
+  pass: it is spent before any choice and paid even by a step that drops its drafts, so
+  leaving it out overstates G and drops drafts that pay. A depth no request kept before
   also pads every request on a padded pass; the tokens kept there pay for that together.
 * **Run one more pass** for the requests whose next token would pay: its chance is
   estimated as P times this token's calibrated acceptance (confidence runs in streaks),
@@ -57,8 +59,13 @@ class DraftStop:
         self.going = [cap > 0 for cap in self.caps]
         self.chance = [1.0] * len(rows)   # P(every kept draft is accepted)
         self.confidence: list[list[float]] = [[] for _ in rows]
+        # The first draft it drafted and did not keep: (depth, confidence), or None. Where
+        # every kept draft is accepted, a greedy request's next token says whether this one
+        # would have been (``Speculator._calibrate``), so the map learns where it drops too.
+        self.dropped: list[tuple[int, float] | None] = [None] * len(rows)
         self.gain = float(rule.num_reqs)  # expected emitted tokens of the step so far
-        self.time = max(rule.prices.fixed, 1e-9)  # its expected seconds so far
+        # Its expected seconds so far: the step without drafts and the first pass, spent.
+        self.time = max(rule.prices.fixed, 1e-9) + rule.prices.draft_pass + rule.prices.draft_token * len(rows)
         self.depth = 0                    # deepest kept draft so far
         self.passes = 1                   # drafter passes run (the first yields depth 0)
         self.judged = 0                   # depths judged so far
@@ -92,6 +99,7 @@ class DraftStop:
         for r in list(chances):
             if r not in keep:
                 self.going[r] = False
+                self.dropped[r] = (depth, confidence[r])
         for r in keep:
             self.kept[r] = depth + 1
             self.chance[r] = chances[r]
