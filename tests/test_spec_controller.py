@@ -726,11 +726,11 @@ def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(
     assert serve("next", 2, 3) == [0, 2]
 
 
-def test_where_the_drafter_stops_by_confidence_a_plan_stands_longest_and_keeps_no_estimates():
+def test_where_the_drafter_stops_by_confidence_a_lone_requests_plan_stands_longest_and_no_estimates_are_kept():
     """With a calibration map the plan is the most each request may draft, from the map's
-    best case: it keeps no per-request estimates (nothing would read them) and a plan with
-    drafts stands DRAFT_REPLAN_MAX steps from the first, however cheap; a request new to it
-    is still planned at once."""
+    best case: it keeps no per-request estimates (nothing would read them), and for a lone
+    request a plan with drafts stands DRAFT_REPLAN_MAX steps from the first, however cheap;
+    a request new to it is still planned at once. A batch's plans stand as without a map."""
     from specserve.spec.controller import DRAFT_REPLAN_MAX
 
     ctl = controller(confidence=True, **MEMORY_BOUND)
@@ -749,6 +749,13 @@ def test_where_the_drafter_stops_by_confidence_a_plan_stands_longest_and_keeps_n
     assert serve("r", 1, 40) == list(range(0, 40, DRAFT_REPLAN_MAX))
     ctl.free("r")
     assert serve("next", 2, 3) == [0]
+    ctl.timer = FakeClock(0.0)  # plans that cost nothing: a batch's stand DRAFT_REPLAN (2) steps
+    planned = []
+    for _ in range(6):
+        assert ctl.choose({"a": 4, "b": 4}, joined=4) == {"a": 4, "b": 4}
+        planned.append(ctl.wants_step_cost)
+        ctl.observe_goodput(10, 0.01)
+    assert [i for i, p in enumerate(planned) if p] == [0, 2, 4]
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():

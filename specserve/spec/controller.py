@@ -11,8 +11,8 @@ keeps its plan for a few of its steps (``StandingPlan``), longer while it drafts
 and only freshly planned steps are timed for the cost model. A plan with drafts stands
 ``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
 of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it;
-``DRAFT_REPLAN_MAX`` where the drafter stops token by token by its confidence, which then
-decides what the plan only bounds.
+``DRAFT_REPLAN_MAX`` for a lone request whose drafter stops token by token by its confidence
+(the plan then only bounds what the drafter decides).
 """
 from __future__ import annotations
 
@@ -97,10 +97,7 @@ class DraftLengthController:
         self._clock = 0.0            # seconds of steps observed (observe_goodput), all kinds together
         self.idle_replan = IDLE_REPLAN      # a plan without drafts stands for this many steps
         self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
-        # and one with drafts for this many at least; where the drafter stops token by
-        # token, the plan is only the most each request may draft, from the map's best
-        # case (no per-request estimates to follow), and stands longest.
-        self.draft_replan = DRAFT_REPLAN if self.calibration is None else DRAFT_REPLAN_MAX
+        self.draft_replan = DRAFT_REPLAN    # and one with drafts for this many at least,
         self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
         self.timer = time.perf_counter      # times the plans
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
@@ -258,13 +255,19 @@ class DraftLengthController:
             (not large or self._clock - standing.made_s >= self.idle_replan_s)
 
     def _stands(self, previous: StandingPlan | None, joined: int, batch: int) -> int:
-        """Steps a plan with drafts serves: ``draft_replan``, or as many as keep the plans'
-        host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``;
+        """Steps a plan with drafts serves: ``DRAFT_REPLAN_MAX`` for a lone request whose
+        drafter stops by confidence (the plan only bounds what the drafter decides, from the
+        map's best case, and its prices follow no batch); else ``draft_replan``, or as many
+        as keep the plans' host time at most ``plan_share`` of the steps' (smoothed), up to ``DRAFT_REPLAN_MAX``;
         but at most twice what the kind's ``previous`` plan served, and ``draft_replan`` for a
         batch mostly new since it (``joined``, as ``choose``'s): a new request's estimates
         move most in its first steps, so its plans are made again after 2, 4, 8, ... steps
         (where acceptance differs between requests, standing 16–32 steps at once left each
         request's first ~20 steps with the k planned from the engine-wide estimate)."""
+        if self.calibration is not None and batch == 1:
+            # Not under load: there plans standing this long drafted more and lost to off
+            # (made for other batches; and only planned steps teach the cost model).
+            return DRAFT_REPLAN_MAX
         if not self.plan_share or self._step_s <= 0:
             return self.draft_replan
         wanted = math.ceil(self._plan_s / (self.plan_share * self._step_s))
