@@ -707,23 +707,26 @@ def test_a_plan_with_drafts_stands_until_planning_is_a_small_share_of_its_steps(
     ctl = controller(**MEMORY_BOUND)
     ctl.check_goodput = False
     ctl.timer = FakeClock(plan_s)  # a plan: one tick between its two readings
-
-    def serve(req_id, joined, steps):
-        planned = []
-        for _ in range(steps):
-            assert ctl.choose({req_id: 4}, joined=joined) == {req_id: 4}
-            planned.append(ctl.wants_step_cost)
-            ctl.observe_acceptance(req_id, DraftOutcome(4, 4, 4))
-            ctl.observe_goodput(5, step_s)
-        return [i for i, p in enumerate(planned) if p]
-
     want, stand = [0, 2], 2  # the first plan, made before any step was timed, stands DRAFT_REPLAN steps
     while want[-1] < 40:
         stand = min(stands, 2 * stand)
         want.append(want[-1] + stand)
-    assert serve("r", 1, 41) == [step for step in want if step <= 40]
+    assert planned_steps(ctl, ["r"], 1, 41, step_s) == [step for step in want if step <= 40]
     ctl.free("r")
-    assert serve("next", 2, 3) == [0, 2]
+    assert planned_steps(ctl, ["next"], 2, 3, step_s) == [0, 2]
+
+
+def planned_steps(ctl, req_ids: list[str], joined: int, steps: int, step_s: float) -> list[int]:
+    """Serve ``steps`` steps of these requests (each drafting 4, all accepted, in ``step_s``
+    seconds): the steps the controller planned afresh."""
+    planned = []
+    for _ in range(steps):
+        assert ctl.choose(dict.fromkeys(req_ids, 4), joined=joined) == dict.fromkeys(req_ids, 4)
+        planned.append(ctl.wants_step_cost)
+        for req_id in req_ids:
+            ctl.observe_acceptance(req_id, DraftOutcome(4, 4, 4))
+        ctl.observe_goodput(5 * len(req_ids), step_s)
+    return [i for i, p in enumerate(planned) if p]
 
 
 def test_where_the_drafter_stops_by_confidence_a_lone_requests_plan_stands_longest_and_no_estimates_are_kept():
@@ -736,26 +739,11 @@ def test_where_the_drafter_stops_by_confidence_a_lone_requests_plan_stands_longe
     ctl = controller(confidence=True, **MEMORY_BOUND)
     ctl.check_goodput = False
     assert ctl.calibration is not None and ctl.estimates is None
-
-    def serve(req_id, joined, steps):
-        planned = []
-        for _ in range(steps):
-            assert ctl.choose({req_id: 4}, joined=joined) == {req_id: 4}
-            planned.append(ctl.wants_step_cost)
-            ctl.observe_acceptance(req_id, DraftOutcome(4, 4, 4))
-            ctl.observe_goodput(5, 0.01)
-        return [i for i, p in enumerate(planned) if p]
-
-    assert serve("r", 1, 40) == list(range(0, 40, DRAFT_REPLAN_MAX))
+    assert planned_steps(ctl, ["r"], 1, 40, 0.01) == list(range(0, 40, DRAFT_REPLAN_MAX))
     ctl.free("r")
-    assert serve("next", 2, 3) == [0]
+    assert planned_steps(ctl, ["next"], 2, 3, 0.01) == [0]
     ctl.timer = FakeClock(0.0)  # plans that cost nothing: a batch's stand DRAFT_REPLAN (2) steps
-    planned = []
-    for _ in range(6):
-        assert ctl.choose({"a": 4, "b": 4}, joined=4) == {"a": 4, "b": 4}
-        planned.append(ctl.wants_step_cost)
-        ctl.observe_goodput(10, 0.01)
-    assert [i for i, p in enumerate(planned) if p] == [0, 2, 4]
+    assert planned_steps(ctl, ["a", "b"], 4, 6, 0.01) == [0, 2, 4]
 
 
 def test_kinds_of_step_taking_turns_keep_their_own_plans():
