@@ -363,6 +363,8 @@ class Speculator:
         are counted apart and teach the controller nothing. Then the requests that
         finished are forgotten."""
         controller, paths, trees = self.controller, drafts.paths, drafts.trees
+        # Per-request estimates, where the controller keeps them (not with a calibration map).
+        estimates = controller is not None and controller.estimates is not None
         if (drafts.confidence or drafts.dropped) and controller is not None:
             self._calibrate(drafts.confidence, drafts.dropped, updates, trees)
         if trees:
@@ -379,7 +381,7 @@ class Speculator:
                 if tree is not None:  # the chain is what the controller planned; the tree is verified
                     own_accepted, proposed, verified = min(update.num_accepted, tree.prefix), tree.chain, tree.nodes
                     path_won = update.num_accepted > tree.prefix
-                if controller and update.num_planned:
+                if estimates and update.num_planned:
                     controller.observe_acceptance(update.req.req_id, DraftOutcome(
                         update.num_planned, proposed, own_accepted,
                         1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
