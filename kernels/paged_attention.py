@@ -279,6 +279,20 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
     return LaunchPlan(block_q, block_m, block_n, num_tiles, num_splits, num_warps, num_stages=2)
 
 
+def warmup_lengths(max_model_len: int) -> list[tuple[int, int]]:
+    """(longest span, longest sequence) pairs whose one-request steps, run once at start-up,
+    compile every variant ``plan_launch`` can pick: each tile size (spans of 1, 2, 4, ...
+    128 tokens: any group size reaches its 16 to 128 rows by then) with one KV split and
+    with several. The variants depend on nothing else that varies between steps (request
+    counts, split counts and their strides are not specialised on), so no step met later,
+    however its spans and lengths fall (a draft's backlog, a prompt chunk), waits for a
+    compilation. A deterministic plan has one tile; its pairs still cover one and several
+    splits."""
+    spans = dict.fromkeys(min(1 << i, max_model_len) for i in range(8))  # 1 .. 128
+    long = min(max_model_len, 1024)  # many keys for one request: the plan splits them
+    return [(span, seq) for span in spans for seq in dict.fromkeys((span, long))]
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,

@@ -40,6 +40,11 @@ class AttentionBackend(Protocol):
         """``softcap``: attention logit soft-capping (``reference.paged_attention``);
         ``kv_scales`` as ``store_kv``'s."""
 
+    def warmup_lengths(self, max_model_len: int) -> list[tuple[int, int]]:
+        """(longest span, longest sequence) pairs of one-request steps that, run once before
+        serving, compile every kernel variant a later step can need (none: nothing compiles
+        on first use)."""
+
 
 class TorchAttentionBackend:
     """The torch references. ``cpu_kernels``: decode rows and verify spans attend in one
@@ -65,6 +70,9 @@ class TorchAttentionBackend:
 
     def store_kv(self, key, value, k_cache, v_cache, batch, kv_scales=(1.0, 1.0)):
         reference.store_kv(key, value, k_cache, v_cache, batch.slot_mapping, batch.has_padding, *kv_scales)
+
+    def warmup_lengths(self, max_model_len):
+        return []  # torch ops and the C++ kernels: nothing compiles per shape
 
     def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         # Index work is done once per step (per window) and shared by all layers. With the
@@ -109,6 +117,9 @@ class TritonAttentionBackend:
 
     def store_kv(self, key, value, k_cache, v_cache, batch, kv_scales=(1.0, 1.0)):
         self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping, *kv_scales)
+
+    def warmup_lengths(self, max_model_len):
+        return self._attention.warmup_lengths(max_model_len)
 
     def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         key = ("triton", *query.shape[1:], k_cache.shape[2])

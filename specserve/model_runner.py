@@ -3,6 +3,7 @@ and returns the logits the sampler needs. No scheduling policy lives here."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -161,7 +162,47 @@ class ModelRunner:
         self.graphs.keep_hidden = self.keep_hidden  # set by a drafter's bind, before graphs
         if capture:
             with torch.inference_mode():
+                self.compile_kernels(max_model_len)
                 self.graphs.capture_all(list(range(1, max_query_len + 1)))
+
+    @torch.inference_mode()
+    def compile_kernels(self, max_model_len: int) -> int:
+        """Run one eager pass per pair of the attention backend's ``warmup_lengths`` (one
+        request, nothing stored in the cache: its slots are -1), so that every kernel
+        variant a step can pick is compiled before the first request, not in a step that
+        first meets it (a draft's backlog, a long prompt chunk: hundreds of milliseconds
+        each). With draft trees, each pair once more as a tree's rows. Returns the passes run."""
+        backend = self.model.attention_backend
+        pairs = backend.warmup_lengths(max_model_len)
+        trees = (False, True) if self.config.draft_tree_nodes > 0 else (False,)
+        width = getattr(self.model, "feature_input_width", 0)
+        start = time.perf_counter()
+        for span, seq in pairs:
+            for tree in trees:
+                batch = self._warmup_batch(span, seq, tree, width)
+                self.model(batch.input_ids, batch.positions, self.kv_caches, batch)
+        if pairs:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            logger.info("compiled the %s kernels for %d step shapes in %.1f s", backend.name,
+                        len(pairs) * len(trees), time.perf_counter() - start)
+        return len(pairs) * len(trees)
+
+    def _warmup_batch(self, span: int, seq: int, tree: bool, width: int) -> ForwardBatch:
+        """One request's last ``span`` of ``seq`` tokens, all keys in block 0 (whatever it
+        holds: the outputs are thrown away), no slot written."""
+        dev, long = self.device, torch.int64
+        return ForwardBatch(
+            input_ids=torch.zeros(span, dtype=long, device=dev),
+            positions=torch.arange(seq - span, seq, dtype=long, device=dev),
+            slot_mapping=torch.full((span,), -1, dtype=long, device=dev),
+            block_tables=torch.zeros(1, -(-seq // self.block_size), dtype=torch.int32, device=dev),
+            cu_query_lens=torch.tensor([0, span], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev),
+            logits_indices=torch.zeros(0, dtype=long, device=dev),
+            query_lens_host=[span], seq_lens_host=[seq], has_padding=True,
+            features=torch.zeros(span, width, dtype=self.model.fc.weight.dtype, device=dev) if width else None,
+            tree_masks=torch.zeros(span, dtype=long, device=dev) if tree else None)
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int], block_table: list[int]) -> list[tuple[float, float]]:

@@ -229,6 +229,110 @@ def test_kv_splits_of_any_count_share_one_reduce_variant(monkeypatch):
     assert len(widths) == 1, widths
 
 
+def _variant(plan, tree: bool) -> tuple:
+    """What picks a compiled attention variant for a step (beside the model's constants)."""
+    return (plan.block_q, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages,
+            plan.num_splits > 1, plan.split_tokens, tree)
+
+
+def _reachable_variants(attn, dtype, max_model_len, deterministic, trees) -> set:
+    """Every variant a step of ``attn``'s layer can pick: brute force over spans, sequence
+    lengths and batches."""
+    num_heads, head_dim = attn.num_heads, attn.head_dim
+    cache = shaped(1000, 16, attn.num_kv_heads, head_dim, dtype=dtype)
+    found = set()
+    for num_reqs in (1, 2, 5, 64):
+        for span in range(1, 200):
+            for seq in {*range(span, max_model_len + 1, 37), max_model_len}:
+                if seq >= span:
+                    plan = pa.plan_launch(shaped(span + num_reqs - 1, num_heads, head_dim, dtype=dtype), cache, num_reqs,
+                                          span, seq, deterministic=deterministic)
+                    found |= {_variant(plan, tree) for tree in trees}
+    return found
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
+    (9, 3, 64, BF16), (32, 8, 128, BF16), (16, 16, 64, F32), (64, 8, 256, BF16)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_warmup_lengths_reach_every_attention_variant(monkeypatch, num_heads, num_kv_heads, head_dim, dtype,
+                                                      deterministic):
+    """One request per pair of ``warmup_lengths`` plans every variant that any step could
+    (brute force over spans, sequence lengths and batch sizes, on an H200's 132 SMs)."""
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    attn = dataclasses.make_dataclass("Attn", ["num_heads", "num_kv_heads", "head_dim"])(
+        num_heads, num_kv_heads, head_dim)
+    cache = shaped(1000, 16, num_kv_heads, head_dim, dtype=dtype)
+    for max_model_len in (100, 300, 2048):
+        warmed = {_variant(pa.plan_launch(shaped(span, num_heads, head_dim, dtype=dtype), cache, 1, span, seq,
+                                          deterministic=deterministic), False)
+                  for span, seq in pa.warmup_lengths(max_model_len)}
+        want = _reachable_variants(attn, dtype, max_model_len, deterministic, (False,))
+        assert warmed == want, (sorted(warmed), sorted(want))
+        splits = max_model_len > (pa.DETERMINISTIC_SPLIT_TOKENS if deterministic else pa._MIN_SPLIT_TOKENS)
+        assert {v[5] for v in want} == ({False, True} if splits else {False})
+
+
+def test_start_up_passes_compile_every_attention_variant_a_step_can_pick(tiny_model_dir, monkeypatch):
+    """``ModelRunner.compile_kernels`` (run before the CUDA graphs are captured) runs the
+    model over every pair of ``warmup_lengths``, and again as a tree's rows where the
+    engine verifies trees, so its layers plan every variant a later step could and none
+    compiles in the middle of serving; it writes nothing to the cache. (The layers' other
+    ops run in torch and the attention kernel is not run: the interpreter is slow, and the
+    kernels' own tests run them.)"""
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    max_model_len = 160
+    llm = LLM32(str(tiny_model_dir("llama")), attention_backend="torch", max_model_len=max_model_len, **ENGINE)
+    runner, triton = llm.engine.runner, TritonAttentionBackend()
+    monkeypatch.setattr(runner.model, "attention_backend", triton)
+    for layer in runner.model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "backend", triton)
+    seen = set()
+
+    def spy(query, *args, plan=None, tree_masks=None, **kwargs):
+        seen.add(_variant(plan, tree_masks is not None))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(pa, "paged_attention", spy)
+    cache = runner.kv_storage.clone()
+    attn = runner.model.model.layers[0].self_attn
+    for trees in (0, 3):
+        seen.clear()
+        monkeypatch.setattr(runner.config, "draft_tree_nodes", trees)
+        passes = runner.compile_kernels(max_model_len)
+        want = _reachable_variants(attn, runner.dtype, max_model_len, False, (False, True) if trees else (False,))
+        assert seen == want, (sorted(seen), sorted(want))
+        assert {variant[5] for variant in want} == {False, True}  # with one KV split and with several
+        assert passes == len(pa.warmup_lengths(max_model_len)) * (2 if trees else 1)
+    assert torch.equal(runner.kv_storage, cache)
+
+
+@pytest.mark.skipif(not CUDA, reason="compiles happen on a GPU (the interpreter compiles nothing)")
+def test_no_attention_kernel_compiles_after_start_up(tiny_model_dir):
+    """On a GPU, once the engine has started (its CUDA graphs captured after
+    ``compile_kernels``), steps of every kind of span (prompt chunks of many lengths,
+    decode, verify of drafts) compile no attention kernel."""
+    from triton import knobs  # lazy: triton's knobs, on a GPU only
+
+    compiled = []
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        compiled.append(getattr(getattr(fn, "jit_function", fn), "__name__", str(kwargs.get("key", ""))))
+        return False
+
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=3,
+                max_num_batched_tokens=512, max_num_seqs=8, block_size=16, max_model_len=512)
+    before, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
+    try:
+        prompts = [list(range(3, 3 + n)) for n in (1, 3, 7, 20, 45, 90, 200, 400)]
+        for prompt in prompts:
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    assert not [name for name in compiled if "attention" in name or "splits" in name], compiled
+
+
 def test_paged_attention_rejects_bad_shapes():
     b = make_batch([(1, 5)], 6, 4, 64, 16, F32, num_blocks=4)
     with pytest.raises(ValueError, match="multiple"):
