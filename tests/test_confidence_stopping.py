@@ -250,8 +250,8 @@ def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
     controller.choose = lambda *a, **kw: (choose(*a, **kw), stops.append(controller.stop))[0]
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    if any(stops):  # drafting paid on this machine's step times: the rule ran and the map learned
-        assert controller.calibration.num_observed > 0
+    if llm.engine.spec_stats.num_drafts:  # drafting paid on this machine's step times: the map learned
+        assert any(stops) and controller.calibration.num_observed > 0
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
