@@ -6,6 +6,12 @@ pageable memory, which synchronises the stream: the host would wait for every ke
 launched before it. Pinned buffers come from torch's caching host allocator, which keeps
 a buffer out of reuse until the copy that reads it has run, so they can be dropped at once.
 On the CPU the arrays are used in place (``torch.from_numpy``), no copy at all.
+
+Each array starts at a multiple of ``ALIGN_BYTES`` in its packed buffer. Triton compiles
+a kernel once per pattern of 16-byte-aligned pointer arguments: packed back to back, a
+step's metadata would land at offsets set by the lengths before it, and a step of a new
+pattern (say, 8 requests after a start-up warmed with one) would compile its kernels
+again, mid-serving.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 
 NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
                 torch.bool: np.bool_}
+ALIGN_BYTES = 16  # where each packed array starts (Triton specialises on 16-byte alignment)
 
 
 def to_device(arrays: Sequence[np.ndarray | list], dtype: torch.dtype,
@@ -26,11 +33,15 @@ def to_device(arrays: Sequence[np.ndarray | list], dtype: torch.dtype,
         np_dtype = NUMPY_DTYPES[dtype]
         return [torch.from_numpy(np.asarray(a, dtype=np_dtype)) for a in arrays]
     sizes = [_size(a) for a in arrays]
-    host = pinned(sum(sizes), dtype)
-    fill(host.numpy(), arrays)
+    step = max(ALIGN_BYTES // dtype.itemsize, 1)
+    starts = np.cumsum([0] + [-(-size // step) * step for size in sizes])
+    host = pinned(int(starts[-1]), dtype)
+    out = host.numpy()
+    for a, start, size in zip(arrays, starts, sizes):
+        out[start:start + size] = a if isinstance(a, list) else a.reshape(-1)
     flat = host.to(device, non_blocking=True)
-    return [part if isinstance(a, list) else part.view(a.shape)
-            for part, a in zip(flat.split(sizes), arrays)]
+    parts = [flat[start:start + size] for start, size in zip(starts.tolist(), sizes)]
+    return [part if isinstance(a, list) else part.view(a.shape) for part, a in zip(parts, arrays)]
 
 
 def copy_into(static: torch.Tensor, arrays: Sequence[np.ndarray | list]) -> None:

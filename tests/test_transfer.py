@@ -37,6 +37,18 @@ def test_to_device_keeps_values_and_shapes(request, pack):
         assert out[3].tolist() == [9]
 
 
+def test_each_packed_array_starts_16_byte_aligned(packed):
+    """Triton compiles a kernel anew for each pattern of 16-byte-aligned pointers: however
+    long the arrays before it, each packed array starts aligned (the buffer's start is)."""
+    for dtype in (torch.int64, torch.int32, torch.float32, torch.bool):
+        for lengths in ([1, 3, 2], [5, 1, 7, 9], [0, 1, 0, 3], [17, 33]):
+            out = transfer.to_device([list(range(n)) for n in lengths], dtype, CPU)
+            base = out[0].untyped_storage().data_ptr()
+            assert base % transfer.ALIGN_BYTES == 0
+            assert [(t.data_ptr() - base) % transfer.ALIGN_BYTES for t in out] == [0] * len(lengths)
+            assert [t.tolist() for t in out] == [torch.arange(n).to(dtype).tolist() for n in lengths]
+
+
 @pytest.mark.parametrize("pack", [False, True])
 def test_copy_into_writes_the_arrays_back_to_back(request, pack):
     if pack:
