@@ -370,6 +370,10 @@ class Speculator:
         if trees:
             self.tree_size_counts.update(tree.nodes - tree.chain for tree in trees.values())
         for update in updates:
+            if not update.num_draft_tokens and not update.num_planned:  # (most, under a veto)
+                if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
+                    self.free(update.req.req_id)
+                continue
             accepted = min(update.num_accepted, len(update.new_token_ids))
             if update.req.req_id in drafts.forced:
                 self.forced_stats.record(update.num_draft_tokens, accepted)
