@@ -145,6 +145,39 @@ def test_offline_benchmark_and_speculation_sweep(capsys, tiny_model_dir, repetit
     assert "| 2 | ngram | 2 |" in out and (tmp_path / "sweep.png").stat().st_size > 0
 
 
+def test_offline_rounds_take_turns_and_report_each_setting_against_off(capsys, tiny_model_dir, repetitive_set,
+                                                                        tmp_path):
+    """``--rounds 2``: every rate runs twice, each round and rate starting with another
+    setting; each speculative run is reported against speculation off's run of the same
+    round and rate, round by round and as their median."""
+    model = str(tiny_model_dir("llama"))
+    code, out, err = bench(capsys, "offline", "--model", model, *ENGINE, "-q", "--workload",
+                           str(repetitive_set), "--num-prompts", "4", "--output-len", "8",
+                           "--speculation", "none,ngram:3:adaptive", "--request-rate-sweep", "50,inf",
+                           "--rounds", "2", "--result-json", str(tmp_path / "rounds.json"))
+    assert code == 0, err
+    runs = json.loads((tmp_path / "rounds.json").read_text())["runs"]
+    assert [(r["speculation"], r["request_rate"], r["round"]) for r in runs] == [
+        (s, rate, n) for n in (1, 2) for rate in (50.0, "inf") for s in ("spec off", "ngram k=3 adaptive")]
+    ran = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Run:")]
+    assert [r.split(" @ ")[0] + r.rsplit(",", 1)[1] for r in ran] == [
+        "spec off round 1", "ngram k=3 adaptive round 1", "ngram k=3 adaptive round 1", "spec off round 1",
+        "ngram k=3 adaptive round 2", "spec off round 2", "spec off round 2", "ngram k=3 adaptive round 2"]
+    off = {(r["round"], r["request_rate"]): r["output_throughput"] for r in runs if r["speculation"] == "spec off"}
+    ratios = {}
+    for r in runs:
+        if r["speculation"] != "spec off":
+            assert r["output_throughput_vs_off"] == pytest.approx(
+                r["output_throughput"] / off[r["round"], r["request_rate"]])
+            ratios.setdefault(r["request_rate"], []).append(r["output_throughput_vs_off"])
+        else:
+            assert "output_throughput_vs_off" not in r
+    for rate, (first, second) in ratios.items():
+        assert (f"| ngram k=3 adaptive | {rate} | {first:.2f}x, {second:.2f}x | {(first + second) / 2:.2f}x |"
+                in out)
+    assert "| spec off (round 2) | inf |" in out
+
+
 def test_the_shared_prefix_workloads_and_the_prefix_cache_hit_rate(capsys, chat_model_dir, tmp_path):
     chat_model = str(chat_model_dir)
     """A later turn of a chat is sent once the answer it continues has come, with that
@@ -222,6 +255,7 @@ def test_bad_flag_exits_2(capsys):
     (["serve", "--max-num-seqs", "0", "--workload", "chat"], "max_num_seqs"),
     (["serve", "--num-prompts", "0"], "--num-prompts"),
     (["serve", "--metric-percentiles", "99,100"], "percentiles"),
+    (["offline", "--rounds", "0"], "--rounds"),
     (["spec-sweep", "--drafters", "eagle"], "unknown drafter"),
     (["spec-sweep", "--ks", "0"], "--ks"),
 ])

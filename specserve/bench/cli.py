@@ -20,6 +20,7 @@ from specserve.bench.serve_bench import (
     config_label,
     format_run,
     parse_speculation,
+    rounds_table,
     run_serve,
     summary_table,
 )
@@ -99,6 +100,10 @@ def add_bench_parser(sub) -> None:
                               "rate starting with the next, so drift and one-off costs hit them "
                               "alike (on a GPU, size their caches with --num-kv-blocks); default: "
                               "the engine flags")
+    offline.add_argument("--rounds", type=int, default=1,
+                         help="run every rate this many times, the settings taking turns each time: "
+                              "with speculation off among them, a table of each setting's output "
+                              "tokens/s against off's of the same round, and their median (default: 1)")
     _workload_flags(offline)
     out = offline.add_argument_group("results")
     _result_flags(out)
@@ -160,7 +165,7 @@ def _result_flags(group) -> None:
 # ---------------------------------------------------------------------- running
 def run_bench(args, engine_kwargs: dict) -> int:
     """Run the benchmark ``args.bench_command`` names; ValueError on bad input."""
-    for name in ("num_prompts", "max_concurrency", "output_len", "input_len"):
+    for name in ("num_prompts", "max_concurrency", "output_len", "input_len", "rounds"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -212,6 +217,9 @@ def _report(args, runs: list[dict]) -> int:
     if len(runs) > 1:
         print()
         print(summary_table(runs))
+    if any("round" in r for r in runs) and (table := rounds_table(runs)):
+        print()
+        print(table)
     if args.plot_dir:
         for path in plot_serving(runs, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
@@ -248,30 +256,35 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
         warm_up(engine, requests, ids, num_requests=args.num_warmups)
     runs = []
     names = list(engines)
-    for i, rate in enumerate(rates):
-        arrivals = None if math.isinf(rate) else arrival_times(len(requests), rate, args.burstiness,
-                                                               engine_kwargs["seed"])
-        # Each rate starts with another setting: whatever the first run at a new load pays
-        # once (on a GPU, kernels for batch shapes the warm-up did not reach) does not
-        # always fall on the same one. The runs are reported in the settings' order.
-        at_rate = {}
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            engine = engines[name]
-            run = run_offline(engine, requests, max_concurrency=args.max_concurrency,
-                              temperature=args.temperature, ignore_eos=args.ignore_eos,
-                              seed=engine_kwargs["seed"], percentiles=percentiles,
-                              progress=not args.quiet, token_ids=ids, arrivals=arrivals,
-                              label=f"{name} @ {rate:g} req/s" if len(rates) > 1 else name)
-            run.pop("output_token_ids")
-            run.update(workload=args.workload, model_id=engine.model_name, speculation=name,
-                       request_rate="inf" if math.isinf(rate) else rate, burstiness=args.burstiness,
-                       device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
-                       speculative_method=engine.config.speculative_method,
-                       num_speculative_tokens=engine.speculator.max_k,
-                       speculative_adaptive=engine.speculator.controller is not None)
-            print(format_offline(run))
-            at_rate[name] = run
-        runs += [at_rate[name] for name in names]
+    for round_ in range(args.rounds):
+        for i, rate in enumerate(rates):
+            arrivals = None if math.isinf(rate) else arrival_times(len(requests), rate, args.burstiness,
+                                                                   engine_kwargs["seed"])
+            # Each rate (and round) starts with another setting: whatever the first run at a
+            # new load pays once (on a GPU, kernels for batch shapes the warm-up did not
+            # reach) does not always fall on the same one. The runs are reported in the
+            # settings' order.
+            at_rate, first = {}, (i + round_) % len(names)
+            for name in names[first:] + names[:first]:
+                engine = engines[name]
+                label = f"{name} @ {rate:g} req/s" if len(rates) > 1 else name
+                run = run_offline(engine, requests, max_concurrency=args.max_concurrency,
+                                  temperature=args.temperature, ignore_eos=args.ignore_eos,
+                                  seed=engine_kwargs["seed"], percentiles=percentiles,
+                                  progress=not args.quiet, token_ids=ids, arrivals=arrivals,
+                                  label=f"{label}, round {round_ + 1}" if args.rounds > 1 else label)
+                run.pop("output_token_ids")
+                run.update(workload=args.workload, model_id=engine.model_name, speculation=name,
+                           request_rate="inf" if math.isinf(rate) else rate, burstiness=args.burstiness,
+                           device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                           speculative_method=engine.config.speculative_method,
+                           num_speculative_tokens=engine.speculator.max_k,
+                           speculative_adaptive=engine.speculator.controller is not None)
+                if args.rounds > 1:
+                    run["round"] = round_ + 1
+                print(format_offline(run))
+                at_rate[name] = run
+            runs += [at_rate[name] for name in names]
     return _report(args, runs)
 
 

@@ -17,6 +17,7 @@ import math
 import os
 import queue
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -422,6 +423,32 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(runs: list[dict]) -> str | None:
+    """With several rounds of the same settings and rates, and speculation off among the
+    settings: each setting's output tokens/s against off's in the same round and rate,
+    round by round and their median (setting each run's ``output_throughput_vs_off``).
+    One process's rounds share its host, whose speed can drift between processes more than
+    the settings differ; a ratio within a round does not carry that drift. None without
+    speculation off."""
+    off = {(r["round"], r["request_rate"]): r["output_throughput"] for r in runs
+           if r.get("speculative_method") == "none"}
+    if not off:
+        return None
+    rows: dict[tuple[str, object], list[float]] = {}
+    for r in runs:
+        if r.get("speculative_method") == "none":
+            continue
+        ratio = r["output_throughput"] / off[r["round"], r["request_rate"]]
+        r["output_throughput_vs_off"] = ratio
+        rows.setdefault((r["speculation"], r["request_rate"]), []).append(ratio)
+    lines = ["| speculation | rate (req/s) | vs speculation off, by round | median |",
+             "| --- | ---: | --- | ---: |"]
+    for (name, rate), ratios in rows.items():
+        lines.append(f"| {name} | {rate} | {', '.join(f'{x:.2f}x' for x in ratios)} "
+                     f"| {statistics.median(ratios):.2f}x |")
+    return "\n".join(lines)
+
+
 def summary_table(runs: list[dict]) -> str:
     """A markdown table of several runs, one line each."""
     head = ("| speculation | rate (req/s) | completed | req/s | output tok/s | TTFT mean / p99 (ms) "
@@ -431,8 +458,9 @@ def summary_table(runs: list[dict]) -> str:
     for r in runs:
         accept, mean_k = r.get("spec_decode_acceptance_length"), mean_draft_length(r)
         hit = r.get("prefix_cache_hit_rate")
+        name = r.get("speculation", r.get("label", "")) + (f" (round {r['round']})" if "round" in r else "")
         lines.append(
-            f"| {r.get('speculation', r.get('label', ''))} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} "
+            f"| {name} | {r['request_rate']} | {r['completed']}/{r['num_prompts']} "
             f"| {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
             f"| {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} "
             f"| {r['mean_itl_ms']:.1f} | {r['mean_e2el_ms'] / 1000:.2f} / {r['p99_e2el_ms'] / 1000:.2f} "
