@@ -17,6 +17,7 @@ from specserve.bench.offline import format_offline, prompt_ids, run_offline, war
 from specserve.bench.plots import plot_serving, spec_sweep_plot
 from specserve.bench.serve_bench import (
     ServeOptions,
+    compare_to_off,
     config_label,
     format_run,
     parse_speculation,
@@ -217,7 +218,7 @@ def _report(args, runs: list[dict]) -> int:
     if len(runs) > 1:
         print()
         print(summary_table(runs))
-    if any("round" in r for r in runs) and (table := rounds_table(runs)):
+    if any("round" in r for r in runs) and (table := rounds_table(runs)):  # (``_offline``'s rounds)
         print()
         print(table)
     if args.plot_dir:
@@ -285,6 +286,8 @@ def _offline(args, engine_kwargs: dict, percentiles) -> int:
                 print(format_offline(run))
                 at_rate[name] = run
             runs += [at_rate[name] for name in names]
+    if args.rounds > 1:
+        compare_to_off(runs)
     return _report(args, runs)
 
 

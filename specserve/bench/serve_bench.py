@@ -423,24 +423,28 @@ def format_run(run: dict, percentiles=DEFAULT_PERCENTILES) -> str:
     return "\n".join(lines)
 
 
-def rounds_table(runs: list[dict]) -> str | None:
-    """With several rounds of the same settings and rates, and speculation off among the
-    settings: each setting's output tokens/s against off's in the same round and rate,
-    round by round and their median (setting each run's ``output_throughput_vs_off``).
-    One process's rounds share its host, whose speed can drift between processes more than
-    the settings differ; a ratio within a round does not carry that drift. None without
-    speculation off."""
-    off = {(r["round"], r["request_rate"]): r["output_throughput"] for r in runs
+def compare_to_off(runs: list[dict]) -> None:
+    """Set each speculative run's ``output_throughput_vs_off``: its output tokens/s over
+    speculation off's run of the same round and rate (nothing without off). One process's
+    rounds share its host, whose speed can drift between processes more than the settings
+    differ; a ratio within a round does not carry that drift."""
+    off = {(r.get("round"), r["request_rate"]): r["output_throughput"] for r in runs
            if r.get("speculative_method") == "none"}
-    if not off:
-        return None
+    for r in runs:
+        base = off.get((r.get("round"), r["request_rate"]))
+        if base and r.get("speculative_method") != "none":
+            r["output_throughput_vs_off"] = r["output_throughput"] / base
+
+
+def rounds_table(runs: list[dict]) -> str | None:
+    """Each setting's ``output_throughput_vs_off`` (``compare_to_off``) at each rate, round
+    by round, and their median; None where no run has one."""
     rows: dict[tuple[str, object], list[float]] = {}
     for r in runs:
-        if r.get("speculative_method") == "none":
-            continue
-        ratio = r["output_throughput"] / off[r["round"], r["request_rate"]]
-        r["output_throughput_vs_off"] = ratio
-        rows.setdefault((r["speculation"], r["request_rate"]), []).append(ratio)
+        if "output_throughput_vs_off" in r:
+            rows.setdefault((r["speculation"], r["request_rate"]), []).append(r["output_throughput_vs_off"])
+    if not rows:
+        return None
     lines = ["| speculation | rate (req/s) | vs speculation off, by round | median |",
              "| --- | ---: | --- | ---: |"]
     for (name, rate), ratios in rows.items():
