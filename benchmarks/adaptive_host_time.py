@@ -8,8 +8,9 @@ chat template, greedy, up to ``--max-tokens`` new tokens, each engine twice in t
 engine: tokens/s, steps, wall time per step, the controller's smoothed plan time and step
 time and how many steps its last plan with drafts stood; then each wrapped method's time per
 step (calls, time per call). What the adaptive engine spends in ``Speculator.plan``,
-``Speculator.record`` and ``Speculator.observe`` beyond the fixed engine's is the
-controller's host time (and the stopping rule's, inside ``Speculator.propose``).
+``Speculator.record``, ``Speculator.observe`` and ``Speculator.learn`` beyond the fixed
+engine's is the controller's host time (and the stopping rule's, inside
+``Speculator.propose``); ``learn`` runs inside ``LLMEngine._verify``, while a GPU verifies.
 
     python benchmarks/adaptive_host_time.py --device cuda [--prompts 6] [--k 4]
     python benchmarks/adaptive_host_time.py --stopping confidence --k 1
@@ -65,6 +66,7 @@ def main() -> None:
     for owner, name in ((engine_module.LLMEngine, "step"), (engine_module.LLMEngine, "_verify"),
                         (speculator.Speculator, "plan"), (speculator.Speculator, "propose"),
                         (speculator.Speculator, "record"), (speculator.Speculator, "observe"),
+                        (speculator.Speculator, "learn"), (controller.DraftLengthController, "plan_ahead"),
                         (controller.DraftLengthController, "choose"), (controller.DraftLengthController, "_plan"),
                         (controller.DraftLengthController, "observe_step"),
                         (controller.DraftLengthController, "observe_goodput"),

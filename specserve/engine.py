@@ -317,12 +317,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Plan -> schedule -> propose -> verify -> update -> observe. Returns an output
         for every request that produced tokens or finished in this step; the speculator
-        observes the whole step, outputs included."""
+        observes the whole step, outputs included, and its controller learns from it while
+        the next step's verify pass runs (``Speculator.learn``)."""
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         draft_lengths = self.speculator.plan(self.scheduler)
         scheduled = self.scheduler.schedule(draft_lengths)
         if scheduled.is_empty:
+            self.speculator.learn()
             return outputs
         try:
             drafts = self.speculator.propose(scheduled, self.scheduler)
@@ -335,6 +337,7 @@ class LLMEngine:
             raise
         except Exception as exc:  # never a wedged engine: the step's requests end with an error
             logger.exception("engine step failed; ending its %d requests", len(scheduled.scheduled))
+            self.speculator.learn()  # the steps before it taught what they taught
             return outputs + self._fail(scheduled, exc)
         updates = self.scheduler.update(*self.speculator.keep_best_paths(drafts, result))
         left: dict[str, Exception] = {}
@@ -351,6 +354,8 @@ class LLMEngine:
         for req_id, exc in left.items():
             outputs += self._fail_requests([req_id], exc)
         self.speculator.observe(drafts, updates, time.perf_counter() - started)
+        if not self.scheduler.has_unfinished_requests():
+            self.speculator.learn()  # no next step to learn during
         return outputs
 
     def _constrain(self, drafts: Drafts) -> None:
@@ -382,6 +387,9 @@ class LLMEngine:
         """The one ragged target pass over every request's tokens and drafts (prefill
         chunks included), then rejection sampling: one device-to-host copy."""
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
+        # The pass runs on the device (a GPU's) until the sampler reads its result: the
+        # controller learns from the last step, and plans ahead, meanwhile.
+        self.speculator.learn(plan_ahead=True)
         logits = self.speculator.settle_trees(drafts, logits)
         settled = (drafts.settled or drafts.scheduled).scheduled
         decided = drafts.decided  # sampling requests' trees, verified in settling

@@ -349,7 +349,8 @@ def test_a_lazy_drafts_backlog_is_not_charged_to_the_step_that_drafts(tiny_model
         observe(drafts, updates, elapsed)
 
     speculator.observe = spy
-    controller.observe_goodput = lambda tokens, seconds: (charged.append(seconds), goodput(tokens, seconds))[1]
+    controller.observe_goodput = lambda tokens, seconds, *choice: (charged.append(seconds),
+                                                                  goodput(tokens, seconds, *choice))[1]
     llm.generate(PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                               num_speculative_tokens=3), use_tqdm=False)
     backlogs = [backlog for backlog, *_ in steps]

@@ -513,7 +513,7 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     assert engine.speculator.controller.checks  # the realised-goodput checks saw steps
     seen = []
     observe = engine.speculator.controller.observe_goodput
-    engine.speculator.controller.observe_goodput = lambda n, s: seen.append((n, s)) or observe(n, s)
+    engine.speculator.controller.observe_goodput = lambda n, s, *choice: seen.append((n, s)) or observe(n, s, *choice)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert sum(n for n, _ in seen) == sum(len(o.token_ids) for o in outs)  # every step's tokens
     assert all(s > 0 for _, s in seen)
@@ -523,6 +523,103 @@ def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_mode
     out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                   num_speculative_tokens=0), use_tqdm=False)[0]
     assert out.spec_stats.num_drafts == 0
+
+
+def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(tiny_model_dir):
+    """The engine hands a step's lessons to the controller (its goodput, its cost, its
+    drafts' outcomes) once the next step's verify pass is launched, before the sampler
+    waits for that pass: on a GPU the host learns while the device verifies. Every step
+    is learned from once, the last one when the engine idles, and each lesson goes to
+    the check of the step it came from, not of the latest choice."""
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
+    engine = llm.engine
+    controller = engine.speculator.controller
+    events, choices = [], []
+    execute, sample, observe, choose = (engine.runner.execute, engine.sampler.sample, controller.observe_goodput,
+                                        controller.choose)
+    engine.runner.execute = lambda *a, **kw: (events.append("verify"), execute(*a, **kw))[1]
+    engine.sampler.sample = lambda *a, **kw: (events.append("sample"), sample(*a, **kw))[1]
+
+    def observe_goodput(tokens, seconds, choice=None):
+        events.append(("learn", choices.index(choice)))
+        observe(tokens, seconds, choice)
+
+    def choose_(*args, **kwargs):
+        chosen = choose(*args, **kwargs)
+        choices.append(controller.last)
+        return chosen
+
+    controller.observe_goodput, controller.choose = observe_goodput, choose_
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(["a b c a b c a b c a b c", "hello"], params, use_tqdm=False)
+    assert events[:2] == ["verify", "sample"]  # the first step: nothing to learn yet
+    steps = events.count("verify")
+    assert steps == len(choices) > 8
+    # Step i's lesson comes after step i + 1's pass was launched, before its sampler ran.
+    for i in range(steps - 1):
+        at = events.index(("learn", i))
+        assert events[at - 1] == "verify" and events[at + 1] == "sample"
+        assert events[:at].count("verify") == i + 2
+    assert events[-1] == ("learn", steps - 1)  # the last, at idle
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), block_size=4,
+                                                                      num_kv_blocks=256).generate(
+        ["a b c a b c a b c a b c", "hello"], params, use_tqdm=False)]
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    assert not controller.estimates._rows  # every finished request forgotten, after its last lesson
+
+
+def test_a_plan_made_ahead_is_the_next_choices_if_its_requests_are_still_the_same():
+    """Where a plan with drafts has served its steps, ``plan_ahead`` (called while the
+    device verifies) makes the next one: the next choice takes it, as a fresh plan (its
+    step timed), without planning; if the requests changed it plans as before."""
+    ctl = controller(**MEMORY_BOUND)
+    ctl.check_goodput = False
+    plans = []
+    real = ctl._plan
+    ctl._plan = lambda *args: (plans.append(args[0]), real(*args))[1]
+    caps = {"r": 4}
+    assert ctl.choose(caps) == caps and ctl.wants_step_cost and len(plans) == 1
+    ctl.plan_ahead()  # the plan was just made: nothing to make ahead
+    assert ctl.choose(caps) == caps and not ctl.wants_step_cost and len(plans) == 1
+    ctl.plan_ahead()  # it has served its DRAFT_REPLAN (2) steps: the next plan, now
+    assert len(plans) == 2
+    assert ctl.choose(caps) == caps and ctl.wants_step_cost and len(plans) == 2  # taken, not made again
+    ctl.choose(caps)
+    ctl.plan_ahead()
+    assert len(plans) == 3
+    assert ctl.choose({"r": 4, "s": 4}, joined=2) == {"r": 4, "s": 4} and len(plans) == 4  # another batch: planned
+    assert ctl.wants_step_cost
+    ctl.plan_ahead()  # after a fresh plan: nothing
+    assert len(plans) == 4
+
+
+def test_a_check_chosen_is_not_chosen_again_before_its_step_is_learned_from():
+    """The engine learns from a step after the next choice: a check (the plan's drafts
+    withheld, the plain side gone stale) marks its side as running, so the next choice
+    does not check again while the first check's step is still to be observed."""
+    ctl = controller(**MEMORY_BOUND)
+    caps = {"r": 4}
+    for _ in range(40):  # drafts only: the plain side goes stale
+        chosen = ctl.choose(caps)
+        if chosen == {"r": 0}:
+            break
+        ctl.observe_goodput(5, 0.001)
+    assert chosen == {"r": 0} and ctl.last.checked  # the check
+    first = ctl.last
+    assert ctl.choose(caps) == caps  # its step not yet observed: not checked again
+    second = ctl.last
+    ctl.observe_goodput(1, 0.001, first)
+    ctl.observe_goodput(5, 0.001, second)
+    assert first.check is None and second.check is None  # each taught once
+    # A check whose step is never observed (the step failed) is given up after a few steps.
+    while ctl.choose(caps) != {"r": 0}:
+        ctl.observe_goodput(5, 0.001)
+    chosen = []
+    for _ in range(4):
+        chosen.append(ctl.choose(caps)["r"])
+        ctl.observe_goodput(5, 0.001)
+    assert chosen[:2] == [4, 4] and 0 in chosen
 
 
 @pytest.mark.parametrize("log_max", [1024, 2])

@@ -12,7 +12,9 @@ and only freshly planned steps are timed for the cost model. A plan with drafts 
 ``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
 of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it;
 ``DRAFT_REPLAN_MAX`` for a lone request whose drafter stops token by token by its confidence
-(the plan then only bounds what the drafter decides).
+(the plan then only bounds what the drafter decides). The engine teaches it a step once the
+next step's verify pass is under way, and a plan the next choice will want can be made
+there (``plan_ahead``): on a GPU neither then adds to a step (``Speculator.learn``).
 """
 from __future__ import annotations
 
@@ -56,12 +58,32 @@ class StandingPlan:
 
 
 @dataclass
-class _LastChoice:
-    """The last choice, for the goodput check that learns from its step."""
+class _Ahead:
+    """A plan made before its choice (``plan_ahead``), for the requests and kind of step
+    it was made for."""
 
-    check: GoodputCheck
+    regime: tuple
+    caps: list[tuple[str, int]]
+    joined: int
+    k: list[int]
+    unforked: set[str]
+    prices: Prices
+    spent: float  # its host time
+
+
+@dataclass
+class Choice:
+    """What a choice's step teaches once it has run (``observe_goodput``, ``observe_step``):
+    its kind's goodput check and the side the step ran (drafts or none, by the plan or
+    against it), and whether it was planned afresh (its step is then timed for the cost
+    model, whose fit counts in the plan's host time). The engine may apply it after the
+    next choice was made (``Speculator.learn``)."""
+
+    check: GoodputCheck | None = None
     drafted: bool = False
     checked: bool = False
+    planned: bool = False
+    fit_weight: float = 0.0  # what its fit's time weighs in the plan's
 
 
 class DraftLengthController:
@@ -93,7 +115,6 @@ class DraftLengthController:
         self._plans: dict[tuple, StandingPlan] = {}  # per kind of step
         self._steps_since_plan = 0   # choices since the last full plan (the rest repeated it)
         self._choices = 0            # choices made, all together
-        self._planned = False        # whether the last choice was a full plan
         self._clock = 0.0            # seconds of steps observed (observe_goodput), all kinds together
         self.idle_replan = IDLE_REPLAN      # a plan without drafts stands for this many steps
         self.idle_replan_s = IDLE_REPLAN_S  # (and seconds; at most IDLE_REPLAN_MAX steps)
@@ -101,33 +122,38 @@ class DraftLengthController:
         self.plan_share = PLAN_SHARE        # more while a plan costs more than this share of its steps
         self.timer = time.perf_counter      # times the plans
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
-        self._fit_weight = 0.0              # what the next fit's time weighs in it
         self._step_s = 0.0                  # a step's wall time, smoothed
-        self._last: _LastChoice | None = None
+        self.last = Choice()                # the last choice, what its step will teach
+        self._asked: tuple | None = None    # the last choice's kind of step and arguments (``plan_ahead``)
+        self._ahead: _Ahead | None = None   # the next choice's plan, made ahead
 
     # ------------------------------------------------------------------ learning
     @property
     def wants_step_cost(self) -> bool:
         """Whether the step just planned should be timed: every step the controller
         planned afresh (while a standing plan repeats, a step teaches little the last did not)."""
-        return self._planned
+        return self.last.planned
 
-    def observe_step(self, sample: StepSample) -> None:
+    def observe_step(self, sample: StepSample, choice: Choice | None = None) -> None:
         """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
-        The fit is host time the plan that asked for it costs: it counts in the plan's."""
+        The fit is host time the plan that asked for it costs: it counts in the plan's.
+        ``choice``: the step's (None: the last)."""
+        choice = choice or self.last
         began = self.timer()
         self.costs.observe(sample)
-        self._plan_s += self._fit_weight * (self.timer() - began)
-        self._fit_weight = 0.0  # one fit a plan
+        self._plan_s += choice.fit_weight * (self.timer() - began)
+        choice.fit_weight = 0.0  # one fit a plan
 
-    def observe_goodput(self, num_tokens: int, seconds: float) -> None:
-        """The step just chosen emitted ``num_tokens`` in ``seconds`` of wall time (the
-        whole step, drafting included): its kind's goodput check learns from it."""
+    def observe_goodput(self, num_tokens: int, seconds: float, choice: Choice | None = None) -> None:
+        """A step emitted ``num_tokens`` in ``seconds`` of wall time (the whole step,
+        drafting included): its kind's goodput check learns from it. ``choice``: the
+        step's (None: the last)."""
+        choice = choice or self.last
         self._clock += seconds
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
-        if self._last is not None and self.check_goodput:
-            last, self._last = self._last, None
-            last.check.observe(last.drafted, last.checked, num_tokens, seconds)
+        if choice.check is not None and self.check_goodput:
+            check, choice.check = choice.check, None  # taught once
+            check.observe(choice.drafted, choice.checked, num_tokens, seconds)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:
@@ -167,10 +193,10 @@ class DraftLengthController:
         ``joined``: how many requests ever joined ``caps`` (a running count,
         ``DecodingRequests.joined``): when more than half the batch joined since a plan or
         a veto was made, they are about other requests (at batch 1, the next one)."""
-        self._last = None
-        self._planned = False
+        self.last = choice = Choice()
         self.unforked = set()
         self.stop = None
+        ahead, self._ahead, self._asked = self._ahead, None, None
         if not caps or self.costs.target.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
@@ -201,7 +227,7 @@ class DraftLengthController:
             # vetoed, but at the vetoed kind's next check.
             if standing is not None:
                 standing.served += 1
-            self._last = _LastChoice(check)
+            choice.check = check
             return dict.fromkeys(caps, 0)
         if standing is not None:
             # A plan with drafts stands for a step more: each request keeps its k (a new one
@@ -211,28 +237,57 @@ class DraftLengthController:
             k = [min(get(r, 0), cap) for r, cap in caps.items()]
             self.unforked = standing.unforked
         else:
-            began = self.timer()
-            planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
-                                                        forkable)
-            k = planned.tolist()
-            spent, first = self.timer() - began, not self._plan_s
+            if ahead is not None and ahead.regime == regime and ahead.joined == joined \
+                    and ahead.caps == list(caps.items()):
+                k, self.unforked, prices, spent = ahead.k, ahead.unforked, ahead.prices, ahead.spent
+            else:
+                began = self.timer()
+                planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded,
+                                                            context, forkable)
+                k, spent = planned.tolist(), self.timer() - began
+            first = not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
-            self._fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
-            self._planned = True
+            choice.fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
+            choice.planned = True
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k) if kr},
                                                           self.unforked, self._choices, self._clock, prices,
                                                           stands=self._stands(self._plans.get(regime), joined,
                                                                               len(caps)),
                                                           joined=joined)
         drafted = any(k)
+        if drafted:
+            self._asked = (regime, caps, num_other_tokens, num_other_spans, padded, context, forkable, joined)
         checked = drafted and (check.vetoed or check.stale(drafted=False))
+        choice.check, choice.checked = check, checked
+        if checked:  # a step of the stale side is on its way: the next choice does not check again
+            check.running(drafted=check.vetoed)
         if checked and not check.vetoed:
-            self._last = _LastChoice(check, False, True)  # the check: this step runs without the plan's drafts
-            return dict.fromkeys(caps, 0)
-        self._last = _LastChoice(check, drafted, checked)
+            return dict.fromkeys(caps, 0)  # the check: this step runs without the plan's drafts
+        choice.drafted = drafted
         if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k))
+
+    def plan_ahead(self) -> None:
+        """Where the last choice repeated a plan with drafts that the next choice will find
+        served, make the next plan now, for the same requests (the engine calls it while a
+        GPU runs the step's verify pass, ``Speculator.learn``, so the plan costs the step
+        no time). The next choice takes it if its requests, their caps and its kind of step
+        are still the same, else plans as it would have."""
+        asked, self._asked = self._asked, None
+        if asked is None:
+            return
+        regime, caps, num_other_tokens, num_other_spans, padded, context, forkable, joined = asked
+        standing = self._plans.get(regime)
+        if standing is None or not standing.draft_lengths or self.last.planned:
+            return
+        # As ``_expired`` will find it at the next choice (one choice older, ``served`` as now).
+        if standing.served < standing.stands and self._choices + 1 - standing.made_at < 2 * standing.stands:
+            return
+        began = self.timer()
+        planned, unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context, forkable)
+        self._ahead = _Ahead(regime, list(caps.items()), joined, planned.tolist(), unforked, prices,
+                             self.timer() - began)
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other

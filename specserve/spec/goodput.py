@@ -66,6 +66,8 @@ class GoodputCheck:
         # plain floats: this runs every step, and numpy scalars cost several times more.
         self._sums = [[0.0] * 6, [0.0] * 6]
         self._since = [0.0, 0.0]                   # seconds of this kind since each side's last step
+        self._running: list[int | None] = [None, None]  # per side, a check's step chosen (``running``)
+        self._observed = 0                         # steps observed
         self._joined: int | None = None            # requests joined by the last step, while vetoed
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
 
@@ -117,6 +119,9 @@ class GoodputCheck:
         once the verdict is clear, for ``CHECK_MAX_S`` seconds of this kind's steps at
         least (where steps are short, ``CHECK_MAX`` of them alone would check often)."""
         side = 0 if drafted else 1
+        running = self._running[side]
+        if running is not None and self._observed - running < 3:
+            return False
         steps, _, seconds = self._sums[side][:3]
         if steps == 0:
             return self._sums[1 - side][0] >= CHECK_MIN
@@ -125,6 +130,13 @@ class GoodputCheck:
         if interval >= CHECK_MAX:
             wait = max(wait, CHECK_MAX_S)
         return self._since[side] >= wait
+
+    def running(self, drafted: bool) -> None:
+        """A step of the drafted (or plain) side was chosen to check it: that side is not
+        stale until the step is observed (where the engine learns from a step while the
+        next one runs, after the next choice: one check, not two), or two more steps were
+        (a step that failed is never observed)."""
+        self._running[0 if drafted else 1] = self._observed
 
     def inherit(self, other: "GoodputCheck") -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
@@ -148,9 +160,12 @@ class GoodputCheck:
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
         whether the check chose so (against the plan, or against the veto)."""
+        side = 0 if drafted else 1
+        self._observed += 1
+        if checked:
+            self._running[side] = None
         if seconds <= 0:
             return
-        side = 0 if drafted else 1
         sums, other = self._sums[side], self._sums[1 - side]
         if sums[0] >= CHECK_MIN:
             seconds = min(seconds, CHECK_STALL * sums[2] / sums[0])  # a stall, not the step

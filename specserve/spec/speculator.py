@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,7 +23,7 @@ from specserve.request import RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from specserve.spec.acceptance import DraftOutcome
-from specserve.spec.controller import DraftLengthController
+from specserve.spec.controller import Choice, DraftLengthController
 from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
@@ -148,6 +149,7 @@ class Speculator:
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
+        self._learning: list[Callable[[], None]] = []  # what steps taught the controller, not yet learned
         if drafter is not None:
             drafter.bind(runner)
             if config.speculative_adaptive:
@@ -359,20 +361,21 @@ class Speculator:
 
     def record(self, drafts: Drafts, updates: list[RequestUpdate]) -> None:
         """What each request's drafts came to: counted (the tokens it kept: a stop cuts
-        them) and taught to the controller's acceptance estimates; grammar-forced drafts
-        are counted apart and teach the controller nothing. Then the requests that
-        finished are forgotten."""
+        them) and, for the controller, queued to learn from (``learn``: its acceptance
+        estimates or calibration map); grammar-forced drafts are counted apart and teach
+        the controller nothing. Then the requests that finished are forgotten (by the
+        controller once it has learned from their last step)."""
         controller, paths, trees = self.controller, drafts.paths, drafts.trees
         # Per-request estimates, where the controller keeps them (not with a calibration map).
         estimates = controller is not None and controller.estimates is not None
-        if (drafts.confidence or drafts.dropped) and controller is not None:
-            self._calibrate(drafts.confidence, drafts.dropped, updates, trees)
+        outcomes: list[tuple[str, DraftOutcome]] = []
+        finished: list[str] = []
         if trees:
             self.tree_size_counts.update(tree.nodes - tree.chain for tree in trees.values())
         for update in updates:
             if not update.num_draft_tokens and not update.num_planned:  # (most, under a veto)
                 if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
-                    self.free(update.req.req_id)
+                    finished.append(update.req.req_id)
                 continue
             accepted = min(update.num_accepted, len(update.new_token_ids))
             if update.req.req_id in drafts.forced:
@@ -386,14 +389,47 @@ class Speculator:
                     own_accepted, proposed, verified = min(update.num_accepted, tree.prefix), tree.chain, tree.nodes
                     path_won = update.num_accepted > tree.prefix
                 if estimates and update.num_planned:
-                    controller.observe_acceptance(update.req.req_id, DraftOutcome(
+                    outcomes.append((update.req.req_id, DraftOutcome(
                         update.num_planned, proposed, own_accepted,
-                        1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted))
+                        1 if outcome is None else outcome.num_paths, update.num_accepted - own_accepted)))
                 path_won = path_won or (outcome is not None and outcome.won)
                 update.req.spec_stats.record(verified, accepted, path_won)
                 self.stats.record(verified, accepted, path_won)
             if self.drafter is not None and update.req.status is RequestStatus.FINISHED:
-                self.free(update.req.req_id)  # its last observation is queued: forget it
+                finished.append(update.req.req_id)
+        for req_id in finished:
+            self.drafter.free(req_id)
+        if controller is None:
+            return
+        calibrate = drafts.confidence or drafts.dropped
+        if outcomes or finished or calibrate:
+            self._learning.append(lambda: self._learn_outcomes(drafts, updates, outcomes, finished, calibrate))
+
+    def _learn_outcomes(self, drafts: Drafts, updates: list[RequestUpdate], outcomes: list[tuple[str, DraftOutcome]],
+                        finished: list[str], calibrate: bool) -> None:
+        """``record``'s lesson for the controller: the drafts' outcomes, each verified
+        draft's confidence against its acceptance, then the finished requests forgotten."""
+        controller = self.controller
+        if calibrate:
+            self._calibrate(drafts.confidence, drafts.dropped, updates, drafts.trees)
+        for req_id, outcome in outcomes:
+            controller.observe_acceptance(req_id, outcome)
+        for req_id in finished:
+            controller.free(req_id)
+
+    def learn(self, plan_ahead: bool = False) -> None:
+        """Teach the controller what the steps since the last call came to (``record``,
+        ``observe``), and with ``plan_ahead`` let it make its next plan if the next choice
+        will want one (``DraftLengthController.plan_ahead``: for the requests of the step
+        under way). The engine calls it with ``plan_ahead`` once a step's verify pass is
+        under way: on a GPU that pass runs while the host learns and plans, so the
+        controller costs a step little time (its choice then reads the outcomes of all but
+        the step just before); and without, before it forgets a request or idles."""
+        learning, self._learning = self._learning, []
+        for lesson in learning:
+            lesson()
+        if plan_ahead and self.controller is not None:
+            self.controller.plan_ahead()
 
     def _calibrate(self, confidence: dict[str, list[float]], dropped: dict[str, tuple[int, int, float]],
                    updates: list[RequestUpdate], trees: dict[str, TreeOutcome]) -> None:
@@ -428,8 +464,8 @@ class Speculator:
 
     def observe(self, drafts: Drafts, updates: list[RequestUpdate], elapsed: float) -> None:
         """What the step cost: ``elapsed`` seconds of whole step for its updates' tokens,
-        taught to the controller's goodput check and, for a freshly planned step, its cost
-        models; the draft lengths verified are counted."""
+        queued for the controller's goodput check and, for a freshly planned step, its
+        cost models (``learn``); the draft lengths verified are counted."""
         if self.drafter is None:
             return
         if drafts.drafted:
@@ -445,9 +481,13 @@ class Speculator:
             # a check under a veto, would otherwise pay for every token the plain steps
             # before it left unfed, and the check would confirm the veto that caused it.
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
-            controller.observe_goodput(emitted, elapsed - drafts.backlog_s)
-            if controller.wants_step_cost:
-                controller.observe_step(self._step_sample(drafts, elapsed))
+            self._learning.append(lambda choice=controller.last: self._learn_cost(choice, drafts, emitted, elapsed))
+
+    def _learn_cost(self, choice: Choice, drafts: Drafts, emitted: int, elapsed: float) -> None:
+        """``observe``'s lesson for the controller, about the step ``choice`` chose."""
+        self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice)
+        if choice.planned:
+            self.controller.observe_step(self._step_sample(drafts, elapsed), choice)
 
     def _step_sample(self, drafts: Drafts, elapsed: float) -> StepSample:
         planned = drafts.scheduled.scheduled
@@ -466,7 +506,8 @@ class Speculator:
             num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
 
     def free(self, req_id: str) -> None:
-        """Forget a request that ended."""
+        """Forget a request that ended (what its steps teach learned first)."""
+        self.learn()
         if self.drafter is not None:
             self.drafter.free(req_id)
         if self.controller is not None:
