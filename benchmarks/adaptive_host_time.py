@@ -66,7 +66,7 @@ def main() -> None:
     for owner, name in ((engine_module.LLMEngine, "step"), (engine_module.LLMEngine, "_verify"),
                         (speculator.Speculator, "plan"), (speculator.Speculator, "propose"),
                         (speculator.Speculator, "record"), (speculator.Speculator, "observe"),
-                        (speculator.Speculator, "learn"), (controller.DraftLengthController, "plan_ahead"),
+                        (speculator.Speculator, "learn"), (speculator.Speculator, "_choose"),
                         (controller.DraftLengthController, "choose"), (controller.DraftLengthController, "_plan"),
                         (controller.DraftLengthController, "observe_step"),
                         (controller.DraftLengthController, "observe_goodput"),

@@ -388,8 +388,8 @@ class LLMEngine:
         chunks included), then rejection sampling: one device-to-host copy."""
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
         # The pass runs on the device (a GPU's) until the sampler reads its result: the
-        # controller learns from the last step, and plans ahead, meanwhile.
-        self.speculator.learn(plan_ahead=True)
+        # controller learns from the last step, and chooses the next one's k, meanwhile.
+        self.speculator.learn(self.scheduler)
         logits = self.speculator.settle_trees(drafts, logits)
         settled = (drafts.settled or drafts.scheduled).scheduled
         decided = drafts.decided  # sampling requests' trees, verified in settling

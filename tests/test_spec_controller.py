@@ -530,68 +530,91 @@ def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(
     drafts' outcomes) once the next step's verify pass is launched, before the sampler
     waits for that pass: on a GPU the host learns while the device verifies. Every step
     is learned from once, the last one when the engine idles, and each lesson goes to
-    the check of the step it came from, not of the latest choice."""
+    the check of the step it came from. The next step's k is chosen there too, and taken
+    while no request joins or leaves; outputs stay plain greedy decoding's."""
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
     engine = llm.engine
-    controller = engine.speculator.controller
-    events, choices = [], []
-    execute, sample, observe, choose = (engine.runner.execute, engine.sampler.sample, controller.observe_goodput,
-                                        controller.choose)
+    speculator, controller = engine.speculator, engine.speculator.controller
+    events, steps_choices, ahead = [], [], set()
+    execute, sample, observe = engine.runner.execute, engine.sampler.sample, controller.observe_goodput
+    propose, learn, choose = speculator.propose, speculator.learn, controller.choose
     engine.runner.execute = lambda *a, **kw: (events.append("verify"), execute(*a, **kw))[1]
     engine.sampler.sample = lambda *a, **kw: (events.append("sample"), sample(*a, **kw))[1]
+    speculator.propose = lambda *a, **kw: (steps_choices.append(speculator._choice), propose(*a, **kw))[1]
+    in_window = []
 
-    def observe_goodput(tokens, seconds, choice=None):
-        events.append(("learn", choices.index(choice)))
-        observe(tokens, seconds, choice)
+    def learn_(scheduler=None):
+        in_window.append(scheduler is not None)
+        learn(scheduler)
+        in_window.pop()
 
     def choose_(*args, **kwargs):
         chosen = choose(*args, **kwargs)
-        choices.append(controller.last)
+        if in_window and in_window[-1]:
+            ahead.add(id(controller.last))
         return chosen
 
-    controller.observe_goodput, controller.choose = observe_goodput, choose_
+    def observe_goodput(tokens, seconds, choice=None):
+        events.append(("learn", next(i for i, c in enumerate(steps_choices) if c is choice)))
+        observe(tokens, seconds, choice)
+
+    speculator.learn, controller.choose, controller.observe_goodput = learn_, choose_, observe_goodput
+    prompts = ["a b c a b c a b c a b c", "hello"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate(["a b c a b c a b c a b c", "hello"], params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert events[:2] == ["verify", "sample"]  # the first step: nothing to learn yet
     steps = events.count("verify")
-    assert steps == len(choices) > 8
+    assert steps == len(steps_choices) > 8
     # Step i's lesson comes after step i + 1's pass was launched, before its sampler ran.
     for i in range(steps - 1):
         at = events.index(("learn", i))
         assert events[at - 1] == "verify" and events[at + 1] == "sample"
         assert events[:at].count("verify") == i + 2
     assert events[-1] == ("learn", steps - 1)  # the last, at idle
-    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), block_size=4,
-                                                                      num_kv_blocks=256).generate(
-        ["a b c a b c a b c a b c", "hello"], params, use_tqdm=False)]
+    taken = sum(id(c) in ahead for c in steps_choices)
+    assert 0 < taken < steps  # chosen ahead while both requests decode; not at admission
+    plain = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert engine.num_free_blocks == engine.kv.num_blocks
     assert not controller.estimates._rows  # every finished request forgotten, after its last lesson
 
 
-def test_a_plan_made_ahead_is_the_next_choices_if_its_requests_are_still_the_same():
-    """Where a plan with drafts has served its steps, ``plan_ahead`` (called while the
-    device verifies) makes the next one: the next choice takes it, as a fresh plan (its
-    step timed), without planning; if the requests changed it plans as before."""
-    ctl = controller(**MEMORY_BOUND)
-    ctl.check_goodput = False
-    plans = []
-    real = ctl._plan
-    ctl._plan = lambda *args: (plans.append(args[0]), real(*args))[1]
-    caps = {"r": 4}
-    assert ctl.choose(caps) == caps and ctl.wants_step_cost and len(plans) == 1
-    ctl.plan_ahead()  # the plan was just made: nothing to make ahead
-    assert ctl.choose(caps) == caps and not ctl.wants_step_cost and len(plans) == 1
-    ctl.plan_ahead()  # it has served its DRAFT_REPLAN (2) steps: the next plan, now
-    assert len(plans) == 2
-    assert ctl.choose(caps) == caps and ctl.wants_step_cost and len(plans) == 2  # taken, not made again
-    ctl.choose(caps)
-    ctl.plan_ahead()
-    assert len(plans) == 3
-    assert ctl.choose({"r": 4, "s": 4}, joined=2) == {"r": 4, "s": 4} and len(plans) == 4  # another batch: planned
-    assert ctl.wants_step_cost
-    ctl.plan_ahead()  # after a fresh plan: nothing
-    assert len(plans) == 4
+def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny_model_dir):
+    """The next step's k is chosen while a step verifies, for the requests decoding then;
+    the next step takes it if none joined or left and none waits, and chooses afresh
+    otherwise (a request arrived, one finished)."""
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                block_size=4, num_kv_blocks=256)
+    engine, speculator = llm.engine, llm.engine.speculator
+    choose, plan, planning, chosen = speculator._choose, speculator.plan, [False], []
+    speculator._choose = lambda scheduler: (chosen.append(planning[0]), choose(scheduler))[1]
+
+    def plan_(scheduler):
+        planning[0] = True
+        try:
+            return plan(scheduler)
+        finally:
+            planning[0] = False
+
+    speculator.plan = plan_
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def step() -> bool:
+        """One engine step: whether its plan chose afresh (else it took the choice made ahead)."""
+        before = len(chosen)
+        engine.step()
+        return True in chosen[before:]
+
+    engine.add_request([5, 6, 7, 5, 6, 7, 5, 6], greedy)
+    assert step()  # its prompt
+    assert step() and speculator._next is not None  # its first decoding step; the next one's chosen meanwhile
+    assert [step() for _ in range(3)] == [False] * 3  # taken: the same request, nobody waiting
+    engine.add_request([9, 8, 7, 6], greedy)
+    assert step()  # one waits: chosen afresh
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_free_blocks == engine.kv.num_blocks and not speculator.controller.estimates._rows
 
 
 def test_a_check_chosen_is_not_chosen_again_before_its_step_is_learned_from():
@@ -694,6 +717,9 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
         return got
 
     speculator.plan = lambda _scheduler: checked()
+    # Every choice made at its step, from the state then (not ahead, while the step before verified).
+    learn = speculator.learn
+    speculator.learn = lambda scheduler=None: learn()
     ids = []
     for step in range(300):
         if rng.random() < 0.15:

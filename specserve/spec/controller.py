@@ -12,9 +12,9 @@ and only freshly planned steps are timed for the cost model. A plan with drafts 
 ``DRAFT_REPLAN`` steps, or more where its own host time would be more than ``PLAN_SHARE``
 of them (a short GPU step at batch 1 on a slow host), unless most of the batch is new to it;
 ``DRAFT_REPLAN_MAX`` for a lone request whose drafter stops token by token by its confidence
-(the plan then only bounds what the drafter decides). The engine teaches it a step once the
-next step's verify pass is under way, and a plan the next choice will want can be made
-there (``plan_ahead``): on a GPU neither then adds to a step (``Speculator.learn``).
+(the plan then only bounds what the drafter decides). The engine teaches it a step, and
+makes the next step's choice where it can, while a step's verify pass is under way
+(``Speculator.learn``): on a GPU neither then adds to the step.
 """
 from __future__ import annotations
 
@@ -55,20 +55,6 @@ class StandingPlan:
     served: int = 1                 # choices it served
     stands: int = DRAFT_REPLAN      # choices it serves, with drafts
     joined: int = 0                 # requests joined (``choose``'s count) when it was made
-
-
-@dataclass
-class _Ahead:
-    """A plan made before its choice (``plan_ahead``), for the requests and kind of step
-    it was made for."""
-
-    regime: tuple
-    caps: list[tuple[str, int]]
-    joined: int
-    k: list[int]
-    unforked: set[str]
-    prices: Prices
-    spent: float  # its host time
 
 
 @dataclass
@@ -124,8 +110,6 @@ class DraftLengthController:
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
         self._step_s = 0.0                  # a step's wall time, smoothed
         self.last = Choice()                # the last choice, what its step will teach
-        self._asked: tuple | None = None    # the last choice's kind of step and arguments (``plan_ahead``)
-        self._ahead: _Ahead | None = None   # the next choice's plan, made ahead
 
     # ------------------------------------------------------------------ learning
     @property
@@ -196,7 +180,6 @@ class DraftLengthController:
         self.last = choice = Choice()
         self.unforked = set()
         self.stop = None
-        ahead, self._ahead, self._asked = self._ahead, None, None
         if not caps or self.costs.target.num_samples == 0:
             return dict(caps)
         self._steps_since_plan += 1
@@ -237,15 +220,11 @@ class DraftLengthController:
             k = [min(get(r, 0), cap) for r, cap in caps.items()]
             self.unforked = standing.unforked
         else:
-            if ahead is not None and ahead.regime == regime and ahead.joined == joined \
-                    and ahead.caps == list(caps.items()):
-                k, self.unforked, prices, spent = ahead.k, ahead.unforked, ahead.prices, ahead.spent
-            else:
-                began = self.timer()
-                planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded,
-                                                            context, forkable)
-                k, spent = planned.tolist(), self.timer() - began
-            first = not self._plan_s
+            began = self.timer()
+            planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
+                                                        forkable)
+            k = planned.tolist()
+            spent, first = self.timer() - began, not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
             choice.fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
             choice.planned = True
@@ -255,8 +234,6 @@ class DraftLengthController:
                                                                               len(caps)),
                                                           joined=joined)
         drafted = any(k)
-        if drafted:
-            self._asked = (regime, caps, num_other_tokens, num_other_spans, padded, context, forkable, joined)
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         choice.check, choice.checked = check, checked
         if checked:  # a step of the stale side is on its way: the next choice does not check again
@@ -267,27 +244,6 @@ class DraftLengthController:
         if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k))
-
-    def plan_ahead(self) -> None:
-        """Where the last choice repeated a plan with drafts that the next choice will find
-        served, make the next plan now, for the same requests (the engine calls it while a
-        GPU runs the step's verify pass, ``Speculator.learn``, so the plan costs the step
-        no time). The next choice takes it if its requests, their caps and its kind of step
-        are still the same, else plans as it would have."""
-        asked, self._asked = self._asked, None
-        if asked is None:
-            return
-        regime, caps, num_other_tokens, num_other_spans, padded, context, forkable, joined = asked
-        standing = self._plans.get(regime)
-        if standing is None or not standing.draft_lengths or self.last.planned:
-            return
-        # As ``_expired`` will find it at the next choice (one choice older, ``served`` as now).
-        if standing.served < standing.stands and self._choices + 1 - standing.made_at < 2 * standing.stands:
-            return
-        began = self.timer()
-        planned, unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context, forkable)
-        self._ahead = _Ahead(regime, list(caps.items()), joined, planned.tolist(), unforked, prices,
-                             self.timer() - began)
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other

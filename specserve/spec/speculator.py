@@ -150,6 +150,9 @@ class Speculator:
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
         self._learning: list[Callable[[], None]] = []  # what steps taught the controller, not yet learned
+        self._choice: Choice | None = None  # the controller's choice for the step under way
+        # The next step's choice, made while this one verified (``learn``): (running version, k, choice).
+        self._next: tuple[int, dict[str, int], Choice] | None = None
         if drafter is not None:
             drafter.bind(runner)
             if config.speculative_adaptive:
@@ -234,6 +237,16 @@ class Speculator:
         if self.controller is None:
             return {r.req_id: k if (own := r.params.num_speculative_tokens) is None else min(k, own)
                     for r in scheduler.running}
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead[0] == scheduler.running_version and not scheduler.waiting:
+            chosen, self._choice = ahead[1], ahead[2]  # made while the last step verified: still the same requests
+            return chosen
+        chosen = self._choose(scheduler)
+        self._choice = self.controller.last
+        return chosen
+
+    def _choose(self, scheduler: Scheduler) -> dict[str, int]:
+        """The controller's choice for the running requests as they are now."""
         decoding = self._decoding
         other_tokens, admitted = scheduler.prefill_estimate(decoding.refresh(scheduler))
         running = scheduler.running
@@ -417,19 +430,27 @@ class Speculator:
         for req_id in finished:
             controller.free(req_id)
 
-    def learn(self, plan_ahead: bool = False) -> None:
+    def learn(self, scheduler: Scheduler | None = None) -> None:
         """Teach the controller what the steps since the last call came to (``record``,
-        ``observe``), and with ``plan_ahead`` let it make its next plan if the next choice
-        will want one (``DraftLengthController.plan_ahead``: for the requests of the step
-        under way). The engine calls it with ``plan_ahead`` once a step's verify pass is
-        under way: on a GPU that pass runs while the host learns and plans, so the
-        controller costs a step little time (its choice then reads the outcomes of all but
-        the step just before); and without, before it forgets a request or idles."""
+        ``observe``); with the ``scheduler`` of a step under way, also make the next
+        step's choice (a fresh plan where it wants one) for its requests, where nothing
+        but the step's own update can change them (none waits to be admitted, none is in
+        prefill). The next step takes that choice if no request joined or left ``running``
+        and none waits (``plan``), else it chooses again (the choice made ahead then
+        counted as one more step of its plan).
+        The engine calls it with the scheduler once a step's verify pass is under way: on
+        a GPU that pass runs while the host learns and chooses, so the controller costs a
+        step next to nothing (a choice reads the outcomes of all but the step just before);
+        and without, before it forgets a request or idles."""
         learning, self._learning = self._learning, []
         for lesson in learning:
             lesson()
-        if plan_ahead and self.controller is not None:
-            self.controller.plan_ahead()
+        if scheduler is None or self.controller is None or scheduler.waiting:
+            return
+        self._decoding.refresh(scheduler)  # the requests this step admitted, in prefill
+        if not self._decoding.num_prefilling:
+            chosen = self._choose(scheduler)
+            self._next = (scheduler.running_version, chosen, self.controller.last)
 
     def _calibrate(self, confidence: dict[str, list[float]], dropped: dict[str, tuple[int, int, float]],
                    updates: list[RequestUpdate], trees: dict[str, TreeOutcome]) -> None:
@@ -481,7 +502,7 @@ class Speculator:
             # a check under a veto, would otherwise pay for every token the plain steps
             # before it left unfed, and the check would confirm the veto that caused it.
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
-            self._learning.append(lambda choice=controller.last: self._learn_cost(choice, drafts, emitted, elapsed))
+            self._learning.append(lambda choice=self._choice: self._learn_cost(choice, drafts, emitted, elapsed))
 
     def _learn_cost(self, choice: Choice, drafts: Drafts, emitted: int, elapsed: float) -> None:
         """``observe``'s lesson for the controller, about the step ``choice`` chose."""
