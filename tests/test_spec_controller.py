@@ -582,8 +582,9 @@ def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(
 
 def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny_model_dir):
     """The next step's k is chosen while a step verifies, for the requests decoding then;
-    the next step takes it if none joined or left and none waits, and chooses afresh
-    otherwise (a request arrived, one finished)."""
+    the next step takes it if none joined or left and none would be admitted, and
+    chooses afresh otherwise (a request arrived with a seat free, one finished). A
+    request waiting behind a full batch changes nothing."""
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
                 block_size=4, num_kv_blocks=256)
     engine, speculator = llm.engine, llm.engine.speculator
@@ -598,7 +599,7 @@ def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny
             planning[0] = False
 
     speculator.plan = plan_
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     def step() -> bool:
         """One engine step: whether its plan chose afresh (else it took the choice made ahead)."""
@@ -611,10 +612,33 @@ def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny
     assert step() and speculator._next is not None  # its first decoding step; the next one's chosen meanwhile
     assert [step() for _ in range(3)] == [False] * 3  # taken: the same request, nobody waiting
     engine.add_request([9, 8, 7, 6], greedy)
-    assert step()  # one waits: chosen afresh
+    assert step()  # one waits, with a seat free: chosen afresh
+    engine.scheduler.max_num_seqs = 2  # the batch is full now
+    engine.add_request([4, 5, 4, 5], greedy)
+    step()
+    assert [step() for _ in range(3)] == [False] * 3  # the third waits for a seat: taken
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_free_blocks == engine.kv.num_blocks and not speculator.controller.estimates._rows
+
+
+def test_a_withdrawn_choice_leaves_no_plan_for_the_requests_that_replaced_its_own():
+    """A fresh plan made ahead for requests that then changed (one joined) is withdrawn:
+    the next choice plans afresh, so the newcomer drafts at once instead of waiting out
+    a plan made without it; a plan that stood before comes back, served."""
+    ctl = controller(**MEMORY_BOUND)
+    ctl.check_goodput = False
+    assert ctl.choose({"r": 4}, joined=1) == {"r": 4} and ctl.wants_step_cost
+    ctl.choose({"r": 4}, joined=1)
+    before = dict(ctl._plans)
+    assert ctl.choose({"r": 4}, joined=1) == {"r": 4} and ctl.wants_step_cost  # made ahead: a fresh plan
+    ctl.withdraw(ctl.last)  # "s" joined meanwhile
+    assert ctl._plans == before
+    assert ctl.choose({"r": 4, "s": 4}, joined=2) == {"r": 4, "s": 4} and ctl.wants_step_cost
+    fresh = controller(**MEMORY_BOUND)
+    assert fresh.choose({"r": 4}, joined=1) == {"r": 4}
+    fresh.withdraw(fresh.last)
+    assert not fresh._plans
 
 
 def test_a_check_chosen_is_not_chosen_again_before_its_step_is_learned_from():

@@ -70,6 +70,8 @@ class Choice:
     checked: bool = False
     planned: bool = False
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
+    regime: tuple | None = None            # a fresh plan's kind of step,
+    replaced: StandingPlan | None = None   # and the plan it replaced there (``withdraw``)
 
 
 class DraftLengthController:
@@ -227,7 +229,7 @@ class DraftLengthController:
             spent, first = self.timer() - began, not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
             choice.fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
-            choice.planned = True
+            choice.planned, choice.regime, choice.replaced = True, regime, self._plans.get(regime)
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k) if kr},
                                                           self.unforked, self._choices, self._clock, prices,
                                                           stands=self._stands(self._plans.get(regime), joined,
@@ -244,6 +246,17 @@ class DraftLengthController:
         if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k))
+
+    def withdraw(self, choice: Choice) -> None:
+        """``choice`` (made ahead for a step whose requests then changed) will not run: a
+        fresh plan it made does not stand for the requests that replace them (a request
+        that joined would draft nothing until the plan after it); the plan it replaced
+        stands again, served, so the next choice plans afresh."""
+        if choice.planned and choice.regime is not None:
+            if choice.replaced is None:
+                self._plans.pop(choice.regime, None)
+            else:
+                self._plans[choice.regime] = choice.replaced
 
     def _expired(self, standing: StandingPlan, large: bool) -> bool:
         """Whether a kind's plan has served its time, or was made too long ago (other

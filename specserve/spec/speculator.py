@@ -238,9 +238,11 @@ class Speculator:
             return {r.req_id: k if (own := r.params.num_speculative_tokens) is None else min(k, own)
                     for r in scheduler.running}
         ahead, self._next = self._next, None
-        if ahead is not None and ahead[0] == scheduler.running_version and not scheduler.waiting:
-            chosen, self._choice = ahead[1], ahead[2]  # made while the last step verified: still the same requests
-            return chosen
+        if ahead is not None:
+            if ahead[0] == scheduler.running_version and self._admits_none(scheduler):
+                chosen, self._choice = ahead[1], ahead[2]  # made while the last step verified: still the same requests
+                return chosen
+            self.controller.withdraw(ahead[2])
         chosen = self._choose(scheduler)
         self._choice = self.controller.last
         return chosen
@@ -434,10 +436,10 @@ class Speculator:
         """Teach the controller what the steps since the last call came to (``record``,
         ``observe``); with the ``scheduler`` of a step under way, also make the next
         step's choice (a fresh plan where it wants one) for its requests, where nothing
-        but the step's own update can change them (none waits to be admitted, none is in
-        prefill). The next step takes that choice if no request joined or left ``running``
-        and none waits (``plan``), else it chooses again (the choice made ahead then
-        counted as one more step of its plan).
+        but the step's own update can change them (none is in prefill, none would be
+        admitted). The next step takes that choice if no request joined or left ``running``
+        and none would be admitted (``plan``), else it chooses again (the choice made ahead then
+        counted as one more step of its plan; a fresh plan it made withdrawn).
         The engine calls it with the scheduler once a step's verify pass is under way: on
         a GPU that pass runs while the host learns and chooses, so the controller costs a
         step next to nothing (a choice reads the outcomes of all but the step just before);
@@ -445,12 +447,18 @@ class Speculator:
         learning, self._learning = self._learning, []
         for lesson in learning:
             lesson()
-        if scheduler is None or self.controller is None or scheduler.waiting:
+        if scheduler is None or self.controller is None:
             return
         self._decoding.refresh(scheduler)  # the requests this step admitted, in prefill
-        if not self._decoding.num_prefilling:
+        if not self._decoding.num_prefilling and self._admits_none(scheduler):
             chosen = self._choose(scheduler)
             self._next = (scheduler.running_version, chosen, self.controller.last)
+
+    @staticmethod
+    def _admits_none(scheduler: Scheduler) -> bool:
+        """Whether the next step would admit no waiting request (none waits, or no seat or
+        budget is left: a full batch with a queue behind it)."""
+        return not scheduler.waiting or scheduler.prefill_estimate(0) == (0, 0)
 
     def _calibrate(self, confidence: dict[str, list[float]], dropped: dict[str, tuple[int, int, float]],
                    updates: list[RequestUpdate], trees: dict[str, TreeOutcome]) -> None:
