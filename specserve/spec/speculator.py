@@ -512,8 +512,10 @@ class Speculator:
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
             self._learning.append(lambda choice=self._choice: self._learn_cost(choice, drafts, emitted, elapsed))
 
-    def _learn_cost(self, choice: Choice, drafts: Drafts, emitted: int, elapsed: float) -> None:
-        """``observe``'s lesson for the controller, about the step ``choice`` chose."""
+    def _learn_cost(self, choice: Choice | None, drafts: Drafts, emitted: int, elapsed: float) -> None:
+        """``observe``'s lesson for the controller, about the step ``choice`` chose (None:
+        no ``plan`` ran before it: the controller's last)."""
+        choice = choice or self.controller.last
         self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice)
         if choice.planned:
             self.controller.observe_step(self._step_sample(drafts, elapsed), choice)
