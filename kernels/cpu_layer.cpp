@@ -8,10 +8,22 @@
 // same. What goes is the Python around them: on a small model's decode step the module
 // calls, views and op dispatch of a layer cost more than its arithmetic and do not shrink
 // with threads. Registered (TORCH_LIBRARY_FRAGMENT) beside cpu_ops.cpp's ops.
-#include <ATen/ATen.h>
+//
+// ``quant_decoder_layers`` runs a run of such layers over a step of few rows (batch-1 decode,
+// a verify span) in one call and one parallel region: the threads stay together from the
+// first layer to the last, meeting at a barrier between pieces, where one call a piece
+// forked and joined the thread pool about five times a layer and allocated each piece's
+// output; at 8 threads those fixed costs were most of a small model's layer. The pieces
+// run the code of the ops above (cpu_glue.h, cpu_quant.h) on the same rows, so the result
+// is bitwise the same; only who computes which rows and columns changes.
+#include "cpu_glue.h"
+#include "cpu_quant.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <tuple>
 
 namespace {
@@ -67,6 +79,284 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
   return {linear(silu.call(linear(h, w, 8, meta, 7)), w, 11, meta, 9), res};
 }
 
+
+// Most rows a run of layers takes in one parallel region: each thread normalises and
+// quantizes every row of a piece's input itself, which costs less than a barrier while the
+// rows are few. More rows (prefill chunks, large batches) go layer by layer.
+constexpr int64_t kRegionRows = 16;
+
+// Where a region's time goes, for benchmarks (``region_times``): thread 0's clock between
+// the region's steps, summed over layers and calls while timing is on (off: one branch
+// each). A piece's time is thread 0's own share of it; waiting for the others at the
+// barriers counts apart.
+enum Phase { kInputNorm, kQuantize, kQkv, kRotary, kAttention, kO, kPostNorm, kGateUp, kSiluMul, kDown, kBarriers,
+             kPhases };
+std::atomic<bool> timing{false};
+double phase_us[kPhases + 1];  // the phases, then the layers run
+
+// Returns the microseconds each phase took since the last call (and the layers run), and
+// turns the timing on or off.
+std::vector<double> region_times(bool enable) {
+  std::vector<double> out(phase_us, phase_us + kPhases + 1);
+  std::fill(phase_us, phase_us + kPhases + 1, 0.0);
+  timing.store(enable);
+  return out;
+}
+
+struct PhaseClock {
+  bool on;
+  std::chrono::steady_clock::time_point last;
+  explicit PhaseClock(bool on_)
+      : on(on_), last(on_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}) {}
+  void done(Phase phase) {  // the time since the last call, to ``phase``
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_us[phase] += std::chrono::duration<double, std::micro>(now - last).count();
+    last = now;
+  }
+};
+
+// One layer's weights and cache, as the region reads them.
+template <typename T>
+struct LayerView {
+  const T* input_norm;
+  const T* post_norm;
+  QuantWeight qkv, o, gate_up, down;
+  double eps;
+  float scale;
+  T* k_cache;
+  T* v_cache;
+};
+
+// The step's layers start … (all of them) in one parallel region. ``tasks``: the step's
+// attention, covering every row.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, const OptTensor& residual,
+                                                    at::TensorList w, at::IntArrayRef meta, at::ArrayRef<double> eps,
+                                                    at::ArrayRef<double> scale, const at::Tensor& cos_in,
+                                                    const at::Tensor& sin_in, at::TensorList k_caches,
+                                                    at::TensorList v_caches, const at::Tensor& slots,
+                                                    const at::Tensor& tables, const at::Tensor& tree_masks,
+                                                    std::vector<SpanTask> tasks) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size()), m = hidden.size(0), hidden_size = hidden.size(1);
+  const int64_t heads = meta[0], kv_heads = meta[1], head_dim = meta[2], q_width = heads * head_dim;
+  const auto dtype = hidden.scalar_type();
+  std::vector<LayerView<T>> views;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::TensorList lw = w.slice(14 * l, 14);
+    const at::IntArrayRef lm = meta.slice(12 * l, 12);
+    TORCH_CHECK(lm[0] == heads && lm[1] == kv_heads && lm[2] == head_dim, "every layer must have the same heads");
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK(lw[i].scalar_type() == dtype && lw[i].is_contiguous() && lw[i].numel() == hidden_size,
+                  "norm weights must be contiguous [hidden] in the hidden states' dtype");
+    const QuantWeight qkv = quant_weight(lw[2], lw[3], lw[4], lm[3], lm[4], hidden_size, nullptr);
+    const QuantWeight o = quant_weight(lw[5], lw[6], lw[7], lm[5], lm[6], q_width, nullptr);
+    const QuantWeight gate_up = quant_weight(lw[8], lw[9], lw[10], lm[7], lm[8], hidden_size, nullptr);
+    TORCH_CHECK(qkv.n == (heads + 2 * kv_heads) * head_dim && o.n == hidden_size && gate_up.n % 2 == 0,
+                "qkv, o and gate_up do not match the heads and the hidden size");
+    const QuantWeight down = quant_weight(lw[11], lw[12], lw[13], lm[9], lm[10], gate_up.n / 2, nullptr);
+    TORCH_CHECK(down.n == hidden_size && (l == 0 || gate_up.n == views[0].gate_up.n),
+                "down does not match the hidden size, or the layers' intermediate sizes differ");
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() &&
+                    kc.sizes() == k_caches[0].sizes() && kc.size(2) == kv_heads && kc.size(3) == head_dim &&
+                    kc.scalar_type() == dtype && vc.scalar_type() == dtype,
+                "caches must be contiguous [blocks, block_size, kv_heads, head_dim] in the hidden states' dtype");
+    views.push_back({lw[0].data_ptr<T>(), lw[1].data_ptr<T>(), qkv, o, gate_up, down, eps[l],
+                     static_cast<float>(scale[l]), kc.data_ptr<T>(), vc.data_ptr<T>()});
+  }
+  const int64_t inter = views[0].gate_up.n / 2, qkv_width = views[0].qkv.n;
+  const at::Tensor cos = cos_in.to(dtype).contiguous().view({-1, head_dim});
+  const at::Tensor sin = sin_in.to(dtype).contiguous().view({-1, head_dim});
+  TORCH_CHECK(cos.size(0) == m && sin.size(0) == m, "one cos / sin row per token");
+  const int64_t num_slots = k_caches[0].size(0) * k_caches[0].size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < m; ++t)
+    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is outside the cache of ", num_slots, " slots");
+
+  const at::TensorOptions options = hidden.options();
+  at::Tensor res_a = at::empty({m, hidden_size}, options), res_b = at::empty({m, hidden_size}, options);
+  at::Tensor qkv = at::empty({m, qkv_width}, options), q = at::empty({m, q_width}, options);
+  at::Tensor attn = at::empty({m, q_width}, options), o = at::empty({m, hidden_size}, options);
+  at::Tensor gate_up = at::empty({m, 2 * inter}, options), down = at::empty({m, hidden_size}, options);
+  const T* x0 = hidden.data_ptr<T>();
+  const T* r0 = residual.has_value() ? residual->data_ptr<T>() : nullptr;
+  T *ra = res_a.data_ptr<T>(), *rb = res_b.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(), *qp = q.data_ptr<T>();
+  T *attnp = attn.data_ptr<T>(), *op = o.data_ptr<T>(), *gup = gate_up.data_ptr<T>(), *downp = down.data_ptr<T>();
+  const T* cosp = cos.data_ptr<T>();
+  const T* sinp = sin.data_ptr<T>();
+
+  const int threads = at::get_num_threads();
+  const AttentionPlan plan(std::move(tasks), heads, kv_heads, head_dim, 0, threads);
+  const int64_t num_tasks = static_cast<int64_t>(plan.tasks.size());
+  std::vector<float> partials(plan.partial_floats());
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[std::max<int64_t>(1, layers * num_tasks)]);
+  for (int64_t l = 0; l < layers; ++l)  // a count per layer: no thread resets one another may still read
+    for (int64_t t = 0; t < num_tasks; ++t) left[l * num_tasks + t].store(plan.views[t].chunks, std::memory_order_relaxed);
+  const int64_t* masks = tree_masks.defined() ? tree_masks.data_ptr<int64_t>() : nullptr;
+  const int64_t table_width = tables.size(1), block_size = k_caches[0].size(1);
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    auto share = [&](int64_t n, int64_t& begin, int64_t& end) {  // this thread's part of n items
+      begin = n * tid / team;
+      end = n * (tid + 1) / team;
+    };
+    // Each thread's own: a piece's input rows, normalised or activated, and quantized.
+    std::vector<T> h(m * std::max(hidden_size, inter));
+    std::vector<float> row(std::max(hidden_size, q_width));
+    std::vector<int16_t> natural;
+    QuantizedRows quantized;
+    AttentionScratch scratch;
+    auto quantize = [&](const T* x, int64_t k, const QuantWeight& weight) {
+      quantized.kp = weight.kp;
+      quantized.group = weight.group;
+      prepare_rows(m, quantized);
+      quantize_row_range(x, k, quantized, 0, m, natural);
+    };
+    auto columns = [&](const QuantWeight& weight, T* out) {  // this thread's columns, in whole tiles of 4
+      int64_t begin, end;
+      share((weight.n + 3) / 4, begin, end);
+      matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
+    };
+    PhaseClock clock(tid == 0 && timing.load(std::memory_order_relaxed));
+    auto barrier = [&] {
+#pragma omp barrier
+      clock.done(kBarriers);
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const LayerView<T>& layer = views[l];
+      // Input norm (with the residual add; thread 0 keeps the sum), qkv.
+      const T* x = l == 0 ? x0 : downp;
+      const T* res_in = l == 0 ? r0 : ra;
+      for (int64_t r = 0; r < m; ++r) {
+        T* hr = h.data() + r * hidden_size;
+        if (res_in == nullptr)
+          norm_row<T, false>(x + r * hidden_size, layer.input_norm, hr, hidden_size, layer.eps, row.data());
+        else
+          add_norm_row<T, false>(x + r * hidden_size, res_in + r * hidden_size, layer.input_norm, hr,
+                                 tid == 0 ? rb + r * hidden_size : nullptr, hidden_size, layer.eps, row.data());
+      }
+      const T* attn_res = res_in == nullptr ? x0 : rb;  // the first layer without a residual: the input itself
+      clock.done(kInputNorm);
+      quantize(h.data(), hidden_size, layer.qkv);
+      clock.done(kQuantize);
+      columns(layer.qkv, qkvp);
+      clock.done(kQkv);
+      barrier();
+      // Rotary and the KV store, by tokens.
+      int64_t begin, end;
+      share(m, begin, end);
+      for (int64_t t = begin; t < end; ++t)
+        rotary_token(qkvp + t * qkv_width, qkvp + t * qkv_width + (heads + kv_heads) * head_dim,
+                     cosp + t * head_dim, sinp + t * head_dim, heads, kv_heads, head_dim, slot[t],
+                     qp + t * q_width, layer.k_cache, layer.v_cache);
+      clock.done(kRotary);
+      barrier();
+      // Attention, by the plan's items.
+      const CacheView<T> cache{layer.k_cache, layer.v_cache, tables.data_ptr<int32_t>(), table_width, block_size,
+                               kv_heads * head_dim, head_dim, 0.f, masks};
+      const AttentionRun<T> run{plan, qp, cache, heads, layer.scale, attnp, partials.data(), left.get() + l * num_tasks};
+      share(plan.items(), begin, end);
+      run.items(begin, end, scratch);
+      clock.done(kAttention);
+      barrier();
+      // o.
+      quantize(attnp, q_width, layer.o);
+      clock.done(kQuantize);
+      columns(layer.o, op);
+      clock.done(kO);
+      barrier();
+      // Post-attention norm with the residual add (thread 0 keeps the sum), gate_up.
+      for (int64_t r = 0; r < m; ++r)
+        add_norm_row<T, false>(op + r * hidden_size, attn_res + r * hidden_size, layer.post_norm,
+                               h.data() + r * hidden_size, tid == 0 ? ra + r * hidden_size : nullptr, hidden_size,
+                               layer.eps, row.data());
+      clock.done(kPostNorm);
+      quantize(h.data(), hidden_size, layer.gate_up);
+      clock.done(kQuantize);
+      columns(layer.gate_up, gup);
+      clock.done(kGateUp);
+      barrier();
+      // SiLU·mul, down.
+      for (int64_t r = 0; r < m; ++r)
+        silu_mul_range(gup + r * 2 * inter, gup + r * 2 * inter + inter, h.data() + r * inter, 0, inter);
+      clock.done(kSiluMul);
+      quantize(h.data(), inter, layer.down);
+      clock.done(kQuantize);
+      columns(layer.down, downp);
+      clock.done(kDown);
+      barrier();
+      if (clock.on) phase_us[kPhases] += 1;
+    }
+  }
+  return {down, res_a};
+}
+
+// Layers 0 … L - 1 of ``weights`` (14 a layer, as quant_decoder_layer takes them) and
+// ``meta`` (12 a layer), each with its eps, attention scale and caches: one parallel region
+// where the step's rows are few and every span is the attention kernel's, else one call a
+// layer. Returns the last layer's (hidden, residual), not yet added.
+std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
+    const at::Tensor& hidden, const OptTensor& residual, at::TensorList w, at::IntArrayRef meta,
+    at::ArrayRef<double> eps, at::ArrayRef<double> scale, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span, const OptTensor& tree_masks) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(w.size()) == 14 * layers &&
+                  static_cast<int64_t>(meta.size()) == 12 * layers && static_cast<int64_t>(eps.size()) == layers &&
+                  static_cast<int64_t>(scale.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+              "quant_decoder_layers: 14 weights, 12 meta values, an eps, a scale and two caches a layer");
+  const int64_t m = hidden.dim() == 2 ? hidden.size(0) : 0;
+  const auto dtype = hidden.scalar_type();
+  bool region = m > 0 && m <= kRegionRows && hidden.is_contiguous() &&
+                (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                (!residual.has_value() || (residual->is_contiguous() && residual->sizes() == hidden.sizes() &&
+                                           residual->scalar_type() == dtype));
+  for (int64_t l = 0; l < layers && region; ++l) {
+    const int64_t dequant_rows = meta[12 * l + 11];  // from these rows on the layer-by-layer path takes a GEMM
+    region = dequant_rows == 0 || m < dequant_rows;
+  }
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
+  const at::Tensor cu = cu_query_lens.to(at::kInt).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
+  at::Tensor masks;
+  std::vector<SpanTask> tasks;
+  if (region) {
+    TORCH_CHECK(slots.numel() == m, "one slot per token");
+    if (tree_masks.has_value()) {
+      masks = tree_masks->to(at::kLong).contiguous();
+      TORCH_CHECK(masks.dim() == 1 && masks.numel() >= m, "one tree mask per query row");
+    }
+    const at::Tensor& kc = k_caches[0];
+    TORCH_CHECK(kc.dim() == 4, "caches must be [blocks, block_size, kv_heads, head_dim]");
+    tasks = span_tasks(tables, cu, lens, m, kc.size(2), kc.size(1), kc.size(0), max_span);
+    int64_t covered = 0;  // rows whose span the kernel takes: all of them, or layer by layer
+    for (const SpanTask& task : tasks) covered += task.kv_head == 0 ? task.q_len : 0;
+    region = covered == m;
+  }
+  if (region) {
+    if (dtype == at::kFloat)
+      return layers_in_region<float>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
+                                     tables, masks, std::move(tasks));
+    return layers_in_region<at::BFloat16>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
+                                          tables, masks, std::move(tasks));
+  }
+  at::Tensor h = hidden;
+  OptTensor res = residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    auto [next, sum] = quant_decoder_layer(h, res, w.slice(14 * l, 14), meta.slice(12 * l, 12), eps[l], scale[l], cos,
+                                           sin, k_caches[l], v_caches[l], slot_mapping, block_tables, cu_query_lens,
+                                           seq_lens, max_span, tree_masks);
+    h = next;
+    res = sum;
+  }
+  return {h, *res};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
@@ -74,8 +364,14 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
         "float scale, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, Tensor? tree_masks=None) -> "
         "(Tensor, Tensor)");
+  m.def("region_times(bool enable) -> float[]", region_times);
+  m.def("quant_decoder_layers(Tensor hidden, Tensor? residual, Tensor[] weights, int[] meta, float[] eps, "
+        "float[] scale, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, Tensor? tree_masks=None) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("quant_decoder_layer", quant_decoder_layer);
+  m.impl("quant_decoder_layers", quant_decoder_layers);
 }

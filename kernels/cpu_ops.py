@@ -15,6 +15,7 @@ one call. They are compiled once per machine at first use by torch's extension l
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -24,6 +25,9 @@ import torch
 logger = logging.getLogger("specserve")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_quant.cpp", "cpu_layer.cpp")]
+# Headers the sources include. torch's loader rebuilds when a source or a flag changes, not a
+# header: their digest goes in as a flag.
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_glue.h", "cpu_quant.h")]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).
@@ -47,8 +51,9 @@ def available() -> bool:
         if capability.startswith("AVX512") and _avx512_vnni():
             flags.append("-mavx512vnni")  # cpu_quant.cpp's vpdpbusd
             capability += "_vnni"
+        headers = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
         cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=["-O3", "-fopenmp", *flags],
+                           extra_cflags=["-O3", "-fopenmp", f"-DSPECSERVE_HEADERS={headers}", *flags],
                            extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
         return hasattr(torch.ops.specserve_cpu, "add_rms_norm")

@@ -252,6 +252,43 @@ def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype)
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_few_rows_runs_its_layers_in_one_parallel_region(tmp_path, dtype):
+    """A step of at most 16 rows runs all its layers in one C++ call and one parallel
+    region (no per-piece op is dispatched): the same logits bit for bit as layer by layer,
+    at any thread count, with a context long enough that one span's keys are split across
+    threads; a step of more rows goes layer by layer inside the same call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    files, _ = tiny_gguf(tmp_path)
+    model = build_model(files, load_hf_config(files), dtype, CPU, TorchAttentionBackend(cpu_kernels=True),
+                        quantized=True)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 9, 4)]
+    fused_cpu, model.fused_cpu = model.fused_cpu, None
+    by_layer = ragged_logits(model, prompts, chunk=1, dtype=dtype)
+    model.fused_cpu = fused_cpu
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3, 4):
+            torch.set_num_threads(count)
+            fused = ragged_logits(model, prompts, chunk=1, dtype=dtype)
+            assert all(torch.equal(a, b) for a, b in zip(fused, by_layer)), count
+    finally:
+        torch.set_num_threads(threads)
+
+    def ops(prompts: list[list[int]], chunk: int) -> set[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
+        return {event.key for event in prof.key_averages() if event.key.startswith("specserve_cpu::")}
+
+    few = ops(prompts[1:], chunk=1)  # steps of 2 rows
+    assert "specserve_cpu::quant_decoder_layers" in few and "specserve_cpu::quant_linear" in few  # (the LM head)
+    assert "specserve_cpu::paged_attention_short" not in few and "specserve_cpu::rotary_store_kv" not in few
+    many = ops(prompts[:2], chunk=9)  # a first step of 9 + 9 rows: layer by layer
+    assert {"specserve_cpu::quant_decoder_layers", "specserve_cpu::paged_attention_short"} <= many
+
+
+@needs_cpu_kernels
 def test_the_deterministic_mode_keeps_the_integer_kernel_for_any_rows(tmp_path):
     """Deterministic: no layer switches to the library GEMM by its rows (the layer by
     layer path and the one-call layers alike), so a prefill chunk's rows round as a
@@ -282,6 +319,11 @@ def test_speculation_over_a_quantized_target_is_lossless(tmp_path, monkeypatch):
         llm = LLM(**common, speculative_method=method, num_speculative_tokens=3, speculative_adaptive=False)
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want, method
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    # A draft tree, one request at a time: its verify spans (tree masks) run in one parallel region.
+    llm = LLM(**common, speculative_method="layerskip", num_speculative_tokens=3, speculative_adaptive=False,
+              draft_tree_nodes=6)
+    assert [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts] == want
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
 @needs_cpu_kernels

@@ -1,11 +1,12 @@
-"""A quantized llama's decoder layers as one C++ call each on the CPU
-(``kernels/cpu_layer.cpp``), for steps whose every span the C++ attention kernel takes
-(decode rows and verify spans; prefill chunks longer than that run layer by layer).
+"""A quantized llama's decoder layers in one C++ call on the CPU (``kernels/cpu_layer.cpp``),
+for steps whose every span the C++ attention kernel takes (decode rows and verify spans;
+prefill chunks longer than that run layer by layer in Python).
 
-The call runs the same ops as the layer's Python does, in the same order, so the output is
-bitwise the same; it drops the module calls, views and Python-side dispatch around them,
-which on a small model's decode step cost more than the layer's arithmetic and do not
-shrink with threads.
+The call runs the same arithmetic as the layers' Python does, in the same order, so the
+output is bitwise the same. It drops the module calls, views and Python-side dispatch
+around them, which on a small model's decode step cost more than the layers' arithmetic
+and do not shrink with threads; and where the step's rows are few, it runs all the layers
+in one parallel region, its threads meeting at barriers instead of forking for each piece.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class FusedCpuLayers:
                 meta += [linear.bits, linear.group]
             meta.append(min(linear.dequant_rows for linear in linears))  # (all alike: the model's setting)
             self.layers.append((weights, meta, layer.input_layernorm.eps, attn.scale))
+        self._runs: dict[tuple[int, int], tuple] = {}  # (start, stop) -> the op's per-layer lists, joined
 
     @staticmethod
     def of(model) -> FusedCpuLayers | None:
@@ -60,10 +62,17 @@ class FusedCpuLayers:
             start: int, stop: int):
         """Layers ``start`` to ``stop`` (exclusive) over the residual stream ``hidden`` +
         ``residual`` (None: ``hidden`` alone); returns the next (hidden, residual)."""
+        if start >= stop:
+            return hidden, residual
+        run = self._runs.get((start, stop))
+        if run is None:
+            layers = self.layers[start:stop]
+            run = self._runs[(start, stop)] = ([w for weights, _, _, _ in layers for w in weights],
+                                               [v for _, meta, _, _ in layers for v in meta],
+                                               [eps for _, _, eps, _ in layers], [scale for *_, scale in layers])
+        weights, meta, eps, scale = run
         cos, sin = tables
-        op = torch.ops.specserve_cpu.quant_decoder_layer
-        for (weights, meta, eps, scale), (k_cache, v_cache) in zip(self.layers[start:stop], kv_caches[start:stop]):
-            hidden, residual = op(hidden, residual, weights, meta, eps, scale, cos, sin, k_cache, v_cache,
-                                  batch.slot_mapping, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
-                                  self.backend.max_kernel_span, batch.tree_masks)
-        return hidden, residual
+        return torch.ops.specserve_cpu.quant_decoder_layers(
+            hidden, residual, weights, meta, eps, scale, cos, sin, [k for k, _ in kv_caches[start:stop]],
+            [v for _, v in kv_caches[start:stop]], batch.slot_mapping, batch.block_tables, batch.cu_query_lens,
+            batch.seq_lens, self.backend.max_kernel_span, batch.tree_masks)

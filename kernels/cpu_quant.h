@@ -1,0 +1,642 @@
+// Quantized-weight linear layers on the CPU: the weight form, the activations' quantization
+// and the integer dot-product kernels, shared by quant_linear (cpu_quant.cpp) and the fused
+// decoder layers (cpu_layer.cpp). Included once per source file: everything is internal.
+//
+// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4 or 8 bits,
+// as GGUF files hold it (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; specserve/models/quantized.py
+// repacks each into the one form below, exactly).
+//
+// Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
+// or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
+// inputs (G = 16 or 32). Q4_0 is q · d − 8d, Q8_0 is (q + 128) · d − 128d, Q6_K's groups
+// of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32.
+//
+// Activations are quantized per row and per block of 32 inputs to int16 with one fp32
+// scale: a = round(x / d), d = max|x| / 32767. A group's dot product is then an integer
+// sum, two AVX-512 VNNI instructions per 64 weights and row (vpdpwssd: 2 signed 16-bit
+// products per int32 lane), and
+//   y = Σ_groups  scale · d · Σ q·a  +  min · d · Σ a.
+// llama.cpp quantizes activations to int8 (d = max|x| / 127), which costs half the integer
+// work but moves the default model's answers: on "What is the capital of France?" its Q4_1
+// file answers "L'Étoile, la Cité, …" with int8 activations and "The capital of France is
+// Paris." with 12 bits or more, as it does dequantised. 16 bits keep the file's model.
+//
+// Inputs are reordered inside blocks so that each int32 lane sums one group only: a block
+// is 16 groups (512 inputs at G = 32, 256 at G = 16; the last blocks of a row may be
+// 8, 4 or 2 groups, see ``blocks``), and lane l of each of its 64-input chunks holds 4
+// inputs of group l (of group l / L when the block has 16 / L groups). The integer sums then
+// run across the whole block in the lanes, and the scales apply once per block: one
+// multiply and two FMAs per 16 groups, where the integer work is two vpdpwssd per 64 weights.
+//
+// Layout, per output row n, inputs padded with zeros to Kp (a multiple of 64), in block order:
+//  - 4 bits: Kp/2 bytes; each pair of 64-input chunks in 64 bytes, byte j holding input j
+//    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
+//    bytes, byte j holding its inputs j and 32 + j.
+//  - 8 bits: Kp bytes.
+//  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
+//    group order (not reordered).
+// Every output element is summed in one fixed order (block by block, then the 16 lanes),
+// with rows and columns tiled only to share loads: a row's result does not depend on how
+// many rows share the call, so the layer is batch-invariant as it stands.
+//
+// Many rows (a prefill chunk; ``dequant_rows`` or more): the integer dot products cost as
+// much per row at any M, while a library GEMM reuses each weight over many rows. There the
+// weight is unpacked in its own block order to x's dtype (scale · q + min, exact in fp32,
+// rounded once to bf16 for bf16 activations), x's columns are put in the same order, and
+// ATen's GEMM multiplies them. A row's result then
+// depends on M crossing the threshold: the deterministic mode passes 0 (never).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// The kernel's path, by what the build targets (kernels/cpu_ops.py's flags).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QUANT_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+#endif
+
+namespace {
+
+
+constexpr int64_t kChunk = 64;    // inputs per weight vector
+constexpr int64_t kABlock = 32;   // inputs per activation scale
+constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
+constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
+
+// The blocks of a row of kp inputs, in chunks: as many 16-group blocks as fit, then
+// blocks of half, a quarter, ... of that (the layout's order; models/quantized.py: blocks).
+std::vector<int64_t> blocks(int64_t kp, int64_t group) {
+  const int64_t full = 16 * group / kChunk;  // chunks in a 16-group block
+  std::vector<int64_t> out;
+  int64_t left = kp / kChunk;
+  for (; left >= full; left -= full) out.push_back(full);
+  for (int64_t size = full / 2; size >= 1; size /= 2)
+    if (left >= size) {
+      out.push_back(size);
+      left -= size;
+    }
+  return out;
+}
+
+// Where a chunk's input 4l + t (int32 lane l's t-th) sits among the chunk's 64 quantized
+// activations. AVX-512 VNNI and the portable loop: two halves of 16 pairs, pair l of the
+// first half holding inputs 4l, 4l + 1, of the second 4l + 2, 4l + 3 (lane l of a vpdpwssd
+// sums one pair). AVX2: four vectors of 16, the even then the odd inputs of 0-31, then of
+// 32-63 (the weights' even and odd inputs of a half, as its dot_tile widens them).
+#if defined(QUANT_AVX2)
+constexpr int64_t slot(int64_t l, int64_t t) { return 32 * (l / 8) + 16 * (t % 2) + 2 * (l % 8) + t / 2; }
+#else
+constexpr int64_t slot(int64_t l, int64_t t) { return 32 * (t / 2) + 2 * l + t % 2; }
+#endif
+
+// Activations of one call, quantized: a [M, Kp] int16 in block order, each 64-input chunk's
+// inputs at their ``slot``; per weight group (G inputs), d of the group's 32-input block and
+// d · Σ a over the group, [M, Kp / G].
+struct QuantizedRows {
+  std::vector<int16_t> a;
+  std::vector<float> group_scale, group_sum;
+  std::vector<int64_t> blocks;
+  int64_t kp = 0, group = 32;
+};
+
+template <typename T>
+float as_float(T v) { return static_cast<float>(v); }
+
+// A weight's scales and mins are float32, or float16 where every one of them is exactly
+// a float16 (Q4_0, Q4_1, Q8_0: GGUF stores them so), which reads fewer bytes per step.
+inline float scalar(float v) { return v; }
+inline float scalar(at::Half v) { return static_cast<float>(v); }
+
+// ``out`` sized for m rows of kp inputs (its kp and group set), its rows still to quantize.
+inline void prepare_rows(int64_t m, QuantizedRows& out) {
+  const int64_t groups = out.kp / out.group;
+  out.a.assign(m * out.kp, 0);
+  out.group_scale.assign(m * groups, 0.f);
+  out.group_sum.assign(m * groups, 0.f);
+  out.blocks = blocks(out.kp, out.group);
+}
+
+// Rows begin … end - 1 of x [m, k] quantized into ``out`` (prepared), ``natural`` a scratch
+// row of kp values.
+template <typename T>
+void quantize_row_range(const T* x, int64_t k, QuantizedRows& out, int64_t begin, int64_t end,
+                        std::vector<int16_t>& natural) {
+  const int64_t kp = out.kp, g = out.group, groups = kp / g;
+  natural.assign(kp, 0);
+  float block[kABlock];
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t b0 = 0; b0 < k; b0 += kABlock) {
+      const int64_t width = std::min(kABlock, k - b0);
+      float amax = 0.f;
+      for (int64_t i = 0; i < kABlock; ++i) {
+        block[i] = i < width ? as_float(x[r * k + b0 + i]) : 0.f;
+        amax = std::max(amax, std::fabs(block[i]));
+      }
+      const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
+      int16_t* a = natural.data() + b0;
+      for (int64_t i = 0; i < kABlock; ++i)
+        a[i] = static_cast<int16_t>(std::nearbyint(block[i] * id));  // ties to even, as torch.round
+      for (int64_t g0 = 0; g0 < kABlock; g0 += g) {  // a weight group lies inside one block
+        int32_t sum = 0;
+        for (int64_t i = 0; i < g; ++i) sum += a[g0 + i];
+        out.group_scale[r * groups + (b0 + g0) / g] = d;
+        out.group_sum[r * groups + (b0 + g0) / g] = d * static_cast<float>(sum);
+      }
+    }
+    // Into block order: chunk j, lane l of a block of 16 / L groups holds inputs
+    // (j · L + l % L) · 4 … + 3 of its group l / L, each at its slot.
+    int16_t* dst = out.a.data() + r * kp;
+    int64_t k0 = 0;
+    for (const int64_t size : out.blocks) {
+      const int64_t per_lane = g / (kLaneIn * size);  // L
+      for (int64_t j = 0; j < size; ++j)
+        for (int64_t l = 0; l < 16; ++l) {
+          const int16_t* src = natural.data() + k0 + (l / per_lane) * g + (j * per_lane + l % per_lane) * kLaneIn;
+          int16_t* chunk = dst + k0 + j * kChunk;
+          for (int64_t t = 0; t < kLaneIn; ++t) chunk[slot(l, t)] = src[t];
+        }
+      k0 += size * kChunk;
+    }
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
+  prepare_rows(m, out);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> natural;
+    quantize_row_range(x, k, out, begin, end, natural);
+  });
+}
+
+#if defined(QUANT_AVX512)
+// Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w, outside chunk
+// pairs: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, inputs j and 32 + j).
+template <int Bits>
+inline __m512i weight_chunk(const uint8_t* w, int64_t c) {
+  if constexpr (Bits == 8) {
+    return _mm512_loadu_si512(w + c * kChunk);
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (kChunk / 2)));
+    const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+// Per lane, the value of its group: the block's `count` groups from p, each over 16 / count lanes.
+// 16 scales or mins (the first ``count``, the rest 0) as float32.
+inline __m512 load16(const float* p, int64_t count) {
+  return count == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(__mmask16((1u << count) - 1), p);
+}
+inline __m512 load16(const at::Half* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << count) - 1), p));
+}
+
+template <typename S>
+inline __m512 per_lane(const S* p, int64_t count) {
+  const __m512 v = load16(p, count);
+  if (count == 16) return v;
+  // lane l takes group l / (16 / count): a shift, counts being powers of two
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(16 / count));
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, static_cast<unsigned>(shift)), v);
+}
+
+// Cols weight rows × Rows activation rows, one accumulator each.
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+                     int64_t r0, float* out /* [Rows][Cols] */) {
+  const int64_t kp = q.kp, groups = kp / G;
+  __m512 acc[Cols][Rows];
+  for (int n = 0; n < Cols; ++n)
+    for (int r = 0; r < Rows; ++r) acc[n][r] = _mm512_setzero_ps();
+  const int16_t* a = q.a.data() + r0 * kp;
+  // Bytes 4l, 4l + 1 (first) and 4l + 2, 4l + 3 (second) of each dword as int16 pairs.
+  const __m512i first = _mm512_set4_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
+  const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi32(0x0002'0002));
+  // acc += w · a over one 64-input chunk: the weight bytes widened to int16 pairs.
+  auto madd = [&](__m512i dot, __m512i wv, const int16_t* ac) __attribute__((always_inline)) {
+    dot = _mm512_dpwssd_epi32(dot, _mm512_shuffle_epi8(wv, first), _mm512_loadu_si512(ac));
+    return _mm512_dpwssd_epi32(dot, _mm512_shuffle_epi8(wv, second), _mm512_loadu_si512(ac + 32));
+  };
+  int64_t c = 0, g0 = 0;
+  for (const int64_t size : q.blocks) {
+    const int64_t count = size * kChunk / G;  // groups in this block
+    __m512i dots[Cols][Rows];
+    for (int n = 0; n < Cols; ++n)
+      for (int r = 0; r < Rows; ++r) dots[n][r] = _mm512_setzero_si512();
+    if (Bits == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      for (int64_t j = 0; j < size; j += 2, c += 2)
+        for (int n = 0; n < Cols; ++n) {
+          const __m512i packed = _mm512_loadu_si512(w + n * row_bytes + c * (kChunk / 2));
+          const __m512i lo = _mm512_and_si512(packed, low4);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          for (int r = 0; r < Rows; ++r) {
+            dots[n][r] = madd(dots[n][r], lo, a + r * kp + c * kChunk);
+            dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
+          }
+        }
+    } else {  // 8 bits, or a 4-bit block of one chunk: the row's odd last chunk
+      for (int64_t j = 0; j < size; ++j, ++c)
+        for (int n = 0; n < Cols; ++n) {
+          const __m512i wv = weight_chunk<Bits>(w + n * row_bytes, c);
+          for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
+        }
+    }
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 d = per_lane(q.group_scale.data() + (r0 + r) * groups + g0, count);
+      const __m512 sums = _mm512_maskz_loadu_ps(valid, q.group_sum.data() + (r0 + r) * groups + g0);
+      for (int n = 0; n < Cols; ++n) {
+        const __m512 scale = _mm512_mul_ps(per_lane(ws + n * groups + g0, count), d);
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[n][r]), scale, acc[n][r]);
+        // the min term, once per group: Σ min · d·Σa
+        acc[n][r] = _mm512_fmadd_ps(load16(wm + n * groups + g0, count), sums, acc[n][r]);
+      }
+    }
+    g0 += count;
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int n = 0; n < Cols; ++n) out[r * Cols + n] = _mm512_reduce_add_ps(acc[n][r]);
+}
+
+constexpr int kVectorRegisters = 32;
+#elif defined(QUANT_AVX2)
+// AVX2: the same integer sums with vpmaddwd, each 16-lane accumulator as two 8-lane halves
+// (lanes 0-7 from the chunk's inputs 0-31, lanes 8-15 from 32-63). A machine without AVX-512
+// VNNI (most desktop CPUs, AVX-512 ones before Cascade Lake) runs this rather than the
+// portable loop. The weights are widened to int16 by masks and shifts of 16-bit words,
+// never by byte shuffles (which the shuffle ports would serialize): a word of a half holds
+// its inputs 2i and 2i + 1, so the even inputs (e) and the odd ones (o) of each half come
+// out as two vectors, and the activations are laid out to match (``slot``).
+
+// A chunk's weights as int16, the madd operands: e[v] holds half v's even inputs 32v + 2i,
+// o[v] its odd inputs 32v + 2i + 1 (i = 0..15).
+struct ChunkWeights {
+  __m256i e[2], o[2];
+};
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// Chunk c + `second` of the pair of chunks c, c + 1 of a row at w (c even, both in the
+// row's chunk pairs), from the pair's words (loaded once for both: ``pair_words``). 8 bits: a
+// chunk's 64 bytes in order. 4 bits: the pair's 64 bytes, byte j holding input j of c (low
+// nibble) and of c + 1 (high): word i of half v has c's 32v + 2i, c + 1's 32v + 2i, c's
+// 32v + 2i + 1, c + 1's 32v + 2i + 1 in its four nibbles.
+template <int Bits>
+inline void pair_words(const uint8_t* w, int64_t c, __m256i words[4]) {
+  if constexpr (Bits == 8) {
+    for (int i = 0; i < 4; ++i) words[i] = load256(w + c * kChunk + 32 * i);
+  } else {
+    words[0] = load256(w + c * (kChunk / 2));
+    words[1] = load256(w + c * (kChunk / 2) + 32);
+  }
+}
+
+template <int Bits, int Second>
+inline ChunkWeights pair_chunk(const __m256i words[4]) {
+  ChunkWeights x;
+  if constexpr (Bits == 8) {
+    const __m256i byte = _mm256_set1_epi16(0x00FF);
+    for (int v = 0; v < 2; ++v) {
+      x.e[v] = _mm256_and_si256(words[2 * Second + v], byte);
+      x.o[v] = _mm256_srli_epi16(words[2 * Second + v], 8);
+    }
+  } else {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    for (int v = 0; v < 2; ++v) {
+      x.e[v] = _mm256_and_si256(_mm256_srli_epi16(words[v], 4 * Second), nibble);
+      x.o[v] = Second ? _mm256_srli_epi16(words[v], 12) : _mm256_and_si256(_mm256_srli_epi16(words[v], 8), nibble);
+    }
+  }
+  return x;
+}
+
+// A lone chunk c: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, byte j holding
+// inputs j and 32 + j: word i has inputs 2i, 32 + 2i, 2i + 1, 32 + 2i + 1 in its nibbles).
+template <int Bits>
+inline void lone_chunk(const uint8_t* w, int64_t c, ChunkWeights& x) {
+  if constexpr (Bits == 8) {
+    const __m256i byte = _mm256_set1_epi16(0x00FF);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i words = load256(w + c * kChunk + 32 * v);
+      x.e[v] = _mm256_and_si256(words, byte);
+      x.o[v] = _mm256_srli_epi16(words, 8);
+    }
+  } else {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    const __m256i words = load256(w + c * (kChunk / 2));
+    x.e[0] = _mm256_and_si256(words, nibble);
+    x.e[1] = _mm256_and_si256(_mm256_srli_epi16(words, 4), nibble);
+    x.o[0] = _mm256_and_si256(_mm256_srli_epi16(words, 8), nibble);
+    x.o[1] = _mm256_srli_epi16(words, 12);
+  }
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load4(const float* p) { return _mm256_castps128_ps256(_mm_loadu_ps(p)); }  // upper lanes unused
+inline __m256 load4(const at::Half* p) {
+  return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float one(float v) { return v; }
+inline float one(at::Half v) { return _cvtsh_ss(v.x); }
+
+// 16 per-lane values of a block of `count` groups (16, 8, 4 or 2) as two halves: lane l
+// takes its group's entry l / (16 / count) of p, or with `once` entry l for l < count and 0
+// after (the min term, once per group). Never reads past p's count entries.
+template <typename S>
+inline void lanes16(const S* p, int64_t count, bool once, __m256& lo, __m256& hi) {
+  if (count == 16) {
+    lo = load8(p);
+    hi = load8(p + 8);
+    return;
+  }
+  hi = _mm256_setzero_ps();
+  if (count == 8) {
+    const __m256 v = load8(p);
+    if (once) {
+      lo = v;
+      return;
+    }
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+  } else if (count == 4) {
+    const __m256 v = load4(p);
+    if (once) {
+      lo = _mm256_blend_ps(_mm256_setzero_ps(), v, 0x0F);
+      return;
+    }
+    lo = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    hi = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+  } else {  // 2
+    if (once) {
+      lo = _mm256_setr_ps(one(p[0]), one(p[1]), 0.f, 0.f, 0.f, 0.f, 0.f, 0.f);
+      return;
+    }
+    lo = _mm256_set1_ps(one(p[0]));
+    hi = _mm256_set1_ps(one(p[1]));
+  }
+}
+
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+                     int64_t r0, float* out /* [Rows][Cols] */) {
+  const int64_t kp = q.kp, groups = kp / G;
+  // One accumulator per output: the two halves' lanes fold into one, l and l + 8.
+  __m256 acc[Cols][Rows];
+  for (int n = 0; n < Cols; ++n)
+    for (int r = 0; r < Rows; ++r) acc[n][r] = _mm256_setzero_ps();
+  const int16_t* a = q.a.data() + r0 * kp;
+  int64_t c = 0, g0 = 0;
+  for (const int64_t size : q.blocks) {
+    const int64_t count = size * kChunk / G;  // groups in this block
+    __m256i dots[Cols][Rows][2];
+    for (int n = 0; n < Cols; ++n)
+      for (int r = 0; r < Rows; ++r) dots[n][r][0] = dots[n][r][1] = _mm256_setzero_si256();
+    auto madd = [&](const ChunkWeights& x, int n, int64_t chunk) __attribute__((always_inline)) {
+      for (int r = 0; r < Rows; ++r) {
+        const int16_t* ac = a + r * kp + chunk * kChunk;
+        for (int v = 0; v < 2; ++v)
+          dots[n][r][v] = _mm256_add_epi32(dots[n][r][v],
+                                           _mm256_add_epi32(_mm256_madd_epi16(x.e[v], load256(ac + 32 * v)),
+                                                            _mm256_madd_epi16(x.o[v], load256(ac + 32 * v + 16))));
+      }
+    };
+    if (size == 1) {  // a block of one chunk: the row's last (blocks of 2+ chunks hold whole pairs)
+      for (int n = 0; n < Cols; ++n) {
+        ChunkWeights x;
+        lone_chunk<Bits>(w + n * row_bytes, c, x);
+        madd(x, n, c);
+      }
+      ++c;
+    } else {
+      for (int64_t j = 0; j < size; j += 2, c += 2)
+        for (int n = 0; n < Cols; ++n) {
+          __m256i words[4];
+          pair_words<Bits>(w + n * row_bytes, c, words);
+          madd(pair_chunk<Bits, 0>(words), n, c);
+          madd(pair_chunk<Bits, 1>(words), n, c + 1);
+        }
+    }
+    __m256 d[Rows][2], sums[Rows][2];
+    for (int r = 0; r < Rows; ++r) {
+      lanes16(q.group_scale.data() + (r0 + r) * groups + g0, count, false, d[r][0], d[r][1]);
+      lanes16(q.group_sum.data() + (r0 + r) * groups + g0, count, true, sums[r][0], sums[r][1]);
+    }
+    for (int n = 0; n < Cols; ++n) {
+      __m256 scale[2], mins[2];
+      lanes16(ws + n * groups + g0, count, false, scale[0], scale[1]);
+      lanes16(wm + n * groups + g0, count, true, mins[0], mins[1]);
+      for (int r = 0; r < Rows; ++r)
+        for (int h = 0; h < 2; ++h) {
+          acc[n][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), _mm256_mul_ps(scale[h], d[r][h]), acc[n][r]);
+          // the min term, once per group: Σ min · d·Σa
+          acc[n][r] = _mm256_fmadd_ps(mins[h], sums[r][h], acc[n][r]);
+        }
+    }
+    g0 += count;
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int n = 0; n < Cols; ++n) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, acc[n][r]);
+      out[r * Cols + n] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+}
+
+constexpr int kVectorRegisters = 16;
+#else
+// Portable: the same sums, lane by lane, in the same order as the vector path.
+template <int Rows, int Cols, int Bits, int G, typename S>
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+                     int64_t r0, float* out) {
+  const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
+  for (int n = 0; n < Cols; ++n) {
+    const uint8_t* wn = w + n * row_bytes;
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t row = r0 + r;
+      const int16_t* a = q.a.data() + row * kp;
+      float acc[16] = {};
+      int64_t c = 0, g0 = 0;
+      for (const int64_t size : q.blocks) {
+        const int64_t count = size * kChunk / G, per = 16 / count;
+        int32_t dots[16] = {};
+        for (int64_t j = 0; j < size; ++j, ++c)
+          for (int64_t i = 0; i < kChunk; ++i) {
+            int32_t wq = wn[c * kChunk + i];
+            if (Bits == 4 && (c & 1) == 0 && c + 1 == chunks) {  // an odd last chunk
+              const uint8_t byte = wn[c * (kChunk / 2) + (i % 32)];
+              wq = i < 32 ? (byte & 0x0F) : (byte >> 4);
+            } else if (Bits == 4) {
+              const uint8_t byte = wn[(c & ~int64_t(1)) * (kChunk / 2) + i];
+              wq = (c & 1) ? (byte >> 4) : (byte & 0x0F);
+            }
+            const int64_t lane = i / kLaneIn, in_lane = i % kLaneIn;
+            dots[lane] += wq * int32_t(a[c * kChunk + slot(lane, in_lane)]);
+          }
+        for (int64_t l = 0; l < 16; ++l) {
+          const int64_t grp = g0 + l / per;
+          acc[l] = std::fma(float(dots[l]), scalar(ws[n * groups + grp]) * q.group_scale[row * groups + grp], acc[l]);
+          if (l < count) acc[l] = std::fma(scalar(wm[n * groups + g0 + l]), q.group_sum[row * groups + g0 + l], acc[l]);
+        }
+        g0 += count;
+      }
+      float s = 0.f;
+      for (int l = 0; l < 16; ++l) s += acc[l];
+      out[r * Cols + n] = s;
+    }
+  }
+}
+
+constexpr int kVectorRegisters = 32;  // (no vector registers: the AVX-512 tiles)
+#endif
+
+// Column tiles of dot_rows, by the accumulators the vector registers hold: on AVX-512, 4
+// columns for 1 or 2 rows and 2 for 3 or 4 (measured best on a Xeon); on AVX2's 16, 4
+// columns for 1 row, 2 for 2, 1 for more.
+template <int Rows>
+constexpr int tile_cols() {
+  if constexpr (kVectorRegisters == 16) return Rows == 1 ? 2 : Rows == 2 ? 2 : 1;
+  return Rows <= 2 ? 4 : 2;
+}
+
+// How far ahead of its column tile a thread asks for weights (into L2), in weight rows:
+// columns of the output. Left to the hardware prefetchers, a decode step on few threads
+// waited on DRAM: a tile reads kCols row streams at once, 64 bytes of each in turn.
+constexpr int64_t kPrefetchCols = 16;
+
+// Rows activation rows against `cols` weight rows, in column tiles of ``tile_cols``
+// columns: out [Rows][cols]. With
+// `prefetch`, each tile first asks for the weight rows kPrefetchCols ahead of it, of the
+// `left` rows from w on (a span's first row tile: the others find them in cache).
+template <int Rows, int Bits, int G, typename S>
+void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm,
+              const QuantizedRows& q, int64_t r0, float* out, bool prefetch, int64_t left) {
+  constexpr int kCols = tile_cols<Rows>();
+  float tile[Rows * kCols];
+  const int64_t groups = q.kp / G;
+  for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
+    if (prefetch && n0 + kPrefetchCols + kCols <= left) {
+      const uint8_t* ahead = w + (n0 + kPrefetchCols) * row_bytes;
+      for (int64_t b = 0; b < kCols * row_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 2);  // prefetcht1
+    }
+    const int64_t width = std::min<int64_t>(kCols, cols - n0);
+    if (width == kCols) {
+      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, q, r0, tile);
+      for (int r = 0; r < Rows; ++r)
+        for (int n = 0; n < kCols; ++n) out[r * cols + n0 + n] = tile[r * kCols + n];
+    } else {
+      for (int64_t n = n0; n < cols; ++n) {
+        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, q, r0, tile);
+        for (int r = 0; r < Rows; ++r) out[r * cols + n] = tile[r];
+      }
+    }
+  }
+}
+// Output columns a thread takes at once (a span): 16 leaves 8 threads less uneven work on
+// a 576-column projection (36 spans) than 32 did (18), at no cost on 2.
+constexpr int64_t kSpan = 16;
+
+// A weight in the form above, as a call reads it: ``scales`` and ``mins`` float32, or
+// float16 (``half``, groups of 32); ``bias`` float32 or null.
+struct QuantWeight {
+  const uint8_t* packed;
+  const void* scales;
+  const void* mins;
+  const float* bias;
+  int64_t n, kp, row_bytes, bits, group;
+  bool half;
+  int64_t spans() const { return (n + kSpan - 1) / kSpan; }
+};
+
+// A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · bits / 8], ``scales``
+// and ``mins`` [N, Kp / group]) and read as a QuantWeight.
+inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
+                                int64_t group, int64_t k, const float* bias) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(),
+              "packed must be a contiguous uint8 CPU tensor [N, bytes]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  const int64_t n = packed.size(0), kp = packed.size(1) * 8 / bits;
+  TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == n && t->size(1) == kp / group,
+                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16");
+  return {packed.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), bias, n, kp, packed.size(1), bits, group, half};
+}
+
+// Output columns begin … end - 1 of y [m, n] = x · Wᵀ (+ bias), x quantized in q, a span
+// at a time: each output element is made whole by one call (and summed in the same order
+// in any tile), so threads may split the columns any way.
+template <int Bits, int G, typename S, typename T>
+void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T* out, int64_t begin, int64_t end) {
+  const int64_t n = wt.n, row_bytes = wt.row_bytes, groups = q.kp / G;
+  const S* scales = static_cast<const S*>(wt.scales);
+  const S* mins = static_cast<const S*>(wt.mins);
+  const float* bias = wt.bias;
+  float res[kTileRows * kSpan];
+  for (int64_t c0 = begin; c0 < end; c0 += kSpan) {
+    const int64_t cols = std::min(kSpan, end - c0);
+    const uint8_t* w = wt.packed + c0 * row_bytes;
+    const S* ws = scales + c0 * groups;
+    const S* wm = mins + c0 * groups;
+    for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, m - r0);
+      switch (rows) {
+        case 1: dot_rows<1, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
+        case 2: dot_rows<2, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
+        case 3: dot_rows<3, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
+        default: dot_rows<4, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) {
+          const float y = res[r * cols + j];
+          out[(r0 + r) * n + c0 + j] = static_cast<T>(bias ? y + bias[c0 + j] : y);
+        }
+    }
+  }
+}
+
+template <typename T>
+void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
+  if (w.half) {  // groups of 32 (quant_weight checks it)
+    if (w.bits == 4) matmul_columns<4, 32, at::Half>(q, m, w, out, begin, end);
+    else matmul_columns<8, 32, at::Half>(q, m, w, out, begin, end);
+  } else if (w.bits == 4 && w.group == 32) {
+    matmul_columns<4, 32, float>(q, m, w, out, begin, end);
+  } else if (w.bits == 4) {
+    matmul_columns<4, 16, float>(q, m, w, out, begin, end);
+  } else if (w.group == 32) {
+    matmul_columns<8, 32, float>(q, m, w, out, begin, end);
+  } else {
+    matmul_columns<8, 16, float>(q, m, w, out, begin, end);
+  }
+}
+
+// y [m, n] = x · Wᵀ (+ bias), the threads splitting the output columns only.
+template <typename T>
+void quant_matmul(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out) {
+  at::parallel_for(0, w.spans(), 1, [&](int64_t begin, int64_t end) {
+    matmul_columns(q, m, w, out, begin * kSpan, std::min(end * kSpan, w.n));
+  });
+}
+
+}  // namespace
