@@ -86,8 +86,8 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layer(
 constexpr int64_t kRegionRows = 16;
 
 // Where a region's time goes, for benchmarks (``region_times``): thread 0's clock between
-// the region's steps, summed over layers and calls while timing is on (off: one branch
-// each). A piece's time is thread 0's own share of it; waiting for the others at the
+// the region's steps, summed over layers and calls (of every model in the process) while
+// timing is on (off: one branch each). A piece's time is thread 0's own share of it; waiting for the others at the
 // barriers counts apart.
 enum Phase { kInputNorm, kQuantize, kQkv, kRotary, kAttention, kO, kPostNorm, kGateUp, kSiluMul, kDown, kBarriers,
              kPhases };
@@ -128,7 +128,7 @@ struct LayerView {
   T* v_cache;
 };
 
-// The step's layers start … (all of them) in one parallel region. ``tasks``: the step's
+// A run of layers in one parallel region (``quant_decoder_layers``). ``tasks``: the step's
 // attention, covering every row.
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, const OptTensor& residual,
