@@ -2,7 +2,8 @@
 Q4_1 file (speculation off, batch 1, greedy), tokens/s, then
 - the microseconds per layer of each piece of the decoder layers where a step's layers run
   in one parallel region (``specserve_cpu::region_times``: thread 0's clock, its own share
-  of each piece; the waits for the other threads at barriers apart);
+  of each piece; the waits for the other threads at barriers apart), and at each barrier
+  how far apart the threads arrived and how long the release took;
 - the microseconds per token of each C++ op (``torch.profiler``; the projections apart by
   their shapes, the LM head among them; a checkout whose layers run op by op shows them all).
 Comparing thread counts shows which pieces scale with cores and which do not (#32: plain
@@ -34,6 +35,8 @@ SHAPES = {(960, 288): "qkv", (576, 288): "o", (3072, 288): "gate_up", (576, 768)
 # the pieces of a layer in one parallel region, as ``region_times`` gives them (kernels/cpu_layer.cpp)
 PHASES = ("input norm", "quantize", "qkv", "rotary", "attention", "o", "post norm", "gate_up", "silu·mul", "down",
           "barriers")
+# a layer's barriers, by the piece before each (their times follow the layer count)
+POINTS = ("qkv", "attention", "o", "gate_up", "down")
 
 
 def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
@@ -57,8 +60,11 @@ def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
         for text in texts:
             llm.generate([text], params, use_tqdm=False)
         spent = torch.ops.specserve_cpu.region_times(False)
-        layers = spent[-1] or 1
+        layers = spent[len(PHASES)] or 1
         phases = {name: round(us / layers, 2) for name, us in zip(PHASES, spent)}
+        points = spent[len(PHASES) + 1:]  # per barrier: the arrivals' spread, then the release
+        spreads = {name: round(points[2 * i] / layers, 2) for i, name in enumerate(POINTS)} if points else None
+        release = round(sum(points[1::2]) / layers, 2) if points else None
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         n = len(llm.generate([texts[0]], params, use_tqdm=False)[0].token_ids)
     ops: dict[str, float] = {}
@@ -80,6 +86,8 @@ def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
     return {"threads": threads, "workload": workload, "tokens_per_s": tokens / seconds,
             "ms_per_token": seconds / tokens * 1e3, "torch_threads": torch.get_num_threads(),
             "region_us_per_layer": phases if region else None,
+            "barrier_spread_us_per_layer": spreads if region else None,
+            "barrier_release_us_per_layer": release if region else None,
             "profiled_us_per_token": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
 
 
@@ -120,6 +128,16 @@ def main() -> None:
             print(f"| {row['workload']} | {row['threads']} | {row['tokens_per_s']:.1f} | {row['ms_per_token']:.2f} | "
                   + " | ".join(f"{phases.get(name, 0):.1f}" for name in PHASES)
                   + f" | {sum(phases.values()):.1f} |")
+        print()
+    if any(row.get("barrier_spread_us_per_layer") for row in rows):
+        print("At each barrier, microseconds per layer: how long after the first thread the last arrived "
+              "(after the piece named), and the releases' sum (after the last arrival):\n")
+        print("| workload | threads | " + " | ".join(f"after {name}" for name in POINTS) + " | releases |")
+        print("| --- | ---: | " + " | ".join("---:" for _ in POINTS) + " | ---: |")
+        for row in rows:
+            spreads = row.get("barrier_spread_us_per_layer") or {}
+            print(f"| {row['workload']} | {row['threads']} | " + " | ".join(f"{spreads.get(name, 0):.1f}" for name in POINTS)
+                  + f" | {row.get('barrier_release_us_per_layer') or 0:.1f} |")
         print()
     names = sorted({name for row in rows for name in row["profiled_us_per_token"]},
                    key=lambda name: -max(row["profiled_us_per_token"].get(name, 0) for row in rows))

@@ -150,18 +150,27 @@ inline void rotate_half(const T* x, const T* c, const T* s, T* out, int64_t head
   }
 }
 
-// One token's rotary and KV store: its q heads (the first q_heads of ``qk``) rotated into
-// ``q_out``; its k heads (the next kv_heads) rotated into the caches' ``slot`` and its
-// values copied there (slot < 0: not stored). Caches [slots, kv_heads · head_dim].
+// Head u of one token's q, k and v heads (q_heads, then kv_heads, then kv_heads), its
+// values ``x``: a q head rotated into ``q_out``; a k head rotated into the caches' ``slot``,
+// a v head copied there (slot < 0: not stored). Caches [slots, kv_heads · head_dim].
+template <typename T>
+inline void rotary_head(const T* x, int64_t u, const T* c, const T* s, int64_t q_heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t slot, T* q_out, T* k_cache, T* v_cache) {
+  if (u < q_heads) return rotate_half(x, c, s, q_out + u * head_dim, head_dim);
+  if (slot < 0) return;
+  const int64_t kv_width = kv_heads * head_dim;
+  if (u < q_heads + kv_heads) return rotate_half(x, c, s, k_cache + slot * kv_width + (u - q_heads) * head_dim, head_dim);
+  std::copy(x, x + head_dim, v_cache + slot * kv_width + (u - q_heads - kv_heads) * head_dim);
+}
+
+// One token's rotary and KV store (``rotary_head`` for each head): ``qk`` its q and k heads,
+// ``value`` its v heads.
 template <typename T>
 inline void rotary_token(const T* qk, const T* value, const T* c, const T* s, int64_t q_heads, int64_t kv_heads,
                          int64_t head_dim, int64_t slot, T* q_out, T* k_cache, T* v_cache) {
-  for (int64_t h = 0; h < q_heads; ++h) rotate_half(qk + h * head_dim, c, s, q_out + h * head_dim, head_dim);
-  if (slot < 0) return;
-  const int64_t kv_width = kv_heads * head_dim;
-  for (int64_t h = 0; h < kv_heads; ++h)
-    rotate_half(qk + (q_heads + h) * head_dim, c, s, k_cache + slot * kv_width + h * head_dim, head_dim);
-  std::copy(value, value + kv_width, v_cache + slot * kv_width);
+  for (int64_t u = 0; u < q_heads + 2 * kv_heads; ++u)
+    rotary_head(u < q_heads + kv_heads ? qk + u * head_dim : value + (u - q_heads - kv_heads) * head_dim, u, c, s,
+                q_heads, kv_heads, head_dim, slot, q_out, k_cache, v_cache);
 }
 
 // ------------------------------------------------------------------------------ attention

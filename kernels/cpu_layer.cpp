@@ -87,21 +87,36 @@ constexpr int64_t kRegionRows = 16;
 
 // Where a region's time goes, for benchmarks (``region_times``): thread 0's clock between
 // the region's steps, summed over layers and calls (of every model in the process) while
-// timing is on (off: one branch each). A piece's time is thread 0's own share of it; waiting for the others at the
-// barriers counts apart.
+// timing is on (off: one branch each). A piece's time is thread 0's own share of it; waiting
+// for the others at the barriers counts apart. At each of a layer's barriers, every
+// thread's arrival time too: how far the last arrived after the first (the pieces'
+// imbalance), and how long the release took after the last arrival (the barrier's own cost).
 enum Phase { kInputNorm, kQuantize, kQkv, kRotary, kAttention, kO, kPostNorm, kGateUp, kSiluMul, kDown, kBarriers,
              kPhases };
+enum Point { kAfterQkv, kAfterAttention, kAfterO, kAfterGateUp, kAfterDown, kPoints };  // a layer's barriers
 std::atomic<bool> timing{false};
-double phase_us[kPhases + 1];  // the phases, then the layers run
+double phase_us[kPhases + 1 + 2 * kPoints];  // the phases, the layers run, then (spread, release) per barrier
 
-// Returns the microseconds each phase took since the last call (and the layers run), and
-// turns the timing on or off.
+// Returns the microseconds each phase took since the last call, the layers run, and per
+// barrier the arrivals' spread and the release's latency; turns the timing on or off.
 std::vector<double> region_times(bool enable) {
-  std::vector<double> out(phase_us, phase_us + kPhases + 1);
-  std::fill(phase_us, phase_us + kPhases + 1, 0.0);
+  std::vector<double> out(std::begin(phase_us), std::end(phase_us));
+  std::fill(std::begin(phase_us), std::end(phase_us), 0.0);
   timing.store(enable);
   return out;
 }
+
+struct alignas(64) Arrival {  // a thread's, at one barrier (a cache line each)
+  std::chrono::steady_clock::time_point at;
+};
+
+// A piece's items go to the threads as they take them (``take``), a few at a time: a thread
+// that runs slower, or is interrupted, takes fewer, where equal shares made every other
+// thread wait for it at the barrier. Which thread computes an item does not change it.
+enum Piece { kQkvHeads, kAttentionItems, kOColumns, kGateUpColumns, kDownColumns, kPieces };
+struct alignas(64) Counter {  // the next item of one piece of one layer (a cache line each)
+  std::atomic<int64_t> next{0};
+};
 
 struct PhaseClock {
   bool on;
@@ -113,6 +128,20 @@ struct PhaseClock {
     const auto now = std::chrono::steady_clock::now();
     phase_us[phase] += std::chrono::duration<double, std::micro>(now - last).count();
     last = now;
+  }
+  // After barrier ``point`` (the threads' ``arrivals`` there): its spread and release, to
+  // their sums; the time this takes counts nowhere.
+  void barrier_done(Point point, const Arrival* arrivals, int64_t team) {
+    if (!on) return;
+    done(kBarriers);
+    auto first = arrivals[0].at, final = arrivals[0].at;
+    for (int64_t t = 1; t < team; ++t) {
+      first = std::min(first, arrivals[t].at);
+      final = std::max(final, arrivals[t].at);
+    }
+    phase_us[kPhases + 1 + 2 * point] += std::chrono::duration<double, std::micro>(final - first).count();
+    phase_us[kPhases + 2 + 2 * point] += std::chrono::duration<double, std::micro>(last - final).count();
+    last = std::chrono::steady_clock::now();
   }
 };
 
@@ -196,13 +225,18 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
     for (int64_t t = 0; t < num_tasks; ++t) left[l * num_tasks + t].store(plan.views[t].chunks, std::memory_order_relaxed);
   const int64_t* masks = tree_masks.defined() ? tree_masks.data_ptr<int64_t>() : nullptr;
   const int64_t table_width = tables.size(1), block_size = k_caches[0].size(1);
+  const bool timed = timing.load(std::memory_order_relaxed);
+  std::vector<Arrival> arrivals(timed ? kPoints * threads : 0);  // per barrier, per thread
+  std::vector<Counter> counters(layers * kPieces);  // per layer and piece: none is reused
 
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
-    auto share = [&](int64_t n, int64_t& begin, int64_t& end) {  // this thread's part of n items
-      begin = n * tid / team;
-      end = n * (tid + 1) / team;
+    // Items begin … end - 1 of n to ``work``, ``grain`` at a time, until none is left.
+    auto take = [&](Counter& counter, int64_t n, int64_t grain, auto&& work) {
+      for (int64_t i = counter.next.fetch_add(grain, std::memory_order_relaxed); i < n;
+           i = counter.next.fetch_add(grain, std::memory_order_relaxed))
+        work(i, std::min(i + grain, n));
     };
     // Each thread's own: a piece's input rows, normalised or activated, and quantized.
     std::vector<T> h(m * std::max(hidden_size, inter));
@@ -216,18 +250,22 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       prepare_rows(m, quantized);
       quantize_row_range(x, k, quantized, 0, m, natural);
     };
-    auto columns = [&](const QuantWeight& weight, T* out) {  // this thread's columns, in whole tiles of 4
-      int64_t begin, end;
-      share((weight.n + 3) / 4, begin, end);
-      matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
+    // A weight's columns, in whole tiles of 4, about four takes a thread.
+    auto columns = [&](Counter& counter, const QuantWeight& weight, T* out) {
+      const int64_t tiles = (weight.n + 3) / 4;
+      take(counter, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
+        matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
+      });
     };
-    PhaseClock clock(tid == 0 && timing.load(std::memory_order_relaxed));
-    auto barrier = [&] {
+    PhaseClock clock(tid == 0 && timed);
+    auto barrier = [&](Point point) {
+      if (timed) arrivals[point * team + tid].at = std::chrono::steady_clock::now();
 #pragma omp barrier
-      clock.done(kBarriers);
+      clock.barrier_done(point, arrivals.data() + point * team, team);
     };
     for (int64_t l = 0; l < layers; ++l) {
       const LayerView<T>& layer = views[l];
+      Counter* piece = counters.data() + l * kPieces;
       // Input norm (with the residual add; thread 0 keeps the sum), qkv.
       const T* x = l == 0 ? x0 : downp;
       const T* res_in = l == 0 ? r0 : ra;
@@ -243,32 +281,30 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       clock.done(kInputNorm);
       quantize(h.data(), hidden_size, layer.qkv);
       clock.done(kQuantize);
-      columns(layer.qkv, qkvp);
-      clock.done(kQkv);
-      barrier();
-      // Rotary and the KV store, by tokens.
-      int64_t begin, end;
-      share(m, begin, end);
-      for (int64_t t = begin; t < end; ++t)
-        rotary_token(qkvp + t * qkv_width, qkvp + t * qkv_width + (heads + kv_heads) * head_dim,
-                     cosp + t * head_dim, sinp + t * head_dim, heads, kv_heads, head_dim, slot[t],
-                     qp + t * q_width, layer.k_cache, layer.v_cache);
-      clock.done(kRotary);
-      barrier();
+      // qkv by heads, each head then rotated (q, k) and stored (k, v) for every token.
+      take(piece[kQkvHeads], heads + 2 * kv_heads, 1, [&](int64_t u, int64_t) {
+        matmul_columns(quantized, m, layer.qkv, qkvp, u * head_dim, (u + 1) * head_dim);
+        clock.done(kQkv);
+        for (int64_t t = 0; t < m; ++t)
+          rotary_head(qkvp + t * qkv_width + u * head_dim, u, cosp + t * head_dim, sinp + t * head_dim, heads,
+                      kv_heads, head_dim, slot[t], qp + t * q_width, layer.k_cache, layer.v_cache);
+        clock.done(kRotary);
+      });
+      barrier(kAfterQkv);
       // Attention, by the plan's items.
       const CacheView<T> cache{layer.k_cache, layer.v_cache, tables.data_ptr<int32_t>(), table_width, block_size,
                                kv_heads * head_dim, head_dim, 0.f, masks};
       const AttentionRun<T> run{plan, qp, cache, heads, layer.scale, attnp, partials.data(), left.get() + l * num_tasks};
-      share(plan.items(), begin, end);
-      run.items(begin, end, scratch);
+      take(piece[kAttentionItems], plan.items(), 1,
+           [&](int64_t begin, int64_t end) { run.items(begin, end, scratch); });
       clock.done(kAttention);
-      barrier();
+      barrier(kAfterAttention);
       // o.
       quantize(attnp, q_width, layer.o);
       clock.done(kQuantize);
-      columns(layer.o, op);
+      columns(piece[kOColumns], layer.o, op);
       clock.done(kO);
-      barrier();
+      barrier(kAfterO);
       // Post-attention norm with the residual add (thread 0 keeps the sum), gate_up.
       for (int64_t r = 0; r < m; ++r)
         add_norm_row<T, false>(op + r * hidden_size, attn_res + r * hidden_size, layer.post_norm,
@@ -277,18 +313,18 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       clock.done(kPostNorm);
       quantize(h.data(), hidden_size, layer.gate_up);
       clock.done(kQuantize);
-      columns(layer.gate_up, gup);
+      columns(piece[kGateUpColumns], layer.gate_up, gup);
       clock.done(kGateUp);
-      barrier();
+      barrier(kAfterGateUp);
       // SiLU·mul, down.
       for (int64_t r = 0; r < m; ++r)
         silu_mul_range(gup + r * 2 * inter, gup + r * 2 * inter + inter, h.data() + r * inter, 0, inter);
       clock.done(kSiluMul);
       quantize(h.data(), inter, layer.down);
       clock.done(kQuantize);
-      columns(layer.down, downp);
+      columns(piece[kDownColumns], layer.down, downp);
       clock.done(kDown);
-      barrier();
+      barrier(kAfterDown);
       if (clock.on) phase_us[kPhases] += 1;
     }
   }

@@ -287,6 +287,18 @@ def test_a_step_of_few_rows_runs_its_layers_in_one_parallel_region(tmp_path, dty
     many = ops(prompts[:2], chunk=9)  # a first step of 9 + 9 rows: layer by layer
     assert {"specserve_cpu::quant_decoder_layers", "specserve_cpu::paged_attention_short"} <= many
 
+    # The region's clock (benchmarks/cpu_threads.py): 11 pieces, the layers run, then per
+    # barrier (5 a layer) the arrivals' spread and the release; nothing while it is off.
+    region_times = torch.ops.specserve_cpu.region_times
+    region_times(True)
+    ragged_logits(model, prompts[1:], chunk=1, dtype=dtype)
+    timed = region_times(False)
+    layers = len(model.fused_cpu.layers)
+    assert len(timed) == 22 and min(timed) >= 0 and sum(timed[:11]) > 0
+    assert timed[11] == 9 * layers  # 9 steps of at most 2 rows, each a region over every layer
+    ragged_logits(model, prompts[1:], chunk=1, dtype=dtype)
+    assert not any(region_times(False))
+
 
 @needs_cpu_kernels
 def test_the_deterministic_mode_keeps_the_integer_kernel_for_any_rows(tmp_path):
