@@ -301,6 +301,28 @@ def test_a_step_of_few_rows_runs_its_layers_in_one_parallel_region(tmp_path, dty
 
 
 @needs_cpu_kernels
+def test_the_region_takes_layers_whose_down_projections_differ_in_form(tmp_path):
+    """A file whose layers keep ffn_down in different forms, Q6_K (groups of 16) and Q4_K
+    (32), as Q4_K_M files mix them: each layer's input is quantized by its own groups, and
+    one region gives the logits of layer by layer."""
+    files, _ = tiny_gguf(tmp_path, **{"blk.1.ffn_down": "Q4_K"})
+    model = build_model(files, load_hf_config(files), torch.float32, CPU, TorchAttentionBackend(cpu_kernels=True),
+                        quantized=True)
+    assert [layer.mlp.down_proj.group for layer in model.model.layers] == [16, 32]
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 5)]
+    fused_cpu, model.fused_cpu = model.fused_cpu, None
+    by_layer = ragged_logits(model, prompts, chunk=1, dtype=torch.float32)
+    model.fused_cpu = fused_cpu
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        fused = ragged_logits(model, prompts, chunk=1, dtype=torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_layer))
+
+
+@needs_cpu_kernels
 def test_the_deterministic_mode_keeps_the_integer_kernel_for_any_rows(tmp_path):
     """Deterministic: no layer switches to the library GEMM by its rows (the layer by
     layer path and the one-call layers alike), so a prefill chunk's rows round as a

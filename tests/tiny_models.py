@@ -208,7 +208,8 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     """A tiny tied-embedding llama written as llama.cpp writes a GGUF: q and k rows
     permuted for its rotary layout, every weight in its block format (``types``, default
     GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection; F32, F16 or BF16 for
-    a float weight, and under the key "norm" for the norms, F32 by default). The K-quants get
+    a float weight, and under the key "norm" for the norms, F32 by default; a key such as
+    "blk.1.ffn_down" sets one layer's). The K-quants get
     random blocks (the ``gguf`` package cannot quantize to them), the others quantize
     random weights. Writes ``model.gguf`` plus config.json, a tokenizer and the dequantised
     weights beside it (what ``resolve_model``'s conversion writes), and returns
@@ -267,7 +268,8 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     dequantised = {}
     for hf_name, gguf_name in names.items():
         weight = state[hf_name]
-        kind = types.get("norm" if weight.dim() == 1 else gguf_name.split(".")[-2], "F32")
+        kind = types.get(gguf_name.removesuffix(".weight"),  # one layer's (as Q4_K_M varies ffn_down)
+                         types.get("norm" if weight.dim() == 1 else gguf_name.split(".")[-2], "F32"))
         if kind in ("F32", "F16", "BF16"):  # float tensors, rounded to their type
             rounded = weight.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind])
             dequantised[hf_name] = rounded.float()
