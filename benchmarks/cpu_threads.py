@@ -4,7 +4,8 @@ Q4_1 file (speculation off, batch 1, greedy), tokens/s, then
   in one parallel region (``specserve_cpu::region_times``: thread 0's clock, its own share
   of each piece; the waits for the other threads at barriers apart), and at each barrier
   how far apart the threads arrived and how long the release took;
-- the microseconds per token of each C++ op (``torch.profiler``; the projections apart by
+- the microseconds per token spent outside the C++ ops (the host's Python, which no
+  thread count shortens), and of each C++ op (``torch.profiler``; the projections apart by
   their shapes, the LM head among them; a checkout whose layers run op by op shows them all).
 Comparing thread counts shows which pieces scale with cores and which do not (#32: plain
 decoding at 8 threads ≥ 2.5x its 2-thread speed).
@@ -37,6 +38,39 @@ PHASES = ("input norm", "quantize", "qkv", "rotary", "attention", "o", "post nor
           "barriers")
 # a layer's barriers, by the piece before each (their times follow the layer count)
 POINTS = ("qkv", "attention", "o", "gate_up", "down")
+# the C++ ops a CPU step may call from Python (``host_us_per_token`` times them)
+OPS = ("quant_model_logits", "quant_decoder_layers", "quant_decoder_layer", "quant_linear", "rms_norm",
+       "add_rms_norm", "silu_and_mul", "rotary_tables", "rotary_store_kv", "paged_attention_short", "greedy_rows")
+
+
+def host_us_per_token(llm, texts: list[str], params) -> float:
+    """The microseconds per token spent outside the C++ ops (scheduling, the runner's
+    Python, sampling, detokenizing): each op of ``torch.ops.specserve_cpu`` timed in a
+    wrapper for one pass over ``texts``, its time taken from the pass's. This part does not
+    shrink with threads."""
+    namespace = torch.ops.specserve_cpu
+    inside = [0.0]
+    originals = {name: getattr(namespace, name) for name in OPS if hasattr(namespace, name)}
+
+    def timed(op):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return op(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - start
+        return run
+
+    for name, op in originals.items():
+        setattr(namespace, name, timed(op))
+    try:
+        tokens, start = 0, time.perf_counter()
+        for text in texts:
+            tokens += len(llm.generate([text], params, use_tqdm=False)[0].token_ids)
+        return round((time.perf_counter() - start - inside[0]) / tokens * 1e6, 1)
+    finally:
+        for name, op in originals.items():
+            setattr(namespace, name, op)
 
 
 def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
@@ -65,6 +99,7 @@ def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
         points = spent[len(PHASES) + 1:]  # per barrier: the arrivals' spread, then the release
         spreads = {name: round(points[2 * i] / layers, 2) for i, name in enumerate(POINTS)} if points else None
         release = round(sum(points[1::2]) / layers, 2) if points else None
+    host = host_us_per_token(llm, texts, params)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         n = len(llm.generate([texts[0]], params, use_tqdm=False)[0].token_ids)
     ops: dict[str, float] = {}
@@ -85,6 +120,7 @@ def job(threads: int, workload: str, prompts: int, max_tokens: int) -> dict:
     llm.close()
     return {"threads": threads, "workload": workload, "tokens_per_s": tokens / seconds,
             "ms_per_token": seconds / tokens * 1e3, "torch_threads": torch.get_num_threads(),
+            "host_us_per_token": host,
             "region_us_per_layer": phases if region else None,
             "barrier_spread_us_per_layer": spreads if region else None,
             "barrier_release_us_per_layer": release if region else None,
@@ -141,13 +177,13 @@ def main() -> None:
         print()
     names = sorted({name for row in rows for name in row["profiled_us_per_token"]},
                    key=lambda name: -max(row["profiled_us_per_token"].get(name, 0) for row in rows))
-    print("Microseconds per token, by C++ op (torch.profiler):\n")
-    print("| workload | threads | tokens/s | ms/token | " + " | ".join(names) + " |")
-    print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
+    print("Microseconds per token outside the C++ ops (host), then by C++ op (torch.profiler):\n")
+    print("| workload | threads | tokens/s | ms/token | host | " + " | ".join(names) + " |")
+    print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
     for row in rows:
         ops = row["profiled_us_per_token"]
         print(f"| {row['workload']} | {row['threads']} | {row['tokens_per_s']:.1f} | {row['ms_per_token']:.2f} | "
-              + " | ".join(f"{ops.get(name, 0):.0f}" for name in names) + " |")
+              f"{row['host_us_per_token']:.0f} | " + " | ".join(f"{ops.get(name, 0):.0f}" for name in names) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_name(torch.device('cpu')), "rows": rows}, indent=1))
 

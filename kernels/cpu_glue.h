@@ -150,6 +150,35 @@ inline void rotate_half(const T* x, const T* c, const T* s, T* out, int64_t head
   }
 }
 
+// The rotary tables of ``m`` positions, as the torch path makes them (rotary.py,
+// ``Rotary.forward``): angle = position · inv_freq in fp32, cos and sin times the rope's
+// scaling, then rounded to T; ``cos`` [m, head_dim] both halves, ``sin`` [m, head_dim] −sin on
+// the first half and +sin on the second. A position from ``long_offset`` on (LongRoPE's long
+// mode; 0: none) is position − long_offset under the long frequencies. The cos / sin are
+// the C library's, where torch's vectorised ones may differ in the last bit of a float:
+// every CPU path takes its tables from here.
+template <typename T>
+inline void rotary_rows(const int64_t* positions, int64_t m, int64_t half, const float* inv_freq,
+                        const float* scaling, const float* inv_freq_long, const float* scaling_long,
+                        int64_t long_offset, T* cos_out, T* sin_out) {
+  for (int64_t t = 0; t < m; ++t) {
+    int64_t p = positions[t];
+    const bool long_mode = long_offset > 0 && p >= long_offset;
+    if (long_mode) p -= long_offset;
+    const float* inv = long_mode ? inv_freq_long : inv_freq;
+    const float* sc = long_mode ? scaling_long : scaling;
+    T* c = cos_out + t * 2 * half;
+    T* s = sin_out + t * 2 * half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(p) * inv[i];
+      const float cv = std::cos(angle) * sc[i], sv = std::sin(angle) * sc[i];
+      c[i] = c[half + i] = static_cast<T>(cv);
+      s[i] = static_cast<T>(-sv);
+      s[half + i] = static_cast<T>(sv);
+    }
+  }
+}
+
 // Head u of one token's q, k and v heads (q_heads, then kv_heads, then kv_heads), its
 // values ``x``: a q head rotated into ``q_out``; a k head rotated into the caches' ``slot``,
 // a v head copied there (slot < 0: not stored). Caches [slots, kv_heads · head_dim].

@@ -157,8 +157,20 @@ struct LayerView {
   T* v_cache;
 };
 
+// The model's end after its last layer (``quant_model_logits``): the final norm of the rows
+// whose logits are wanted (the residual added, as add_rms_norm does), then the LM head over
+// them, each logit rounded to the model's dtype as the head's output is, stored as float32.
+template <typename T>
+struct HeadRun {
+  const T* norm;
+  double eps;
+  std::vector<int64_t> rows;  // of the step, in the order their logits go out
+  QuantWeight weight;
+  float* logits;  // [rows, weight.n]
+};
+
 // A run of layers in one parallel region (``quant_decoder_layers``). ``tasks``: the step's
-// attention, covering every row.
+// attention, covering every row. ``head``: the model's end too, in the same region, or null.
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, const OptTensor& residual,
                                                     at::TensorList w, at::IntArrayRef meta, at::ArrayRef<double> eps,
@@ -166,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
                                                     const at::Tensor& sin_in, at::TensorList k_caches,
                                                     at::TensorList v_caches, const at::Tensor& slots,
                                                     const at::Tensor& tables, const at::Tensor& tree_masks,
-                                                    std::vector<SpanTask> tasks) {
+                                                    std::vector<SpanTask> tasks, const HeadRun<T>* head) {
   const int64_t layers = static_cast<int64_t>(k_caches.size()), m = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t heads = meta[0], kv_heads = meta[1], head_dim = meta[2], q_width = heads * head_dim;
   const auto dtype = hidden.scalar_type();
@@ -228,6 +240,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
   const bool timed = timing.load(std::memory_order_relaxed);
   std::vector<Arrival> arrivals(timed ? kPoints * threads : 0);  // per barrier, per thread
   std::vector<Counter> counters(layers * kPieces);  // per layer and piece: none is reused
+  Counter head_columns;
 
 #pragma omp parallel num_threads(threads)
   {
@@ -244,17 +257,19 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
     std::vector<int16_t> natural;
     QuantizedRows quantized;
     AttentionScratch scratch;
-    auto quantize = [&](const T* x, int64_t k, const QuantWeight& weight) {
+    auto quantize = [&](const T* x, int64_t rows, int64_t k, const QuantWeight& weight) {
       quantized.kp = weight.kp;
       quantized.group = weight.group;
-      prepare_rows(m, quantized);
-      quantize_row_range(x, k, quantized, 0, m, natural);
+      prepare_rows(rows, quantized);
+      quantize_row_range(x, k, quantized, 0, rows, natural);
     };
-    // A weight's columns, in whole tiles of 4, about four takes a thread.
-    auto columns = [&](Counter& counter, const QuantWeight& weight, T* out) {
+    // A weight's columns over the quantized rows, in whole tiles of 4, about four takes a
+    // thread; each element rounded to T and stored in ``out`` (T, or float).
+    auto columns = [&](Counter& counter, const QuantWeight& weight, int64_t rows, auto* out) {
+      using O = std::remove_pointer_t<decltype(out)>;
       const int64_t tiles = (weight.n + 3) / 4;
       take(counter, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
-        matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
+        matmul_columns<O, T>(quantized, rows, weight, out, 4 * begin, std::min(4 * end, weight.n));
       });
     };
     PhaseClock clock(tid == 0 && timed);
@@ -279,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       }
       const T* attn_res = res_in == nullptr ? x0 : rb;  // the first layer without a residual: the input itself
       clock.done(kInputNorm);
-      quantize(h.data(), hidden_size, layer.qkv);
+      quantize(h.data(), m, hidden_size, layer.qkv);
       clock.done(kQuantize);
       // qkv by heads, each head then rotated (q, k) and stored (k, v) for every token.
       take(piece[kQkvHeads], heads + 2 * kv_heads, 1, [&](int64_t u, int64_t) {
@@ -300,9 +315,9 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       clock.done(kAttention);
       barrier(kAfterAttention);
       // o.
-      quantize(attnp, q_width, layer.o);
+      quantize(attnp, m, q_width, layer.o);
       clock.done(kQuantize);
-      columns(piece[kOColumns], layer.o, op);
+      columns(piece[kOColumns], layer.o, m, op);
       clock.done(kO);
       barrier(kAfterO);
       // Post-attention norm with the residual add (thread 0 keeps the sum), gate_up.
@@ -311,35 +326,68 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
                                h.data() + r * hidden_size, tid == 0 ? ra + r * hidden_size : nullptr, hidden_size,
                                layer.eps, row.data());
       clock.done(kPostNorm);
-      quantize(h.data(), hidden_size, layer.gate_up);
+      quantize(h.data(), m, hidden_size, layer.gate_up);
       clock.done(kQuantize);
-      columns(piece[kGateUpColumns], layer.gate_up, gup);
+      columns(piece[kGateUpColumns], layer.gate_up, m, gup);
       clock.done(kGateUp);
       barrier(kAfterGateUp);
       // SiLU·mul, down.
       for (int64_t r = 0; r < m; ++r)
         silu_mul_range(gup + r * 2 * inter, gup + r * 2 * inter + inter, h.data() + r * inter, 0, inter);
       clock.done(kSiluMul);
-      quantize(h.data(), inter, layer.down);
+      quantize(h.data(), m, inter, layer.down);
       clock.done(kQuantize);
-      columns(piece[kDownColumns], layer.down, downp);
+      columns(piece[kDownColumns], layer.down, m, downp);
       clock.done(kDown);
       barrier(kAfterDown);
       if (clock.on) phase_us[kPhases] += 1;
+    }
+    if (head != nullptr) {  // the final norm (every thread its own copy, as a layer's input), the LM head
+      const int64_t rows = static_cast<int64_t>(head->rows.size());
+      for (int64_t i = 0; i < rows; ++i)
+        add_norm_row<T, false>(downp + head->rows[i] * hidden_size, ra + head->rows[i] * hidden_size, head->norm,
+                               h.data() + i * hidden_size, nullptr, hidden_size, head->eps, row.data());
+      quantize(h.data(), rows, hidden_size, head->weight);
+      columns(head_columns, head->weight, rows, head->logits);
     }
   }
   return {down, res_a};
 }
 
+// The model's end for ``quant_model_logits``: the final norm's weight and eps, the rows
+// whose logits are wanted, and the LM head as quant_linear takes it.
+struct HeadArgs {
+  at::Tensor norm, rows, packed, scales, mins;
+  OptTensor bias;
+  double eps;
+  int64_t bits, group, dequant_rows;
+};
+
+// The model's end through the ops, as Python runs it: the final norm of every row, the
+// wanted rows, the LM head (quant_linear), float32.
+at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& residual, const HeadArgs& head,
+                       const at::Tensor& rows) {
+  static auto add_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, double)>("specserve_cpu::add_rms_norm");
+  const at::Tensor normed = std::get<0>(add_norm.call(hidden, residual, head.norm, head.eps));
+  at::Tensor x = at::index_select(normed, 0, rows);
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      int64_t, int64_t, const OptTensor&, int64_t)>("specserve_cpu::quant_linear");
+  return op.call(x, head.packed, head.scales, head.mins, head.bits, head.group, head.bias, head.dequant_rows)
+      .to(at::kFloat);
+}
+
 // Layers 0 … L - 1 of ``weights`` (14 a layer, as quant_decoder_layer takes them) and
 // ``meta`` (12 a layer), each with its eps, attention scale and caches: one parallel region
 // where the step's rows are few and every span is the attention kernel's, else one call a
-// layer. Returns the last layer's (hidden, residual), not yet added.
-std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
+// layer. Returns the last layer's (hidden, residual), not yet added; with ``head``, also
+// the logits of its rows (float32), else an undefined tensor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
     const at::Tensor& hidden, const OptTensor& residual, at::TensorList w, at::IntArrayRef meta,
     at::ArrayRef<double> eps, at::ArrayRef<double> scale, const at::Tensor& cos, const at::Tensor& sin,
     at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span, const OptTensor& tree_masks) {
+    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span, const OptTensor& tree_masks,
+    const HeadArgs* head) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(w.size()) == 14 * layers &&
                   static_cast<int64_t>(meta.size()) == 12 * layers && static_cast<int64_t>(eps.size()) == layers &&
@@ -347,6 +395,16 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
               "quant_decoder_layers: 14 weights, 12 meta values, an eps, a scale and two caches a layer");
   const int64_t m = hidden.dim() == 2 ? hidden.size(0) : 0;
   const auto dtype = hidden.scalar_type();
+  at::Tensor head_rows;
+  if (head != nullptr) {
+    head_rows = head->rows.to(at::kLong).contiguous();
+    const int64_t* r = head_rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < head_rows.numel(); ++i)
+      TORCH_CHECK(r[i] >= 0 && r[i] < m, "logits row ", r[i], " is outside the step's ", m, " rows");
+    TORCH_CHECK(head->norm.scalar_type() == dtype && head->norm.is_contiguous() && head->norm.dim() == 1 &&
+                    head->norm.size(0) == (m > 0 ? hidden.size(1) : 0),
+                "the final norm's weight must be contiguous [hidden] in the hidden states' dtype");
+  }
   bool region = m > 0 && m <= kRegionRows && hidden.is_contiguous() &&
                 (dtype == at::kFloat || dtype == at::kBFloat16) &&
                 (!residual.has_value() || (residual->is_contiguous() && residual->sizes() == hidden.sizes() &&
@@ -374,12 +432,32 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
     for (const SpanTask& task : tasks) covered += task.kv_head == 0 ? task.q_len : 0;
     region = covered == m;
   }
+  // The head in the region where quant_linear would take the integer kernel for its rows
+  // (and they fit the region's buffers).
+  const bool head_in_region = region && head != nullptr && head_rows.numel() <= m &&
+                              (head->dequant_rows == 0 || head_rows.numel() < head->dequant_rows);
   if (region) {
-    if (dtype == at::kFloat)
-      return layers_in_region<float>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
-                                     tables, masks, std::move(tasks));
-    return layers_in_region<at::BFloat16>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
-                                          tables, masks, std::move(tasks));
+    at::Tensor logits;
+    auto in_region = [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      HeadRun<T> run{};
+      if (head_in_region) {
+        const QuantWeight weight = quant_weight(head->packed, head->scales, head->mins, head->bits, head->group,
+                                                hidden.size(1), head->bias.has_value() ? head->bias->data_ptr<float>()
+                                                                                       : nullptr);
+        logits = at::empty({head_rows.numel(), weight.n}, hidden.options().dtype(at::kFloat));
+        const int64_t* r = head_rows.data_ptr<int64_t>();
+        run = {head->norm.data_ptr<T>(), head->eps, std::vector<int64_t>(r, r + head_rows.numel()), weight,
+               logits.data_ptr<float>()};
+      }
+      auto [h, res] = layers_in_region<T>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
+                                          tables, masks, std::move(tasks), head_in_region ? &run : nullptr);
+      return std::make_tuple(h, res);
+    };
+    auto [h, res] = dtype == at::kFloat ? in_region(static_cast<float*>(nullptr))
+                                        : in_region(static_cast<at::BFloat16*>(nullptr));
+    if (head_in_region || head == nullptr) return {h, res, logits};
+    return {h, res, head_logits(h, res, *head, head_rows)};
   }
   at::Tensor h = hidden;
   OptTensor res = residual;
@@ -390,7 +468,56 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
     h = next;
     res = sum;
   }
-  return {h, *res};
+  return {h, *res, head == nullptr ? at::Tensor() : head_logits(h, *res, *head, head_rows)};
+}
+
+// The layers alone (``FusedCpuLayers.run``): the last layer's (hidden, residual).
+std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
+    const at::Tensor& hidden, const OptTensor& residual, at::TensorList w, at::IntArrayRef meta,
+    at::ArrayRef<double> eps, at::ArrayRef<double> scale, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span, const OptTensor& tree_masks) {
+  auto [h, res, logits] = run_layers(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slot_mapping,
+                                     block_tables, cu_query_lens, seq_lens, max_span, tree_masks, nullptr);
+  return {h, res};
+}
+
+// A quantized llama's whole pass over a step, from token ids to the float32 logits of
+// ``logits_rows``, in one call: the embedding rows, the rotary tables (rotary_tables), the
+// layers (as quant_decoder_layers runs them; from the first, so no residual yet), the final
+// norm and the LM head. The same ops on the same values as the pass from Python, so the
+// same bits; on a small model's decode step the Python between the layers' call and the
+// sampler cost as much as several layers, each op there running from a cache the weights
+// had just swept. ``embed`` [vocab, hidden] in the model's dtype; ``rope`` and
+// ``long_offset`` as rotary_tables takes them; ``head``: the final norm's weight, then the
+// LM head's packed, scales, mins (and bias); ``head_meta``: its bits, group, dequant_rows.
+at::Tensor quant_model_logits(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
+                              at::TensorList rope, int64_t long_offset, at::TensorList w, at::IntArrayRef meta,
+                              at::ArrayRef<double> eps, at::ArrayRef<double> scale, at::TensorList k_caches,
+                              at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span,
+                              const OptTensor& tree_masks, at::TensorList head, at::IntArrayRef head_meta,
+                              double norm_eps, const at::Tensor& logits_rows) {
+  static auto tables_op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, int64_t,
+                                                                     at::ScalarType)>("specserve_cpu::rotary_tables");
+  TORCH_CHECK((head.size() == 4 || head.size() == 5) && head_meta.size() == 3,
+              "quant_model_logits: the final norm, the head's packed, scales, mins (and bias); bits, group, "
+              "dequant_rows");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "the embeddings must be contiguous [vocab, hidden]");
+  const at::Tensor ids = input_ids.to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < embed.size(0), "token id ", id[t], " is outside the vocabulary of ",
+                embed.size(0));
+  const at::Tensor hidden = at::index_select(embed, 0, ids);
+  auto [cos, sin] = tables_op.call(positions, rope, long_offset, embed.scalar_type());
+  const HeadArgs args{head[0], logits_rows, head[1], head[2], head[3],
+                      head.size() == 5 ? OptTensor(head[4]) : OptTensor(), norm_eps, head_meta[0], head_meta[1],
+                      head_meta[2]};
+  TORCH_CHECK(!args.bias.has_value() || (args.bias->scalar_type() == at::kFloat && args.bias->is_contiguous()),
+              "the head's bias must be contiguous float32");
+  return std::get<2>(run_layers(hidden, c10::nullopt, w, meta, eps, scale, cos, sin, k_caches, v_caches, slot_mapping,
+                                block_tables, cu_query_lens, seq_lens, max_span, tree_masks, &args));
 }
 
 }  // namespace
@@ -405,9 +532,14 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
         "float[] scale, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, Tensor? tree_masks=None) -> "
         "(Tensor, Tensor)");
+  m.def("quant_model_logits(Tensor input_ids, Tensor embed, Tensor positions, Tensor[] rope, int long_offset, "
+        "Tensor[] weights, int[] meta, float[] eps, float[] scale, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, "
+        "Tensor? tree_masks, Tensor[] head, int[] head_meta, float norm_eps, Tensor logits_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("quant_decoder_layer", quant_decoder_layer);
   m.impl("quant_decoder_layers", quant_decoder_layers);
+  m.impl("quant_model_logits", quant_model_logits);
 }

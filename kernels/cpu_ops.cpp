@@ -174,6 +174,30 @@ at::Tensor rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const 
   return q_out;
 }
 
+// The rotary tables of a step's ``positions`` (``rotary_rows``): (cos [tokens, 1, head_dim],
+// signed sin [tokens, 1, 2, head_dim / 2]) in ``dtype``, the shapes Rotary.forward gives.
+// ``rope``: inv_freq and scaling [head_dim / 2] fp32, then the long ones where
+// ``long_offset`` > 0.
+std::tuple<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& positions_in, at::TensorList rope,
+                                                 int64_t long_offset, at::ScalarType dtype) {
+  TORCH_CHECK(rope.size() == (long_offset > 0 ? 4u : 2u), "rotary_tables: inv_freq and scaling (and the long ones)");
+  const int64_t half = rope[0].numel();
+  for (const at::Tensor& t : rope)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 && t.numel() == half,
+                "inv_freq and scaling must be contiguous float32 [head_dim / 2]");
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const int64_t m = positions.numel();
+  const at::TensorOptions options = at::TensorOptions().dtype(dtype);
+  at::Tensor cos = at::empty({m, 1, 2 * half}, options), sin = at::empty({m, 1, 2, half}, options);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rotary_tables", [&] {
+    const bool long_mode = long_offset > 0;
+    rotary_rows(positions.data_ptr<int64_t>(), m, half, rope[0].data_ptr<float>(), rope[1].data_ptr<float>(),
+                long_mode ? rope[2].data_ptr<float>() : nullptr, long_mode ? rope[3].data_ptr<float>() : nullptr,
+                long_offset, cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>());
+  });
+  return {cos, sin};
+}
+
 // Every task's attention, the items of its plan shared out over the threads.
 template <typename T>
 void attend_tasks(std::vector<SpanTask> tasks, const T* query, const CacheView<T>& cache, int64_t num_heads,
@@ -342,6 +366,7 @@ TORCH_LIBRARY(specserve_cpu, m) {
   m.def("rotary_store_kv(Tensor qk, Tensor value, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.def("greedy_rows(Tensor logits, bool confidence) -> (Tensor, Tensor)");
+  m.def("rotary_tables(Tensor positions, Tensor[] rope, int long_offset, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("paged_attention_short(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor cu_query_lens, Tensor seq_lens, float scale, int window, float softcap, int max_span, Tensor(a!) out, "
         "Tensor? tree_masks=None) -> ()");
@@ -357,4 +382,5 @@ TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {
   m.impl("rotary_store_kv", rotary_store_kv);
   m.impl("paged_attention_short", paged_attention_short);
   m.impl("greedy_rows", greedy_rows);
+  m.impl("rotary_tables", rotary_tables);
 }

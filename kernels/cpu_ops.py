@@ -129,6 +129,22 @@ def rotary_store_kv(qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, si
     return torch.ops.specserve_cpu.rotary_store_kv(qk, value, cos, sin, k_cache, v_cache, slot_mapping)
 
 
+def rotary_tables(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Rotary.forward``'s (cos, signed sin) tables of ``positions`` in one C++ op, the C
+    library's cos and sin in place of torch's vectorised ones (which may differ in a float's
+    last bit): every path of the C++ kernels takes its tables from here, so they agree."""
+    return torch.ops.specserve_cpu.rotary_tables(positions, rope_tensors(rotary), rotary.long_offset, dtype)
+
+
+def rope_tensors(rotary) -> list[torch.Tensor]:
+    """A ``Rotary``'s frequencies and scaling as the C++ ops take them (with the long ones
+    of LongRoPE)."""
+    rope = [rotary.inv_freq, rotary.scaling]
+    if rotary.long_offset:
+        rope += [rotary.inv_freq_long, rotary.scaling_long]
+    return rope
+
+
 def paged_attention_short(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_query_lens: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None,

@@ -614,8 +614,9 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
 
 // Output columns begin … end - 1 of y [m, n] = x · Wᵀ (+ bias), x quantized in q, a span
 // at a time: each output element is made whole by one call (and summed in the same order
-// in any tile), so threads may split the columns any way.
-template <int Bits, int G, typename S, typename T>
+// in any tile), so threads may split the columns any way. Each element is rounded to R,
+// then stored as T (a float32 output of a bfloat16 model's values: R = bfloat16, T = float).
+template <int Bits, int G, typename S, typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T* out, int64_t begin, int64_t end) {
   const int64_t n = wt.n, row_bytes = wt.row_bytes, groups = q.kp / G;
   const S* scales = static_cast<const S*>(wt.scales);
@@ -638,25 +639,25 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < cols; ++j) {
           const float y = res[r * cols + j];
-          out[(r0 + r) * n + c0 + j] = static_cast<T>(bias ? y + bias[c0 + j] : y);
+          out[(r0 + r) * n + c0 + j] = static_cast<T>(static_cast<R>(bias ? y + bias[c0 + j] : y));
         }
     }
   }
 }
 
-template <typename T>
+template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
   if (w.half) {  // groups of 32 (quant_weight checks it)
-    if (w.bits == 4) matmul_columns<4, 32, at::Half>(q, m, w, out, begin, end);
-    else matmul_columns<8, 32, at::Half>(q, m, w, out, begin, end);
+    if (w.bits == 4) matmul_columns<4, 32, at::Half, T, R>(q, m, w, out, begin, end);
+    else matmul_columns<8, 32, at::Half, T, R>(q, m, w, out, begin, end);
   } else if (w.bits == 4 && w.group == 32) {
-    matmul_columns<4, 32, float>(q, m, w, out, begin, end);
+    matmul_columns<4, 32, float, T, R>(q, m, w, out, begin, end);
   } else if (w.bits == 4) {
-    matmul_columns<4, 16, float>(q, m, w, out, begin, end);
+    matmul_columns<4, 16, float, T, R>(q, m, w, out, begin, end);
   } else if (w.group == 32) {
-    matmul_columns<8, 32, float>(q, m, w, out, begin, end);
+    matmul_columns<8, 32, float, T, R>(q, m, w, out, begin, end);
   } else {
-    matmul_columns<8, 16, float>(q, m, w, out, begin, end);
+    matmul_columns<8, 16, float, T, R>(q, m, w, out, begin, end);
   }
 }
 

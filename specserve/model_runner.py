@@ -317,6 +317,11 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch, num_layers: int | None = None) -> torch.Tensor:
         """The model over a prepared batch: logits ``[num_logits, vocab]`` float32."""
+        if num_layers is None and not self.keep_hidden and batch.features is None:
+            fused = getattr(self.model, "fused_logits", None)
+            logits = fused(self.kv_caches, batch) if fused is not None else None
+            if logits is not None:
+                return logits
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch, num_layers)
         if self.keep_hidden:
             self.last_hidden = self.model.kept_rows(hidden)

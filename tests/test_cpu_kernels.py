@@ -123,6 +123,40 @@ def test_rotary_store_kv_matches_reference(dtype, heads):
     assert q.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("long_rope", [False, True])
+def test_rotary_tables_are_the_torch_paths(dtype, long_rope):
+    """The C++ op's cos / signed-sin tables are Rotary.forward's (shapes, the long
+    frequencies from ``long_offset`` on under LongRoPE): bf16 bit for bit here, float32
+    within a float's last bits (the C library's cos and sin against torch's vectorised
+    ones). Long mode under the short frequencies would move them by up to 2.3."""
+    from transformers import LlamaConfig, Phi3Config
+
+    from specserve.models.rotary import Rotary
+
+    if long_rope:
+        half = 8
+        config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+                            original_max_position_embeddings=16,
+                            rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 10 for i in range(half)],
+                                          "long_factor": [2.0 + i for i in range(half)]})
+    else:
+        config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=10000.0)
+    rotary = Rotary(config)
+    assert bool(rotary.long_offset) is long_rope
+    positions = torch.tensor([0, 1, 7, 15, 31, 63])
+    if long_rope:
+        positions = torch.cat([positions, positions + rotary.long_offset])
+    want_cos, want_sin = rotary(positions, dtype)
+    cos, sin = cpu_ops.rotary_tables(rotary, positions, dtype)
+    assert cos.shape == want_cos.shape and sin.shape == want_sin.shape and cos.dtype == sin.dtype == dtype
+    assert_matches(cos, want_cos, exact=True)
+    assert_matches(sin, want_sin, exact=True)
+    if long_rope:  # the long rows differ from the short ones'
+        short = len(positions) // 2
+        assert not torch.equal(cos[short:], cos[:short])
+
+
 def test_rotary_store_kv_refuses_a_slot_outside_the_cache():
     qk, value = randn(2, 3, 16), randn(2, 1, 16)
     cos, sin = torch.ones(2, 16), torch.zeros(2, 16)

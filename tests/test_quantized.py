@@ -300,6 +300,91 @@ def test_a_step_of_few_rows_runs_its_layers_in_one_parallel_region(tmp_path, dty
     assert not any(region_times(False))
 
 
+def runner_steps(model, dtype, prompts: list[list[int]], chunks: list[int]):
+    """A paged runner over ``model`` and its batches: every prompt's first ``chunks[0]``
+    tokens in one step, then ``chunks[1]`` at a time (all requests in each step), each
+    step's logits rows the last of every request or, for spans of more than one token,
+    all of them (a verify span's). Yields (runner, batch) with the batch's KV not yet written."""
+    from specserve.config import EngineConfig
+    from specserve.kv_cache import KVCacheManager
+    from specserve.model_runner import ModelRunner
+    from specserve.scheduler import ScheduledRequest, SchedulerOutput
+
+    runner = ModelRunner(model, EngineConfig(block_size=4, num_kv_blocks=256), CPU, dtype)
+    kv = KVCacheManager(runner.num_blocks, 4)
+    done = [0] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        planned = []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                n = min(chunks[0] if done[i] == 0 else chunks[1], len(p) - done[i])
+                kv.allocate_slots(str(i), done[i] + n)
+                verify = [] if done[i] == 0 or n == 1 else p[done[i] + 1:done[i] + n]  # as drafts: every row's logits
+                planned.append(ScheduledRequest(str(i), p[done[i]:done[i] + n - len(verify)], done[i],
+                                                kv.block_table(str(i)), SamplingParams(), draft_token_ids=verify))
+        yield runner, runner.prepare(SchedulerOutput(planned, []))
+        for step in planned:
+            done[int(step.req_id)] += len(step.token_ids) + len(step.draft_token_ids)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_whole_pass_is_one_call_with_the_same_logits(tmp_path, dtype):
+    """Where nothing but the LM head reads the layers' output, the runner's pass is one C++
+    call from token ids to float32 logits (embedding, rotary tables, layers, final norm,
+    head): the same logits bit for bit as the pass from Python, at 1 and 3 threads, for
+    decode rows, verify spans, a step of more rows than one region takes (layer by layer
+    inside the call), and a draft's restricted vocabulary; its own ops are all a few-row
+    step dispatches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    files, _ = tiny_gguf(tmp_path)
+    model = build_model(files, load_hf_config(files), dtype, CPU, TorchAttentionBackend(cpu_kernels=True),
+                        quantized=True)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (90, 12, 7)]
+    threads = torch.get_num_threads()
+    steps = calls = 0
+    try:
+        for count, chunks in ((1, [4, 1]), (3, [9, 3]), (3, [2, 7])):  # (2, 7): 21 rows, more than a region's 16
+            torch.set_num_threads(count)
+            for runner, batch in runner_steps(model, dtype, prompts, chunks):
+                before = runner.kv_storage.clone()
+                with torch.inference_mode():
+                    one_call = runner.forward(batch)
+                    written, runner.kv_storage[:] = runner.kv_storage.clone(), before
+                    hidden = model(batch.input_ids, batch.positions, runner.kv_caches, batch)
+                    by_python = model.compute_logits(hidden[batch.logits_indices]).float()
+                assert torch.equal(runner.kv_storage, written)
+                assert one_call.dtype == torch.float32 and torch.equal(one_call, by_python), (count, chunks, steps)
+                steps += 1
+                calls += model.fused_cpu.covers(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls >= steps - 6  # every step but the first prompt chunks
+
+    # A draft's vocabulary head: its logits in the full vocabulary, -inf elsewhere.
+    model.restrict_vocab(torch.arange(3, 300))
+    for runner, batch in runner_steps(model, dtype, prompts[1:], [3, 1]):
+        with torch.inference_mode():
+            before = runner.kv_storage.clone()
+            one_call = runner.forward(batch)
+            runner.kv_storage[:] = before
+            by_python = model.compute_logits(model(batch.input_ids, batch.positions, runner.kv_caches,
+                                                   batch)[batch.logits_indices]).float()
+        assert torch.equal(one_call, by_python) and one_call[:, 300:].isinf().all()
+
+    def ops(chunks: list[int]) -> set[str]:
+        steps = list(runner_steps(model, dtype, prompts[1:], chunks))
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.inference_mode():
+            for runner, batch in steps[1:]:
+                runner.forward(batch)
+        return {event.key for event in prof.key_averages() if event.key.startswith(("specserve_cpu::", "aten::"))}
+
+    few = ops([2, 1])  # decode rows of 2 requests
+    assert {"specserve_cpu::quant_model_logits", "specserve_cpu::rotary_tables"} <= few
+    assert not few & {"specserve_cpu::quant_linear", "specserve_cpu::add_rms_norm", "aten::embedding", "aten::cos"}
+
+
 @needs_cpu_kernels
 def test_the_region_takes_layers_whose_down_projections_differ_in_form(tmp_path):
     """A file whose layers keep ffn_down in different forms, Q6_K (groups of 16) and Q4_K

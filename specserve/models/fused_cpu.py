@@ -1,6 +1,8 @@
 """A quantized llama's decoder layers in one C++ call on the CPU (``kernels/cpu_layer.cpp``),
 for steps whose every span the C++ attention kernel takes (decode rows and verify spans;
-prefill chunks longer than that run layer by layer in Python).
+prefill chunks longer than that run layer by layer in Python). Where nothing reads the
+layers' output but the LM head, the whole pass is that call, from token ids to float32
+logits (``logits``).
 
 The call runs the same arithmetic as the layers' Python does, in the same order, so the
 output is bitwise the same. It drops the module calls, views and Python-side dispatch
@@ -58,19 +60,52 @@ class FusedCpuLayers:
         """Whether the C++ attention kernel takes every span of this step."""
         return max(batch.query_lens_host, default=0) <= self.backend.max_kernel_span
 
-    def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, tables, kv_caches, batch,
-            start: int, stop: int):
-        """Layers ``start`` to ``stop`` (exclusive) over the residual stream ``hidden`` +
-        ``residual`` (None: ``hidden`` alone); returns the next (hidden, residual)."""
-        if start >= stop:
-            return hidden, residual
+    def logits(self, model, kv_caches, batch) -> torch.Tensor | None:
+        """The float32 logits of the rows ``batch.logits_indices`` of ``model``'s pass over
+        ``batch``, in one C++ call (``quant_model_logits``): the embedding rows, the rotary
+        tables, the layers, the final norm and the LM head (or a draft's vocabulary head,
+        its logits put in the full vocabulary). The same ops on the same values as the pass
+        from Python, so the same bits. None where the pass needs more than that: a span the
+        attention kernel does not take, embeddings scaled, logits soft-capped, a head not
+        quantized, the layers' rows read (an EAGLE-3 head's taps)."""
+        inner = model.model
+        head = model.vocab_head if model.vocab_ids is not None else model.lm_head
+        if (not self.covers(batch) or not isinstance(head, QuantLinear) or inner.embed_scale is not None
+                or inner.final_softcap or model.tp.size != 1 or model.feature_layers
+                or inner.norm._add_norm is not cpu_ops.add_rms_norm):
+            return None
+        weights, meta, eps, scale = self._run(0, len(self.layers))
+        head_tensors = [inner.norm.weight, head.packed, head.scales, head.mins]
+        if head.bias is not None:
+            head_tensors.append(head.bias)
+        logits = torch.ops.specserve_cpu.quant_model_logits(
+            batch.input_ids, inner.embed_tokens.weight, batch.positions, cpu_ops.rope_tensors(inner.rotary),
+            inner.rotary.long_offset, weights, meta, eps, scale, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            batch.slot_mapping, batch.block_tables, batch.cu_query_lens, batch.seq_lens, self.backend.max_kernel_span,
+            batch.tree_masks, head_tensors, [head.bits, head.group, head.dequant_rows], inner.norm.eps,
+            batch.logits_indices)
+        if model.vocab_ids is None:
+            return logits
+        out = logits.new_full((logits.shape[0], model.config.vocab_size), float("-inf"))
+        return out.index_copy_(1, model.vocab_ids, logits)
+
+    def _run(self, start: int, stop: int) -> tuple:
+        """Layers ``start`` to ``stop``'s arguments to the C++ op, joined (made once)."""
         run = self._runs.get((start, stop))
         if run is None:
             layers = self.layers[start:stop]
             run = self._runs[(start, stop)] = ([w for weights, _, _, _ in layers for w in weights],
                                                [v for _, meta, _, _ in layers for v in meta],
                                                [eps for _, _, eps, _ in layers], [scale for *_, scale in layers])
-        weights, meta, eps, scale = run
+        return run
+
+    def run(self, hidden: torch.Tensor, residual: torch.Tensor | None, tables, kv_caches, batch,
+            start: int, stop: int):
+        """Layers ``start`` to ``stop`` (exclusive) over the residual stream ``hidden`` +
+        ``residual`` (None: ``hidden`` alone); returns the next (hidden, residual)."""
+        if start >= stop:
+            return hidden, residual
+        weights, meta, eps, scale = self._run(start, stop)
         cos, sin = tables
         return torch.ops.specserve_cpu.quant_decoder_layers(
             hidden, residual, weights, meta, eps, scale, cos, sin, [k for k, _ in kv_caches[start:stop]],

@@ -55,8 +55,9 @@ class TorchLayerOps:
 
 
 class CpuLayerOps(TorchLayerOps):
-    """The C++ CPU kernels; rotary tables as the torch path makes them, and rotary + KV
-    store in one op, so the attention backend's store_kv is not used."""
+    """The C++ CPU kernels; rotary tables from one C++ op (the torch path's values but for a
+    float's last bit of cos / sin), and rotary + KV store in one op, so the attention
+    backend's store_kv is not used."""
 
     def __init__(self, backend) -> None:
         super().__init__(backend)
@@ -67,6 +68,9 @@ class CpuLayerOps(TorchLayerOps):
         self.gemma_add_rms_norm = cpu_ops.gemma_add_rms_norm
         self.gelu_tanh_and_mul = cpu_ops.gelu_tanh_and_mul
         self._rotary_store_kv = cpu_ops.rotary_store_kv
+
+    def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
+        return cpu_ops.rotary_tables(rotary, positions, dtype)
 
     def rotary_store_kv(self, qk, value, tables, kv_cache, batch, kv_scales=(1.0, 1.0)):
         # (the C++ kernels' caches are in the model's dtype: kv_scales are 1)

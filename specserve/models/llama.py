@@ -223,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.model.embed_scale, dtype=hidden.dtype)
         return self.decode(hidden, positions, kv_caches, batch, num_layers)
 
+    def fused_logits(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor | None:
+        """The float32 logits of ``batch.logits_indices`` from one C++ call over the whole
+        pass where the model runs that way (``FusedCpuLayers.logits``), else None."""
+        return None if self.fused_cpu is None else self.fused_cpu.logits(self, kv_caches, batch)
+
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
                num_layers: int | None = None) -> torch.Tensor:
