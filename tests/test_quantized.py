@@ -384,6 +384,19 @@ def test_a_steps_whole_pass_is_one_call_with_the_same_logits(tmp_path, dtype):
     assert {"specserve_cpu::quant_model_logits", "specserve_cpu::rotary_tables"} <= few
     assert not few & {"specserve_cpu::quant_linear", "specserve_cpu::add_rms_norm", "aten::embedding", "aten::cos"}
 
+    # A model whose own pass differs (an EAGLE or MTP head's forward) keeps it.
+    class OwnPass(type(model)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    plain, model.__class__ = model.__class__, OwnPass
+    try:
+        runner, batch = next(runner_steps(model, dtype, prompts[1:], [1, 1]))
+        assert model.fused_logits(runner.kv_caches, batch) is None
+    finally:
+        model.__class__ = plain
+    assert model.fused_logits(runner.kv_caches, batch) is not None
+
 
 @needs_cpu_kernels
 def test_the_region_takes_layers_whose_down_projections_differ_in_form(tmp_path):

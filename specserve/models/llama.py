@@ -225,8 +225,13 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_logits(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor | None:
         """The float32 logits of ``batch.logits_indices`` from one C++ call over the whole
-        pass where the model runs that way (``FusedCpuLayers.logits``), else None."""
-        return None if self.fused_cpu is None else self.fused_cpu.logits(self, kv_caches, batch)
+        pass where the model runs that way (``FusedCpuLayers.logits``), else None: also for
+        a model whose own pass is not this class's (an EAGLE or MTP head's)."""
+        cls = type(self)
+        if (self.fused_cpu is None or cls.forward is not LlamaForCausalLM.forward
+                or cls.compute_logits is not LlamaForCausalLM.compute_logits):
+            return None
+        return self.fused_cpu.logits(self, kv_caches, batch)
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
