@@ -13,6 +13,7 @@ in one parallel region, its threads meeting at barriers instead of forking for e
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from specserve.kernels import cpu_ops
 from specserve.models.layer_ops import CpuLayerOps
@@ -66,13 +67,15 @@ class FusedCpuLayers:
         tables, the layers, the final norm and the LM head (or a draft's vocabulary head,
         its logits put in the full vocabulary). The same ops on the same values as the pass
         from Python, so the same bits. None where the pass needs more than that: a span the
-        attention kernel does not take, embeddings scaled, logits soft-capped, a head not
-        quantized, the layers' rows read (an EAGLE-3 head's taps)."""
+        attention kernel does not take, embeddings scaled or not a plain contiguous table,
+        logits soft-capped, a head not quantized, the layers' rows read (an EAGLE-3 head's
+        taps)."""
         inner = model.model
         head = model.vocab_head if model.vocab_ids is not None else model.lm_head
         if (not self.covers(batch) or not isinstance(head, QuantLinear) or inner.embed_scale is not None
                 or inner.final_softcap or model.tp.size != 1 or model.feature_layers
-                or inner.norm._add_norm is not cpu_ops.add_rms_norm):
+                or inner.norm._add_norm is not cpu_ops.add_rms_norm
+                or not isinstance(inner.embed_tokens, nn.Embedding) or not inner.embed_tokens.weight.is_contiguous()):
             return None
         weights, meta, eps, scale = self._run(0, len(self.layers))
         head_tensors = [inner.norm.weight, head.packed, head.scales, head.mins]
