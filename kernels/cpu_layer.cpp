@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <chrono>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -160,6 +161,8 @@ struct LayerView {
 // The model's end after its last layer (``quant_model_logits``): the final norm of the rows
 // whose logits are wanted (the residual added, as add_rms_norm does), then the LM head over
 // them, each logit rounded to the model's dtype as the head's output is, stored as float32.
+// A head over part of the vocabulary (a draft's, ``ids``) also puts its logits in the full
+// vocabulary's columns, every other column -inf.
 template <typename T>
 struct HeadRun {
   const T* norm;
@@ -167,6 +170,9 @@ struct HeadRun {
   std::vector<int64_t> rows;  // of the step, in the order their logits go out
   QuantWeight weight;
   float* logits;  // [rows, weight.n]
+  const int64_t* ids = nullptr;  // [weight.n]: the vocabulary's column of each head row
+  int64_t vocab = 0;
+  float* full = nullptr;  // [rows, vocab]
 };
 
 // A run of layers in one parallel region (``quant_decoder_layers``). ``tasks``: the step's
@@ -278,6 +284,11 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
 #pragma omp barrier
       clock.barrier_done(point, arrivals.data() + point * team, team);
     };
+    if (head != nullptr && head->full != nullptr) {  // -inf in the full vocabulary: long before the head
+      const int64_t total = static_cast<int64_t>(head->rows.size()) * head->vocab, share = (total + team - 1) / team;
+      std::fill(head->full + std::min(total, tid * share), head->full + std::min(total, (tid + 1) * share),
+                -std::numeric_limits<float>::infinity());
+    }
     for (int64_t l = 0; l < layers; ++l) {
       const LayerView<T>& layer = views[l];
       Counter* piece = counters.data() + l * kPieces;
@@ -348,7 +359,14 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
         add_norm_row<T, false>(downp + head->rows[i] * hidden_size, ra + head->rows[i] * hidden_size, head->norm,
                                h.data() + i * hidden_size, nullptr, hidden_size, head->eps, row.data());
       quantize(h.data(), rows, hidden_size, head->weight);
-      columns(head_columns, head->weight, rows, head->logits);
+      const int64_t n = head->weight.n, tiles = (n + 3) / 4;
+      take(head_columns, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
+        const int64_t c0 = 4 * begin, c1 = std::min(4 * end, n);
+        matmul_columns<float, T>(quantized, rows, head->weight, head->logits, c0, c1);
+        if (head->full != nullptr)  // the same values at their vocabulary columns, while in cache
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = c0; c < c1; ++c) head->full[r * head->vocab + head->ids[c]] = head->logits[r * n + c];
+      });
     }
   }
   return {down, res_a};
@@ -361,10 +379,13 @@ struct HeadArgs {
   OptTensor bias;
   double eps;
   int64_t bits, group, dequant_rows;
+  OptTensor vocab_ids;  // a head over part of the vocabulary: each row's column in it
+  int64_t vocab_size;
 };
 
 // The model's end through the ops, as Python runs it: the final norm of every row, the
-// wanted rows, the LM head (quant_linear), float32.
+// wanted rows, the LM head (quant_linear), float32 (in the full vocabulary's columns for a
+// head over part of it).
 at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& residual, const HeadArgs& head,
                        const at::Tensor& rows) {
   static auto add_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
@@ -373,8 +394,12 @@ at::Tensor head_logits(const at::Tensor& hidden, const at::Tensor& residual, con
   at::Tensor x = at::index_select(normed, 0, rows);
   static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       int64_t, int64_t, const OptTensor&, int64_t)>("specserve_cpu::quant_linear");
-  return op.call(x, head.packed, head.scales, head.mins, head.bits, head.group, head.bias, head.dequant_rows)
-      .to(at::kFloat);
+  const at::Tensor logits =
+      op.call(x, head.packed, head.scales, head.mins, head.bits, head.group, head.bias, head.dequant_rows)
+          .to(at::kFloat);
+  if (!head.vocab_ids.has_value()) return logits;
+  return at::full({logits.size(0), head.vocab_size}, -std::numeric_limits<float>::infinity(), logits.options())
+      .index_copy_(1, *head.vocab_ids, logits);
 }
 
 // Layers 0 … L - 1 of ``weights`` (14 a layer, as quant_decoder_layer takes them) and
@@ -404,6 +429,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
     TORCH_CHECK(head->norm.scalar_type() == dtype && head->norm.is_contiguous() && head->norm.dim() == 1 &&
                     head->norm.size(0) == (m > 0 ? hidden.size(1) : 0),
                 "the final norm's weight must be contiguous [hidden] in the hidden states' dtype");
+    if (head->vocab_ids.has_value()) {
+      const at::Tensor& ids = *head->vocab_ids;
+      TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1 &&
+                      ids.numel() == head->packed.size(0),
+                  "vocab_ids must be contiguous int64, one per row of the head");
+      const int64_t* id = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < ids.numel(); ++i)
+        TORCH_CHECK(id[i] >= 0 && id[i] < head->vocab_size, "vocab id ", id[i], " is outside the vocabulary of ",
+                    head->vocab_size);
+    }
   }
   bool region = m > 0 && m <= kRegionRows && hidden.is_contiguous() &&
                 (dtype == at::kFloat || dtype == at::kBFloat16) &&
@@ -437,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
   const bool head_in_region = region && head != nullptr && head_rows.numel() <= m &&
                               (head->dequant_rows == 0 || head_rows.numel() < head->dequant_rows);
   if (region) {
-    at::Tensor logits;
+    at::Tensor logits, full;
     auto in_region = [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       HeadRun<T> run{};
@@ -449,6 +484,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
         const int64_t* r = head_rows.data_ptr<int64_t>();
         run = {head->norm.data_ptr<T>(), head->eps, std::vector<int64_t>(r, r + head_rows.numel()), weight,
                logits.data_ptr<float>()};
+        if (head->vocab_ids.has_value()) {
+          full = at::empty({head_rows.numel(), head->vocab_size}, logits.options());
+          run.ids = head->vocab_ids->data_ptr<int64_t>();
+          run.vocab = head->vocab_size;
+          run.full = full.data_ptr<float>();
+        }
       }
       auto [h, res] = layers_in_region<T>(hidden, residual, w, meta, eps, scale, cos, sin, k_caches, v_caches, slots,
                                           tables, masks, std::move(tasks), head_in_region ? &run : nullptr);
@@ -456,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_layers(
     };
     auto [h, res] = dtype == at::kFloat ? in_region(static_cast<float*>(nullptr))
                                         : in_region(static_cast<at::BFloat16*>(nullptr));
-    if (head_in_region || head == nullptr) return {h, res, logits};
+    if (head_in_region || head == nullptr) return {h, res, full.defined() ? full : logits};
     return {h, res, head_logits(h, res, *head, head_rows)};
   }
   at::Tensor h = hidden;
@@ -490,14 +531,17 @@ std::tuple<at::Tensor, at::Tensor> quant_decoder_layers(
 // sampler cost as much as several layers, each op there running from a cache the weights
 // had just swept. ``embed`` [vocab, hidden] in the model's dtype; ``rope`` and
 // ``long_offset`` as rotary_tables takes them; ``head``: the final norm's weight, then the
-// LM head's packed, scales, mins (and bias); ``head_meta``: its bits, group, dequant_rows.
+// LM head's packed, scales, mins (and bias); ``head_meta``: its bits, group, dequant_rows;
+// ``vocab_ids``: for a head over part of the vocabulary (a draft's), each of its rows'
+// column in the ``vocab_size`` of the logits, every other -inf.
 at::Tensor quant_model_logits(const at::Tensor& input_ids, const at::Tensor& embed, const at::Tensor& positions,
                               at::TensorList rope, int64_t long_offset, at::TensorList w, at::IntArrayRef meta,
                               at::ArrayRef<double> eps, at::ArrayRef<double> scale, at::TensorList k_caches,
                               at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               const at::Tensor& cu_query_lens, const at::Tensor& seq_lens, int64_t max_span,
                               const OptTensor& tree_masks, at::TensorList head, at::IntArrayRef head_meta,
-                              double norm_eps, const at::Tensor& logits_rows) {
+                              double norm_eps, const at::Tensor& logits_rows, const OptTensor& vocab_ids,
+                              int64_t vocab_size) {
   static auto tables_op = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, int64_t,
                                                                      at::ScalarType)>("specserve_cpu::rotary_tables");
   TORCH_CHECK((head.size() == 4 || head.size() == 5) && head_meta.size() == 3,
@@ -513,7 +557,7 @@ at::Tensor quant_model_logits(const at::Tensor& input_ids, const at::Tensor& emb
   auto [cos, sin] = tables_op.call(positions, rope, long_offset, embed.scalar_type());
   const HeadArgs args{head[0], logits_rows, head[1], head[2], head[3],
                       head.size() == 5 ? OptTensor(head[4]) : OptTensor(), norm_eps, head_meta[0], head_meta[1],
-                      head_meta[2]};
+                      head_meta[2], vocab_ids, vocab_size};
   TORCH_CHECK(!args.bias.has_value() || (args.bias->scalar_type() == at::kFloat && args.bias->is_contiguous()),
               "the head's bias must be contiguous float32");
   return std::get<2>(run_layers(hidden, c10::nullopt, w, meta, eps, scale, cos, sin, k_caches, v_caches, slot_mapping,
@@ -535,7 +579,8 @@ TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("quant_model_logits(Tensor input_ids, Tensor embed, Tensor positions, Tensor[] rope, int long_offset, "
         "Tensor[] weights, int[] meta, float[] eps, float[] scale, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor cu_query_lens, Tensor seq_lens, int max_span, "
-        "Tensor? tree_masks, Tensor[] head, int[] head_meta, float norm_eps, Tensor logits_rows) -> Tensor");
+        "Tensor? tree_masks, Tensor[] head, int[] head_meta, float norm_eps, Tensor logits_rows, "
+        "Tensor? vocab_ids=None, int vocab_size=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve_cpu, CPU, m) {

@@ -362,16 +362,19 @@ def test_a_steps_whole_pass_is_one_call_with_the_same_logits(tmp_path, dtype):
         torch.set_num_threads(threads)
     assert calls >= steps - 6  # every step but the first prompt chunks
 
-    # A draft's vocabulary head: its logits in the full vocabulary, -inf elsewhere.
-    model.restrict_vocab(torch.arange(3, 300))
-    for runner, batch in runner_steps(model, dtype, prompts[1:], [3, 1]):
-        with torch.inference_mode():
-            before = runner.kv_storage.clone()
-            one_call = runner.forward(batch)
-            runner.kv_storage[:] = before
-            by_python = model.compute_logits(model(batch.input_ids, batch.positions, runner.kv_caches,
-                                                   batch)[batch.logits_indices]).float()
-        assert torch.equal(one_call, by_python) and one_call[:, 300:].isinf().all()
+    # A draft's vocabulary head: its logits in the full vocabulary's columns, -inf elsewhere
+    # (in the region, and for a step of 18 rows layer by layer).
+    model.restrict_vocab(torch.arange(300, 3, -1))
+    for chunks in ([3, 1], [9, 9]):
+        for runner, batch in runner_steps(model, dtype, prompts[1:], chunks):
+            with torch.inference_mode():
+                before = runner.kv_storage.clone()
+                one_call = runner.forward(batch)
+                runner.kv_storage[:] = before
+                by_python = model.compute_logits(model(batch.input_ids, batch.positions, runner.kv_caches,
+                                                       batch)[batch.logits_indices]).float()
+            assert torch.equal(one_call, by_python) and one_call[:, 301:].isinf().all(), chunks
+            assert one_call[:, :4].isinf().all() and one_call[:, 4:301].isfinite().all()
 
     def ops(chunks: list[int]) -> set[str]:
         steps = list(runner_steps(model, dtype, prompts[1:], chunks))

@@ -65,7 +65,7 @@ class FusedCpuLayers:
         """The float32 logits of the rows ``batch.logits_indices`` of ``model``'s pass over
         ``batch``, in one C++ call (``quant_model_logits``): the embedding rows, the rotary
         tables, the layers, the final norm and the LM head (or a draft's vocabulary head,
-        its logits put in the full vocabulary). The same ops on the same values as the pass
+        its logits put in the full vocabulary's columns there, -inf elsewhere). The same ops on the same values as the pass
         from Python, so the same bits. None where the pass needs more than that: a span the
         attention kernel does not take, embeddings scaled or not a plain contiguous table,
         logits soft-capped, a head not quantized, the layers' rows read (an EAGLE-3 head's
@@ -81,16 +81,12 @@ class FusedCpuLayers:
         head_tensors = [inner.norm.weight, head.packed, head.scales, head.mins]
         if head.bias is not None:
             head_tensors.append(head.bias)
-        logits = torch.ops.specserve_cpu.quant_model_logits(
+        return torch.ops.specserve_cpu.quant_model_logits(
             batch.input_ids, inner.embed_tokens.weight, batch.positions, cpu_ops.rope_tensors(inner.rotary),
             inner.rotary.long_offset, weights, meta, eps, scale, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             batch.slot_mapping, batch.block_tables, batch.cu_query_lens, batch.seq_lens, self.backend.max_kernel_span,
             batch.tree_masks, head_tensors, [head.bits, head.group, head.dequant_rows], inner.norm.eps,
-            batch.logits_indices)
-        if model.vocab_ids is None:
-            return logits
-        out = logits.new_full((logits.shape[0], model.config.vocab_size), float("-inf"))
-        return out.index_copy_(1, model.vocab_ids, logits)
+            batch.logits_indices, model.vocab_ids, model.config.vocab_size)
 
     def _run(self, start: int, stop: int) -> tuple:
         """Layers ``start`` to ``stop``'s arguments to the C++ op, joined (made once)."""

@@ -288,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         kept) where the head's weights cannot be read: an untied head already repacked."""
         if hasattr(self.lm_head, "select_rows"):  # quantized: its rows, still quantized
             self.vocab_head = self.lm_head.select_rows(ids)
-            self.vocab_ids = ids.to(dtype=torch.int64)
+            self.vocab_ids = ids.to(dtype=torch.int64).contiguous()
             return True
         if isinstance(self.lm_head, nn.Linear):
             weight = self.lm_head.weight
