@@ -269,13 +269,11 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       prepare_rows(rows, quantized);
       quantize_row_range(x, k, quantized, 0, rows, natural);
     };
-    // A weight's columns over the quantized rows, in whole tiles of 4, about four takes a
-    // thread; each element rounded to T and stored in ``out`` (T, or float).
-    auto columns = [&](Counter& counter, const QuantWeight& weight, int64_t rows, auto* out) {
-      using O = std::remove_pointer_t<decltype(out)>;
+    // A weight's columns, in whole tiles of 4, about four takes a thread.
+    auto columns = [&](Counter& counter, const QuantWeight& weight, T* out) {
       const int64_t tiles = (weight.n + 3) / 4;
       take(counter, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
-        matmul_columns<O, T>(quantized, rows, weight, out, 4 * begin, std::min(4 * end, weight.n));
+        matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
       });
     };
     PhaseClock clock(tid == 0 && timed);
@@ -328,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       // o.
       quantize(attnp, m, q_width, layer.o);
       clock.done(kQuantize);
-      columns(piece[kOColumns], layer.o, m, op);
+      columns(piece[kOColumns], layer.o, op);
       clock.done(kO);
       barrier(kAfterO);
       // Post-attention norm with the residual add (thread 0 keeps the sum), gate_up.
@@ -339,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       clock.done(kPostNorm);
       quantize(h.data(), m, hidden_size, layer.gate_up);
       clock.done(kQuantize);
-      columns(piece[kGateUpColumns], layer.gate_up, m, gup);
+      columns(piece[kGateUpColumns], layer.gate_up, gup);
       clock.done(kGateUp);
       barrier(kAfterGateUp);
       // SiLU·mul, down.
@@ -348,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       clock.done(kSiluMul);
       quantize(h.data(), m, inter, layer.down);
       clock.done(kQuantize);
-      columns(piece[kDownColumns], layer.down, m, downp);
+      columns(piece[kDownColumns], layer.down, downp);
       clock.done(kDown);
       barrier(kAfterDown);
       if (clock.on) phase_us[kPhases] += 1;
