@@ -35,15 +35,60 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
 DERIVED = {"rope_freqs.weight"}
 
 
+# Metadata arrays longer than this are stepped over, not read (``open_gguf``).
+LONG_ARRAY = 256
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` of ``path`` that steps over metadata arrays longer than
+    ``LONG_ARRAY`` (a tokenizer's vocabulary, scores, types and merges: ~200k values in the
+    default model's file) instead of reading them value by value, which took the stock
+    reader 1.5–3.5 s a file; nothing here reads them (the tokenizer and config come from
+    the conversion's cache). They leave ``fields``: their names and lengths are in
+    ``skipped``, so a lookup finds nothing rather than an empty list. Everything else,
+    the tensors included, is the stock reader's."""
+    # lazy: the gguf package (numpy only), only to read a GGUF file
+    import struct
+
+    from gguf import GGUFEndian, GGUFReader, GGUFValueType
+
+    class Reader(GGUFReader):
+        def __init__(self, file: str) -> None:
+            self.skipped: dict[str, int] = {}
+            super().__init__(file)
+            for name, field in list(self.fields.items()):
+                if field.types and field.types[0] == GGUFValueType.ARRAY and not field.data \
+                        and int(field.parts[-1][0]) > 0:
+                    self.skipped[name] = int(field.parts[-1][0])
+                    del self.fields[name]
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            item, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
+            scalar = self.gguf_scalar_to_np.get(item)
+            if count <= LONG_ARRAY or (scalar is None and item != GGUFValueType.STRING):
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs = orig_offs + 12
+            if scalar is not None:
+                offs += count * np.dtype(scalar).itemsize
+            else:  # strings: a uint64 length, then its bytes
+                length = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q").unpack_from
+                buffer = memoryview(self.data)
+                for _ in range(count):
+                    offs += 8 + length(buffer, offs)[0]
+            return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, item]
+
+    return Reader(str(path))
+
+
 class GGUFCheckpoint:
     """The tensors of GGUF file ``path``, for ``build_model``."""
 
     def __init__(self, path: Path) -> None:
-        # lazy: the gguf package (numpy only), only to read a GGUF file
-        from gguf import GGUFReader
-
         self.path = path
-        self.reader = GGUFReader(str(path))
+        self.reader = open_gguf(path)
         arch = self.reader.get_field("general.architecture")
         self.architecture = arch.contents() if arch is not None else "?"
         self.tensors = {t.name: t for t in self.reader.tensors}

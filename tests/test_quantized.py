@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from specserve import EngineConfig, LLM, SamplingParams
 from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
+from specserve.gguf_weights import open_gguf
 from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
 from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, pack, quantize_activations
@@ -195,6 +196,26 @@ def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path):
             want = hf(torch.tensor([prompt])).logits[0]
         assert (got - want).abs().max().item() < 0.1
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_the_gguf_reader_steps_over_long_metadata_arrays_and_reads_the_rest_as_gguf_does(tmp_path):
+    """The loader's reader leaves out the tokenizer's long arrays (naming them, with their
+    lengths, so a lookup finds nothing rather than an empty list) and gives every other
+    field, the short array included, and every tensor exactly as the stock reader does."""
+    path, _ = write_tiny_gguf(tmp_path)
+    stock, ours = gguf.GGUFReader(str(path)), open_gguf(path)
+    assert ours.skipped == {"tokenizer.ggml.tokens": 512, "tokenizer.ggml.token_type": 512,
+                            "tokenizer.ggml.merges": 300}
+    assert all(len(stock.get_field(name).contents()) == n for name, n in ours.skipped.items())
+    assert ours.get_field("tokenizer.ggml.tokens") is None
+    assert list(ours.fields) == [name for name in stock.fields if name not in ours.skipped]
+    for name, field in ours.fields.items():
+        assert field.types == stock.fields[name].types and field.contents() == stock.fields[name].contents(), name
+    assert ours.get_field("general.tags").contents() == ["tiny", "test"]
+    assert [t.name for t in ours.tensors] == [t.name for t in stock.tensors]
+    for mine, theirs in zip(ours.tensors, stock.tensors):
+        assert mine.tensor_type == theirs.tensor_type and list(mine.shape) == list(theirs.shape)
+        assert np.array_equal(np.asarray(mine.data).view(np.uint8), np.asarray(theirs.data).view(np.uint8))
 
 
 @needs_cpu_kernels

@@ -229,7 +229,8 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     config = LlamaConfig(**TINY_GGUF)
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(config).eval()
-    make_tokenizer(config.vocab_size).save_pretrained(directory)
+    tokenizer = make_tokenizer(config.vocab_size)
+    tokenizer.save_pretrained(directory)
 
     def blocks(weight: torch.Tensor, kind: str) -> np.ndarray:
         qtype = gguf.GGMLQuantizationType[kind]
@@ -257,6 +258,13 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(TINY_GGUF["rope_theta"])
+    # The tokenizer as llama.cpp's converter writes it: long arrays (the loader steps over them).
+    tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([f"{a} {b}" for a, b in zip(tokens[3:303], tokens[4:304])])
+    writer.add_array("general.tags", ["tiny", "test"])  # and a short one, read
     state = hf.state_dict()
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     ours = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
