@@ -10,16 +10,23 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize
+from test_model import ragged_logits
+from tiny_models import make_hf_model, make_tokenizer, write_tiny_gguf
 
-from specserve import EngineConfig, LLM, SamplingParams
+from specserve import LLM, EngineConfig, SamplingParams
 from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
 from specserve.gguf_weights import open_gguf
 from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
-from specserve.models.quantized import FORMATS, GGUFWeight, QuantLinear, decode, pack, quantize_activations
-from test_model import ragged_logits
-from tiny_models import make_hf_model, make_tokenizer, write_tiny_gguf
+from specserve.models.quantized import (
+    FORMATS,
+    GGUFWeight,
+    QuantLinear,
+    decode,
+    pack,
+    quantize_activations,
+)
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
 CPU = torch.device("cpu")

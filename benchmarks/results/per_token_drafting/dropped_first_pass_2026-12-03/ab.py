@@ -1,15 +1,20 @@
 """A/B in one process: the adaptive default (new) against HEAD's behaviour (old: no first-pass
 decision, the cost model taught by planned steps only) and 'fit' (every step teaches the cost
 model, no first-pass decision), beside off and fixed k. Settings take turns prompt by prompt."""
-import os, sys, types
+import os
+import sys
+import types
+
 sys.path.insert(0, os.environ.get("REPO", "/work/main") + "/benchmarks")
 from workloads import drafter_settings, run_cold
+
+import specserve.spec.controller as ctl
 from specserve import LLM, SamplingParams
 from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
-import specserve.spec.controller as ctl
+
 n = int(sys.argv[1]); kinds = sys.argv[2].split(",") if len(sys.argv) > 2 else ["chat", "code"]
 fixed = [int(x) for x in (sys.argv[3].split(",") if len(sys.argv) > 3 else ["1", "2"])]
-common = dict(max_num_seqs=8, max_model_len=4096, device="cpu")
+common = {"max_num_seqs": 8, "max_model_len": 4096, "device": "cpu"}
 dr = drafter_settings("draft_model")
 variants = {"new": (False, False), "fit": (True, False), "old": (True, True)}  # (no DP, planned-only fit)
 engines = {"off": LLM(speculative_method="none", **common),
