@@ -41,10 +41,10 @@ LONG_ARRAY = 256
 
 def open_gguf(path: Path):
     """A ``gguf.GGUFReader`` of ``path`` that steps over metadata arrays longer than
-    ``LONG_ARRAY`` (a tokenizer's vocabulary, scores, types and merges: ~200k values in the
-    default model's file) instead of reading them value by value, which took the stock
-    reader 1.5–3.5 s a file; nothing here reads them (the tokenizer and config come from
-    the conversion's cache). They leave ``fields``: their names and lengths are in
+    ``LONG_ARRAY`` (a tokenizer's vocabulary, types and merges: ~150k values in the
+    default model's file) instead of reading them value by value as the stock reader does,
+    which made reading a file's metadata most of loading it; nothing here reads them (the
+    tokenizer and config come from the conversion's cache). They leave ``fields``: their names and lengths are in
     ``skipped``, so a lookup finds nothing rather than an empty list. Everything else,
     the tensors included, is the stock reader's."""
     # lazy: the gguf package (numpy only), only to read a GGUF file

@@ -64,9 +64,13 @@ class Decoded:
     group: int
 
     def dequantize(self) -> np.ndarray:
+        """scale · q + min in float32 (a product rounded, then a sum: ggml's values), in
+        place over one float copy of q and through torch's threads: an embedding table is
+        tens of millions of weights, loaded at every start."""
         rows, k = self.q.shape
-        q = self.q.reshape(rows, k // self.group, self.group).astype(np.float32)
-        return (q * self.scale[..., None] + self.min[..., None]).reshape(rows, k)
+        w = torch.from_numpy(np.ascontiguousarray(self.q)).view(rows, k // self.group, self.group).float()
+        w.mul_(torch.from_numpy(self.scale)[..., None]).add_(torch.from_numpy(self.min)[..., None])
+        return w.view(rows, k).numpy()
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
