@@ -14,6 +14,7 @@ which a quantized row survives unchanged.
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,6 @@ def open_gguf(path: Path):
     ``skipped``, so a lookup finds nothing rather than an empty list. Everything else,
     the tensors included, is the stock reader's."""
     # lazy: the gguf package (numpy only), only to read a GGUF file
-    import struct
-
     from gguf import GGUFEndian, GGUFReader, GGUFValueType
 
     class Reader(GGUFReader):
