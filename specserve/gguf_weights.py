@@ -15,6 +15,7 @@ which a quantized row survives unchanged.
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,11 @@ def open_gguf(path: Path):
     ``LONG_ARRAY`` (a tokenizer's vocabulary, types and merges: ~150k values in the
     default model's file) instead of reading them value by value as the stock reader does,
     which made reading a file's metadata most of loading it; nothing here reads them (the
-    tokenizer and config come from the conversion's cache). They leave ``fields``: their names and lengths are in
-    ``skipped``, so a lookup finds nothing rather than an empty list. Everything else,
-    the tensors included, is the stock reader's."""
+    tokenizer and config come from the conversion's cache). They leave ``fields``: their
+    names and lengths are in ``skipped``, so a lookup finds nothing rather than an empty
+    list. Everything else, the tensors included, is the stock reader's."""
     # lazy: the gguf package (numpy only), only to read a GGUF file
-    from gguf import GGUFEndian, GGUFReader, GGUFValueType
+    from gguf import GGUFReader, GGUFValueType
 
     class Reader(GGUFReader):
         def __init__(self, file: str) -> None:
@@ -73,7 +74,8 @@ def open_gguf(path: Path):
             if scalar is not None:
                 offs += count * np.dtype(scalar).itemsize
             else:  # strings: a uint64 length, then its bytes
-                length = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q").unpack_from
+                little = (sys.byteorder == "little") != (self.byte_order == "S")  # "S": the host's swapped
+                length = struct.Struct("<Q" if little else ">Q").unpack_from
                 buffer = memoryview(self.data)
                 for _ in range(count):
                     offs += 8 + length(buffer, offs)[0]
