@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,6 +288,33 @@ def eos_token_ids(files: ModelFiles, config, tokenizer) -> frozenset[int]:
 
 
 # ---------------------------------------------------------------------------- weights
+# torch.nn.init's in-place initializers, which do nothing while a model is built (``_without_init``).
+INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                "sparse_")
+
+
+@contextmanager
+def _without_init():
+    """While our model's modules are made on the meta device, their initializers
+    (nn.Linear's kaiming_uniform_, nn.Embedding's normal_) leave the tensors as they are:
+    every parameter is then loaded or shared, or the load is refused. On meta tensors they
+    would still run torch's Python reference ops, the first of which imports torch._dynamo,
+    a large import that nothing else in serving needs. Models are built one at a time."""
+    saved = {name: getattr(torch.nn.init, name) for name in INITIALIZERS if hasattr(torch.nn.init, name)}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, _unchanged)
+        yield
+    finally:
+        for name, initializer in saved.items():
+            setattr(torch.nn.init, name, initializer)
+
+
+def _unchanged(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.device, backend,
                 shared_modules: dict | None = None, tp=None, model_class=None, quantized: bool = False,
                 quantize: str | None = None):
@@ -317,7 +345,7 @@ def build_model(files: ModelFiles, config, dtype: torch.dtype, device: torch.dev
         if why:
             raise ModelLoadError(f"{files.name}: a quantized checkpoint ({scheme.name}): {why}")
     shared_modules = shared_modules or {}
-    with init_empty_weights():
+    with init_empty_weights(), _without_init():
         model = (model_class or LlamaForCausalLM)(config, spec, backend, tp or SINGLE)
     for path, module in shared_modules.items():
         model.set_submodule(path, module)

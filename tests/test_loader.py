@@ -207,3 +207,19 @@ def test_pytorch_bin_weights_load_like_safetensors(tmp_path, tiny_model_dir):
     (model / next(iter(shards))).write_bytes(b"not a pickle")
     with pytest.raises(ModelLoadError, match="unreadable pytorch_model-00001-of-00002.bin"):
         LLM32(str(model))
+
+
+def test_a_model_is_built_without_initializers_and_without_importing_dynamo(tiny_model_dir):
+    """Built on the meta device, a model's initializers do nothing (every parameter is then
+    loaded or the load refused): on meta tensors they would run torch's reference ops, the
+    first of which imports torch._dynamo. Loading leaves torch.nn.init as it was."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from specserve import LLM; init = dict(vars(torch.nn.init)); "
+            f"llm = LLM(model={str(tiny_model_dir())!r}, device='cpu', dtype='float32'); "
+            "print('torch._dynamo' in sys.modules, dict(vars(torch.nn.init)) == init, "
+            "llm.generate([[5, 6, 7]], __import__('specserve').SamplingParams(temperature=0, max_tokens=3))"
+            "[0].token_ids != [])")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == ["False", "True", "True"], ran.stderr[-2000:]
