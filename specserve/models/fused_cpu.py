@@ -65,11 +65,11 @@ class FusedCpuLayers:
         """The float32 logits of the rows ``batch.logits_indices`` of ``model``'s pass over
         ``batch``, in one C++ call (``quant_model_logits``): the embedding rows, the rotary
         tables, the layers, the final norm and the LM head (or a draft's vocabulary head,
-        its logits put in the full vocabulary's columns there, -inf elsewhere). The same ops on the same values as the pass
-        from Python, so the same bits. None where the pass needs more than that: a span the
-        attention kernel does not take, embeddings scaled or not a plain contiguous table,
-        logits soft-capped, a head not quantized, the layers' rows read (an EAGLE-3 head's
-        taps)."""
+        its logits put in the full vocabulary's columns there, -inf elsewhere). The same ops
+        on the same values as the pass from Python, so the same bits. None where the pass
+        needs more than that: a span the attention kernel does not take, embeddings scaled
+        or not a plain contiguous table, logits soft-capped, a head not quantized, the
+        layers' rows read (an EAGLE-3 head's taps)."""
         inner = model.model
         head = model.vocab_head if model.vocab_ids is not None else model.lm_head
         if (not self.covers(batch) or not isinstance(head, QuantLinear) or inner.embed_scale is not None
