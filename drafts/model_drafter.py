@@ -312,25 +312,38 @@ class ModelDrafter:
                              session.passes, dropped, goodput=session.gain / session.time)
 
     def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
-        """A draft tree's material, in one copy to the host: the proposals themselves, and
+        """A draft tree's material, in two copies to the host: the proposals themselves, and
         for each row that may grow a tree (``spec.tree.grows``), per depth it kept, its
         ``TREE_RANKS`` + 1 candidates and their probabilities under q: a greedy row's
         likeliest tokens, a sampling row's drawn token and more drawn without replacement
-        (``DraftProposal.candidates``)."""
+        (``DraftProposal.candidates``). ``tops``: each pass's candidates from ``_choose``,
+        or where it left them to this point, its rows of logits: those of every pass are
+        ranked in one go (on a GPU each op costs the host about what the ranking of one
+        pass's rows costs the device, so per pass it would cost the step k times as much)."""
         counts = [len(d) for d in proposal.draft_token_ids]
-        ids, start = proposal.draft_ids.tolist(), 0
-        proposal.draft_token_ids = []
+        rows = [t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops]
+        if all(isinstance(t, torch.Tensor) for t in tops):
+            tokens_t, probs_t = _likeliest(torch.cat(tops) if len(tops) > 1 else tops[0], TREE_RANKS + 1)
+        else:
+            tops = [_likeliest(t, TREE_RANKS + 1) if isinstance(t, torch.Tensor) else t for t in tops]
+            tokens_t, probs_t = torch.cat([t for t, _ in tops]), torch.cat([p for _, p in tops])
+        num_ids = proposal.draft_ids.shape[0]
+        ints = torch.cat([proposal.draft_ids.to(tokens_t.dtype), tokens_t.flatten()]).tolist()
+        ids, flat_tokens = ints[:num_ids], ints[num_ids:]
+        flat_probs = probs_t.flatten().tolist()
+        width = TREE_RANKS + 1
+        proposal.draft_token_ids, start = [], 0
         for count in counts:
             proposal.draft_token_ids.append(ids[start:start + count])
             start += count
         proposal.draft_ids = None
-        tokens = [t.tolist() for t, _ in tops]
-        probs = [p.tolist() for _, p in tops]
+        firsts = [0, *accumulate(rows)]  # each pass's first row among the ranked rows
         proposal.candidates = [[] for _ in scheduled]
         for r, i in enumerate(order):
             if not grows(scheduled[i].params):
                 continue
-            proposal.candidates[i] = [(tokens[j][r], probs[j][r]) for j in range(counts[i])]
+            at = [(firsts[j] + r) * width for j in range(counts[i])]
+            proposal.candidates[i] = [(flat_tokens[a:a + width], flat_probs[a:a + width]) for a in at]
 
     def _in_schedule_order(self, scheduled, order, columns, q_columns, lengths: list[int] | None = None):
         """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
@@ -365,10 +378,15 @@ class ModelDrafter:
         With ``confident``, third: each row's confidence, the top probability of q (of
         its greedy distribution for a greedy row), else None. Fourth, with ``runner_ups``: each
         row's ``runner_ups`` + 1 likeliest tokens and their probabilities (of its greedy
-        distribution: softmax of the processed logits), on the device; else None."""
+        distribution: softmax of the processed logits), on the device, or where every row
+        is greedy (``meta`` None) a copy of the processed logits to rank them from
+        (``_add_candidates``); else None."""
         if process is not None:
             logits = process.apply(logits)
-        top = _likeliest(logits, runner_ups + 1) if runner_ups else None
+        # Greedy rows' candidates are ranked after the last pass, for every pass at once
+        # (``_add_candidates``): this pass's logits are kept (a graph's next replay
+        # overwrites its output).
+        top = None if not runner_ups else _likeliest(logits, runner_ups + 1) if meta is not None else logits.clone()
         ranks = [] if forks is None else [fork[1] if fork and fork[0] == depth else 0 for fork in forks]
         confidence = None
         if confident and not any(ranks):
@@ -409,9 +427,11 @@ class ModelDrafter:
 
 
 def _likeliest(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``count`` likeliest tokens and their probabilities (softmax of ``logits``)."""
-    values, indices = logits.topk(count, dim=-1)
-    return indices, torch.exp(values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+    """Each row's ``count`` likeliest tokens and their probabilities (softmax of ``logits``):
+    ranked by probability, two ops where ranking the logits and normalising their top
+    values apart takes several (each op costs a GPU's host more than the device)."""
+    values, indices = torch.softmax(logits.float(), dim=-1).topk(count, dim=-1)
+    return indices, values
 
 
 def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], device: torch.device) -> torch.Tensor:

@@ -4,6 +4,7 @@ attention; the path the target's greedy choices follow becomes its drafts. Exact
 against plain greedy decoding (float32), the pieces on their own, and the refusals."""
 from __future__ import annotations
 
+import collections
 import re
 from unittest import mock
 
@@ -100,6 +101,43 @@ def test_walk_follows_the_targets_argmax_through_the_tree():
     assert walk([10, 10], [-1, -1], [10, 5, 6]) == [0]
 
 
+def test_candidates_ranked_after_the_last_pass_are_each_passs_own():
+    """A drafter keeps each pass's logits and ranks every pass's rows in one go
+    (``ModelDrafter._add_candidates``): each row's candidates at each depth it kept are
+    that pass's likeliest tokens for that row, as ranking pass by pass gives them; rows
+    that stopped early (a shorter pass) and rows that may not grow a tree are right too."""
+    from specserve.drafts.model_drafter import ModelDrafter, _likeliest
+    from specserve.scheduler import ScheduledRequest
+    from specserve.spec.drafter import DraftProposal
+    from specserve.spec.tree import TREE_RANKS
+
+    g = torch.Generator().manual_seed(0)
+    rows = [3, 3, 2, 1]  # rows still drafting at each pass (a prefix of the drafting order)
+    logits = [torch.randn(n, 50, generator=g) for n in rows]
+    greedy, grammar = SamplingParams(temperature=0), SamplingParams(temperature=0, structured_outputs={"regex": "a"})
+    scheduled = [ScheduledRequest(str(i), [1], 5, [0], params) for i, params in
+                 enumerate([greedy, greedy, grammar, greedy])]
+    order = [3, 0, 2]        # drafting rows, longest k first; scheduled[1] drafts nothing
+    kept = {3: 4, 0: 3, 2: 2, 1: 0}
+    ids = torch.arange(100, 100 + sum(kept.values()))
+
+    def proposal():
+        return DraftProposal([[0] * kept[i] for i in range(len(scheduled))], draft_ids=ids.clone())
+
+    got, want = proposal(), proposal()
+    ModelDrafter._add_candidates(None, got, scheduled, order, [t.clone() for t in logits])
+    ModelDrafter._add_candidates(None, want, scheduled, order, [_likeliest(t, TREE_RANKS + 1) for t in logits])
+    assert got.draft_token_ids == want.draft_token_ids == [[100, 101, 102], [], [103, 104], [105, 106, 107, 108]]
+    assert got.candidates == want.candidates
+    assert got.candidates[1] == got.candidates[2] == []  # no drafts; a grammar's
+    for r, i in enumerate(order):
+        if i == 2:
+            continue
+        for depth, (tokens, probs) in enumerate(got.candidates[i]):
+            assert tokens == logits[depth][r].topk(TREE_RANKS + 1).indices.tolist()
+            assert probs == pytest.approx(logits[depth][r].softmax(-1).topk(TREE_RANKS + 1).values.tolist())
+
+
 # ---------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def near_draft(tmp_path_factory, tiny_model_dir):
@@ -194,6 +232,46 @@ def test_adaptive_trees_with_penalties_and_sampling_beside_them_stay_exact(tiny_
     assert len(got[2]) == 40
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
     # (Whether a priced leaf is taken follows measured step times: not asserted.)
+
+
+def test_greedy_trees_are_decided_in_settling_unless_the_sampler_has_work(tiny_model_dir, near_draft):
+    """Fixed k with a tree, three greedy requests: a plain one's path and the target's token
+    after it are its tokens (decided in settling; the sampler never sees its tree steps), one
+    with logprobs and one with a repetition penalty go through the sampler. Tokens and
+    logprobs are those of plain decoding; the trees won steps."""
+    target = str(tiny_model_dir("llama"))
+    params = [_greedy(4), _greedy(4, logprobs=2), _greedy(4, repetition_penalty=1.3)]
+    plain = LLM32(target, **ENGINE).generate(PROMPTS[:3], params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near_draft, num_speculative_tokens=4,
+                speculative_adaptive=False, draft_tree_nodes=8, **ENGINE)
+    seen, sample = [], llm.engine.sampler.sample
+
+    def spy(logits, requests, *args, **kwargs):
+        seen.extend(r.req_id for r in requests)
+        return sample(logits, requests, *args, **kwargs)
+
+    llm.engine.sampler.sample = spy
+    steps = collections.Counter()
+    settle = llm.engine.speculator.trees.settle
+
+    def count(drafts, logits):
+        steps.update(p.req_id for p in drafts.scheduled.scheduled if p.draft_parents is not None)
+        return settle(drafts, logits)
+
+    llm.engine.speculator.trees.settle = count
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.num_path_wins > 0
+    ids = [o.req_id for o in outs]
+    assert steps[ids[0]] > 0 and steps[ids[1]] > 0 and steps[ids[2]] > 0
+    runs = collections.Counter(seen)
+    assert runs[ids[0]] < runs[ids[1]] and runs[ids[0]] < runs[ids[2]]  # its tree steps left out
+    assert len(outs[1].logprobs) == 40
+    for mine, theirs in zip(outs[1].logprobs, plain[1].logprobs):
+        assert mine.token_id == theirs.token_id and [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert [mine.logprob, *(lp for _, lp in mine.top)] == \
+            pytest.approx([theirs.logprob, *(lp for _, lp in theirs.top)], abs=1e-4)
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_a_tree_moves_its_paths_kv_to_the_chains_slots(tiny_model_dir, near_draft):

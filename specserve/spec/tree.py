@@ -25,9 +25,10 @@ all in the one ragged pass.
   kept, its nodes' K/V move to the chain's slots (``ModelRunner.copy_slots``), and a
   draft cache that holds the chain's entries forgets them from the first runner-up on
   (an EAGLE head's features, the target's kept hidden states, follow the path instead).
-  The rejection sampler then verifies the path like any chain, so the output is exactly
-  the target's, whatever the tree (logits processors included: the walk reads raw logits
-  only to choose the path).
+  Where the request processes its logits or wants logprobs, the rejection sampler then
+  verifies the path like any chain, so the output is exactly the target's, whatever the
+  tree (the walk reads raw logits only to choose the path); otherwise the path and the
+  target's argmax after it are the step's tokens, decided here.
 
 A sampling request (no seed, logprobs or logits processing: ``grows``) grows a tree too:
 its candidates at a depth are the token it drew from q and more drawn from q without
@@ -271,8 +272,10 @@ class DraftTrees:
     def settle(self, drafts, logits: torch.Tensor) -> torch.Tensor:
         """Each tree's path as its request's drafts (``drafts.settled``, the outcomes in
         ``drafts.trees``); returns the logits rows of the step as settled, without those
-        of sampling requests' trees, which are verified here (their tokens in
-        ``drafts.decided``, by entry). ``logits``: the verify pass's rows (a sampling
+        of the trees verified here (their tokens in ``drafts.decided``, by entry): a
+        sampling request's, and a greedy one's whose sampler would only take the argmax
+        again (no logits processing, no logprobs), so on a GPU the step waits for its
+        pass once. ``logits``: the verify pass's rows (a sampling
         entry's 1 + drafts, after any prompt rows)."""
         scheduled = drafts.scheduled.scheduled
         begins, starts, row = [], [], 0  # each entry's first row, and its first sampling row
@@ -298,6 +301,7 @@ class DraftTrees:
             chain = _chain_length(p.draft_parents)
             if p.params.greedy:
                 path = walk(p.draft_token_ids, p.draft_parents, argmax[at:at + 1 + n])
+                last = argmax[at + 1 + path[-1] if path else at]  # the target's token after the path
             else:
                 (q_rows,) = to_device([list(range(q_row, q_row + chain))], torch.int64, logits.device)
                 path, last = self._sample_walk(p, logits[starts[i]:starts[i] + 1 + n],
@@ -315,10 +319,11 @@ class DraftTrees:
             q_row += chain
             drafts.trees[p.req_id] = TreeOutcome(n, chain, prefix)
             settled[i] = replace(p, draft_token_ids=[p.draft_token_ids[node] for node in path], draft_parents=None)
-            if p.params.greedy:
+            if p.params.greedy and (p.params.processes_logits or p.params.logprobs is not None):
+                # The sampler verifies the path (processed logits, logprobs) as any chain.
                 keep += [starts[i]] + [starts[i] + 1 + node for node in path]
                 q_keep += range(q_row - chain, q_row - chain + len(path))  # (a greedy row's q is never read)
-            else:
+            else:  # verified here: a greedy path's tokens are the target's argmax, and the one after it
                 drafts.decided[id(settled[i])] = settled[i].draft_token_ids + [last]
         if moves:  # (a draft sharing the target's cache moves with it; its own forgot them)
             self.runner.copy_slots(moves)
@@ -326,6 +331,8 @@ class DraftTrees:
         self._follow(scheduled, settled, paths)
         if drafts.probs is not None:
             drafts.probs = drafts.probs.index_select(0, to_device([q_keep], torch.int64, drafts.probs.device)[0])
+        if not keep:  # every request's tokens decided here
+            return logits[:0]
         return logits.index_select(0, to_device([keep], torch.int64, logits.device)[0])
 
 
