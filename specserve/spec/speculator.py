@@ -28,7 +28,7 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
-from specserve.spec.tree import DraftTrees, TreeOutcome, drafted_rows
+from specserve.spec.tree import TREE_LEVELS, DraftTrees, TreeOutcome, drafted_rows
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
@@ -140,7 +140,8 @@ class Speculator:
             if any(layer.self_attn.sliding_window is not None for layer in runner.model.model.layers):
                 raise SpecserveError("draft_tree_nodes: this model attends within a sliding window, which "
                                      "draft trees do not support yet")
-            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter, seed=config.seed)
+            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter, levels=self._tree_levels(),
+                                    seed=config.seed)
             drafter.grows_trees = True
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
         self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts
@@ -170,6 +171,13 @@ class Speculator:
         (``benchmarks/results/per_token_drafting/``)."""
         mode = self.config.draft_stopping
         return mode == "confidence" or (mode == "auto" and self.runner.device.type == "cpu")
+
+    def _tree_levels(self) -> int:
+        """Draft passes that expand a tree's likeliest nodes (``spec.tree``): ``TREE_LEVELS``
+        on a CPU, none on a GPU, where each costs a draft pass and a wait for the device
+        and brought fewer accepted tokens than that time would have emitted
+        (``benchmarks/results/draft_tree_h200/host_2026-12-03/``)."""
+        return TREE_LEVELS if self.runner.device.type == "cpu" else 0
 
     def _forks(self, num_paths: int) -> tuple[tuple[int, int], ...]:
         """Where further draft paths fork from a request's own (``num_paths`` - 1 of

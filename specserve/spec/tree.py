@@ -6,7 +6,8 @@ all in the one ragged pass.
   ``TREE_RANKS`` + 1 likeliest tokens and their probabilities under q. A runner-up at
   depth j is a node whose parent is the chain's token j - 1 (the last fed token for j = 0);
   its chance of being emitted is estimated as q's probabilities multiplied along its path
-  (EAGLE-2's score). Then ``TREE_LEVELS`` draft passes expand each request's
+  (EAGLE-2's score). Then (on a CPU: ``Speculator._tree_levels``) ``TREE_LEVELS`` draft
+  passes expand each request's
   ``TREE_EXPAND`` likeliest nodes not yet expanded: the draft model reads them at their
   positions with tree attention over its own cache (``ModelDrafter.expand``; slots after
   the chain's, never reached by the draft's valid length) and their likeliest children
