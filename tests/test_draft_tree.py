@@ -138,6 +138,17 @@ def test_candidates_ranked_after_the_last_pass_are_each_passs_own():
             assert probs == pytest.approx(logits[depth][r].softmax(-1).topk(TREE_RANKS + 1).values.tolist())
 
 
+def test_trees_are_expanded_on_a_cpu_and_not_on_a_gpu():
+    from types import SimpleNamespace
+
+    from specserve.spec.speculator import Speculator
+    from specserve.spec.tree import TREE_LEVELS
+
+    on = {kind: Speculator._tree_levels(SimpleNamespace(runner=SimpleNamespace(device=torch.device(kind))))
+          for kind in ("cpu", "cuda")}
+    assert on == {"cpu": TREE_LEVELS, "cuda": 0} and TREE_LEVELS > 0
+
+
 # ---------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def near_draft(tmp_path_factory, tiny_model_dir):
