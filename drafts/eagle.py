@@ -208,7 +208,7 @@ class EagleDrafter(ModelDrafter):
         positions = [index[id(p)] for p in order]
         proposal = self._proposal(scheduled, positions, columns, q_columns, session, confidence, n)
         if ranks:
-            self._add_candidates(proposal, scheduled, positions, tops)
+            self._tree_material(proposal, scheduled, positions, tops)
         return proposal
 
     def follow_settled(self, verified: list, settled: list) -> None:

@@ -57,6 +57,7 @@ class ModelDrafter:
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
     grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
+    fixed_trees = False  # and leave them on the device, for a tree of fixed shape (``DraftTrees.grow_fixed``)
     can_grow_trees = True  # it can (``propose`` reports candidates)
     expands_trees = True   # and ``expand`` reads nodes
 
@@ -277,7 +278,7 @@ class ModelDrafter:
                         self._fed[p.req_id] += 1
         proposal = self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
         if ranks:
-            self._add_candidates(proposal, scheduled, order, tops)
+            self._tree_material(proposal, scheduled, order, tops)
         return proposal
 
     def expand(self, entries: list[ScheduledRequest]) -> tuple[list[list[int]], list[list[float]]]:
@@ -310,6 +311,20 @@ class ModelDrafter:
         return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
                              session.passes, dropped, goodput=session.gain / session.time)
+
+    def _tree_material(self, proposal: DraftProposal, scheduled, order, tops) -> None:
+        """What a draft tree grows from: with ``fixed_trees`` (a tree of fixed shape,
+        ``DraftTrees.grow_fixed``) each pass's likeliest tokens left on the device
+        (``DraftProposal.leaves``), else the candidates on the host (``_add_candidates``)."""
+        if not self.fixed_trees:
+            self._add_candidates(proposal, scheduled, order, tops)
+            return
+        rows = [t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops]
+        if all(isinstance(t, torch.Tensor) for t in tops):
+            tokens, _ = _likeliest(torch.cat(tops) if len(tops) > 1 else tops[0], TREE_RANKS + 1)
+        else:  # (sampling rows beside: every pass ranked already; their rows grow no fixed tree)
+            tokens = torch.cat([t[0] for t in tops])
+        proposal.leaves = (tokens, [0, *accumulate(rows)][:-1], {i: r for r, i in enumerate(order)})
 
     def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """A draft tree's material, in two copies to the host: the proposals themselves, and

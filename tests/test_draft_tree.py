@@ -138,15 +138,18 @@ def test_candidates_ranked_after_the_last_pass_are_each_passs_own():
             assert probs == pytest.approx(logits[depth][r].softmax(-1).topk(TREE_RANKS + 1).values.tolist())
 
 
-def test_trees_are_expanded_on_a_cpu_and_not_on_a_gpu():
+def test_a_fixed_tree_takes_every_depths_runner_up_then_the_next_rank():
     from types import SimpleNamespace
 
     from specserve.spec.speculator import Speculator
-    from specserve.spec.tree import TREE_LEVELS
+    from specserve.spec.tree import fixed_shape
 
-    on = {kind: Speculator._tree_levels(SimpleNamespace(runner=SimpleNamespace(device=torch.device(kind))))
-          for kind in ("cpu", "cuda")}
-    assert on == {"cpu": TREE_LEVELS, "cuda": 0} and TREE_LEVELS > 0
+    assert fixed_shape(3, 4) == [(0, 1), (1, 1), (2, 1), (0, 2)]
+    assert fixed_shape(2, 10, ranks=3) == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    assert fixed_shape(4, 0) == [] and fixed_shape(0, 5) == []
+    fixed = {kind: Speculator._fixed_trees(SimpleNamespace(runner=SimpleNamespace(device=torch.device(kind))))
+             for kind in ("cpu", "cuda")}
+    assert fixed == {"cpu": False, "cuda": True}
 
 
 # ---------------------------------------------------------------------- the engine
@@ -210,6 +213,70 @@ def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_dr
     assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
     assert stats[8].mean_acceptance_length > stats[0].mean_acceptance_length
     assert stats[8].num_draft_tokens > stats[0].num_draft_tokens  # every verified node counts
+
+
+def _fixed(**kwargs):
+    """An engine whose draft trees take a fixed shape (a GPU's way) on this CPU."""
+    from specserve.spec.speculator import Speculator
+
+    with mock.patch.object(Speculator, "_fixed_trees", return_value=True):
+        return LLM32(**kwargs)
+
+
+@pytest.mark.parametrize("method, graphs", [("draft_model", False), ("layerskip", False), ("draft_model", True)])
+def test_greedy_with_a_fixed_tree_equals_speculation_off(tiny_model_dir, near_draft, plain_outputs, method, graphs):
+    """Trees of fixed shape (every depth's runner-up, then the next rank, up to N nodes),
+    their tokens left on the device until the verify pass's argmax brings them back: the
+    same tokens as plain greedy decoding, every block back; the runner-ups win steps, every
+    verified node counts, and the drafts reach the host once a step (with the argmax)."""
+    from specserve.drafts.model_drafter import ModelDrafter
+
+    target = str(tiny_model_dir("llama"))
+    drafter = {"draft_model": near_draft} if method == "draft_model" else {"layerskip_layers": 1}
+    stats = {}
+    for nodes in (3, 8):
+        llm = _fixed(model=target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
+                     draft_tree_nodes=nodes, **drafter, **ENGINE)
+        assert llm.engine.speculator.drafter.fixed_trees
+        if graphs:
+            llm.engine.enable_graphs(capture=False)
+        with mock.patch.object(ModelDrafter, "_add_candidates", side_effect=AssertionError("host candidates")), \
+                mock.patch.object(Drafts, "to_host", side_effect=AssertionError("a second copy")):
+            got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+        assert [o.token_ids for o in got] == plain_outputs, nodes
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+        stats[nodes] = llm.engine.spec_stats
+    chain = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
+                  **drafter, **ENGINE)
+    chain.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
+    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
+    assert stats[8].mean_acceptance_length > chain.engine.spec_stats.mean_acceptance_length
+    assert stats[8].num_draft_tokens > stats[3].num_draft_tokens > chain.engine.spec_stats.num_draft_tokens
+
+
+def test_fixed_trees_beside_logprobs_penalties_sampling_and_a_grammar_stay_exact(tiny_model_dir, near_draft):
+    """A fixed tree's greedy requests beside one with logprobs and one with a penalty (both
+    verified by the sampler), a seeded sampling request (its chain only) and one with a
+    grammar (its drafts brought to the host before the pass): each greedy one gets the
+    tokens (and logprobs) it gets without speculation."""
+    target = str(tiny_model_dir("llama"))
+    params = [_greedy(4), _greedy(4, logprobs=2), _greedy(4, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True, num_speculative_tokens=4),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "(ab|b)+"},
+                             num_speculative_tokens=4), _greedy(2)]
+    prompts = PROMPTS[:6] if len(PROMPTS) >= 6 else (PROMPTS * 2)[:6]
+    plain = LLM32(target, **ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = _fixed(model=target, speculative_method="draft_model", draft_model=near_draft, num_speculative_tokens=4,
+                 speculative_adaptive=False, draft_tree_nodes=6, **ENGINE)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    # (A sampling request's tokens depend on where its drafts were verified: it must finish.)
+    assert [outs[i].token_ids for i in (0, 1, 2, 4, 5)] == [plain[i].token_ids for i in (0, 1, 2, 4, 5)]
+    assert len(outs[3].token_ids) == 40
+    for mine, theirs in zip(outs[1].logprobs, plain[1].logprobs):
+        assert mine.token_id == theirs.token_id and [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert llm.engine.spec_stats.num_path_wins > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_a_graph_step_after_a_tree_attends_causally(tiny_model_dir, near_draft, plain_outputs):
@@ -407,15 +474,19 @@ def test_metrics_show_the_tree_sizes(chat_model_dir):
     assert 0 < samples["specserve:spec_decode_tree_nodes_sum"] <= (4 + 3 - 1) * steps
 
 
-def test_an_eagle_head_grows_trees_and_reads_the_features_of_the_path(tiny_model_dir, plain_outputs, tmp_path):
-    """An EAGLE head's tree (its runner-ups, not expanded): greedy output equals plain
-    decoding, every block comes back, runner-ups win, and after a step whose path left the
-    chain the head reads the target's hidden states of the path's positions, as a plain
-    pass over the emitted tokens computes them."""
+@pytest.mark.parametrize("fixed", [False, True])
+def test_an_eagle_head_grows_trees_and_reads_the_features_of_the_path(tiny_model_dir, plain_outputs, tmp_path,
+                                                                      fixed):
+    """An EAGLE head's tree (its runner-ups, not expanded; chosen, or of fixed shape):
+    greedy output equals plain decoding, every block comes back, runner-ups win, and after
+    a step whose path left the chain the head reads the target's hidden states of the
+    path's positions, as a plain pass over the emitted tokens computes them."""
     target = str(tiny_model_dir("llama"))
     head = sharpened(make_eagle_head(target, [1], tmp_path)[0], 12.0)
-    llm = LLM32(target, speculative_method="draft_model", draft_model=head, num_speculative_tokens=4,
-                speculative_adaptive=False, draft_tree_nodes=6, **ENGINE)
+    llm = (_fixed if fixed else LLM32)(model=target, speculative_method="draft_model", draft_model=head,
+                                       num_speculative_tokens=4, speculative_adaptive=False, draft_tree_nodes=6,
+                                       **ENGINE)
+    assert llm.engine.speculator.drafter.fixed_trees == fixed
     got = llm.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
     assert [o.token_ids for o in got] == plain_outputs
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks and llm.engine.spec_stats.num_path_wins > 0

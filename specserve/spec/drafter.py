@@ -44,6 +44,11 @@ class DraftProposal:
     # likeliest tokens there, best first, and their probabilities (empty: no tree; None:
     # the drafter grows none). The proposals are then on the host.
     candidates: list[list[tuple[list[int], list[float]]]] | None = None
+    # Or, where the tree's shape is fixed (``DraftTrees.grow_fixed``): its drafter's
+    # likeliest tokens at each pass, best first, still on the device (``[Σ rows of every
+    # pass, TREE_RANKS + 1]``), the first of each pass's rows among them, and each drafting
+    # entry's row within a pass (by index in the schedule). The proposals stay on the device.
+    leaves: tuple[torch.Tensor, list[int], dict[int, int]] | None = None
 
 
 class Drafter(Protocol):

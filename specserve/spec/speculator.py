@@ -28,7 +28,7 @@ from specserve.spec.cost_model import StepSample
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
-from specserve.spec.tree import TREE_LEVELS, DraftTrees, TreeOutcome, drafted_rows
+from specserve.spec.tree import DraftTrees, TreeOutcome, drafted_rows
 from specserve.transfer import to_device
 
 logger = logging.getLogger("specserve")
@@ -140,9 +140,9 @@ class Speculator:
             if any(layer.self_attn.sliding_window is not None for layer in runner.model.model.layers):
                 raise SpecserveError("draft_tree_nodes: this model attends within a sliding window, which "
                                      "draft trees do not support yet")
-            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter, levels=self._tree_levels(),
-                                    seed=config.seed)
+            self.trees = DraftTrees(config.draft_tree_nodes, kv, runner, drafter, seed=config.seed)
             drafter.grows_trees = True
+            drafter.fixed_trees = self._fixed_trees()
         self.stats = SpecDecodeStats()                       # over the engine's lifetime
         self.forced_stats = SpecDecodeStats()  # structured output's grammar-forced drafts
         self.draft_length_counts: Counter[int] = Counter()  # k verified per request-step
@@ -172,12 +172,14 @@ class Speculator:
         mode = self.config.draft_stopping
         return mode == "confidence" or (mode == "auto" and self.runner.device.type == "cpu")
 
-    def _tree_levels(self) -> int:
-        """Draft passes that expand a tree's likeliest nodes (``spec.tree``): ``TREE_LEVELS``
-        on a CPU, none on a GPU, where each costs a draft pass and a wait for the device
-        and brought fewer accepted tokens than that time would have emitted
-        (``benchmarks/results/draft_tree_h200/host_2026-12-03/``)."""
-        return TREE_LEVELS if self.runner.device.type == "cpu" else 0
+    def _fixed_trees(self) -> bool:
+        """Whether draft trees take a fixed shape (``DraftTrees.grow_fixed``): on a GPU.
+        There a tree chosen from the candidates' chances waits for the device twice a step
+        (for the candidates, then for the verify pass) and each expansion pass once more;
+        a fixed shape waits once, as a chain does
+        (``benchmarks/results/draft_tree_h200/host_2026-12-03/``). On a CPU, whose passes
+        run in turn anyway, trees are chosen, expanded and priced."""
+        return self.runner.device.type != "cpu"
 
     def _forks(self, num_paths: int) -> tuple[tuple[int, int], ...]:
         """Where further draft paths fork from a request's own (``num_paths`` - 1 of
@@ -305,6 +307,9 @@ class Speculator:
             if stop is not None and proposal.goodput is not None:
                 threshold = proposal.goodput * stop.prices.token
             drafts.grown = self.trees.grow(scheduled, proposal.candidates, budget, threshold, cut=drafts.cut)
+        elif proposal.leaves is not None:
+            budget = scheduler.max_num_batched_tokens - scheduled.num_scheduled_tokens
+            drafts.grown = self.trees.grow_fixed(scheduled, proposal, budget)
         if proposal.confidence is not None:  # the stopping rule kept what it found worth verifying
             drafts.confidence = {p.req_id: c for p, c in zip(scheduled.scheduled, proposal.confidence) if c}
             if proposal.dropped is not None:

@@ -6,8 +6,7 @@ all in the one ragged pass.
   ``TREE_RANKS`` + 1 likeliest tokens and their probabilities under q. A runner-up at
   depth j is a node whose parent is the chain's token j - 1 (the last fed token for j = 0);
   its chance of being emitted is estimated as q's probabilities multiplied along its path
-  (EAGLE-2's score). Then (on a CPU: ``Speculator._tree_levels``) ``TREE_LEVELS`` draft
-  passes expand each request's
+  (EAGLE-2's score). Then ``TREE_LEVELS`` draft passes expand each request's
   ``TREE_EXPAND`` likeliest nodes not yet expanded: the draft model reads them at their
   positions with tree attention over its own cache (``ModelDrafter.expand``; slots after
   the chain's, never reached by the draft's valid length) and their likeliest children
@@ -18,6 +17,12 @@ all in the one ragged pass.
   node (and an expansion) must also pay for verifying it at the step's expected goodput
   (the stopping rule's prices, ``spec.stopping``). Their KV slots are allocated after the
   chain's, and the token budget they use is what scheduling left.
+* **Growing a fixed shape** (``DraftTrees.grow_fixed``, on a GPU: ``Speculator._fixed_trees``).
+  Choosing by chances needs them on the host before the verify pass can be built, a wait
+  for the device a chain step does not have. A greedy request's tree instead takes every
+  depth's runner-up, then every depth's next rank, up to ``max_nodes`` (``fixed_shape``);
+  their tokens are gathered on the device beside the chain's and reach the host with the
+  target's argmax when settling.
 * **Verifying.** Nodes sit at their depths' positions and see the context, their
   ancestors and themselves (``batch.tree_rows``; tree attention in every backend).
 * **Settling** (``DraftTrees.settle``), before the rejection sampler: from the last fed
@@ -175,6 +180,14 @@ def choose(trees: dict[int, list[Node]], max_nodes: int, budget: int, threshold:
     return {req: (kept[req], mine) for req, mine in taken.items() if mine}
 
 
+def fixed_shape(k: int, max_nodes: int, ranks: int = TREE_RANKS) -> list[tuple[int, int]]:
+    """A tree of fixed shape beside a chain of ``k``: its nodes as (depth, rank), leaves
+    whose parent is the chain's token before that depth — every depth's runner-up (rank
+    1), then every depth's rank 2, ..., at most ``max_nodes``."""
+    shape = [(depth, r) for r in range(1, ranks + 1) for depth in range(k)]
+    return shape[:max(max_nodes, 0)]
+
+
 def walk(tokens: Sequence[int], parents: Sequence[int], argmax: Sequence[int]) -> list[int]:
     """The nodes the target's greedy choices follow from the root: ``argmax[0]`` is its
     token after the last fed token, ``argmax[1 + i]`` after node i. Among a node's children
@@ -270,6 +283,42 @@ class DraftTrees:
             grew = True
         return grew
 
+    def grow_fixed(self, output: SchedulerOutput, proposal, budget: int) -> bool:
+        """Add to each greedy request's chain the runner-ups of a tree of fixed shape
+        (``fixed_shape``), within ``budget`` tokens, without their values reaching the host:
+        ``proposal.leaves`` holds each pass's likeliest tokens on the device, and
+        ``proposal.draft_ids`` becomes every entry's chain and then its nodes, gathered
+        there. The host knows each node's depth and parent beforehand, so the verify pass is
+        built while the drafts are still being made, and the step waits for the device once
+        (``settle`` reads the nodes' values with the target's argmax). Returns whether any
+        grew."""
+        tokens, firsts, rank = proposal.leaves
+        width = tokens.shape[1]
+        planned = output.scheduled
+        counts = [len(p.draft_token_ids) for p in planned]
+        gather, start, grew = [], 0, False  # into [draft ids; the ranked tokens, flat]
+        leaves_at = proposal.draft_ids.shape[0]
+        for i, p in enumerate(planned):
+            k = counts[i]
+            shape = fixed_shape(k, min(self.max_nodes, budget), width - 1) \
+                if k and p.params.greedy and grows(p.params) else []
+            end = p.start_pos + len(p.token_ids)
+            if shape and self.kv.allocate_slots(p.req_id, end + k + len(shape)):
+                p.block_table = list(self.kv.block_table(p.req_id))
+                p.draft_parents = list(range(-1, k - 1)) + [depth - 1 for depth, _ in shape]
+                p.draft_token_ids = p.draft_token_ids + [0] * len(shape)
+                gather += range(start, start + k)
+                gather += [leaves_at + (firsts[depth] + rank[i]) * width + r for depth, r in shape]
+                budget -= len(shape)
+                grew = True
+            else:
+                gather += range(start, start + k)
+            start += k
+        if grew:
+            (index,) = to_device([gather], torch.int64, tokens.device)
+            proposal.draft_ids = torch.cat([proposal.draft_ids, tokens.flatten()]).index_select(0, index)
+        return grew
+
     def settle(self, drafts, logits: torch.Tensor) -> torch.Tensor:
         """Each tree's path as its request's drafts (``drafts.settled``, the outcomes in
         ``drafts.trees``); returns the logits rows of the step as settled, without those
@@ -288,7 +337,15 @@ class DraftTrees:
         tree_rows = [starts[i] + r for i, p in enumerate(scheduled) if p.draft_parents is not None
                      for r in range(1 + len(p.draft_token_ids))]
         (index,) = to_device([tree_rows], torch.int64, logits.device)
-        argmax = logits.index_select(0, index).argmax(dim=-1).tolist()  # (the step's one wait)
+        argmax = logits.index_select(0, index).argmax(dim=-1)
+        if drafts.device_ids is None:
+            argmax = argmax.tolist()  # (the step's one wait)
+        else:  # a fixed tree's drafts come back with the argmax, in the step's one wait
+            both = torch.cat([argmax, drafts.device_ids.ids]).tolist()
+            argmax, at = both[:len(tree_rows)], len(tree_rows)
+            for p, count in zip(scheduled, drafts.device_ids.counts):
+                p.draft_token_ids, at = both[at:at + count], at + count
+            drafts.device_ids = None
         settled, keep, moves, q_keep, q_row, at = list(scheduled), [], [], [], 0, 0
         paths: dict[int, list[int]] = {}
         for i, p in enumerate(scheduled):

@@ -2,7 +2,8 @@
 built-in draft: every engine in one process, each run twice in turn over held-out prompts,
 with the engine's, speculator's, tree's and drafter's methods wrapped by timers (µs per
 step: calls, µs per call). A tree setting "tree=N:k=K:levels=L" sets the draft tree's
-expansion passes (``DraftTrees.levels``) after the engine is made.
+expansion passes (``DraftTrees.levels``) after the engine is made; ":engine=E" makes an
+engine of k up to E whose requests ask for K (as per_token_drafting.py's engines do).
 
     python tree_host_time.py --device cuda --prompts 4 --settings "k=3;k=4;tree=10:k=4;tree=10:k=4:levels=0"
 """
@@ -20,12 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from adaptive_host_time import wrap
 
 
-def parse(setting: str) -> tuple[dict, int | None]:
+def parse(setting: str) -> tuple[dict, int | None, int]:
+    """A setting's engine options, its tree's expansion passes (None: the engine's) and its
+    requests' k (``engine=K``: an engine of k up to K, as per_token_drafting.py's)."""
     options = dict(part.split("=") for part in setting.split(":"))
-    config = {"num_speculative_tokens": int(options["k"]), "speculative_adaptive": False}
+    k = int(options["k"])
+    config = {"num_speculative_tokens": int(options.get("engine", k)), "speculative_adaptive": False}
     if "tree" in options:
         config["draft_tree_nodes"] = int(options["tree"])
-    return config, int(options["levels"]) if "levels" in options else None
+    return config, int(options["levels"]) if "levels" in options else None, k
 
 
 def main() -> None:
@@ -53,9 +57,9 @@ def main() -> None:
         if hasattr(owner, name):
             wrap(owner, name, f"{getattr(owner, '__name__', '').rpartition('.')[2]}.{name}", totals)
     small = {"gpu_memory_utilization": 0.15} if args.device == "cuda" else {}
-    engines = {}
+    engines, ks = {}, {}
     for setting in args.settings.split(";"):
-        config, levels = parse(setting)
+        config, levels, ks[setting] = parse(setting)
         llm = LLM(device=args.device, max_num_seqs=8, max_model_len=4096, speculative_method="draft_model",
                   **small, **config)
         if levels is not None:
@@ -75,8 +79,8 @@ def main() -> None:
             began, tokens = time.perf_counter(), 0
             for prompt in prompts:
                 llm.engine.kv.reset_prefix_cache()
-                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens),
-                                   use_tqdm=False)[0]
+                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                                            num_speculative_tokens=ks[name]), use_tqdm=False)[0]
                 tokens += len(out.token_ids)
             sync()
             seconds = time.perf_counter() - began
