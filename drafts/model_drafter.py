@@ -333,8 +333,7 @@ class ModelDrafter:
         likeliest tokens, a sampling row's drawn token and more drawn without replacement
         (``DraftProposal.candidates``). ``tops``: each pass's candidates from ``_choose``,
         or where it left them to this point, its rows of logits: those of every pass are
-        ranked in one go (on a GPU each op costs the host about what the ranking of one
-        pass's rows costs the device, so per pass it would cost the step k times as much)."""
+        ranked in one go (each op has a cost of its own, a GPU's host's most of all)."""
         counts = [len(d) for d in proposal.draft_token_ids]
         rows = [t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops]
         if all(isinstance(t, torch.Tensor) for t in tops):

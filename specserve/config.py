@@ -92,7 +92,8 @@ class EngineConfig:
     # candidates (a greedy one's chain competes with them for its k + N places), chosen
     # each step by the draft's confidence along the way (priced by the cost model where
     # drafting stops by confidence), all in one pass with tree attention, exactly
-    # (spec/tree.py). 0: off.
+    # (spec/tree.py). On a GPU a greedy request's tree has a fixed shape instead: every
+    # depth's runner-up, then the next rank, up to N. 0: off.
     draft_tree_nodes: int = 0
     prompt_lookup_max: int = 4           # ngram: longest suffix to match
     prompt_lookup_min: int = 2           # ngram: shortest suffix to match

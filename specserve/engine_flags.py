@@ -107,7 +107,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="draft_model (a draft checkpoint or EAGLE head) / layerskip / quantized: a dynamic "
                         "draft tree; beside its drafted chain of k a request verifies up to this many more "
                         "candidates (a greedy one's chain competing for the k + N places), chosen by the "
-                        "draft's confidence, in the same pass, exactly (default: 0, off)")
+                        "draft's confidence (on a GPU: every depth's runner-up, then the next rank), in the "
+                        "same pass, exactly (default: 0, off)")
     s.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched (default: 4)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched (default: 2)")
     s.add_argument("--layerskip-layers", type=int, default=None,

@@ -177,7 +177,7 @@ class Speculator:
         There a tree chosen from the candidates' chances waits for the device twice a step
         (for the candidates, then for the verify pass) and each expansion pass once more;
         a fixed shape waits once, as a chain does
-        (``benchmarks/results/draft_tree_h200/host_2026-12-03/``). On a CPU, whose passes
+        (``benchmarks/results/draft_tree_h200/fixed_2026-12-03/``). On a CPU, whose passes
         run in turn anyway, trees are chosen, expanded and priced."""
         return self.runner.device.type != "cpu"
 
