@@ -319,12 +319,11 @@ class ModelDrafter:
         if not self.fixed_trees:
             self._add_candidates(proposal, scheduled, order, tops)
             return
-        rows = [t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops]
-        if all(isinstance(t, torch.Tensor) for t in tops):
-            tokens, _ = _likeliest(torch.cat(tops) if len(tops) > 1 else tops[0], TREE_RANKS + 1)
+        if all(isinstance(t, torch.Tensor) for t in tops):  # tokens only: a fixed tree needs no chances
+            tokens = (torch.cat(tops) if len(tops) > 1 else tops[0]).topk(TREE_RANKS + 1, dim=-1).indices
         else:  # (sampling rows beside: every pass ranked already; their rows grow no fixed tree)
             tokens = torch.cat([t[0] for t in tops])
-        proposal.leaves = (tokens, [0, *accumulate(rows)][:-1], {i: r for r, i in enumerate(order)})
+        proposal.leaves = (tokens, _pass_firsts(tops)[:-1], {i: r for r, i in enumerate(order)})
 
     def _add_candidates(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """A draft tree's material, in two copies to the host: the proposals themselves, and
@@ -335,7 +334,7 @@ class ModelDrafter:
         or where it left them to this point, its rows of logits: those of every pass are
         ranked in one go (each op has a cost of its own, a GPU's host's most of all)."""
         counts = [len(d) for d in proposal.draft_token_ids]
-        rows = [t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops]
+        firsts = _pass_firsts(tops)
         if all(isinstance(t, torch.Tensor) for t in tops):
             tokens_t, probs_t = _likeliest(torch.cat(tops) if len(tops) > 1 else tops[0], TREE_RANKS + 1)
         else:
@@ -351,7 +350,6 @@ class ModelDrafter:
             proposal.draft_token_ids.append(ids[start:start + count])
             start += count
         proposal.draft_ids = None
-        firsts = [0, *accumulate(rows)]  # each pass's first row among the ranked rows
         proposal.candidates = [[] for _ in scheduled]
         for r, i in enumerate(order):
             if not grows(scheduled[i].params):
@@ -438,6 +436,12 @@ class ModelDrafter:
         tokens = torch.cat([drawn[:, None], others], dim=1)
         probs = q.float().gather(1, tokens)
         return (torch.where(sampling[:, None], tokens, top[0]), torch.where(sampling[:, None], probs, top[1]))
+
+
+def _pass_firsts(tops: list) -> list[int]:
+    """Each draft pass's first row among every pass's rows put together, and their count
+    last (``tops``: per pass its kept logits, or its ranked candidates)."""
+    return [0, *accumulate(t.shape[0] if isinstance(t, torch.Tensor) else t[0].shape[0] for t in tops)]
 
 
 def _likeliest(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
