@@ -3,3 +3,21 @@
 Every kernel sits beside a pure-torch reference with the same semantics
 (``reference.py``); the references are the CPU path and the oracle in tests.
 """
+if __name__ == "kernels":
+    # Imported as a top-level ``kernels``: a clone's root is on ``sys.path`` (``python -m`` or
+    # ``-c`` run there), and this folder shadows the Hugging Face ``kernels`` package that
+    # transformers imports when it is installed. That package takes this one's place.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ImportError("no module named 'kernels' outside this repository (its kernels/ folder is "
+                          "specserve.kernels)")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[__name__] = _module
+    _spec.loader.exec_module(_module)

@@ -155,3 +155,25 @@ def test_the_serving_path_never_imports_draft_training():
                                "print(sorted(m for m in sys.modules if m.startswith('specserve.training')))"],
         capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_a_clone_root_on_the_path_does_not_shadow_the_hub_kernels_package():
+    """``python -m``/``-c`` run in a clone's root put it on ``sys.path``, where the top-level
+    ``kernels/`` folder (installed as ``specserve.kernels``) would shadow the Hugging Face
+    ``kernels`` package that transformers imports when installed: that package is loaded in
+    its place, so a checkpoint's config still loads; without it, the import says so."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import kernels, specserve.kernels as ours; print(kernels.__file__); print(ours.__file__); "
+            "import transformers; transformers.AutoConfig.for_model('llama'); print('config')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    hub = importlib.util.find_spec("kernels") is not None and \
+        not str(importlib.util.find_spec("kernels").origin).startswith(str(root))
+    if hub:
+        assert done.returncode == 0, done.stderr[-2000:]
+        theirs, ours, loaded = done.stdout.split()
+        assert not theirs.startswith(str(root)) and ours == str(root / "kernels" / "__init__.py")
+        assert loaded == "config"
+    else:
+        assert "no module named 'kernels' outside this repository" in done.stderr

@@ -266,12 +266,15 @@ def _generate_hf(args, files, tokenizer, todo, device, deadline, cache, eos) -> 
 
 
 def generation_engine(args, device: torch.device, max_model_len: int):
-    """The target in our engine, batched for generating data (wider on a GPU). Without
-    prefix caching: a response must depend only on its prompt and seed, not on which other
-    prompts this process (or rank) answered before and left their KV behind, which rounds
-    differently in bfloat16 than computing the prefix again."""
+    """The target in our engine, batched for generating data (wider on a GPU). A response
+    must depend only on its prompt and seed, not on which other prompts this process (or
+    rank) answers beside it or answered before: batch-invariant kernels (``deterministic``;
+    a batch of other rows rounds otherwise, and a near tie sampled another token on one
+    rank than in one process), and no prefix caching (KV left behind rounds differently
+    in bfloat16 than computing the prefix again)."""
     return LLM(args.target, device=str(device), max_num_seqs=256 if device.type == "cuda" else 64,
-               max_num_batched_tokens=2048, max_model_len=max_model_len, enable_prefix_caching=False)
+               max_num_batched_tokens=2048, max_model_len=max_model_len, enable_prefix_caching=False,
+               deterministic=True)
 
 
 def _generate_engine(args, files, tokenizer, todo, device, deadline, cache, eos) -> None:
