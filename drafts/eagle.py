@@ -134,7 +134,7 @@ class EagleDrafter(ModelDrafter):
                 out[a - lo:b - lo] = rows[a - first:b - first]
         return out
 
-    def time_pass(self, scheduled: list[ScheduledRequest]) -> None:
+    def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> None:
         """No start-up timing: a pass needs the target's features (its first draft comes
         with the catch-up every step, counted with the target's)."""
         return None

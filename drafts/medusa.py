@@ -60,7 +60,7 @@ class MedusaDrafter(ModelDrafter):
     def catch_up_lazily(self) -> bool:
         return False
 
-    def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
+    def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:
         return None
 
     def close(self) -> None:

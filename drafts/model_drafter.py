@@ -162,13 +162,28 @@ class ModelDrafter:
         self.lazy = True
         return True
 
-    def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
-        """Seconds of one draft pass over ``scheduled`` (a token each, over their blocks:
-        the start-up profile of what a draft depth costs)."""
-        start = time.perf_counter()
-        greedy_tokens(self._forward([ScheduledRequest(p.req_id, [0], p.start_pos, p.block_table, p.params)
-                                     for p in scheduled])).tolist()
-        return time.perf_counter() - start
+    def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:
+        """Seconds a draft pass over ``scheduled`` (a token each, over their blocks) adds to
+        a step: the start-up profile of what a draft depth costs. ``passes`` passes run
+        as a step's do, each fed the last one's tokens on the device and one wait at the
+        end, less one pass alone, over the passes added: on a GPU a pass alone waits for
+        the device, which the passes of a step do not (the host prepares the next while
+        the device runs the last), and timed alone a pass cost about twice what it adds.
+        Its positions run from each request's ``start_pos`` on: ``passes`` slots."""
+        def run(count: int) -> float:
+            start = time.perf_counter()
+            tokens = None
+            for j in range(count):
+                step = [ScheduledRequest(p.req_id, [0], p.start_pos + j, p.block_table, p.params) for p in scheduled]
+                tokens = greedy_tokens(self._forward(step, None if tokens is None else
+                                                     DeviceTokenIds(tokens, [1] * len(step))))
+            tokens.tolist()
+            return time.perf_counter() - start
+
+        if passes < 2:
+            return run(1)
+        alone = run(1)
+        return max(run(passes) - alone, 0.0) / (passes - 1)
 
     # ------------------------------------------------------------------ the step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:

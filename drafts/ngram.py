@@ -135,7 +135,7 @@ class NgramDrafter:
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         pass  # no KV cache
 
-    def time_pass(self, scheduled: list[ScheduledRequest]) -> None:
+    def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> None:
         return None  # a lookup, not a pass
 
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],

@@ -14,10 +14,11 @@ COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than th
 
 
 def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, forks=(),
-               confidence=False) -> DraftLengthController:
+               confidence=False, draft_fixed=0.0) -> DraftLengthController:
     """``pad``: cost per token of the padded shape a graph replays (every request padded to
     the longest query); ``forks``: further draft paths (``DraftPaths.forks``);
-    ``confidence``: the drafter stops token by token (a calibration map)."""
+    ``confidence``: the drafter stops token by token (a calibration map); ``draft``: a
+    pass's cost and its cost per drafting request, ``draft_fixed`` a drafting step's own."""
     ctl = DraftLengthController(max_k, forks=forks, confidence=confidence)
     for tokens, spans, padded, reqs in ((1, 0, 1, 1), (5, 1, 5, 1), (8, 0, 8, 8), (40, 8, 40, 8), (12, 1, 40, 8),
                                         (32, 0, 32, 32), (160, 32, 160, 32), (36, 1, 160, 32),
@@ -28,7 +29,7 @@ def controller(max_k=4, a=0.03, b=0.0001, c=0.0, draft=(0.0, 0.0), pad=0.0, fork
                                         context=reqs * context))
     for depth, reqs in ((1, 1), (4, 1), (4, 8), (2, 32)):
         ctl.observe_step(StepSample(a + b, num_tokens=1, depth=depth, num_drafting=reqs,
-                                    draft_s=depth * (draft[0] + draft[1] * reqs)))
+                                    draft_s=draft_fixed + depth * (draft[0] + draft[1] * reqs)))
     return ctl
 
 
@@ -43,6 +44,21 @@ def test_cost_model_recovers_linear_costs():
         for spans in (0, 3):
             model.observe([1, tokens, spans], 0.01 + 0.002 * tokens + 0.004 * spans)
     assert model.theta == pytest.approx([0.01, 0.002, 0.004], rel=1e-3)
+
+
+def test_a_drafting_steps_fixed_cost_is_not_priced_into_its_passes():
+    """The drafter's time past its catch-up is a cost of drafting at all (ranking and
+    gathering the proposals) plus its passes: fitted apart, a pass is priced at what it
+    adds, where a fit of passes alone priced the one pass of a depth of 2 at both."""
+    from specserve.spec.cost_model import StepCosts
+
+    fixed, per_pass = 80e-6, 125e-6
+    costs = StepCosts(first_draft_in_catch_up=True)
+    for depth in (1, 2, 3, 4, 2, 3):
+        costs.observe(StepSample(0.0015, num_tokens=1 + depth, num_spans=1, depth=depth, num_drafting=1,
+                                 draft_s=fixed + per_pass * (depth - 1)))
+    o, d, e = costs.draft.theta
+    assert o == pytest.approx(fixed, rel=1e-3) and d + e == pytest.approx(per_pass, rel=1e-3)
 
 
 def test_one_stall_does_not_poison_the_fit():
@@ -103,22 +119,23 @@ def test_choice_is_the_best_plan_of_all():
     for trial in range(60):
         a, b, c, pad = (rng.uniform(0.001, 0.03), rng.uniform(0, 0.004), rng.uniform(0, 0.004),
                         rng.uniform(0, 0.002))
-        ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)), pad=pad)
+        ctl = controller(max_k=3, a=a, b=b, c=c, draft=(rng.uniform(0, 0.01), rng.uniform(0, 0.002)), pad=pad,
+                         draft_fixed=rng.uniform(0, 0.005) * (trial % 3 > 0))
         caps = {f"r{i}": int(rng.integers(0, 4)) for i in range(3)}
         alpha = {r: rng.uniform(0, 1, size=3) for r in caps}
         rate = [rng.uniform(0.05, 1) for r in caps]  # share of planned drafts the drafter proposes
         for r, q in zip(caps, rate):
             ctl.set_estimates(r, alpha[r], q)
         graph = trial % 2 == 1
-        (d, e) = ctl.costs.draft.theta
+        (o, d, e) = ctl.costs.draft.theta
 
-        def ratio(plan):
+        def ratio(plan, o=o):
             gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
             tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
             spans = sum(q for k, q in zip(plan, rate) if k)
             cost = (ctl.costs.target.predict(target_features(3 + tokens, 3, 0, spans, padded))
-                    + d * max(plan) + e * tokens)
+                    + o * (max(plan) > 0) + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 
         plans = itertools.product(*(range(cap + 1) for cap in caps.values()))
@@ -271,7 +288,7 @@ def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_chea
     in a code edit may have ended for a while, not for good)."""
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "good", 4)
-    train_acceptance(ctl, "bad", 0)
+    train_acceptance(ctl, "bad", 0, times=60)  # (a settled estimate moves a tenth of the way a step)
     assert ctl.choose({"good": 2, "bad": 4, "off": 0}) == {"good": 2, "bad": 0, "off": 0}
     picks = [ctl.choose({"good": 4, "bad": 4})["bad"] for _ in range(40)]
     first = next(i for i, k in enumerate(picks) if k)
@@ -282,7 +299,7 @@ def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_chea
 
 def test_acceptance_tracks_the_position_of_the_first_rejection():
     ctl = DraftLengthController(4)
-    for _ in range(50):
+    for _ in range(120):  # (settled, an estimate moves a tenth of the way a step)
         ctl.observe_acceptance("r", DraftOutcome(4, 4, 2))
     alpha = ctl.acceptance("r")
     assert alpha[0] == pytest.approx(1, abs=1e-3) and alpha[1] == pytest.approx(1, abs=1e-3)
@@ -295,14 +312,16 @@ def test_acceptance_tracks_the_position_of_the_first_rejection():
 
 def test_a_steps_observations_applied_together_equal_one_by_one():
     """The vectorised update of a step's observations gives each request what smoothing
-    its observations one at a time gives (per request, in order)."""
+    its observations one at a time gives (per request, in order), each at the weight its
+    own outcomes so far set (``_weight``: settling, and fast again after a change)."""
     import numpy as np
 
+    from specserve.spec import acceptance
     from specserve.spec.acceptance import ACCEPT_SMOOTHING, INITIAL_ACCEPTANCE
 
     rng = np.random.default_rng(1)
     ctl = DraftLengthController(4)
-    want_alpha, want_rate, want_pooled = {}, {}, {}
+    want_alpha, want_rate, want_pooled, state = {}, {}, {}, {}
     for i in range(12):
         ctl.set_estimates(f"r{i}", np.full(4, INITIAL_ACCEPTANCE), 1.0)
     for step in range(40):
@@ -323,9 +342,12 @@ def test_a_steps_observations_applied_together_equal_one_by_one():
                     continue
                 outcome = (np.arange(seen) < accepted).astype(float)
                 pooled = want_pooled.get(r, INITIAL_ACCEPTANCE)
-                pooled = want_pooled[r] = pooled + (1 - (1 - ACCEPT_SMOOTHING) ** seen) * (outcome.mean() - pooled)
-                alpha[:seen] += ACCEPT_SMOOTHING * (outcome - alpha[:seen])
-                alpha[seen:] += ACCEPT_SMOOTHING * (pooled - alpha[seen:])
+                weight, rise, fall = acceptance._weight(*state.get(r, (ACCEPT_SMOOTHING, 0.0, 0.0)), pooled,
+                                                        min(accepted, seen), seen > accepted)
+                state[r] = (max(acceptance.ACCEPT_SMOOTHING_SETTLED, weight / (1 + weight)), rise, fall)
+                pooled = want_pooled[r] = pooled + (1 - (1 - weight) ** seen) * (outcome.mean() - pooled)
+                alpha[:seen] += weight * (outcome - alpha[:seen])
+                alpha[seen:] += weight * (pooled - alpha[seen:])
         if step % 2:
             ctl.choose({f"r{i}": 4 for i in range(12)})
     for r in want_alpha:
@@ -1220,15 +1242,85 @@ def test_the_step_records_benchmark_records_every_step(tiny_model_dir, tmp_path,
 def test_the_plan_on_simulated_gpu_steps_stays_near_the_best_fixed_k():
     """Batch 1 on simulated steps with the H200's costs (drafts cheap, the goodput curve
     flat near its best k) and chat-like acceptance (0.3–0.85, a new value every ~20
-    tokens), the same texts for every policy: the plan stays within 10 % of the best fixed
-    k (0.94–0.96x here; one that never drafted would run 0.63x, one that always drafted
-    its cap of 4 0.99x), and an oracle that knows the acceptance is never below the best
-    fixed k. The simulation is deterministic for a seed."""
+    tokens), the same texts for every policy: over four seeds the plan runs at least
+    0.952x the best fixed k (0.959x here; 0.944x while every estimate moved 0.3 of the
+    way to each outcome, whose swings pulled k down, and a drafting step's fixed cost was
+    priced into its passes; one that never drafted would run 0.63x), and an oracle that
+    knows the acceptance is never below the best fixed k. Where acceptance switches
+    between 0.1 and 0.95 (copied spans and fresh text) the settled estimates still follow
+    it (0.91x; 0.94x before). The simulation is deterministic for a seed."""
+    import statistics
+
     from specserve.bench.plan_sim import simulate
 
-    for seed in range(2):
+    chat, switch = [], []
+    for seed in range(4):
         fixed = [simulate(k, requests=150, segment=20, seed=seed)[0] for k in range(5)]
         plan = simulate("plan", requests=150, segment=20, seed=seed)
-        assert plan == simulate("plan", requests=150, segment=20, seed=seed)
-        assert plan[0] >= 0.9 * max(fixed), (plan, fixed)
-        assert simulate("oracle", requests=150, segment=20, seed=seed)[0] >= max(fixed)
+        if seed == 0:
+            assert plan == simulate("plan", requests=150, segment=20, seed=seed)
+            assert simulate("oracle", requests=150, segment=20, seed=seed)[0] >= max(fixed)
+        chat.append(plan[0] / max(fixed))
+        switching = {"requests": 150, "segment": 20, "seed": seed, "acceptance": (0.1, 0.95), "switching": True}
+        fixed = [simulate(k, **switching)[0] for k in range(5)]
+        switch.append(simulate("plan", **switching)[0] / max(fixed))
+    assert statistics.mean(chat) >= 0.952 and min(chat) >= 0.94, chat
+    assert statistics.mean(switch) >= 0.89, switch
+
+
+def test_the_simulation_replays_real_acceptance_traces():
+    """With traces (whether the draft's greedy token matched the target's at each
+    position), k drafts from position t keep the run of matches from t: a fixed k's
+    steps and tokens follow by hand, and the oracle, which would know every token, is
+    refused."""
+    from specserve.bench.plan_sim import StepCosts, simulate
+
+    trace = [True, True, False, True, True, True, False, False]  # 8 tokens
+    costs = StepCosts(noise=0.0)
+    # k = 2 from 0: 2 kept + 1 -> 3; from 3: 2 kept + 1 -> 6; from 6 (one token before the
+    # last: k = 1) 0 kept + 1 -> 7; from 7 (the last token: k = 0) -> 8.
+    rate, mean_k = simulate(2, traces=[trace], requests=1, costs=costs)
+    seconds = 2 * (costs.target(2) + costs.draft(2)) + costs.target(1) + costs.draft(1) + costs.target(0)
+    assert rate == pytest.approx(8 / seconds) and mean_k == pytest.approx(5 / 4)
+    with pytest.raises(ValueError, match="oracle"):
+        simulate("oracle", traces=[trace])
+
+
+def test_a_requests_estimate_settles_while_outcomes_agree_and_turns_fast_after_a_change():
+    """Each step's outcomes move a request's estimates by its own weight: 0.3 at first,
+    down to 0.1 as steps agree with them (a running mean's), so at a steady acceptance the
+    estimate swings less than a fixed weight of 0.3 would let it; a change of acceptance
+    (a copied span ends) makes it fast again within a few steps."""
+    import numpy as np
+
+    from specserve.spec import acceptance
+    from specserve.spec.acceptance import AcceptanceEstimates
+
+    def weight(est):
+        return float(est.weight[est.rows(["r"])[0]])
+
+    rng = np.random.default_rng(0)
+    est = AcceptanceEstimates(4)
+    est.observe("r", DraftOutcome(4, 4, 2))
+    est.apply_pending()
+    assert weight(est) < acceptance.ACCEPT_SMOOTHING
+    first, alarms = [], 0
+    for _ in range(400):  # acceptance 0.6 at every position
+        accepted = next((j for j in range(4) if rng.random() > 0.6), 4)
+        before = weight(est)
+        est.observe("r", DraftOutcome(4, 4, accepted))
+        est.apply_pending()
+        alarms += weight(est) > before
+        first.append(est.acceptance("r")[0])
+    assert alarms <= 4
+    assert np.std(first[20:]) < 0.14 and abs(np.mean(first[20:]) - 0.6) < 0.05  # (a fixed weight of 0.3: 0.20)
+    for _ in range(30):  # settled near 1: every draft accepted
+        est.observe("r", DraftOutcome(4, 4, 4))
+        est.apply_pending()
+    assert weight(est) == acceptance.ACCEPT_SMOOTHING_SETTLED
+    steps = 0
+    while weight(est) == acceptance.ACCEPT_SMOOTHING_SETTLED:  # then every first draft rejected
+        est.observe("r", DraftOutcome(4, 4, 0))
+        est.apply_pending()
+        steps += 1
+    assert steps <= 4 and weight(est) > acceptance.ACCEPT_SMOOTHING_SETTLED

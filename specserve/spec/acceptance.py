@@ -20,6 +20,17 @@ request that drafts one token learns its first position only, and its deeper one
 the estimates it started with (the last workload's, chat's after chat) for good: the plan
 never drafts deeper, where code would pay.
 
+How fast a request's estimates move is its own (``weight``): a new request's, and one
+whose outcomes just changed, move ``ACCEPT_SMOOTHING`` of the way to each step's
+outcomes; each step that agrees with them slows them, as a running mean would, down to
+``ACCEPT_SMOOTHING_SETTLED``. A fixed weight serves one kind of text only: fast, an
+acceptance of 0.6 swings by about 0.2 from step to step, and the plan, whose k a low
+estimate pulls down further than a high one pushes up against the cap, drafts less
+than pays; slow, it follows copied spans and fresh text taking turns (n-gram lookup)
+too late. A change is told apart from chance by a two-sided CUSUM test of the outcomes
+against the request's pooled acceptance (``CHANGE_SLACK`` of slack an outcome,
+``CHANGE_THRESHOLD`` to raise it), which makes the estimates fast again.
+
 What is not observed is not trusted for ever: while a request sits at k = 0 its
 estimates drift back towards the engine-wide ones (``DRIFT`` of the way each step), so
 one whose drafts failed for a stretch (a copied span ends, new text begins) drafts again
@@ -37,7 +48,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a new observation
+ACCEPT_SMOOTHING = 0.3      # per-request EMA weight of a step's outcomes, at first and after a change
+ACCEPT_SMOOTHING_SETTLED = 0.1  # the least, once the outcomes agreed with the estimates for a while
+CHANGE_SLACK = 0.25         # CUSUM: slack an outcome (accepted 1, rejected 0) may differ from the pooled estimate by
+CHANGE_THRESHOLD = 2.0      # CUSUM: summed surprise that tells a change of acceptance (estimates fast again)
 PRIOR_SMOOTHING = 0.05      # engine-wide EMA weight
 INITIAL_ACCEPTANCE = 0.6    # before any observation
 PATH_GAIN_START = 0.3       # extra accepted tokens a further draft path adds, before any is observed
@@ -72,6 +86,9 @@ class AcceptanceEstimates:
         self.pooled = np.zeros(0)                 # per row: the same at any position it reached
         self.rate = np.zeros(0)                   # per row: share of planned drafts proposed
         self.idle = np.zeros(0, dtype=bool)       # per row: chosen k = 0 (could draft) last plan
+        self.weight = np.zeros(0)                 # per row: how far its next outcomes move its estimates
+        self.rise = np.zeros(0)                   # per row: CUSUM of outcomes above its pooled estimate
+        self.fall = np.zeros(0)                   # per row: and below it
         self._rows: dict[str, int] = {}
         self._free_rows: list[int] = []
         self._pending: list[tuple[int, ...]] = []  # (row, *DraftOutcome)
@@ -156,15 +173,15 @@ class AcceptanceEstimates:
         positions = np.arange(self.max_k)[None, :]
         seen = positions < np.minimum(accepted + 1, proposed)[:, None]
         outcome = (positions < accepted[:, None]).astype(float)
-        # Pooled over positions: each judged one is an observation.
         judged = seen.sum(axis=1)
-        pooled = self.pooled[rows] + (1.0 - (1.0 - ACCEPT_SMOOTHING) ** judged) * (
+        weight = self._weights(rows, np.minimum(accepted, judged), judged > accepted)
+        # Pooled over positions: each judged one is an observation.
+        pooled = self.pooled[rows] + (1.0 - (1.0 - weight) ** judged) * (
             (outcome * seen).sum(axis=1) / judged - self.pooled[rows])
         self.pooled[rows] = pooled
         # Seen positions learn their outcome, the others the request's pooled acceptance.
         alpha = self.alpha[rows]
-        self.alpha[rows] = alpha + ACCEPT_SMOOTHING * np.where(seen, outcome, pooled[:, None]) - \
-            ACCEPT_SMOOTHING * alpha
+        self.alpha[rows] = alpha + weight[:, None] * (np.where(seen, outcome, pooled[:, None]) - alpha)
         counts = seen.sum(axis=0)
         observed = counts > 0
         mean = (outcome * seen).sum(axis=0)[observed] / counts[observed]
@@ -181,6 +198,7 @@ class AcceptanceEstimates:
         one = _batch_weight(1)
         rate, prior_rate, prior_pooled = float(self.rate[row]), self.prior_rate, self.prior_pooled
         pooled, alpha, prior = float(self.pooled[row]), self.alpha[row].tolist(), self.prior.tolist()
+        weight, rise, fall = float(self.weight[row]), float(self.rise[row]), float(self.fall[row])
         for _, planned, proposed, accepted, paths, extra in outcomes:
             if paths > 1:
                 self._path_observed = True
@@ -191,19 +209,39 @@ class AcceptanceEstimates:
             if proposed == 0:
                 continue
             seen = min(accepted + 1, proposed)
-            mean = min(accepted, seen) / seen
-            pooled += (1.0 - (1.0 - ACCEPT_SMOOTHING) ** seen) * (mean - pooled)
+            ones = min(accepted, seen)
+            weight, rise, fall = _weight(weight, rise, fall, pooled, ones, seen > ones)
+            mean = ones / seen
+            pooled += (1.0 - (1.0 - weight) ** seen) * (mean - pooled)
             prior_pooled += _batch_weight(seen) * (mean - prior_pooled)
             for j in range(self.max_k):
                 if j < seen:
                     outcome = 1.0 if j < accepted else 0.0
-                    alpha[j] += ACCEPT_SMOOTHING * (outcome - alpha[j])
+                    alpha[j] += weight * (outcome - alpha[j])
                     prior[j] += one * (outcome - prior[j])
                 else:
-                    alpha[j] += ACCEPT_SMOOTHING * (pooled - alpha[j])
+                    alpha[j] += weight * (pooled - alpha[j])
                     prior[j] += one * (prior_pooled - prior[j])
+            weight = max(ACCEPT_SMOOTHING_SETTLED, weight / (1.0 + weight))
         self.rate[row], self.prior_rate, self.prior_pooled = rate, prior_rate, prior_pooled
         self.pooled[row], self.alpha[row], self.prior[:] = pooled, alpha, prior
+        self.weight[row], self.rise[row], self.fall[row] = weight, rise, fall
+
+    def _weights(self, rows: np.ndarray, ones: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+        """``_weight`` over rows (one step's outcomes of distinct rows): the weights this
+        step's outcomes move their estimates by; the rows' next ones are set."""
+        pooled = self.pooled[rows]
+        rise = np.maximum(self.rise[rows] + ones * (1.0 - pooled - CHANGE_SLACK), 0.0)
+        peak = rise
+        rise = np.where(rejected, np.maximum(rise - pooled - CHANGE_SLACK, 0.0), rise)
+        fall = np.maximum(self.fall[rows] + ones * (pooled - 1.0 - CHANGE_SLACK), 0.0)
+        fall = np.where(rejected, np.maximum(fall + pooled - CHANGE_SLACK, 0.0), fall)
+        change = (peak > CHANGE_THRESHOLD) | (fall > CHANGE_THRESHOLD)
+        weight = np.where(change, ACCEPT_SMOOTHING, self.weight[rows])
+        self.rise[rows] = np.where(change, 0.0, rise)
+        self.fall[rows] = np.where(change, 0.0, fall)
+        self.weight[rows] = np.maximum(ACCEPT_SMOOTHING_SETTLED, weight / (1.0 + weight))
+        return weight
 
     def drift_priors(self, steps: int) -> None:
         """``steps`` steps have passed since the last drift: the queued observations are
@@ -251,6 +289,9 @@ class AcceptanceEstimates:
             self.pooled = np.concatenate((self.pooled, np.zeros(grow)))
             self.rate = np.concatenate((self.rate, np.zeros(grow)))
             self.idle = np.concatenate((self.idle, np.zeros(grow, dtype=bool)))
+            self.weight = np.concatenate((self.weight, np.zeros(grow)))
+            self.rise = np.concatenate((self.rise, np.zeros(grow)))
+            self.fall = np.concatenate((self.fall, np.zeros(grow)))
             self._free_rows = list(range(old + grow - 1, old - 1, -1))
         row = self._free_rows.pop()
         self.apply_pending()  # the priors this row starts from include the step so far
@@ -258,6 +299,7 @@ class AcceptanceEstimates:
         self.pooled[row] = self.prior_pooled
         self.rate[row] = self.prior_rate
         self.idle[row] = False
+        self.weight[row], self.rise[row], self.fall[row] = ACCEPT_SMOOTHING, 0.0, 0.0
         self._rows[req_id] = row
         return row
 
@@ -286,6 +328,24 @@ class AcceptanceEstimates:
     def __contains__(self, req_id: str) -> bool:
         """Whether the request has estimates of its own (a row)."""
         return req_id in self._rows
+
+
+def _weight(weight: float, rise: float, fall: float, pooled: float, ones: int, rejected: bool
+            ) -> tuple[float, float, float]:
+    """A request's step of outcomes (``ones`` accepted, then one rejection or none) against
+    its pooled estimate: the weight they move its estimates by, and its CUSUM sums after
+    them. Past ``CHANGE_THRESHOLD`` either way (the rise at its peak, after the accepted
+    ones), acceptance changed: the weight is ``ACCEPT_SMOOTHING`` again and the sums start
+    over."""
+    rise = max(rise + ones * (1.0 - pooled - CHANGE_SLACK), 0.0)
+    peak = rise
+    fall = max(fall + ones * (pooled - 1.0 - CHANGE_SLACK), 0.0)
+    if rejected:
+        rise = max(rise - pooled - CHANGE_SLACK, 0.0)
+        fall = max(fall + pooled - CHANGE_SLACK, 0.0)
+    if peak > CHANGE_THRESHOLD or fall > CHANGE_THRESHOLD:
+        return ACCEPT_SMOOTHING, 0.0, 0.0
+    return weight, rise, fall
 
 
 def _batch_weight(count):

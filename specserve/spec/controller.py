@@ -313,12 +313,12 @@ class DraftLengthController:
         num_reqs = len(req_ids)
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), self.max_k)
         theta = self.costs.target.theta
-        d, e = self.costs.draft.theta
+        o, d, e = self.costs.draft.theta
         prices = Prices(
             fixed=self.costs.target.predict(target_features(num_reqs, num_reqs + num_other_spans, context, 0,
                                                             num_reqs if padded else 0, num_other_tokens)),
             token=theta[1], span=theta[4], padded_token=theta[5] if padded else 0.0,
-            draft_pass=d, draft_token=e)
+            draft_pass=d, draft_token=e, draft_fixed=o)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
             if forkable and self._paths[-1] > 1 else None
         estimates = self.estimates

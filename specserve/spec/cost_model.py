@@ -12,10 +12,14 @@ drafter's, from the steps the engine runs.
   cost (on a GPU it replays a ragged graph, not a padded one, or runs eagerly). It is
   the whole step's wall time less the drafter's: the host work around the pass (verify
   lists, rollback, detokenising more tokens) is part of what drafts cost.
-* **Drafter.** ``passes * (d + e * drafting_requests)`` for its sequential passes: D for
-  a draft depth D, or D - 1 for a draft model, whose catch-up on the tokens the target
-  accepted runs at every step whatever k is and yields the first proposals; its time
-  counts with the target's.
+* **Drafter.** ``o + passes * (d + e * drafting_requests)`` for a step that drafts at all:
+  what drafting costs whatever its depth (ranking the first proposals, gathering them for
+  the verify pass) and its sequential passes: D for a draft depth D, or D - 1 for a
+  draft model, whose catch-up on the tokens the target accepted runs at every step
+  whatever k is and yields the first proposals; its time counts with the target's.
+  Without ``o`` a depth's fixed part was spread over its passes: at depths of 1 and 2
+  (one pass) a pass was priced at what the step's fixed part and one pass together cost,
+  and the plan drafted too little.
 
 Both forget old steps exponentially. A start-up profile is kept for good
 (``CostModel.anchor``): it varies what a steady state does not, such as how many requests
@@ -126,6 +130,13 @@ def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int
             1.0 if num_prefill else 0.0]
 
 
+def draft_features(passes: int, num_drafting: int, drafting: bool = True) -> list[float]:
+    """The drafter's cost model's inputs: a step that drafts at all, its passes, and its
+    passes times the requests drafting in them. ``drafting`` False: a pass alone (the
+    start-up profile's)."""
+    return [1.0 if drafting else 0.0, float(passes), float(passes * num_drafting)]
+
+
 class StepCosts:
     """The target pass's cost model and the drafter's.
 
@@ -136,7 +147,7 @@ class StepCosts:
 
     def __init__(self, first_draft_in_catch_up: bool = False) -> None:
         self.target = CostModel(8)  # target_features -> seconds
-        self.draft = CostModel(2)   # [passes, passes * drafting requests] -> seconds
+        self.draft = CostModel(3)   # draft_features -> seconds
         self.first_free = int(first_draft_in_catch_up)
 
     def drafter_passes(self, depths: np.ndarray) -> np.ndarray:
@@ -148,6 +159,5 @@ class StepCosts:
             self.target.observe(target_features(sample.num_tokens, sample.num_reqs, sample.context,
                                                 sample.num_spans, sample.num_padded, sample.num_prefill),
                                 sample.target_s)
-        passes = sample.depth - self.first_free
-        if passes > 0:
-            self.draft.observe([passes, passes * sample.num_drafting], sample.draft_s)
+        if sample.depth > 0:
+            self.draft.observe(draft_features(self.drafter_passes(sample.depth), sample.num_drafting), sample.draft_s)

@@ -101,9 +101,10 @@ class Drafter(Protocol):
         """(A drafter with ``confidence``.) From now on feed its own cache only for the
         requests that draft, catching each up when it next does; False where it cannot."""
 
-    def time_pass(self, scheduled: list[ScheduledRequest]) -> float | None:
-        """Seconds of one of its draft passes over ``scheduled`` (a token each), for the
-        start-up profile of the cost model; None where it has no pass to time alone."""
+    def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:
+        """Seconds one of its draft passes over ``scheduled`` (a token each) adds to a step
+        whose passes run back to back (timed over ``passes`` of them), for the start-up
+        profile of the cost model; None where it has no pass to time alone."""
 
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
         """Copy blocks (source, destination) in the drafter's own KV cache, if it has one:

@@ -6,8 +6,8 @@ solved exactly with Dinkelbach's method: with the current ratio lambda, each req
 net value of k drafts is ``r_i * (sum_{j<k} (p_ij - lambda*b) - lambda*c*[k>0])`` (``r_i``
 its proposal rate; with further draft paths, the better of that and it plus what they
 add less lambda times what they cost). The best plan for every draft depth D at once is
-each request's best k <= D (a running maximum over k) less ``lambda * (d * passes(D) + p
-* num_reqs * D)``; the best depth's plan gives the next lambda, which converges in a few
+each request's best k <= D (a running maximum over k) less ``lambda * (o * [D > 0] + d *
+passes(D) + p * num_reqs * D)``; the best depth's plan gives the next lambda, which converges in a few
 rounds. So k falls to 0 when tokens are expensive (a compute-bound batch) or a request's
 drafts keep failing, and rises to k_max when acceptance is high and extra tokens are
 nearly free.
@@ -34,6 +34,7 @@ class Prices:
     padded_token: float  # a padded token a depth costs every request (0 where nothing is padded)
     draft_pass: float    # one drafter pass
     draft_token: float   # a drafted token in one pass
+    draft_fixed: float = 0.0  # a step that drafts at all, whatever its depth (the drafter's own part)
 
 
 def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, prices: Prices,
@@ -53,7 +54,8 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
     rate = rate[:, None]
     b, c, e = prices.token, prices.span, prices.draft_token
     depths = np.arange(max_k + 1)
-    depth_cost = prices.draft_pass * passes + prices.padded_token * num_reqs * depths
+    depth_cost = prices.draft_pass * passes + prices.padded_token * num_reqs * depths + \
+        prices.draft_fixed * (depths > 0)
     # Per request and k = 0..max_k: expected accepted drafts (each position's chance,
     # times the share of planned drafts the drafter proposes) and the cost of its
     # verified tokens and span (a planned draft not proposed is not paid for): each

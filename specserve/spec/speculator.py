@@ -24,7 +24,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from specserve.spec.acceptance import DraftOutcome
 from specserve.spec.controller import Choice, DraftLengthController
-from specserve.spec.cost_model import StepSample
+from specserve.spec.cost_model import StepSample, draft_features
 from specserve.spec.drafter import Drafter
 from specserve.spec.paths import DRAFT_FORKS, DraftPaths, PathEntry, PathOutcome
 from specserve.spec.running import DecodingRequests
@@ -43,6 +43,7 @@ FORCED_DRAFTS_MAX = 8
 # The start-up profile weighs this much against a live step: it times passes alone, live
 # steps the host work around them too, but it varies what a steady state does not.
 PROFILE_WEIGHT = 0.1
+PROFILE_PASSES = 4   # draft passes the start-up profile times back to back
 
 
 @dataclass
@@ -590,7 +591,8 @@ class Speculator:
             if batch + sum(drafts) > c.max_num_batched_tokens:
                 continue
             ids = [f"__profile_{i}" for i in range(batch)]
-            if not all(self.kv.allocate_slots(i, context + 1 + d) for i, d in zip(ids, drafts)):
+            # (slots for the draft passes timed over the same requests too)
+            if not all(self.kv.allocate_slots(i, context + 1 + max(d, PROFILE_PASSES)) for i, d in zip(ids, drafts)):
                 for i in ids:
                     if self.kv.holds(i):
                         self.kv.free(i)
@@ -609,12 +611,12 @@ class Speculator:
                 num_padded=self.runner.padded_tokens(step), num_reqs=batch,
                 context=batch * (context + 1) + sum(drafts)))
             if num_drafting == 0 and context == 4 * c.block_size:
-                # One draft pass for the same requests: what a draft depth costs, before any
-                # step drafts (learned from drafted steps only, a first one slowed by
-                # one-off work would otherwise keep drafting off for good).
-                passes = [self.drafter.time_pass(step.scheduled) for _ in range(2)]
+                # What a draft pass for the same requests adds to a step, before any step
+                # drafts (learned from drafted steps only, a first one slowed by one-off
+                # work would otherwise keep drafting off for good).
+                passes = [self.drafter.time_pass(step.scheduled, PROFILE_PASSES) for _ in range(2)]
                 if passes[-1] is not None:
-                    self.controller.costs.draft.observe([1.0, float(batch)], passes[-1])
+                    self.controller.costs.draft.observe(draft_features(1, batch, drafting=False), passes[-1])
             for i in ids:
                 self.kv.free(i)
         self.controller.costs.target.anchor(weight=PROFILE_WEIGHT)
