@@ -167,7 +167,7 @@ def test_a_clone_root_on_the_path_does_not_shadow_the_hub_kernels_package():
     root = Path(__file__).resolve().parents[1]
     code = ("import kernels, specserve.kernels as ours; print(kernels.__file__); print(ours.__file__); "
             "import transformers; transformers.AutoConfig.for_model('llama'); print('config')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False)
     hub = importlib.util.find_spec("kernels") is not None and \
         not str(importlib.util.find_spec("kernels").origin).startswith(str(root))
     if hub:

@@ -1,12 +1,17 @@
 """What the GPU default's plan sees at batch 1: every fresh plan's prices, the request's
 acceptance estimates and the k chosen; every choice's k; the goodput checks' verdicts."""
-import collections, json, os, sys
+import collections
+import json
+import os
+import sys
+
 sys.path.insert(0, "benchmarks")
 import numpy as np
+from workloads import run_cold
+
 from specserve import LLM, SamplingParams
 from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
 from specserve.spec import controller as C
-from workloads import run_cold
 
 out = os.environ.get("OUT", "/tmp")
 plans, ks, checks = [], collections.Counter(), collections.Counter()
@@ -47,4 +52,5 @@ for kind in sys.argv[1].split(","):
     if len(A):
         print("  alpha mean", np.round(A.mean(0), 3).tolist(), "std", np.round(A.std(0), 3).tolist())
     print("  plans' k", collections.Counter(p["k"][0] for p in plans))
-    json.dump(plans, open(f"{out}/plans_{kind}_{os.environ.get('TAG', 'x')}.json", "w"))
+    with open(f"{out}/plans_{kind}_{os.environ.get('TAG', 'x')}.json", "w") as f:
+        json.dump(plans, f)

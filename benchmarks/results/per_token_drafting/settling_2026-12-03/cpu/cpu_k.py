@@ -1,8 +1,14 @@
-import sys, time, collections
+"""The CPU default's verified k and the drafter's fitted prices, chat then code, one engine
+(run with each checkout's interpreter, the checkout as the argument)."""
+import collections
+import sys
+
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
+from workloads import run_cold
+
 from specserve import LLM, SamplingParams
 from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
-from workloads import run_cold
+
 llm = LLM(speculative_method="draft_model")
 ctl = llm.engine.speculator.controller
 print("seed theta draft", ctl.costs.draft.theta, "target", ctl.costs.target.theta.round(5))
