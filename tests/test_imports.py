@@ -161,7 +161,8 @@ def test_a_clone_root_on_the_path_does_not_shadow_the_hub_kernels_package():
     """``python -m``/``-c`` run in a clone's root put it on ``sys.path``, where the top-level
     ``kernels/`` folder (installed as ``specserve.kernels``) would shadow the Hugging Face
     ``kernels`` package that transformers imports when installed: that package is loaded in
-    its place, so a checkpoint's config still loads; without it, the import says so."""
+    its place, so a checkpoint's config still loads; without it, ``kernels`` stays the
+    folder (what transformers then finds and leaves alone)."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[1]
@@ -176,4 +177,6 @@ def test_a_clone_root_on_the_path_does_not_shadow_the_hub_kernels_package():
         assert not theirs.startswith(str(root)) and ours == str(root / "kernels" / "__init__.py")
         assert loaded == "config"
     else:
-        assert "no module named 'kernels' outside this repository" in done.stderr
+        assert done.returncode == 0, done.stderr[-2000:]
+        theirs, ours, loaded = done.stdout.split()
+        assert theirs == ours == str(root / "kernels" / "__init__.py") and loaded == "config"
