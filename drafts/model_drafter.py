@@ -168,8 +168,8 @@ class ModelDrafter:
         as a step's do, each fed the last one's tokens on the device and one wait at the
         end, less one pass alone, over the passes added: on a GPU a pass alone waits for
         the device, which the passes of a step do not (the host prepares the next while
-        the device runs the last), and timed alone a pass cost about twice what it adds.
-        Its positions run from each request's ``start_pos`` on: ``passes`` slots."""
+        the device runs the last), so timed alone it counts the device's time besides what
+        it adds. Its positions run from each request's ``start_pos`` on: ``passes`` slots."""
         def run(count: int) -> float:
             start = time.perf_counter()
             tokens = None
