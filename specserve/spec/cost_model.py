@@ -17,9 +17,9 @@ drafter's, from the steps the engine runs.
   the verify pass) and its sequential passes: D for a draft depth D, or D - 1 for a
   draft model, whose catch-up on the tokens the target accepted runs at every step
   whatever k is and yields the first proposals; its time counts with the target's.
-  Without ``o`` a depth's fixed part was spread over its passes: at depths of 1 and 2
-  (one pass) a pass was priced at what the step's fixed part and one pass together cost,
-  and the plan drafted too little.
+  Without ``o`` a depth's fixed part was spread over its passes (and a draft model's
+  depth of 1, with none, taught nothing): a depth of 2 priced its one pass at both, and
+  the plan drafted too little.
 
 Both forget old steps exponentially. A start-up profile is kept for good
 (``CostModel.anchor``): it varies what a steady state does not, such as how many requests
