@@ -54,18 +54,18 @@ def settings(values: dict[str, dict[str, float]]):
 def before_settling():
     """The plan as before 2026-12-03: a constant acceptance weight of 0.3, and the drafter's
     time fitted over its passes alone (no cost of drafting at all)."""
+    from dataclasses import replace
+
     from specserve.spec import cost_model
 
+    saved = cost_model.StepCosts.observe
+
     def observe(self, sample):
-        if sample.target_s is not None:
-            self.target.observe(cost_model.target_features(sample.num_tokens, sample.num_reqs, sample.context,
-                                                           sample.num_spans, sample.num_padded,
-                                                           sample.num_prefill), sample.target_s)
+        saved(self, replace(sample, depth=0))  # the target's part as it is
         passes = sample.depth - self.first_free
         if passes > 0:
             self.draft.observe([0.0, passes, passes * sample.num_drafting], sample.draft_s)
 
-    saved = cost_model.StepCosts.observe
     cost_model.StepCosts.observe = observe
     try:
         with settings({"specserve.spec.acceptance": {"ACCEPT_SMOOTHING": 0.3, "ACCEPT_SMOOTHING_SETTLED": 0.3}}):

@@ -3,12 +3,13 @@ choices of k cost or gain, apart from host time and from the machine's noise.
 
 One request at a time (batch 1), each ``max_tokens`` long, on a CUDA-graph-like step whose
 cost is known (``StepCosts``, by default the H200's for the default model and its built-in
-draft, measured on 2026-12-01, and the drafter's fixed part on 2026-12-03), with timing
-noise. Each draft is accepted with the request's current acceptance ``a`` given the ones
-before it were; ``a`` is drawn from ``acceptance`` (a range; with ``switching``, either end
-of it, as copied spans and fresh text take turns for n-gram lookup) for each segment of a
-request's text, segments of ``segment`` tokens on average (geometric; 0: one segment a
-request); or real outputs say which drafts match (``traces``). Policies: a fixed k, the real
+draft, measured on 2026-12-01, and the drafter's fixed part estimated from a host-time
+run of 2026-12-03), with timing noise. Each draft is accepted with the request's current
+acceptance ``a`` given the ones before it were; ``a`` is drawn from ``acceptance`` (a
+range; with ``switching``, either end of it, as copied spans and fresh text take turns for
+n-gram lookup) for each segment of a request's text, segments of ``segment`` tokens on
+average (geometric; 0: one segment a request); or real outputs say which drafts match
+(``traces``). Policies: a fixed k, the real
 ``DraftLengthController`` (``"plan"``: fed every outcome, step time and goodput as the
 engine feeds it, its cost model seeded as the engine's start-up profile seeds it), and an
 ``"oracle"`` that knows ``a`` and the costs and picks the k of the best expected goodput
