@@ -56,7 +56,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         if self.size > 1:
-            torch.distributed.all_reduce(x)
+            torch.distributed.all_reduce(self._handed(x))
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +71,13 @@ class TPGroup:
         n = x.shape[-1]
         out = x.new_zeros(*x.shape[:-1], self.size * n)
         out[..., self.rank * n:(self.rank + 1) * n] = x
-        torch.distributed.all_reduce(out)
+        torch.distributed.all_reduce(self._handed(out))
         return out
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` into every rank's ``x``; returns it."""
         if self.size > 1:
-            torch.distributed.broadcast(x, src=0)
+            torch.distributed.broadcast(self._handed(x), src=0)
         return x
 
     def min(self, value: int) -> int:
@@ -85,12 +85,19 @@ class TPGroup:
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        torch.distributed.all_reduce(self._handed(t), op=torch.distributed.ReduceOp.MIN)
         return int(t.item())
 
     def barrier(self) -> None:
         if self.size > 1:
             torch.distributed.barrier()
+
+    def _handed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, about to go to a collective; on gloo, kept until its worker threads let go
+        (see ``_GlooHeld``)."""
+        if self.device.type == "cpu":
+            _GLOO_HELD.add(x)
+        return x
 
     @contextmanager
     def rank_zero_first(self):
@@ -103,6 +110,50 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+class _GlooHeld:
+    """The tensors this process handed to gloo collectives that gloo may still hold.
+
+    A gloo collective returns once its work is done, but one of the process group's
+    worker threads drops the work (and its references to the tensors) a moment later, or
+    later still when a barrier queued meanwhile holds it. Dropping a reference to a
+    tensor that Python also holds takes the GIL (torch's PyObject preservation); once the
+    interpreter is finalizing, a thread that asks for the GIL is ended by
+    ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor aborts
+    the process ("terminate called without an active exception"). So the group, before
+    it is torn down, waits until gloo holds none of them: ``settle()``. A tensor counts
+    as let go once its references are back to what they were when it was handed over."""
+
+    PRUNE_AT = 16      # look for let-go tensors once this many are held
+    MOST = 256         # beyond this the oldest go unwatched
+
+    def __init__(self) -> None:
+        self._held: list[tuple[torch.Tensor, int]] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        self._held.append((x, x._use_count()))
+        if len(self._held) >= self.PRUNE_AT:
+            self._prune()
+            del self._held[:-self.MOST]
+
+    def _prune(self) -> None:
+        self._held = [(t, before) for t, before in self._held if t._use_count() > before]
+
+    def settle(self, timeout_s: float = 10.0) -> bool:
+        """Wait (the GIL released) until no worker thread holds a handed tensor, at most
+        ``timeout_s``; then forget them. Whether gloo let go of all of them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._prune()
+            if not self._held or time.monotonic() >= deadline:
+                settled = not self._held
+                self._held = []
+                return settled
+            time.sleep(0.001)
+
+
+_GLOO_HELD = _GlooHeld()
 
 
 def check_tensor_parallel_size(size: int, device: str = "auto") -> None:
@@ -248,6 +299,8 @@ class RankWatch:
 
 def destroy_tensor_parallel() -> None:
     """Leave the process group (after every CUDA graph holding its collectives is freed:
-    NCCL waits for those before it lets a communicator go)."""
+    NCCL waits for those before it lets a communicator go) and after gloo's worker threads
+    have let go of every tensor this process handed them (``_GlooHeld``)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        _GLOO_HELD.settle()
         torch.distributed.destroy_process_group()

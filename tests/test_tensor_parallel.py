@@ -430,6 +430,39 @@ def test_ranks_turn_multicast_off(tp_job):
     assert all(rank["env"] == MULTICAST_OFF for rank in tp_job)
 
 
+def test_ranks_wait_for_gloo_to_let_go_of_their_tensors(tp_job):
+    assert all(rank["gloo_held"] == (True, True) for rank in tp_job)
+
+
+def test_gloo_held_tensors_are_waited_for_until_let_go():
+    """settle() waits, the GIL released, until every handed tensor's references are back
+    to what they were when it was handed over (an autograd graph that saved the tensor
+    stands in for gloo's worker thread), and gives up after its timeout."""
+    import threading
+    import time
+
+    from specserve.distributed import _GlooHeld
+
+    held = _GlooHeld()
+    x = torch.ones(3, requires_grad=True)
+    held.add(x)
+    graph = [x * x]  # saves x: references more than at the hand-over
+    assert x._use_count() > 1
+    assert held.settle(timeout_s=0.05) is False and held._held == []  # gave up, forgot it
+
+    held.add(x)  # handed over while the graph holds it: that reference was there before
+    assert held.settle(timeout_s=0.05) is True
+
+    y = torch.ones(3, requires_grad=True)
+    held.add(y)
+    graph.append(y * y)
+    thread = threading.Thread(target=lambda: (time.sleep(0.1), graph.clear()))
+    thread.start()
+    assert held.settle(timeout_s=10) is True
+    assert graph == [] and y._use_count() == 1  # it returned only once the thread let go
+    thread.join()
+
+
 # ---------------------------------------------------------------------- command line
 TINY_CLI = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
             "--max-tokens", "12", "--ignore-eos", "--no-chat", "--json", "-q"]

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 def main(spec_path: str, out_dir: str) -> None:
     from specserve import EngineConfig, LLMEngine, SamplingParams
     from specserve.attention import TorchAttentionBackend
-    from specserve.distributed import init_tensor_parallel
+    from specserve.distributed import _GLOO_HELD, destroy_tensor_parallel, init_tensor_parallel
     from specserve.loader import ModelFiles, build_model, load_hf_config
     from specserve.tp_worker import run_worker
     from test_model import ragged_logits
@@ -69,8 +69,10 @@ def main(spec_path: str, out_dir: str) -> None:
                                             engine.spec_stats.num_drafts, engine.spec_stats.num_path_wins)
         seen["graph_steps"] = seen.get("graph_steps", []) + graph_steps
         engine.shutdown()
+    # whether the collectives' tensors were watched, and gloo's threads let go of them all
+    seen["gloo_held"] = (len(_GLOO_HELD._held) > 0, _GLOO_HELD.settle())
     torch.save(seen, Path(out_dir) / f"rank{tp.rank}.pt")
-    torch.distributed.destroy_process_group()
+    destroy_tensor_parallel()
 
 
 if __name__ == "__main__":
