@@ -14,6 +14,7 @@ one call. They are compiled once per machine at first use by torch's extension l
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -43,24 +44,54 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension  # lazy: it imports setuptools, only to build
 
-        capability = torch.backends.cpu.get_cpu_capability()  # what this CPU runs, e.g. AVX512
-        flags = list(_VECTOR_FLAGS.get(capability, []))
-        if capability == "AVX512" and _avx512_bf16():
-            flags.append("-mavx512bf16")  # cpu_gemm.cpp's vdpbf16ps
-            capability += "_bf16"
-        if capability.startswith("AVX512") and _avx512_vnni():
-            flags.append("-mavx512vnni")  # cpu_quant.cpp's vpdpbusd
-            capability += "_vnni"
-        headers = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
-        cpp_extension.load(name=f"specserve_cpu_ops_{capability.lower()}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=["-O3", "-fopenmp", f"-DSPECSERVE_HEADERS={headers}", *flags],
-                           extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        name, flags = build_name_and_flags()
+        with _building(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES],
+                               extra_cflags=["-O3", "-fopenmp", *flags],
+                               extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
         return hasattr(torch.ops.specserve_cpu, "add_rms_norm")
     except Exception as exc:  # no compiler, no ninja, a read-only cache, ...
         logger.warning("CPU kernels unavailable, using the torch ops (slower): %s",
                        str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
         return False
+
+
+@contextlib.contextmanager
+def _building(build_dir: Path):
+    """Hold an OS lock on ``build_dir`` while torch's loader builds and loads there.
+
+    The loader marks a build in progress with a ``lock`` file that only the building
+    process removes: a build killed midway (Ctrl-C on a first run) leaves it, and every
+    later process waits for it forever. The OS lock goes with its process, and every
+    specserve process builds only while holding it, so a ``lock`` file found under it is
+    such a leftover and is removed."""
+    import fcntl  # lazy: POSIX only, like the build itself (g++)
+
+    with open(build_dir / "specserve.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another rank building: wait for it
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build of the CPU kernels that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_name_and_flags() -> tuple[str, list[str]]:
+    """The extension's name (one build per CPU kind) and the compiler flags it takes."""
+    capability = torch.backends.cpu.get_cpu_capability()  # what this CPU runs, e.g. AVX512
+    flags = list(_VECTOR_FLAGS.get(capability, []))
+    if capability == "AVX512" and _avx512_bf16():
+        flags.append("-mavx512bf16")  # cpu_gemm.cpp's vdpbf16ps
+        capability += "_bf16"
+    if capability.startswith("AVX512") and _avx512_vnni():
+        flags.append("-mavx512vnni")  # cpu_quant.cpp's vpdpbusd
+        capability += "_vnni"
+    headers = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
+    return f"specserve_cpu_ops_{capability.lower()}", [f"-DSPECSERVE_HEADERS={headers}", *flags]
 
 
 def _avx512_bf16() -> bool:

@@ -370,3 +370,25 @@ def test_unavailable_when_switched_off_or_the_build_fails(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="specserve"):
         assert undecorated() is False
     assert "CPU kernels unavailable" in caplog.text and "Ninja is required" in caplog.text
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on():
+    """torch's loader marks a build with a ``lock`` file only the builder removes; one
+    left by a build killed midway made every later process wait forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    name, _ = cpu_ops.build_name_and_flags()
+    stale = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    stale.touch()
+    try:
+        check = "from specserve.kernels import cpu_ops\nassert cpu_ops.available()"
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "did not finish" in done.stderr and not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
