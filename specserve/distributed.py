@@ -13,6 +13,7 @@ environment specserve builds for its ranks.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -122,7 +123,8 @@ class _GlooHeld:
     interpreter is finalizing, a thread that asks for the GIL is ended by
     ``pthread_exit``, whose unwinding through the work's ``noexcept`` destructor aborts
     the process ("terminate called without an active exception"). So the group, before
-    it is torn down, waits until gloo holds none of them: ``settle()``. A tensor counts
+    it is torn down, waits until gloo holds none of them (``settle()``), and so does the
+    interpreter before it finalizes (an ``atexit`` hook). A tensor counts
     as let go once its references are back to what they were when it was handed over."""
 
     PRUNE_AT = 16      # look for let-go tensors once this many are held
@@ -200,6 +202,8 @@ def init_tensor_parallel(size: int, device: str = "auto", timeout_s: float = 180
         # inside the first CUDA-graph capture.
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": rank_device} if cuda else {}))
+        if not cuda:  # also where a script leaves the group its own way, or not at all
+            atexit.register(_GLOO_HELD.settle)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
         _RANK_PROCESSES.update(enumerate(everyone))

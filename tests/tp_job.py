@@ -10,6 +10,7 @@ the test compares it with the unsharded model in its own process.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -30,7 +31,11 @@ def main(spec_path: str, out_dir: str) -> None:
     from test_model import ragged_logits
 
     spec = json.loads(Path(spec_path).read_text())
+    hooks = []  # what the group registers to run before the interpreter finalizes
+    register = atexit.register
+    atexit.register = lambda f, *a, **kw: hooks.append(f) or register(f, *a, **kw)
     tp = init_tensor_parallel(2, "cpu")
+    atexit.register = register
     seen = {"rank": tp.rank, "env": {k: os.environ.get(k) for k in
                                      ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                       "NVSHMEM_DISABLE_NVLS")},
@@ -70,7 +75,7 @@ def main(spec_path: str, out_dir: str) -> None:
         seen["graph_steps"] = seen.get("graph_steps", []) + graph_steps
         engine.shutdown()
     # whether the collectives' tensors were watched, and gloo's threads let go of them all
-    seen["gloo_held"] = (len(_GLOO_HELD._held) > 0, _GLOO_HELD.settle())
+    seen["gloo_held"] = (len(_GLOO_HELD._held) > 0, _GLOO_HELD.settle(), _GLOO_HELD.settle in hooks)
     torch.save(seen, Path(out_dir) / f"rank{tp.rank}.pt")
     destroy_tensor_parallel()
 
