@@ -7,7 +7,7 @@ weights (``cpu_quant.cpp``) and a whole decoder layer over them in one call (``c
 On a CPU a small model's decode step spends about as long outside its projections as in
 them, most of it dispatching some 25 tiny torch ops per layer; these ops make each piece
 one call. They are compiled once per machine at first use by torch's extension loader
-(g++ and ninja; seconds, then cached under
+(g++ and ninja; the log says so, then cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Where that cannot work
 (no compiler, a read-only cache) the engine logs why and keeps the torch references;
 ``SPECSERVE_CPU_KERNELS=0`` chooses them outright.
@@ -45,7 +45,11 @@ def available() -> bool:
         from torch.utils import cpp_extension  # lazy: it imports setuptools, only to build
 
         name, flags = build_name_and_flags()
-        with _building(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        if not any(build_dir.glob(f"{name}*.so")):  # a first start: say why it waits
+            logger.info("compiling the C++ CPU kernels for this machine, once (a minute or less; cached in %s)",
+                        build_dir)
+        with _building(build_dir):
             cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES],
                                extra_cflags=["-O3", "-fopenmp", *flags],
                                extra_ldflags=["-fopenmp"],

@@ -392,3 +392,19 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on():
         assert "did not finish" in done.stderr and not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_a_first_build_says_why_the_start_waits(monkeypatch, caplog, tmp_path):
+    """No built library in the build folder: one line before the compile; one there: none."""
+    from torch.utils import cpp_extension
+
+    name, _ = cpu_ops.build_name_and_flags()
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda *a, **kw: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: None)  # the ops are loaded already
+    for built in (False, True):
+        if built:
+            (tmp_path / f"{name}.so").touch()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specserve"):
+            assert cpu_ops.available.__wrapped__() is True
+        assert ("compiling the C++ CPU kernels" in caplog.text) is not built
