@@ -134,10 +134,10 @@ class _GlooHeld:
         self._held: list[tuple[torch.Tensor, int]] = []
 
     def add(self, x: torch.Tensor) -> None:
-        self._held.append((x, x._use_count()))
-        if len(self._held) >= self.PRUNE_AT:
+        if len(self._held) >= self.PRUNE_AT:  # before x joins: gloo has not taken it yet
             self._prune()
             del self._held[:-self.MOST]
+        self._held.append((x, x._use_count()))
 
     def _prune(self) -> None:
         self._held = [(t, before) for t, before in self._held if t._use_count() > before]

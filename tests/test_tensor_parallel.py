@@ -455,6 +455,11 @@ def test_gloo_held_tensors_are_waited_for_until_let_go():
     held.add(x)  # handed over while the graph holds it: that reference was there before
     assert held.settle(timeout_s=0.05) is True
 
+    for _ in range(2 * held.PRUNE_AT):  # pruning let-go tensors keeps the one being handed over
+        z = torch.ones(1)
+        held.add(z)
+        assert held._held[-1][0] is z
+
     y = torch.ones(3, requires_grad=True)
     held.add(y)
     graph.append(y * y)
