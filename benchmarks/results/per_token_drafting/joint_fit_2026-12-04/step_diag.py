@@ -49,10 +49,19 @@ def propose(self, scheduled, scheduler):
     return drafts
 
 
+def thetas(costs):
+    """The target's and the drafter's fitted costs: one fit (the patch) or two (fadfefc on)."""
+    if hasattr(costs, "fit"):
+        return costs.target_theta, costs.draft_theta
+    return costs.target.theta, costs.draft.theta
+
+
 def priced(costs, depth, context):
     """The fit's batch-1 step of draft depth ``depth`` (a CUDA graph: padded to 1 + k)."""
     drafter = draft_features(costs.drafter_passes(depth), 1) if depth else [0.0] * 3
-    return costs.fit.predict(target_features(1 + depth, 1, context, 1 if depth else 0, 1 + depth) + drafter)
+    target, draft = thetas(costs)
+    return float(np.dot(target, target_features(1 + depth, 1, context, 1 if depth else 0, 1 + depth))
+                 + np.dot(draft, drafter))
 
 
 LLMEngine.step, Speculator.propose = step, propose
@@ -94,10 +103,10 @@ for kind in sys.argv[1].split(","):
     print(f"  adaptive engine's steps by k: {rows['adaptive']}")
     print(f"  adaptive engine's fit, batch-1 step by depth 0..6 at context {context}: {fit} us; "
           f"per further depth {[round(b - a, 1) for a, b in zip(fit[1:], fit[2:])]}")
-    print(f"  theta (us): target {np.round(1e6 * costs.target_theta, 1).tolist()}, "
-          f"drafter (o, d, e) {np.round(1e6 * costs.draft_theta, 1).tolist()}")
+    target, draft = thetas(costs)
+    print(f"  theta (us): target {np.round(1e6 * target, 1).tolist()}, "
+          f"drafter (o, d, e) {np.round(1e6 * draft, 1).tolist()}")
     report[kind] = dict(rows=rows, slope_us=slope, fit_us=fit, context=context,
-                        target_theta_us=(1e6 * costs.target_theta).tolist(),
-                        drafter_theta_us=(1e6 * costs.draft_theta).tolist())
+                        target_theta_us=(1e6 * target).tolist(), drafter_theta_us=(1e6 * draft).tolist())
 with open(f"{out}/step_diag_{os.environ.get('TAG', 'x')}.json", "w") as f:
     json.dump(report, f, indent=1)
