@@ -110,8 +110,8 @@ def simulate(policy: int | str, max_k: int = 4, acceptance: tuple[float, float] 
             at = length - left
             a = None if trace is not None else next(accept for end, accept in segments if end > at)
             cap = min(max_k, left - 1)
-            if ctl is not None:
-                k = ctl.choose({req_id: cap}, padded=True, context=CONTEXT, joined=r + 1)[req_id]
+            if ctl is not None:  # the engine's caps: k, the drafts past max_tokens trimmed once chosen
+                k = min(ctl.choose({req_id: max_k}, padded=True, context=CONTEXT, joined=r + 1)[req_id], cap)
             elif policy == "oracle":
                 k = max(range(cap + 1), key=lambda j: sum(a ** i for i in range(j + 1)) /
                         (costs.target(j) + costs.draft(j)))
