@@ -17,6 +17,8 @@ import sys
 import time
 
 sys.path.insert(0, "benchmarks")
+import itertools
+
 import numpy as np
 from workloads import run_cold
 
@@ -90,7 +92,7 @@ for kind in sys.argv[1].split(","):
         per_k = collections.defaultdict(list)
         for s in samples:
             per_k[s["k"]].append(s["wall"])
-        rows[label] = {k: dict(n=len(v), wall_us=round(1e6 * statistics.median(v), 1)) for k, v in sorted(per_k.items())}
+        rows[label] = {k: {"n": len(v), "wall_us": round(1e6 * statistics.median(v), 1)} for k, v in sorted(per_k.items())}
     fixed = [(int(label[2:]), r[int(label[2:])]) for label, r in rows.items()
              if label.startswith("k=") and int(label[2:]) in r]
     ks = np.array([k for k, _ in fixed if k > 0], dtype=float)
@@ -102,11 +104,11 @@ for kind in sys.argv[1].split(","):
     print(f"  a further draft adds {slope:.1f} us (slope over k >= 1)")
     print(f"  adaptive engine's steps by k: {rows['adaptive']}")
     print(f"  adaptive engine's fit, batch-1 step by depth 0..6 at context {context}: {fit} us; "
-          f"per further depth {[round(b - a, 1) for a, b in zip(fit[1:], fit[2:])]}")
+          f"per further depth {[round(b - a, 1) for a, b in itertools.pairwise(fit[1:])]}")
     target, draft = thetas(costs)
     print(f"  theta (us): target {np.round(1e6 * target, 1).tolist()}, "
           f"drafter (o, d, e) {np.round(1e6 * draft, 1).tolist()}")
-    report[kind] = dict(rows=rows, slope_us=slope, fit_us=fit, context=context,
-                        target_theta_us=(1e6 * target).tolist(), drafter_theta_us=(1e6 * draft).tolist())
+    report[kind] = {"rows": rows, "slope_us": slope, "fit_us": fit, "context": context,
+                    "target_theta_us": (1e6 * target).tolist(), "drafter_theta_us": (1e6 * draft).tolist()}
 with open(f"{out}/step_diag_{os.environ.get('TAG', 'x')}.json", "w") as f:
     json.dump(report, f, indent=1)
