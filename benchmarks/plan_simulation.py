@@ -11,12 +11,13 @@ held-out chat and code prompts (whether the draft's token matched at each positi
 checks spread by 8 per standard error, plans standing at most 8 steps), the plan as
 before 2026-12-03 (``--before-settling``: estimates at a constant weight of 0.3, the
 drafter's cost per pass only), the plan with constant per-request acceptance weights
-(``--smoothing W,...``), and an oracle that knows each segment's acceptance (not for
+(``--smoothing W,...``), the plan with other margins (``--margins M,...``: the goodput
+a plan with drafts must promise over none), and an oracle that knows each segment's acceptance (not for
 real outputs). Ratios are to the best fixed k (at most the cap) of the same texts,
 averaged over ``--seeds``.
 
     python benchmarks/plan_simulation.py [--seeds 4] [--requests 300] [--before] [--before-settling]
-        [--smoothing 0.1] [--traces traces.json] [--json out.json]
+        [--smoothing 0.1] [--margins 0.1] [--traces traces.json] [--json out.json]
 """
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ def main() -> None:
     parser.add_argument("--smoothing", default="",
                         help="also the plan with each of these (comma-separated) constant per-request acceptance "
                              "weights")
+    parser.add_argument("--margins", default="",
+                        help="also the plan with each of these (comma-separated) margins: the goodput a plan with "
+                             "drafts must promise over none (MIN_GAIN)")
     parser.add_argument("--traces", default=None,
                         help="also real acceptance traces (benchmarks/acceptance_traces.py's JSON): each seed "
                              "takes the outputs in another order")
@@ -102,6 +106,8 @@ def main() -> None:
                 **({"plan, before settling": "settling"} if args.before_settling else {}),
                 **{f"plan, weight {w}": {"specserve.spec.acceptance": {
                     "ACCEPT_SMOOTHING": w, "ACCEPT_SMOOTHING_SETTLED": w}} for w in weights},
+                **{f"plan, margin {m:g}": {"specserve.spec.controller": {"MIN_GAIN": m}}
+                   for m in (float(m) for m in args.margins.split(",") if m)},
                 "oracle": None}
     rows = []
     for workload, segment, case in cases:

@@ -161,14 +161,15 @@ def test_drafts_must_promise_the_margin():
 def test_drafts_rarely_proposed_do_not_pay_for_a_padded_graph_step():
     """n-gram lookup on chat: good drafts when there are any, but seldom any. On a graph
     step every request pays the padding whenever one drafts, so the rare proposals do
-    not pay; eagerly, their tokens cost only when they exist, so they still do."""
-    ctl = controller(**MEMORY_BOUND, pad=0.0001)
+    not pay (0.0002 s a padded token: drafting all 32 would run 0.83x the goodput of
+    not drafting); eagerly, their tokens cost only when they exist, so they still do."""
+    ctl = controller(**MEMORY_BOUND, pad=0.0002)
     caps = {f"r{i}": 4 for i in range(32)}
     for r in caps:  # proposes 1 step in 10, and then all 4 are accepted
         ctl.set_estimates(r, [1.0, 1.0, 1.0, 1.0], 0.1)
     assert set(ctl.choose(caps, padded=True).values()) == {0}
     assert set(ctl.choose(caps).values()) == {4}
-    often = controller(**MEMORY_BOUND, pad=0.0001)
+    often = controller(**MEMORY_BOUND, pad=0.0002)
     for r in caps:
         train_acceptance(often, r, 4)
     assert set(often.choose(caps, padded=True).values()) == {4}
@@ -285,7 +286,8 @@ def test_paths_that_stopped_paying_are_tried_again_in_time():
 def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_cheap():
     """A request whose drafts failed sits at k = 0, unobserved; its estimate drifts back to
     the engine-wide one, and where drafts cost little it soon drafts again (a copied span
-    in a code edit may have ended for a while, not for good)."""
+    in a code edit may have ended for a while, not for good); a failure drops it again at
+    the next plan."""
     ctl = controller(**MEMORY_BOUND)
     train_acceptance(ctl, "good", 4)
     train_acceptance(ctl, "bad", 0, times=60)  # (a settled estimate moves a tenth of the way a step)
@@ -294,7 +296,7 @@ def test_caps_are_respected_and_idle_requests_draft_again_where_drafting_is_chea
     first = next(i for i, k in enumerate(picks) if k)
     assert 0 < first < 20 and picks[first:] == [picks[first]] * (40 - first)  # no news: it stays on
     ctl.observe_acceptance("bad", DraftOutcome(picks[-1], picks[-1], 0))  # and its drafts failed again
-    assert ctl.choose({"bad": 4})["bad"] == 0
+    assert [ctl.choose({"good": 4, "bad": 4})["bad"] for _ in range(2)] == [picks[-1], 0]  # (the plan stood a step)
 
 
 def test_acceptance_tracks_the_position_of_the_first_rejection():
@@ -1243,12 +1245,13 @@ def test_the_plan_on_simulated_gpu_steps_stays_near_the_best_fixed_k():
     """Batch 1 on simulated steps with the H200's costs (drafts cheap, the goodput curve
     flat near its best k) and chat-like acceptance (0.3–0.85, a new value every ~20
     tokens), the same texts for every policy: over four seeds the plan runs at least
-    0.952x the best fixed k (0.959x here; 0.944x while every estimate moved 0.3 of the
+    0.972x the best fixed k (0.982x here; 0.959x while a plan with drafts had to promise
+    10 % more goodput than none, 0.944x while besides every estimate moved 0.3 of the
     way to each outcome, whose swings pulled k down, and a drafting step's fixed cost was
     priced into its passes; one that never drafted would run 0.63x), and an oracle that
     knows the acceptance is never below the best fixed k. Where acceptance switches
     between 0.1 and 0.95 (copied spans and fresh text) the settled estimates still follow
-    it (0.91x; 0.94x before). The simulation is deterministic for a seed."""
+    it (0.975x; 0.91x with the margin). The simulation is deterministic for a seed."""
     import statistics
 
     from specserve.bench.plan_sim import simulate
@@ -1264,8 +1267,8 @@ def test_the_plan_on_simulated_gpu_steps_stays_near_the_best_fixed_k():
         switching = {"requests": 150, "segment": 20, "seed": seed, "acceptance": (0.1, 0.95), "switching": True}
         fixed = [simulate(k, **switching)[0] for k in range(5)]
         switch.append(simulate("plan", **switching)[0] / max(fixed))
-    assert statistics.mean(chat) >= 0.952 and min(chat) >= 0.94, chat
-    assert statistics.mean(switch) >= 0.89, switch
+    assert statistics.mean(chat) >= 0.972 and min(chat) >= 0.965, chat
+    assert statistics.mean(switch) >= 0.96, switch
 
 
 def test_the_simulation_replays_real_acceptance_traces():

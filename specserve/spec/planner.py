@@ -14,8 +14,9 @@ nearly free.
 
 The iteration starts from the plan without drafts with its ratio raised by ``min_gain``:
 a plan with drafts is taken only if it promises that much more goodput (Dinkelbach's step
-finds such a plan whenever one exists), so an estimate off by a few percent cannot trade
-tokens for a slower step.
+finds such a plan whenever one exists). The controller's default is no margin: a plan
+that loses on what it promised is caught by the goodput check (``goodput.py``), while a
+margin gave up every gain smaller than itself.
 """
 from __future__ import annotations
 
