@@ -148,8 +148,8 @@ def test_choice_is_the_best_plan_of_all():
 
 
 def test_drafts_must_promise_the_margin():
-    """A plan that gains less than ``min_gain`` over not drafting is not taken: an
-    estimate a few percent off could otherwise make speculation lose."""
+    """A plan that gains less than ``min_gain`` over not drafting is not taken (by default
+    none is asked: the goodput check catches a plan that does not deliver)."""
     for min_gain, drafts in ((0.0, True), (0.03, False)):
         ctl = DraftLengthController(4, min_gain=min_gain)
         for tokens in (1, 2, 5, 8, 20):  # nearly all of a step's cost is per token
@@ -1246,7 +1246,8 @@ def test_the_plan_on_simulated_gpu_steps_stays_near_the_best_fixed_k():
     flat near its best k) and chat-like acceptance (0.3–0.85, a new value every ~20
     tokens), the same texts for every policy: over four seeds the plan runs at least
     0.972x the best fixed k (0.982x here; 0.959x while a plan with drafts had to promise
-    10 % more goodput than none, 0.944x while besides every estimate moved 0.3 of the
+    10 % more goodput than none and the simulation capped k at the tokens left before the
+    choice, 0.944x while besides every estimate moved 0.3 of the
     way to each outcome, whose swings pulled k down, and a drafting step's fixed cost was
     priced into its passes; one that never drafted would run 0.63x), and an oracle that
     knows the acceptance is never below the best fixed k. Where acceptance switches
