@@ -1290,6 +1290,33 @@ def test_the_simulation_replays_real_acceptance_traces():
         simulate("oracle", traces=[trace])
 
 
+def test_the_simulation_gives_the_plan_the_engines_caps(monkeypatch):
+    """The engine asks the plan with every request's full cap and trims the drafts past
+    ``max_tokens`` after the choice (``Scheduler``); so does the simulation. Capping the
+    choice at the tokens left instead made a request's last step plan no drafts, a plan
+    that then stood into the next request."""
+    from specserve.bench import plan_sim
+
+    asked, chosen = [], []
+    choose = DraftLengthController.choose
+
+    def recording(self, caps, *args, **kwargs):
+        asked.extend(caps.values())
+        result = choose(self, caps, *args, **kwargs)
+        chosen.extend(result.values())
+        return result
+
+    monkeypatch.setattr(DraftLengthController, "choose", recording)
+    verified = []
+    observe = DraftLengthController.observe_acceptance
+    monkeypatch.setattr(DraftLengthController, "observe_acceptance",
+                        lambda self, req_id, outcome: (verified.append(outcome.num_planned), observe(self, req_id, outcome)))
+    trace = [True] * 7  # every draft accepted: 7 tokens, and the plan drafts to its cap
+    plan_sim.simulate("plan", max_k=4, traces=[trace, trace], requests=2)
+    assert set(asked) == {4}  # even with 2 tokens left, or 1
+    assert verified and max(verified) <= 4 and 1 in verified  # a 4 chosen with 2 tokens left ran as 1
+
+
 def test_a_requests_estimate_settles_while_outcomes_agree_and_turns_fast_after_a_change():
     """Each step's outcomes move a request's estimates by its own weight: 0.3 at first,
     down to 0.1 as steps agree with them (a running mean's), so at a steady acceptance the
