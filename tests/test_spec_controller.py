@@ -61,6 +61,53 @@ def test_a_drafting_steps_fixed_cost_is_not_priced_into_its_passes():
     assert o == pytest.approx(fixed, rel=1e-3) and d + e == pytest.approx(per_pass, rel=1e-3)
 
 
+def test_a_cost_the_fit_would_make_negative_is_held_at_zero_and_the_rest_refitted():
+    """Two costs always come together in the live samples (their sum is known) while a
+    lightly weighted anchor prices one high and the other low: the unconstrained fit
+    makes the low one negative. Clipping it would leave the other too high, so the
+    prediction where they come together would miss; the fit holds it at zero and refits."""
+    model = CostModel(3)
+    model.observe([0, 0, 1], 300e-6)  # a pass alone
+    model.observe([0, 1, 0], 10e-6)   # a token alone
+    model.anchor(weight=0.1)
+    for k in range(8):
+        model.observe([1, k, k], 1.4e-3 + 120e-6 * k)  # a token and a pass for each k
+    assert model.theta[1] == 0.0
+    assert model.predict([1, 5, 5]) == pytest.approx(1.4e-3 + 5 * 120e-6, rel=0.02)
+
+
+def test_the_nonnegative_fit_is_the_best_of_every_active_set():
+    """Lawson and Hanson's active set, warm-started or not, finds the least-squares fit
+    with no cost negative that a brute force over which costs are held at zero finds."""
+    import itertools
+
+    import numpy as np
+
+    from specserve.spec.cost_model import nonnegative_fit
+
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        n = int(rng.integers(2, 6))
+        x = rng.normal(size=(3 * n, n)) + (trial % 2) * rng.normal(size=n)  # some nearly collinear
+        y = x @ rng.normal(size=n) + 0.1 * rng.normal(size=3 * n)
+        xtx, xty = x.T @ x + 1e-9 * np.eye(n), x.T @ y
+
+        def loss(theta, xtx=xtx, xty=xty):
+            return 0.5 * theta @ xtx @ theta - xty @ theta
+
+        best = 0.0
+        for size in range(1, n + 1):
+            for subset in itertools.combinations(range(n), size):
+                idx = list(subset)
+                theta = np.zeros(n)
+                theta[idx] = np.linalg.solve(xtx[np.ix_(idx, idx)], xty[idx])
+                if (theta >= 0).all():
+                    best = min(best, loss(theta))
+        for start in (np.zeros(n, dtype=bool), rng.random(n) < 0.5):
+            theta = nonnegative_fit(xtx, xty, start)
+            assert (theta >= 0).all() and loss(theta) == pytest.approx(best, rel=1e-7, abs=1e-12), trial
+
+
 def test_one_stall_does_not_poison_the_fit():
     model = CostModel(3)
     for tokens in (1, 8, 40):

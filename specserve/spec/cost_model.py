@@ -21,9 +21,9 @@ drafter's, from the steps the engine runs.
   depth of 1, with none, taught nothing): a depth of 2 priced its one pass at both, and
   the plan drafted too little.
 
-Both forget old steps exponentially. A start-up profile is kept for good
-(``CostModel.anchor``): it varies what a steady state does not, such as how many requests
-draft, so the fit can still tell the costs apart.
+Both forget old steps exponentially, and no cost is negative (an active-set solve). A
+start-up profile is kept for good (``CostModel.anchor``): it varies what a steady state
+does not, such as how many requests draft, so the fit can still tell the costs apart.
 """
 from __future__ import annotations
 
@@ -82,15 +82,18 @@ class CostModel:
             self.solve()
 
     def solve(self) -> None:
-        """The least-squares fit of every sample so far."""
+        """The least-squares fit of every sample so far with no cost negative
+        (``nonnegative_fit``). Clipping an unconstrained fit at zero instead leaves the
+        costs it had set against the negative one too high: where features move together
+        (a step's requests, its context and the fixed cost; its tokens, padded tokens and
+        verify span) the clipped fit predicted the steps it learned from well above what
+        they took, and the steps it had not seen (a large batch) further still."""
         self._unsolved = 0
         # A ridge a billionth of the scale: the least-norm fit where the samples cannot tell
         # costs apart, and much cheaper than an SVD.
         xtx = self.anchor_xtx + self.xtx
-        ridge = 1e-9 * np.trace(xtx) / len(xtx) + 1e-12
-        theta = np.linalg.solve(xtx + ridge * np.eye(len(xtx)), self.anchor_xty + self.xty)
-        # Costs are never negative: clip, so a noisy fit cannot make tokens look free-er than free.
-        self.theta = np.clip(theta, 0.0, None)
+        xtx = xtx + (1e-9 * np.trace(xtx) / len(xtx) + 1e-12) * np.eye(len(xtx))
+        self.theta = nonnegative_fit(xtx, self.anchor_xty + self.xty, self.theta > 0)
 
     def anchor(self, weight: float = 1.0) -> None:
         """Keep every sample observed so far unforgotten, at ``weight`` each."""
@@ -103,6 +106,41 @@ class CostModel:
 
     def predict(self, x: list[float]) -> float:
         return float(np.dot(self.theta, x))
+
+
+def nonnegative_fit(xtx: np.ndarray, xty: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """argmin over theta >= 0 of ``theta' xtx theta / 2 - xty' theta`` (least squares from
+    its normal equations, ``xtx`` positive definite): Lawson and Hanson's active set,
+    starting from the costs ``start`` marks as positive (the last fit's: a fit that moved
+    a little takes one solve)."""
+    n = len(xty)
+    tol = 1e-10 * max(float(np.abs(xty).max()), 1e-30)
+    theta = np.zeros(n)
+    positive = np.zeros(n, dtype=bool)
+    if start.any():
+        trial = np.linalg.solve(xtx[np.ix_(start, start)], xty[start])
+        if (trial > 0).all():
+            theta[start], positive = trial, start.copy()
+    for _ in range(3 * n):
+        gradient = xty - xtx @ theta  # where raising a cost held at zero would lower the error
+        gradient[positive] = -np.inf
+        j = int(np.argmax(gradient))
+        if gradient[j] <= tol:
+            break
+        positive[j] = True
+        while True:
+            trial = np.zeros(n)
+            trial[positive] = np.linalg.solve(xtx[np.ix_(positive, positive)], xty[positive])
+            if (trial[positive] > 0).all():
+                break
+            # Step from theta towards trial until a cost reaches zero; hold it there.
+            falling = positive & (trial <= 0)
+            step = float(np.min(theta[falling] / np.maximum(theta[falling] - trial[falling], 1e-300)))
+            theta = theta + step * (trial - theta)
+            positive &= theta > 0
+            theta[~positive] = 0.0
+        theta = trial
+    return theta
 
 
 @dataclass(frozen=True)
