@@ -102,6 +102,7 @@ class DraftLengthController:
         self.costs = StepCosts(first_draft_in_catch_up)
         self.unforked: set[str] = set()  # the last choice's requests to verify their own path only
         self.min_gain = MIN_GAIN if min_gain is None else min_gain
+        self.measured_plain = True  # the plan without drafts priced as its kind's steps showed; False: by the fit
         self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
         self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
         self._plans: dict[tuple, StandingPlan] = {}  # per kind of step
@@ -228,7 +229,7 @@ class DraftLengthController:
         else:
             began = self.timer()
             planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
-                                                        forkable)
+                                                        forkable, check)
             k = planned.tolist()
             spent, first = self.timer() - began, not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
@@ -305,11 +306,14 @@ class DraftLengthController:
 
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],
-              forkable: Container[str] = ()) -> tuple[np.ndarray, set[str], Prices]:
+              forkable: Container[str] = (), check: GoodputCheck | None = None
+              ) -> tuple[np.ndarray, set[str], Prices]:
         """The goodput-maximising k per request (in ``caps``' order), from the estimates
         (with a calibration map: its best case, ``forkable`` telling greedy requests),
         the forkable requests that should verify their own draft path only, and the
-        step's prices."""
+        step's prices. Without prefill chunks, the plan without drafts is priced as the
+        kind's ``check`` saw its steps without drafts (``GoodputCheck.plain_step``); with
+        them, a step's cost follows its chunks' sizes, which the fit prices."""
         if callable(context):
             context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
@@ -322,7 +326,9 @@ class DraftLengthController:
             fixed=self.costs.target.predict(target_features(num_reqs, num_reqs + num_other_spans, context, 0,
                                                             num_reqs if padded else 0, num_other_tokens)),
             token=theta[1], span=theta[4], padded_token=theta[5] if padded else 0.0,
-            draft_pass=d, draft_token=e, draft_fixed=o)
+            draft_pass=d, draft_token=e, draft_fixed=o,
+            plain=(check.plain_step(num_reqs) if self.measured_plain and check is not None and not num_other_tokens
+                   else None) or 0.0)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
             if forkable and self._paths[-1] > 1 else None
         estimates = self.estimates

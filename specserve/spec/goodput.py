@@ -113,6 +113,19 @@ class GoodputCheck:
             return CHECK_MIN
         return int(min(CHECK_MAX, CHECK_MIN + CHECK_SPREAD * abs(z)))
 
+    def plain_step(self, num_reqs: int) -> float | None:
+        """Seconds a step of ``num_reqs`` requests without drafts takes, as this kind's own
+        such steps showed (their seconds per emitted token, one token a request; None
+        before ``CHECK_MIN`` of them). The bar a plan with drafts must clear: the cost
+        model is a linear fit over every kind, and where a step's cost bends with the batch
+        (a CPU's per-token cost falls as rows share the weights they read) its
+        extrapolation to a large batch can be far off, which no check's verdict would
+        correct before the drafts it let through were paid."""
+        tokens, seconds = self._sums[1][1:3]
+        if self._counts[1] < CHECK_MIN or tokens <= 0:
+            return None
+        return num_reqs * seconds / tokens
+
     def stale(self, drafted: bool) -> bool:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
         other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations and,

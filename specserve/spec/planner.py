@@ -12,7 +12,8 @@ rounds. So k falls to 0 when tokens are expensive (a compute-bound batch) or a r
 drafts keep failing, and rises to k_max when acceptance is high and extra tokens are
 nearly free.
 
-The iteration starts from the plan without drafts with its ratio raised by ``min_gain``:
+The iteration starts from the plan without drafts (at ``Prices.plain``, what the kind's
+steps without drafts were seen to cost, where they were) with its ratio raised by ``min_gain``:
 a plan with drafts is taken only if it promises that much more goodput (Dinkelbach's step
 finds such a plan whenever one exists). The controller's default is no margin: a plan
 that loses on what it promised is caught by the goodput check (``goodput.py``), while a
@@ -36,6 +37,7 @@ class Prices:
     draft_pass: float    # one drafter pass
     draft_token: float   # a drafted token in one pass
     draft_fixed: float = 0.0  # a step that drafts at all, whatever its depth (the drafter's own part)
+    plain: float = 0.0   # the step without drafts as measured, the bar a plan with drafts must clear (0: ``fixed``)
 
 
 def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, prices: Prices,
@@ -81,8 +83,10 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
     k = np.zeros(num_reqs, dtype=int)
     fork = new_fork = None
     total_gain, total_cost = gain, cost_k
-    # Start from the plan without drafts, raised by the margin a plan must beat.
-    ratio = (1.0 + min_gain) * num_reqs / max(prices.fixed, 1e-9)
+    # Start from the plan without drafts (as measured where it was), raised by the margin
+    # a plan must beat: a plan with drafts is priced by the fit, and taken only if that
+    # beats what steps without drafts were seen to deliver.
+    ratio = (1.0 + min_gain) * num_reqs / max(prices.plain or prices.fixed, 1e-9)
     for _ in range(10):
         if can_fork is not None:
             new_fork = fork_gain - ratio * fork_cost > 0           # paths pay at this ratio
