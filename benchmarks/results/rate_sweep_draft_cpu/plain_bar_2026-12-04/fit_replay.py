@@ -11,7 +11,7 @@ import json
 import os
 import types
 
-from ab_plain_bar import clipped_solve  # the solve before 2026-12-04, in the A/B script beside this one
+from ab_plain_bar import clipped_solve  # the solve before 2026-12-04
 
 from specserve.spec.cost_model import CostModel
 
