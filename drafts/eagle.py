@@ -45,6 +45,7 @@ from specserve.transfer import to_device
 
 class EagleDrafter(ModelDrafter):
     needs_every_step = True  # the head's cache follows every pass of the target
+    feeds_after_target = False  # it is fed the features of the target's last pass
     first_draft_in_catch_up = True  # (its features are the target's of that step)
 
     def catch_up_lazily(self) -> bool:

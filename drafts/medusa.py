@@ -30,6 +30,7 @@ from specserve.transfer import to_device
 
 class MedusaDrafter(ModelDrafter):
     needs_every_step = False  # it reads the target's last pass, whichever step ran it
+    feeds_after_target = False  # (never fed in a step without drafts)
     confidence = False  # its drafts come from one pass: nothing to stop between
     max_paths = 1
     can_grow_trees = False

@@ -54,6 +54,7 @@ class ModelDrafter:
     """
 
     needs_every_step = True  # it prefills in lockstep, or takes note of what an admission's cache holds
+    feeds_after_target = True  # its own cache's catch-up reads only the step's tokens
     max_paths = 1 + len(DRAFT_FORKS)
     confidence = True  # q at every depth: drafting stops by it (``spec.stopping``)
     grows_trees = False  # set by the speculator: report runner-up candidates (``spec.tree``)
@@ -78,6 +79,10 @@ class ModelDrafter:
         self.last_backlog_s = 0.0  # the lazy catch-up's pass of its own (``catch_up_lazily``)
         self.lazy = False  # see ``catch_up_lazily``
         self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
+        # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
+        self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
+        self._stream: torch.cuda.Stream | None = None
+        self._behind = False
 
     # ------------------------------------------------------------------ set-up
     def kv_bytes_per_block(self) -> int:
@@ -109,6 +114,9 @@ class ModelDrafter:
         self.uniforms.free(req_id)
 
     def close(self) -> None:
+        if self._behind:
+            self._stream.synchronize()  # its cache may still be written there
+            self._behind = False
         if self.runner is not None and not self.shares_target_cache:
             self.runner.close()  # its own cache (the shared one is the target runner's)
         self.runner = self.model = None
@@ -187,6 +195,7 @@ class ModelDrafter:
 
     # ------------------------------------------------------------------ the step
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        self._join()
         if not self.shares_target_cache:  # the shared cache is the target runner's, copied there
             self.runner.copy_blocks(block_copies)
 
@@ -390,7 +399,29 @@ class ModelDrafter:
         q = torch.cat(q_columns).index_select(0, index) if sampled else None
         return torch.cat(columns).index_select(0, index), q
 
+    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+        """Feed a step in which no request drafts, its target pass under way
+        (``feeds_after_target``): ``propose``'s catch-up. On a GPU its pass runs on a
+        stream of its own, beside the target's, so the step's wait for the target's tokens
+        does not wait for it too; the next use of the drafter's cache or buffers waits for
+        it first (``_join``)."""
+        if self.device.type != "cuda" or not self.own_stream:
+            self.propose(scheduled, requests)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            self.propose(scheduled, requests)
+        self._behind = True
+
+    def _join(self) -> None:
+        """The current stream waits for what ``feed`` left running on its own."""
+        if self._behind:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._behind = False
+
     def _forward(self, entries: list[ScheduledRequest], device_ids: DeviceTokenIds | None = None) -> torch.Tensor:
+        self._join()
         return self.runner.execute(SchedulerOutput(entries, []), self.num_layers, device_ids)
 
     def _choose(self, logits: torch.Tensor, active: list[ScheduledRequest], positions: list[int],

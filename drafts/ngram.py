@@ -109,6 +109,7 @@ class NgramIndex:
 class NgramDrafter:
     name = "ngram"
     needs_every_step = False  # each request's index catches up on the tokens at its next lookup
+    feeds_after_target = False  # (never fed in a step without drafts)
     first_draft_in_catch_up = False
     max_paths = 1  # one continuation per lookup
     last_catch_up_s = 0.0  # no cache to keep up

@@ -387,6 +387,7 @@ class LLMEngine:
         """The one ragged target pass over every request's tokens and drafts (prefill
         chunks included), then rejection sampling: one device-to-host copy."""
         logits = self.runner.execute(drafts.scheduled, device_ids=drafts.device_ids)
+        self.speculator.catch_up(drafts)  # a step without drafts feeds the drafter while the pass runs
         # The pass runs on the device (a GPU's) until the sampler reads its result: the
         # controller learns from the last step, and chooses the next one's k, meanwhile.
         self.speculator.learn(self.scheduler)

@@ -169,3 +169,90 @@ def test_a_step_without_drafts_skips_only_a_drafter_that_need_not_see_it(tiny_mo
         got = llm.generate(PROMPTS, greedy(0), use_tqdm=False)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert bool(calls) == asked and llm.engine.draft_length_counts[0] > 0
+
+
+
+def test_a_draft_model_is_fed_after_the_targets_pass_only_in_steps_without_drafts(tiny_model_dir, near_draft,
+                                                                                  tmp_path):
+    """A step where nobody drafts (prompts; a lone request with k = 0) feeds a draft
+    checkpoint's cache once the target's pass is under way (on a GPU its host work then
+    overlaps the device's); a step with drafts drafts first (its proposals are what the
+    pass verifies), and an EAGLE head, fed the features of the target's last pass, always
+    goes first. The cache keeps up: the same drafts are proposed and accepted as with the
+    draft fed first (``feed_after_target`` False), and greedy output is speculation off's.
+    Fed after the target's pass in steps without drafts, a drafted step's catch-up is what
+    drafting costs (counted in its draft time); fed first, a cost of every step (not).
+    (Drafting stops by the plan, as on a GPU: every step feeds the draft.)"""
+    params = [greedy(k) for k in KS]
+    want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **ENGINE).generate(PROMPTS, params,
+                                                                                       use_tqdm=False)]
+    eagle = make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0]
+    for name, draft in (("draft model", near_draft), ("eagle", eagle)):
+        stats = {}
+        for after in (True, False):
+            llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=draft,
+                        num_speculative_tokens=4, draft_stopping="plan", **ENGINE)
+            engine, order, draft_s = llm.engine, [], []
+            engine.speculator.feed_after_target = after
+            drafter, execute = engine.speculator.drafter, engine.runner.execute
+            propose = drafter.propose
+
+            def propose_noted(scheduled, *a, _propose=propose, _drafter=drafter, _order=order):
+                _order.append(("draft", any(p.num_lookahead for p in scheduled)))
+                proposal = _propose(scheduled, *a)
+                _drafter.last_catch_up_s = 1e3  # a catch-up of 1000 s: where it is counted shows
+                return proposal
+
+            def speculate(*a, _speculate=engine.speculator.propose, _draft_s=draft_s):
+                drafts = _speculate(*a)
+                if drafts.drafted:
+                    _draft_s.append(drafts.draft_s)
+                return drafts
+
+            def execute_noted(*a, _execute=execute, _order=order, **kw):
+                _order.append(("target", None))
+                return _execute(*a, **kw)
+
+            drafter.propose, engine.speculator.propose, engine.runner.execute = propose_noted, speculate, execute_noted
+            assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+            steps = [tuple(order[i:i + 2]) for i in range(0, len(order), 2)]
+            assert all(len(step) == 2 and {step[0][0], step[1][0]} == {"draft", "target"} for step in steps)
+            fed_after = [step[0][0] == "target" for step in steps]
+            drafting = [next(d for who, d in step if who == "draft") for step in steps]
+            assert any(drafting) and not all(drafting)
+            assert fed_after == [after and name == "draft model" and not d for d in drafting], steps
+            assert draft_s and all((s > 0) == (after and name == "draft model") for s in draft_s)
+            s = engine.spec_stats
+            stats[after] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        assert stats[True] == stats[False]
+        if name == "draft model":
+            assert stats[True][2] > 0.5 * stats[True][1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream of the drafter's own")
+def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens_on_cuda(tiny_model_dir,
+                                                                                          near_draft):
+    """On a GPU with captured graphs, steps without drafts (prompt chunks; a request with
+    k = 0 alone) feed the draft on a stream of its own, beside the target's pass, and the
+    passes after them wait for it: greedy float32 tokens equal speculation off's, and the
+    drafts and their acceptance equal those of the draft fed on the target's stream."""
+    kwargs = {"device": "cuda", "block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 4,
+              "max_num_batched_tokens": 32}
+    prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]
+    params = [greedy(k, max_tokens=40) for k in KS + (2,)]
+    want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **kwargs).generate(prompts, params,
+                                                                                       use_tqdm=False)]
+    stats = {}
+    for own in (True, False):
+        llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
+                    num_speculative_tokens=4, **kwargs)
+        drafter, fed = llm.engine.speculator.drafter, []
+        drafter.own_stream = own
+        drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert fed and (drafter._stream is not None) == own
+        s = llm.engine.spec_stats
+        stats[own] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert stats[True] == stats[False] and stats[True][2] > 0
+

@@ -179,9 +179,10 @@ class StepCosts:
     """The target pass's cost model and the drafter's.
 
     ``first_draft_in_catch_up``: the drafter catches its cache up every step, whatever k
-    is, and that pass yields the first proposals (a draft model); its time is then the
-    target's (the speculator measures drafting without it), and a draft depth D costs
-    D - 1 passes of the drafter, not D."""
+    is, and that pass yields the first proposals (a draft model): a draft depth D costs
+    D - 1 passes of the drafter, not D. The catch-up's time is the target's where steps
+    without drafts wait for it too, else (fed after the target's pass in those,
+    ``Speculator.catch_up``) the drafter's fixed part: what drafting at all costs."""
 
     def __init__(self, first_draft_in_catch_up: bool = False) -> None:
         self.target = CostModel(8)  # target_features -> seconds

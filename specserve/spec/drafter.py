@@ -63,6 +63,11 @@ class Drafter(Protocol):
     # Whether ``propose`` must see every step, drafts or not (a drafter with its own KV
     # cache keeps up in lockstep); one that does not is skipped when no request drafts.
     needs_every_step: bool
+    # Whether a step without drafts may feed it once the target's pass is under way (its
+    # catch-up reads nothing of that pass: a draft model's own cache does, an EAGLE head,
+    # fed the target's features of that pass, does not): on a GPU its host work then runs
+    # while the device computes the target's pass, not before it (``Speculator.catch_up``).
+    feeds_after_target: bool
     # Whether it knows its confidence in each proposal (its q) and can stop drafting by it
     # (``spec.stopping``): a model drafter does, n-gram lookup does not.
     confidence: bool
@@ -73,8 +78,10 @@ class Drafter(Protocol):
     # proposals: a draft depth D then costs D - 1 passes more (``spec.cost_model.StepCosts``).
     first_draft_in_catch_up: bool
     # Seconds the last ``propose`` spent catching its cache up (a drafter that sees every
-    # step): work that runs whatever k is, so the step's cost model counts it with the
-    # target's pass, not with the drafts (0 for a drafter without a cache).
+    # step): where steps without drafts feed it first, work that runs whatever k is, so
+    # the step's cost model counts it with the target's pass, not with the drafts;
+    # where they feed it after the target's pass, what drafting at all costs
+    # (``Speculator.catch_up``). 0 for a drafter without a cache.
     last_catch_up_s: float
     # Seconds of the last ``propose``'s catch-up over tokens that earlier steps left unfed
     # (a drafter that catches up lazily: the prompt, and the tokens of the steps it did not
@@ -96,6 +103,11 @@ class Drafter(Protocol):
     def enable_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run the drafter's own forward passes as CUDA graphs where it can (see
         ``ModelRunner.enable_graphs``); a drafter without a model does nothing."""
+
+    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+        """(A drafter that ``feeds_after_target``.) What ``propose`` does for ``scheduled``
+        when no request drafts, called once the target's pass is under way: it may run
+        beside that pass (on a GPU stream of its own), as long as its next use waits."""
 
     def catch_up_lazily(self) -> bool:
         """(A drafter with ``confidence``.) From now on feed its own cache only for the

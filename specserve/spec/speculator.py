@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -19,7 +19,7 @@ from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
-from specserve.request import RequestStatus
+from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from specserve.spec.acceptance import DraftOutcome
@@ -58,6 +58,9 @@ class Drafts:
     drafted: bool = False                    # whether any request drafted
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
     backlog_s: float = 0.0                   # a lazy drafter's catch-up on earlier steps' tokens
+    # A step without drafts whose drafter is fed once the target's pass is under way
+    # (``Speculator.catch_up``): the requests it reads the tokens of.
+    catch_up: Mapping[str, Request] | None = None
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
     depth: int | None = None                 # drafter passes run where a stopping rule cut them short
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
@@ -151,6 +154,9 @@ class Speculator:
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
+        # Feed a drafter that allows it after the target's pass in steps without drafts
+        # (``catch_up``); False feeds it first, as steps with drafts do (kept for A/B runs).
+        self.feed_after_target = True
         self._learning: list[Callable[[], None]] = []  # what steps taught the controller, not yet learned
         self._choice: Choice | None = None  # the controller's choice for the step under way
         # The next step's choice, made while this one verified (``learn``): (running version, k, choice).
@@ -291,6 +297,9 @@ class Speculator:
         if not drafts.drafted and not self.drafter.needs_every_step:
             drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
+        if not drafts.drafted and self.feeds_after:
+            drafts.catch_up = scheduler.requests  # nobody drafts: fed in ``catch_up``
+            return drafts
         stop = self.controller.stop if self.controller is not None else None
         try:
             proposal = self.drafter.propose(self._drafting(scheduled, scheduler), scheduler.requests, stop)
@@ -323,9 +332,40 @@ class Speculator:
         if proposal.draft_ids is not None:
             drafts.device_ids = DeviceTokenIds(proposal.draft_ids,
                                                [len(p.draft_token_ids) for p in scheduled.scheduled])
-        drafts.draft_s = time.perf_counter() - start - self.drafter.last_catch_up_s
+        # The catch-up is a cost of every step where steps without drafts wait for it too;
+        # fed after the target's pass in those, it is what drafting at all costs (a lazy
+        # drafter's backlog aside, ``record``).
+        every_step_s = self.drafter.last_backlog_s if self.feeds_after else self.drafter.last_catch_up_s
+        drafts.draft_s = time.perf_counter() - start - every_step_s
         drafts.backlog_s = self.drafter.last_backlog_s
         return drafts
+
+    @property
+    def feeds_after(self) -> bool:
+        """Whether a step without drafts feeds the drafter after the target's pass (``catch_up``)."""
+        return self.drafter is not None and self.drafter.feeds_after_target and self.feed_after_target
+
+    def catch_up(self, drafts: Drafts) -> None:
+        """Feed the drafter a step without drafts that ``propose`` left for here: called
+        once the target's pass is under way. The drafter's catch-up reads only the step's
+        tokens, not the pass, so on a GPU its host work (building and sending its own
+        pass) runs while the device computes the target's, and its pass beside the
+        target's (``Drafter.feed``): a step without drafts then costs about what
+        speculation off's does, where fed first it waited for both."""
+        if drafts.catch_up is None:
+            return
+        requests, drafts.catch_up = drafts.catch_up, None
+        start = time.perf_counter()
+        try:
+            self.drafter.feed(drafts.scheduled.scheduled, requests)
+        except RanksOutOfStepError:
+            raise
+        except Exception:  # noqa: BLE001 - as in ``propose``: the step goes on without the drafter
+            self._drafting_failed(drafts, start)
+            return
+        self._failures = 0
+        if self.kv.draft_cache is not None and self.kv.enable_prefix_caching:
+            self._mark_draft_cache(drafts.scheduled.scheduled)
 
     @staticmethod
     def _drafting(scheduled: SchedulerOutput, scheduler: Scheduler) -> list[ScheduledRequest]:
