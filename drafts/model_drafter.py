@@ -399,20 +399,26 @@ class ModelDrafter:
         q = torch.cat(q_columns).index_select(0, index) if sampled else None
         return torch.cat(columns).index_select(0, index), q
 
-    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+             ready: torch.cuda.Event | None = None) -> None:
         """Feed a step in which no request drafts, its target pass under way
         (``feeds_after_target``): ``propose``'s catch-up. On a GPU its pass runs on a
-        stream of its own, beside the target's, so the step's wait for the target's tokens
-        does not wait for it too; the next use of the drafter's cache or buffers waits for
-        it first (``_join``)."""
+        stream of its own, after ``ready`` (the work queued before the target's pass, its
+        own earlier passes included) and beside the target's, so the step's wait for the
+        target's tokens does not wait for it too; the next use of the drafter's cache or
+        buffers waits for it first (``_join``), also after a pass that raised midway."""
         if self.device.type != "cuda" or not self.own_stream:
             self.propose(scheduled, requests)
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._stream):
-            self.propose(scheduled, requests)
-        self._behind = True
+        if ready is not None:
+            self._stream.wait_event(ready)
+        try:
+            with torch.cuda.stream(self._stream):
+                self.propose(scheduled, requests)
+        finally:
+            self._behind = True
 
     def _join(self) -> None:
         """The current stream waits for what ``feed`` left running on its own."""

@@ -104,10 +104,12 @@ class Drafter(Protocol):
         """Run the drafter's own forward passes as CUDA graphs where it can (see
         ``ModelRunner.enable_graphs``); a drafter without a model does nothing."""
 
-    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request]) -> None:
+    def feed(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+             ready: torch.cuda.Event | None = None) -> None:
         """(A drafter that ``feeds_after_target``.) What ``propose`` does for ``scheduled``
         when no request drafts, called once the target's pass is under way: it may run
-        beside that pass (on a GPU stream of its own), as long as its next use waits."""
+        beside that pass (on a GPU stream of its own, after ``ready``, an event recorded
+        before the target's pass was queued), as long as its next use waits."""
 
     def catch_up_lazily(self) -> bool:
         """(A drafter with ``confidence``.) From now on feed its own cache only for the

@@ -59,8 +59,9 @@ class Drafts:
     draft_s: float = 0.0                     # drafting time, the drafter's catch-up excluded
     backlog_s: float = 0.0                   # a lazy drafter's catch-up on earlier steps' tokens
     # A step without drafts whose drafter is fed once the target's pass is under way
-    # (``Speculator.catch_up``): the requests it reads the tokens of.
-    catch_up: Mapping[str, Request] | None = None
+    # (``Speculator.catch_up``): the requests it reads the tokens of, and on a GPU an event
+    # after the work queued before that pass (what the feed may not run before).
+    catch_up: tuple[Mapping[str, Request], torch.cuda.Event | None] | None = None
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
     depth: int | None = None                 # drafter passes run where a stopping rule cut them short
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
@@ -155,8 +156,10 @@ class Speculator:
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
         # Feed a drafter that allows it after the target's pass in steps without drafts
-        # (``catch_up``); False feeds it first, as steps with drafts do (kept for A/B runs).
-        self.feed_after_target = True
+        # (``catch_up``): on a GPU, where its host work then overlaps the target's pass (a
+        # CPU runs the passes in turn either way, the catch-up a cost of every step). False
+        # feeds it first, as steps with drafts do (kept for A/B runs).
+        self.feed_after_target = runner.device.type == "cuda"
         self._learning: list[Callable[[], None]] = []  # what steps taught the controller, not yet learned
         self._choice: Choice | None = None  # the controller's choice for the step under way
         # The next step's choice, made while this one verified (``learn``): (running version, k, choice).
@@ -298,7 +301,11 @@ class Speculator:
             drafts.draft_s = time.perf_counter() - start
             return drafts  # nobody drafts: the step is speculation off's
         if not drafts.drafted and self.feeds_after:
-            drafts.catch_up = scheduler.requests  # nobody drafts: fed in ``catch_up``
+            ready = None
+            if self.runner.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            drafts.catch_up = (scheduler.requests, ready)  # nobody drafts: fed in ``catch_up``
             return drafts
         stop = self.controller.stop if self.controller is not None else None
         try:
@@ -354,10 +361,10 @@ class Speculator:
         speculation off's does, where fed first it waited for both."""
         if drafts.catch_up is None:
             return
-        requests, drafts.catch_up = drafts.catch_up, None
+        (requests, ready), drafts.catch_up = drafts.catch_up, None
         start = time.perf_counter()
         try:
-            self.drafter.feed(drafts.scheduled.scheduled, requests)
+            self.drafter.feed(drafts.scheduled.scheduled, requests, ready)
         except RanksOutOfStepError:
             raise
         except Exception:  # noqa: BLE001 - as in ``propose``: the step goes on without the drafter
