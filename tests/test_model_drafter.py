@@ -256,3 +256,69 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
     assert stats[True] == stats[False] and stats[True][2] > 0
 
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_a_feed_after_the_targets_pass_that_fails_costs_the_requests_nothing(tiny_model_dir, failures):
+    """Fault injection: the catch-up fed after the target's pass raises. The step goes on
+    (its requests' tokens are the target's), the drafter forgets the step's requests and
+    catches them up afresh when they next draft (the target as its own draft then accepts
+    every draft), every block comes back; after MAX_DRAFTER_FAILURES failed feeds in a row
+    speculation is off for good and the engine serves on. (Forced on a CPU, where a step
+    feeds the draft first by default.)"""
+    from specserve.spec.speculator import MAX_DRAFTER_FAILURES
+
+    model = str(tiny_model_dir("llama"))
+    want = [o.token_ids for o in LLM32(model, **ENGINE).generate(PROMPTS, greedy(), use_tqdm=False)]
+    llm = LLM32(model, speculative_method="draft_model", draft_model=model, num_speculative_tokens=4,
+                draft_stopping="plan", **ENGINE)
+    engine = llm.engine
+    engine.speculator.feed_after_target = True
+    drafter = engine.speculator.drafter
+    raised = []
+
+    def flaky(*args, _feed=drafter.feed):
+        if len(raised) < failures:
+            raised.append(1)
+            raise RuntimeError("draft fell over")
+        return _feed(*args)
+
+    drafter.feed = flaky
+    # Prompts first (a step without drafts); with one failure the requests then draft, with
+    # MAX_DRAFTER_FAILURES they draft nothing (k = 0), so every step feeds after the pass.
+    params = greedy() if failures < MAX_DRAFTER_FAILURES else greedy(0)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want and len(raised) == failures
+    assert engine.num_free_blocks == engine.kv.num_blocks
+    if failures < MAX_DRAFTER_FAILURES:
+        assert engine.speculator.drafter is drafter and engine.spec_stats.num_drafts > 0
+        assert engine.spec_stats.acceptance_rate == 1.0
+    else:
+        assert engine.speculator.drafter is None
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)] == want[:1]
+
+
+def test_an_adaptive_engine_whose_drafter_keeps_failing_serves_on_without_it(tiny_model_dir):
+    """MAX_DRAFTER_FAILURES steps in a row whose drafter raises (once drafts have been
+    verified, so the controller has lessons pending) turn speculation off under adaptive
+    speculation too: the lessons go with the controller (learning them would need it),
+    and the step and the ones after it give the target's tokens."""
+    from specserve.spec.speculator import MAX_DRAFTER_FAILURES
+
+    model = str(tiny_model_dir("llama"))
+    want = [o.token_ids for o in LLM32(model, **ENGINE).generate(PROMPTS, greedy(), use_tqdm=False)]
+    llm = LLM32(model, speculative_method="draft_model", draft_model=model, num_speculative_tokens=4,
+                draft_stopping="plan", **ENGINE)
+    engine, raised = llm.engine, []
+
+    def flaky(scheduled, *args, _propose=engine.speculator.drafter.propose):
+        if engine.spec_stats.num_drafts and len(raised) < MAX_DRAFTER_FAILURES:
+            raised.append(1)
+            raise RuntimeError("draft fell over")
+        return _propose(scheduled, *args)
+
+    engine.speculator.drafter.propose = flaky
+    # (k = 4 asked for: drafts whatever the plan would choose on this machine)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(4), use_tqdm=False)] == want
+    assert len(raised) == MAX_DRAFTER_FAILURES and engine.speculator.drafter is None
+    assert engine.num_free_blocks == engine.kv.num_blocks

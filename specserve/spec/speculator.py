@@ -403,6 +403,7 @@ class Speculator:
                          self._failures)
             self.drafter.close()
             self.drafter = self.controller = None
+            self._learning, self._next, self._choice = [], None, None  # lessons for a controller gone
             self.kv.draft_cache = None  # prefix hits no longer wait on a draft cache's entries
             self.max_k = 0
             self.paths.forks = []
