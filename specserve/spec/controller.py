@@ -135,16 +135,18 @@ class DraftLengthController:
         self._plan_s += choice.fit_weight * (self.timer() - began)
         choice.fit_weight = 0.0  # one fit a plan
 
-    def observe_goodput(self, num_tokens: int, seconds: float, choice: Choice | None = None) -> None:
+    def observe_goodput(self, num_tokens: int, seconds: float, choice: Choice | None = None,
+                        backlog_s: float = 0.0) -> None:
         """A step emitted ``num_tokens`` in ``seconds`` of wall time (the whole step,
         drafting included): its kind's goodput check learns from it. ``choice``: the
-        step's (None: the last)."""
+        step's (None: the last). ``backlog_s``: what the step spent besides, on earlier
+        steps' tokens (``GoodputCheck.observe``)."""
         choice = choice or self.last
         self._clock += seconds
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
-            check.observe(choice.drafted, choice.checked, num_tokens, seconds)
+            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:

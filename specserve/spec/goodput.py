@@ -23,7 +23,9 @@ CHECK_PRIOR_CV = 0.5        # a one-request step's goodput deviation assumed, pl
 CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone,
 VERDICT_EVERY = 8           # the verdict is weighed at drafted and checked steps, and every this many plain ones
 CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
-VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when most of the batch is new
+VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when most of a lone request's batch is new
+LARGE_BATCH = 8             # from this batch: a kind's first plain steps back to back, and vetoed
+CHECK_SHARE = 0.01          # drafts checked at most at this share of its time in what the checks add
 INHERIT = 0.5               # what a kind new to the check takes of its neighbour's evidence
 
 
@@ -43,9 +45,10 @@ class GoodputCheck:
 
     A veto is a verdict on the requests it was formed on. When most of a step's requests
     are new since the kind's last step (at batch 1, the next request: chat after code, or
-    code after chat), the drafted side keeps ``VETO_NEW_BATCH`` of its sums (``saw``): with
-    its own decay alone, under a veto its steps being the rare checks, a verdict formed on
-    chat would take hundreds of steps of code, where drafts pay, to turn.
+    code after chat), the drafted side keeps ``VETO_NEW_BATCH`` of its sums at batch 1, more
+    at larger batches (``saw``): with its own decay alone, under a veto its steps being the
+    rare checks, a verdict formed on chat would take hundreds of steps of code, where drafts
+    pay, to turn.
 
     Steps the plan leaves without drafts are free samples of the plain side; a step is
     run the other way (the plan's drafts withheld, or let through under a veto) only when
@@ -57,6 +60,7 @@ class GoodputCheck:
 
     def __init__(self, max_k: int, batch: int = 1) -> None:
         self.max_ratio = 1.0 + max_k
+        self.large = batch >= LARGE_BATCH          # a step's tokens a mean over many requests (``stale``)
         # A step's tokens are the sum of its requests': their deviation shrinks as 1 / sqrt(batch).
         self.prior_cv = math.sqrt(CHECK_PRIOR_CV ** 2 / max(batch, 1) + CHECK_JITTER_CV ** 2)
         self._counts = [0, 0]                      # steps seen per side, undecayed
@@ -70,6 +74,7 @@ class GoodputCheck:
         self._observed = 0                         # steps observed
         self._joined: int | None = None            # requests joined by the last step, while vetoed
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
+        self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
 
     @property
     def ratio(self) -> float:
@@ -130,9 +135,30 @@ class GoodputCheck:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
         other has ``CHECK_MIN``, or none for ``interval`` of its mean step durations and,
         once the verdict is clear, for ``CHECK_MAX_S`` seconds of this kind's steps at
-        least (where steps are short, ``CHECK_MAX`` of them alone would check often)."""
+        least (where steps are short, ``CHECK_MAX`` of them alone would check often).
+
+        At batches of ``LARGE_BATCH`` or more, where a step's tokens are a mean over many
+        requests' and its cost is the machine's:
+        - the plain side's first ``CHECK_MIN`` steps are taken once the kind has drafted,
+          one after another (a step chosen and not yet observed counts). They are the bar
+          the plan's drafts must clear (``plain_step``) and half of any verdict; where drafts
+          lose (a large CPU batch, which the cost fit prices from smaller ones) every step
+          drafted before them is paid, and spaced out as later checks are they come late;
+        - under a clear veto (``VETO_Z`` standard errors), a check's drafts come no more
+          often than keeps what the last such check added to a step (its seconds over the
+          plain side's mean) at ``CHECK_SHARE`` of the kind's time; a veto whose evidence
+          thinned (new requests, the batch drained within its kind) is checked as before,
+          rather than lifted for want of a check. On a CPU such a check also feeds the lazily
+          fed draft every token since its last, which the drafted side's mean does not tell,
+          and spaced by the interval alone one came in every new burst of requests.
+        Not at small batches: there a drafted step's tokens vary most (all accepted, or
+        none), a verdict formed on a step's first few would be a coin's, and a lone request
+        new to a veto (code after chat) must get its chance within its first steps."""
         side = 0 if drafted else 1
         running = self._running[side]
+        if not drafted and self.large and not self.vetoed and self._counts[0] \
+                and self._counts[1] + (running is not None) < CHECK_MIN:
+            return True  # the kind's first steps without drafts, back to back (``stale``)
         if running is not None and self._observed - running < 3:
             return False
         steps, _, seconds = self._sums[side][:3]
@@ -142,6 +168,8 @@ class GoodputCheck:
         wait = interval * seconds / steps
         if interval >= CHECK_MAX:
             wait = max(wait, CHECK_MAX_S)
+        if drafted and self.vetoed and self.large and self.z < -VETO_Z:
+            wait = max(wait, self._check_extra_s / CHECK_SHARE)
         return self._since[side] >= wait
 
     def running(self, drafted: bool) -> None:
@@ -164,15 +192,23 @@ class GoodputCheck:
     def saw(self, joined: int, batch: int) -> None:
         """A step of this kind under a veto, of ``batch`` requests, ``joined`` of them ever
         (a running count): if more than half the batch joined since the last such step, the
-        drafted side's evidence (formed on other requests) weighs half."""
+        drafted side's evidence (formed on other requests) weighs less: half at batch 1,
+        ``VETO_NEW_BATCH ** (1 / sqrt(batch))`` of it at larger ones. A lone request is the
+        whole step (chat, then code); a batch's acceptance is a mean over its requests,
+        which varies between batches of one workload as 1 / sqrt(batch), and what the step
+        costs is the machine's. Halved at every new batch (a burst after a burst), a clear
+        veto was checked again in each, at several plain steps' cost on a CPU."""
         if self._joined is not None and 2 * (joined - self._joined) > batch:
-            self._sums[0] = [VETO_NEW_BATCH * value for value in self._sums[0]]
+            kept = VETO_NEW_BATCH ** (1.0 / math.sqrt(max(batch, 1)))
+            self._sums[0] = [kept * value for value in self._sums[0]]
             self._z = None
         self._joined = joined
 
-    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float) -> None:
+    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float, backlog_s: float = 0.0) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
-        whether the check chose so (against the plan, or against the veto)."""
+        whether the check chose so (against the plan, or against the veto). ``backlog_s``:
+        what it spent besides ``seconds`` on earlier steps' tokens (a lazily fed draft's
+        catch-up): not the drafts' goodput, but what a check under a veto costs."""
         side = 0 if drafted else 1
         self._observed += 1
         if checked:
@@ -184,6 +220,11 @@ class GoodputCheck:
             seconds = min(seconds, CHECK_STALL * sums[2] / sums[0])  # a stall, not the step
         elif other[0] >= CHECK_MIN:  # a side's first steps: the other side's steps tell a stall
             seconds = min(seconds, CHECK_STALL * self.max_ratio * other[2] / other[0])
+        if drafted and checked and self.vetoed and other[0]:
+            extra = seconds + backlog_s - other[2] / other[0]
+            if sums[0]:  # a stall in the backlog is not what a check costs either
+                extra = min(extra, CHECK_STALL * sums[2] / sums[0])
+            self._check_extra_s = max(extra, 0.0)
         self._counts[side] += 1
         new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
         self._sums[side] = [CHECK_DECAY * old + value for old, value in zip(sums, new)]

@@ -578,7 +578,7 @@ class Speculator:
         """``observe``'s lesson for the controller, about the step ``choice`` chose (None:
         no ``plan`` ran before it: the controller's last)."""
         choice = choice or self.controller.last
-        self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice)
+        self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice, drafts.backlog_s)
         if choice.planned:
             self.controller.observe_step(self._step_sample(drafts, elapsed), choice)
 
