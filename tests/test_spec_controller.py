@@ -1207,6 +1207,36 @@ def test_a_clear_veto_of_a_large_batch_holds_across_bursts_at_a_small_share_of_c
     assert sum(checks) >= 1  # still checked
 
 
+def test_a_large_batchs_veto_stands_while_the_batch_drains_within_its_kind():
+    """Seen on the CPU: 24 requests drain to 16 within one kind of step. Each plain step
+    delivers less (fewer requests), so drafted steps formed at 24 look better by
+    comparison and the veto's z drifted past -2: a check fell due in nearly every burst,
+    or the veto was lifted for want of one. Now, at a large batch, a veto's checks keep
+    to CHECK_SHARE of the time whatever its z, and plain steps lift it only by turning the
+    ratio."""
+    from specserve.spec.goodput import GoodputCheck
+
+    check = GoodputCheck(max_k=4, batch=16)
+    for _ in range(8):
+        check.observe(False, False, 24, 0.047)
+        check.observe(True, False, 38, 0.100)
+    for _ in range(40):
+        check.observe(False, False, 24, 0.047)
+    check.observe(True, True, 38, 0.110, 0.120)  # a check confirms it, its backlog counted
+    assert check.vetoed
+    checks = 0
+    for step in range(110):  # 24 requests drain to 16
+        batch = 24 - 8 * step / 110
+        if check.stale(drafted=True):
+            check.running(drafted=True)
+            check.observe(True, True, int(1.6 * batch), 0.110, 0.120)
+            checks += 1
+        else:
+            check.observe(False, False, int(batch), 0.047 - 0.005 * step / 110)
+        assert check.vetoed, step
+    assert checks == 0 and check.ratio < 1
+
+
 def test_a_lone_requests_veto_still_gives_the_next_request_its_checks():
     """At batch 1 neither the evidence's weight nor the checks' spacing changed: the next
     request (new to the veto) is checked within its first steps."""

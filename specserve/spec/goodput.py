@@ -144,13 +144,15 @@ class GoodputCheck:
           the plan's drafts must clear (``plain_step``) and half of any verdict; where drafts
           lose (a large CPU batch, which the cost fit prices from smaller ones) every step
           drafted before them is paid, and spaced out as later checks are they come late;
-        - under a clear veto (``VETO_Z`` standard errors), a check's drafts come no more
-          often than keeps what the last such check added to a step (its seconds over the
-          plain side's mean) at ``CHECK_SHARE`` of the kind's time; a veto whose evidence
-          thinned (new requests, the batch drained within its kind) is checked as before,
-          rather than lifted for want of a check. On a CPU such a check also feeds the lazily
-          fed draft every token since its last, which the drafted side's mean does not tell,
-          and spaced by the interval alone one came in every new burst of requests.
+        - under a veto, a check's drafts come no more often than keeps what the last such
+          check added to a step (its seconds over the plain side's mean) at
+          ``CHECK_SHARE`` of the kind's time. On a CPU such a check also feeds the lazily
+          fed draft every token since its last, which the drafted side's mean does not
+          tell, and spaced by the interval alone one came in every new burst of requests.
+          The veto meanwhile stands unless the plain steps turn the ratio (``observe``):
+          as a burst drains within its kind (24 requests to 16), the plain steps deliver
+          less and the drafted side's evidence, formed at 24, looks better than it is;
+          lifted or checked for that alone, a veto was tried again in nearly every burst.
         Not at small batches: there a drafted step's tokens vary most (all accepted, or
         none), a verdict formed on a step's first few would be a coin's, and a lone request
         new to a veto (code after chat) must get its chance within its first steps."""
@@ -168,7 +170,7 @@ class GoodputCheck:
         wait = interval * seconds / steps
         if interval >= CHECK_MAX:
             wait = max(wait, CHECK_MAX_S)
-        if drafted and self.vetoed and self.large and self.z < -VETO_Z:
+        if drafted and self.vetoed and self.large:
             wait = max(wait, self._check_extra_s / CHECK_SHARE)
         return self._since[side] >= wait
 
@@ -239,7 +241,11 @@ class GoodputCheck:
             return
         log_ratio = math.log(self.ratio)
         if self.vetoed:  # lifted once the ratio is not clearly below 1
-            self.vetoed = log_ratio < VETO_HYSTERESIS and self.z < -VETO_Z / 2
+            # At a large batch, by a drafted step's evidence, or by the plain steps' only if
+            # they turn the ratio: theirs shifts as the batch drains within the kind (fewer
+            # requests deliver less), which is not evidence about drafts (``stale``).
+            unclear = self.z >= -VETO_Z / 2 and (drafted or not self.large)
+            self.vetoed = log_ratio < VETO_HYSTERESIS and not unclear
             if not self.vetoed:
                 self._joined = None  # a later veto counts from its own steps
         else:  # and never on a side's first few steps, however clear they look
