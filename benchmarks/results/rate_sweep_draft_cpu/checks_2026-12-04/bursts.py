@@ -7,7 +7,9 @@ plain step, where the engine keeps it). Run from the root of the specserve tree 
 
     python bursts.py ROUNDS > OUT.log
 """
-import statistics, sys
+import statistics
+import sys
+
 from specserve import LLMEngine
 from specserve.bench.offline import load_workload, prompt_ids, run_offline, warm_up
 from specserve.spec import speculator as S
@@ -17,17 +19,19 @@ orig = S.Speculator._learn_cost
 def _learn_cost(self, choice, drafts, emitted, elapsed):
     ch = choice or self.controller.last
     chk = ch.check
-    rec = dict(el=elapsed, bl=drafts.backlog_s, dr=drafts.drafted, n=len(drafts.scheduled.scheduled) if drafts.scheduled else 0,
-               nd=sum(len(p.draft_token_ids) for p in drafts.scheduled.scheduled) if drafts.scheduled else 0,
-               em=emitted, planned=ch.planned, checked=ch.checked, drafted=ch.drafted,
-               veto=None if chk is None else chk.vetoed, ratio=None if chk is None else round(chk.ratio, 3),
-               z=None if chk is None else round(chk.z, 2), cx=None if chk is None else getattr(chk, '_check_extra_s', None), since=None if chk is None else [round(x, 2) for x in chk._since], cid=id(chk) % 10000)
+    rec = {'el': elapsed, 'bl': drafts.backlog_s, 'dr': drafts.drafted, 'n': len(drafts.scheduled.scheduled) if drafts.scheduled else 0,
+               'nd': sum(len(p.draft_token_ids) for p in drafts.scheduled.scheduled) if drafts.scheduled else 0,
+               'em': emitted, 'planned': ch.planned, 'checked': ch.checked, 'drafted': ch.drafted,
+               'veto': None if chk is None else chk.vetoed, 'ratio': None if chk is None else round(chk.ratio, 3),
+               'z': None if chk is None else round(chk.z, 2), 'cx': None if chk is None else getattr(chk, '_check_extra_s', None), 'since': None if chk is None else [round(x, 2) for x in chk._since], 'cid': id(chk) % 10000}
     out = orig(self, choice, drafts, emitted, elapsed)
     LOG.append(rec)
     return out
 S.Speculator._learn_cost = _learn_cost
 import time as _t
+
 from specserve import engine as _E
+
 STEPS = {}
 _orig_step = _E.LLMEngine.step
 def _step(self):

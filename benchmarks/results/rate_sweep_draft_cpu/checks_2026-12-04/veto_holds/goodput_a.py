@@ -179,7 +179,7 @@ class GoodputCheck:
         (a step that failed is never observed)."""
         self._running[0 if drafted else 1] = self._observed
 
-    def inherit(self, other: "GoodputCheck") -> None:
+    def inherit(self, other: GoodputCheck) -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
         weight (the controller's kinds differ in batch size by a factor of two): where a
         batch shrinks through the kinds as its requests finish (a burst draining), each
