@@ -41,7 +41,8 @@ class GoodputCheck:
     the ratio's standard error, and drafts are vetoed only when the ratio is below 1 by
     more than ``VETO_Z`` standard errors (and the hysteresis): where it is not clear, the
     plan stands. A veto is lifted once the ratio is above 1 again, or no longer clearly
-    below it (half as many standard errors).
+    below it (half as many standard errors); at a large batch the latter only at a step
+    with drafts (``stale``).
 
     A veto is a verdict on the requests it was formed on. When most of a step's requests
     are new since the kind's last step (at batch 1, the next request: chat after code, or
@@ -60,7 +61,7 @@ class GoodputCheck:
 
     def __init__(self, max_k: int, batch: int = 1) -> None:
         self.max_ratio = 1.0 + max_k
-        self.large = batch >= LARGE_BATCH          # a step's tokens a mean over many requests (``stale``)
+        self.large = batch >= LARGE_BATCH          # a step's tokens a mean over many requests (``stale``, ``observe``)
         # A step's tokens are the sum of its requests': their deviation shrinks as 1 / sqrt(batch).
         self.prior_cv = math.sqrt(CHECK_PRIOR_CV ** 2 / max(batch, 1) + CHECK_JITTER_CV ** 2)
         self._counts = [0, 0]                      # steps seen per side, undecayed
