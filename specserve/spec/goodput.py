@@ -24,8 +24,8 @@ CHECK_JITTER_CV = 0.2       # any step's from the host's timing alone,
 VERDICT_EVERY = 8           # the verdict is weighed at drafted and checked steps, and every this many plain ones
 CHECK_PRIOR_STEPS = 2       # as if seen over this many steps, before a side's own steps show theirs
 VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when most of a lone request's batch is new
-LARGE_BATCH = 8             # from this batch: a kind's first plain steps back to back, and vetoed
-CHECK_SHARE = 0.01          # drafts checked at most at this share of its time in what the checks add
+LARGE_BATCH = 8             # from this batch a step's cost is the machine's (``stale``, ``observe``)
+CHECK_SHARE = 0.01          # there, what a veto's checks add: at most this share of the kind's time
 INHERIT = 0.5               # what a kind new to the check takes of its neighbour's evidence
 
 
