@@ -1192,7 +1192,7 @@ def test_a_clear_veto_of_a_large_batch_holds_across_bursts_at_a_small_share_of_c
     lazily fed draft each request's tokens since its last drafts (~4 plain steps in all).
     Each new burst used to halve the veto's evidence, and it was checked again in every
     burst. Now a batch's evidence keeps more of its weight the larger the batch, and the
-    checks of a clear veto stay within CHECK_SHARE of the time, their backlog counted."""
+    checks of a veto stay within CHECK_SHARE of the time, their backlog counted."""
     from specserve.spec.goodput import CHECK_SHARE, GoodputCheck
 
     check = GoodputCheck(max_k=4, batch=16)
