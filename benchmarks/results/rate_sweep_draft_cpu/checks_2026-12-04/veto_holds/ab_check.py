@@ -1,23 +1,24 @@
 """The goodput check at large batches, A/B in one process: speculation off, the default
-with the check of ``goodput_a.py`` ("a": the committed form before the veto stood against
-a draining batch) and with the tree's (``b``), each its own engine, taking turns over
+with the check as committed at 8dbd748 ("a": before the veto stood against a draining
+batch; read with ``git show``) and with the tree's ("b"), each its own engine, taking turns over
 ROUNDS bursts of 24 chat prompts queued at once. Variant a's methods are swapped into
 ``GoodputCheck`` for its runs only.
 
     PYTHONPATH=<repo root> python ab_check.py ROUNDS
 """
-import importlib.util
-import os
 import statistics
+import subprocess
 import sys
+import types
 
 from specserve import LLMEngine
 from specserve.bench.offline import load_workload, prompt_ids, run_offline, warm_up
 from specserve.spec import goodput as G
 
-spec = importlib.util.spec_from_file_location("goodput_a", os.path.join(os.path.dirname(__file__), "goodput_a.py"))
-goodput_a = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(goodput_a)
+goodput_a = types.ModuleType("goodput_a")
+OLD = subprocess.run(["git", "show", "8dbd748:specserve/spec/goodput.py"], check=True, capture_output=True,
+                     text=True).stdout
+exec(OLD, goodput_a.__dict__)  # noqa: S102 (the committed module, read from git)
 METHODS = ("stale", "observe", "saw", "interval", "z", "ratio", "plain_step", "running", "inherit", "_compute_z")
 B = {m: G.GoodputCheck.__dict__[m] for m in METHODS}
 A = {m: goodput_a.GoodputCheck.__dict__[m] for m in METHODS}
