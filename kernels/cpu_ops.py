@@ -30,6 +30,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm
 # header: their digest goes in as a flag.
 _HEADERS = [Path(__file__).with_name(name) for name in ("cpu_glue.h", "cpu_quant.h")]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
+AMX_SWITCH = "SPECSERVE_CPU_AMX"  # 0: build and run without AMX tiles where the CPU has them
 # Vector ISA flags by what torch found this CPU to run (the build is per machine and named
 # by it, so a cache shared with another CPU holds one build each).
 _VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
@@ -39,7 +40,7 @@ _VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512b
 @functools.cache
 def available() -> bool:
     """Whether ``torch.ops.specserve_cpu`` is loaded (built now if it has to be)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _switched_off(ENV_SWITCH):
         return False
     try:
         from torch.utils import cpp_extension  # lazy: it imports setuptools, only to build
@@ -59,6 +60,17 @@ def available() -> bool:
         logger.warning("CPU kernels unavailable, using the torch ops (slower): %s",
                        str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
         return False
+
+
+def _switched_off(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether quantized layers multiply many rows on AMX tiles (``cpu_quant.cpp``): the CPU
+    has AMX with bf16, the kernels were built for it, and the OS lets this process use it."""
+    return available() and bool(torch.ops.specserve_cpu.amx_tiles())
 
 
 @contextlib.contextmanager
@@ -94,12 +106,26 @@ def build_name_and_flags() -> tuple[str, list[str]]:
     if capability.startswith("AVX512") and _avx512_vnni():
         flags.append("-mavx512vnni")  # cpu_quant.cpp's vpdpbusd
         capability += "_vnni"
+    if capability.startswith("AVX512_bf16") and _amx() and not _switched_off(AMX_SWITCH):
+        flags += ["-mamx-tile", "-mamx-bf16"]  # cpu_quant.cpp's tiles for many rows
+        capability += "_amx"
     headers = hashlib.sha256(b"".join(path.read_bytes() for path in _HEADERS)).hexdigest()[:16]
     return f"specserve_cpu_ops_{capability.lower()}", [f"-DSPECSERVE_HEADERS={headers}", *flags]
 
 
 def _avx512_bf16() -> bool:
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def _amx() -> bool:
+    """AMX tiles with bf16 products (Sapphire Rapids and later Xeons)."""
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return False
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in info)
+    except OSError:
+        return False
 
 
 def _avx512_vnni() -> bool:
@@ -125,8 +151,8 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
     scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
     32, VNNI integer dot products); ``scales`` and ``mins`` both float32, or both float16
     with groups of 32. ``bias``: float32. The result has ``x``'s dtype. From
-    ``dequant_rows`` rows on (0: never) W is unpacked to ``x``'s dtype for ATen's GEMM,
-    which reuses each weight over the rows (a prefill chunk)."""
+    ``dequant_rows`` rows on (0: never) W is unpacked, reusing each weight over the rows:
+    onto AMX tiles for bf16 ``x`` where ``amx_tiles()``, else to ``x``'s dtype for ATen's GEMM."""
     return torch.ops.specserve_cpu.quant_linear(x, packed, scales, mins, bits, group, bias, dequant_rows)
 
 

@@ -43,8 +43,10 @@
 // much per row at any M, while a library GEMM reuses each weight over many rows. There the
 // weight is unpacked in its own block order to x's dtype (scale · q + min, exact in fp32,
 // rounded once to bf16 for bf16 activations), x's columns are put in the same order, and
-// ATen's GEMM multiplies them. A row's result then
-// depends on M crossing the threshold: the deterministic mode passes 0 (never).
+// ATen's GEMM multiplies them; on a CPU with AMX, for bf16 activations, 64 weight rows at a
+// time are unpacked into tiles that stay in cache and multiplied on the tile unit instead
+// (cpu_quant.cpp: amx_linear). A row's result then depends on M crossing the threshold:
+// the deterministic mode passes 0 (never).
 #pragma once
 
 #include <ATen/ATen.h>

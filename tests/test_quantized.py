@@ -20,10 +20,12 @@ from specserve.gguf_weights import open_gguf
 from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
 from specserve.models.quantized import (
+    DEQUANT_ROWS,
     FORMATS,
     GGUFWeight,
     QuantLinear,
     decode,
+    default_dequant_rows,
     pack,
     quantize_activations,
 )
@@ -71,6 +73,7 @@ def test_the_kernel_computes_its_reference(kind):
         dense = decode(weight).dequantize()
         bias = torch.randn(40)
         layer = QuantLinear([(0, weight)], k, 40, bias)
+        layer.dequant_rows = 0  # the integer kernel at every row count
         for rows in (1, 2, 3, 4, 5, 9):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             want = reference(x, dense) + bias.double()
@@ -99,7 +102,7 @@ def test_many_rows_unpack_the_weight_exactly_for_a_library_gemm(kind):
         assert torch.equal(layer(torch.eye(k).bfloat16()), dense.bfloat16().T), (kind, k)
         bias = torch.randn(40)
         layer = QuantLinear([(0, weight)], k, 40, bias)
-        x = torch.randn(QuantLinear.dequant_rows + 3, k, generator=torch.Generator().manual_seed(k))
+        x = torch.randn(DEQUANT_ROWS + 3, k, generator=torch.Generator().manual_seed(k))
         want = x.double() @ dense.double().T + bias.double()
         assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, k)
         want16 = x.bfloat16().double() @ dense.bfloat16().double().T + bias.double()
@@ -123,6 +126,51 @@ def test_a_large_weight_is_unpacked_in_slices_exactly():
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0))
     want = x.double() @ dense.double().T + bias.double()
     assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+needs_amx = pytest.mark.skipif(not (cpu_ops.available() and cpu_ops.amx_tiles()), reason="no AMX tiles here")
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_amx_tiles_multiply_the_unpacked_weights(kind):
+    """On AMX, from ``dequant_rows`` rows on (bf16 activations): fed the identity, the layer
+    gives back every weight rounded once to bf16, bit for bit; on random rows, with a bias,
+    the bf16 weights times the bf16 inputs summed in fp32 and rounded once. Output rows
+    filling part of a 16-row tile and of a thread's 64, rows of x across 16-row blocks (one,
+    a pair, a lone last one), widths with an odd last chunk and with groups of 16."""
+    for k in WIDTHS[kind]:
+        for n in (40, 64, 100):
+            weight = random_weight(kind, n, k, seed=k + n)
+            dense = torch.from_numpy(decode(weight).dequantize()).bfloat16().double()
+            layer = QuantLinear([(0, weight)], k, n, None)
+            layer.dequant_rows = 1
+            assert torch.equal(layer(torch.eye(k).bfloat16()).double(), dense.T), (kind, k, n)
+            bias = torch.randn(n)
+            layer = QuantLinear([(0, weight)], k, n, bias)
+            layer.dequant_rows = 1
+            for rows in (1, 7, 16, 17, 33, 50):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16().double()
+                want = x @ dense.T + bias.double()
+                got = layer(x.bfloat16())
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                # fp32 sums (a few ulps of the magnitudes summed), then one rounding to bf16
+                bound = 1e-5 * (x.abs() @ dense.abs().T + bias.double().abs()) + 2.0 ** -8 * want.abs()
+                assert ((got.double() - want).abs() <= bound).all(), (kind, k, n, rows)
+
+
+@needs_amx
+def test_amx_tiles_give_a_row_the_same_bits_in_any_batch():
+    """Each output is summed over its inputs in one order whatever the number of rows: a
+    row's result on the tiles does not depend on the rows beside it."""
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536)):
+        layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, torch.randn(70))
+        layer.dequant_rows = 1
+        x = torch.randn(37, k).bfloat16()
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+        for rows in (2, 16, 17, 37):
+            batched = torch.cat([layer(x[i:i + rows]) for i in range(0, 37, rows)])
+            assert torch.equal(batched, alone), (kind, rows)
 
 
 @needs_cpu_kernels
@@ -458,7 +506,7 @@ def test_the_deterministic_mode_keeps_the_integer_kernel_for_any_rows(tmp_path):
     layer path and the one-call layers alike), so a prefill chunk's rows round as a
     decode row does; otherwise the switch is on."""
     files, _ = tiny_gguf(tmp_path)
-    for deterministic, want in ((True, 0), (False, QuantLinear.dequant_rows)):
+    for deterministic, want in ((True, 0), (False, default_dequant_rows())):
         backend = TorchAttentionBackend(cpu_kernels=True, deterministic=deterministic)
         model = build_model(files, load_hf_config(files), torch.bfloat16, CPU, backend, quantized=True)
         rows = {m.dequant_rows for m in model.modules() if isinstance(m, QuantLinear)}

@@ -26,10 +26,21 @@ from torch import nn
 from specserve.kernels import cpu_ops
 from specserve.models.packed_linear import replace_linears
 
-# Rows from which a QuantLinear unpacks its weight for a library GEMM (``QuantLinear``):
-# where unpacking costs less than the integer kernel's extra rows on the default model's
-# layers (benchmarks/results/gguf_cpu/).
+# Rows from which a QuantLinear unpacks its weight (``QuantLinear``): where unpacking costs
+# less than the integer kernel's extra rows on the default model's layers. For a library
+# GEMM, 32 (benchmarks/results/gguf_cpu/); onto AMX tiles, which never write the unpacked
+# weight out, 16: the crossover was ~8 rows at 2 threads and ~16-20 at 8 on the Xeons
+# measured (benchmarks/results/cpu_amx/). Below it a batch of a few requests' verify spans
+# round as their decode rows do, in the same kernel, and the start-up cost profile's
+# batches of 8 stay on the kernel a lone request's steps run.
 DEQUANT_ROWS = 32
+TILE_ROWS = 16
+
+
+def default_dequant_rows() -> int:
+    """``dequant_rows`` for a QuantLinear here: TILE_ROWS where the kernels multiply on AMX
+    tiles, else DEQUANT_ROWS."""
+    return TILE_ROWS if cpu_ops.amx_tiles() else DEQUANT_ROWS
 CHUNK = 64  # the kernel's inputs per weight vector: rows are padded to a multiple
 
 
@@ -225,12 +236,11 @@ class QuantLinear(nn.Module):
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
-    ``dequant_rows``: from this many rows on (a prefill chunk) the weight is unpacked to
-    the activations' dtype for ATen's GEMM, which reuses each weight over the rows, where
-    the integer kernel costs as much per row at any count (0: never, so that a row's
-    result does not depend on its batch: the deterministic mode)."""
-
-    dequant_rows = DEQUANT_ROWS
+    ``dequant_rows``: from this many rows on (a prefill chunk; on AMX, a batch of a few
+    requests) the weight is unpacked to bf16 onto AMX tiles, or to the activations' dtype
+    for ATen's GEMM, either reusing each weight over the rows, where the integer kernel
+    costs as much per row at any count (0: never, so that a row's result does not depend
+    on its batch: the deterministic mode). ``default_dequant_rows`` by default."""
 
     def __init__(self, parts: list[tuple[int, object]], in_features: int, out_features: int,
                  bias: torch.Tensor | None) -> None:
@@ -238,6 +248,7 @@ class QuantLinear(nn.Module):
         if not cpu_ops.available():
             raise ValueError("quantized weights run on the CPU through the C++ kernels, which are unavailable "
                              "here (see the log)")
+        self.dequant_rows = default_dequant_rows()
         self.in_features, self.out_features = in_features, out_features
         decoded = [w.decoded() for _, w in sorted(parts, key=lambda part: part[0])]
         merged = _merge(decoded)
