@@ -3,9 +3,9 @@ cross ``QuantLinear.dequant_rows`` (2026-12-04): N requests of 200 tokens of con
 feeding 1 + k tokens (k drafts), timed with the threshold at several values (the layer
 unpacks its weight for a library GEMM from that many rows on; a large value: never), for
 the decoder layers' projections (``--which layers``, the head's threshold left as it is) or
-for the LM head (``--which head``, the layers' left).
+for the LM head (``--which head``, the layers' left), or for all of them (``--which all``).
 
-    python verify_rows.py [--which layers|head] [--requests 24] [--rows 24,32,40] [--thresholds 32,48,100000]
+    python verify_rows.py [--which layers|head|all] [--requests 24] [--rows 24,32,40] [--thresholds 32,48,100000]
 """
 import argparse
 import json
@@ -23,7 +23,7 @@ from specserve.scheduler import ScheduledRequest, SchedulerOutput
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--which", choices=("layers", "head"), default="layers")
+    parser.add_argument("--which", choices=("layers", "head", "all"), default="layers")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rows", default="24,28,32,36,40,44,48,56,64,72",
                         help="rows a step feeds (the requests' spans differ by at most one)")
@@ -35,7 +35,7 @@ def main() -> None:
     engine = LLMEngine(speculative_method="none")
     runner = engine.runner
     head = runner.model.vocab_head if runner.model.vocab_ids is not None else runner.model.lm_head
-    layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear) and (m is head) == (args.which == "head")]
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear) and (args.which == "all" or (m is head) == (args.which == "head"))]
     block = engine.config.block_size
     per_req = -(-(args.context + 8) // block)
     params = SamplingParams(temperature=0)
