@@ -1,5 +1,5 @@
 // quant_linear: y = x · Wᵀ with W held in the quantized form of cpu_quant.h; from
-// ``dequant_rows`` rows on W is unpacked for a library GEMM (see cpu_quant.h).
+// ``dequant_rows`` rows on W is unpacked onto AMX tiles or for a library GEMM (see cpu_quant.h).
 // Registered (TORCH_LIBRARY_FRAGMENT) beside cpu_ops.cpp's ops as torch.ops.specserve_cpu.*.
 #include "cpu_quant.h"
 
@@ -188,7 +188,7 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
 
 #if defined(QUANT_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QUANT_AMX 1
-// Many rows on a CPU with AMX: W unpacked 16 output rows at a time into tiles that stay in
+// Many rows on a CPU with AMX: W unpacked 64 output rows at a time into tiles that stay in
 // L1/L2, multiplied by x's rows on the tile unit (TDPBF16PS: a 16 x 16 fp32 accumulator
 // tile += a 16 x 32 bf16 tile of weights by a 32 x 16 tile of x's rows, in 16 cycles),
 // nothing written to memory but y. The products are the unpacked path's: bf16 weights
@@ -236,9 +236,9 @@ constexpr int64_t kTileStride = 16 * kTileK + 32;
 // y [m, n] (bf16) = x [m, k] (bf16) · Wᵀ (+ bias).
 //
 // A thread takes 64 rows of W at a time, unpacked into [16-row block][step][row][32 inputs]
-// (one A tile per 16 rows and step), and runs four accumulator tiles side by side: one tile's products
-// wait on its last ones (TDPBF16PS's latency is several times its issue interval), four
-// keep the unit busy. Up to 16 rows of x: the four 16-row blocks of W against x; more:
+// (one A tile per 16 rows and step), and runs four accumulator tiles side by side: one
+// tile's products wait on its last ones (TDPBF16PS's latency is several times its issue
+// interval), four keep the unit busy. Up to 16 rows of x: the four 16-row blocks of W against x; more:
 // two blocks of W against two blocks of x, pair by pair.
 template <typename S>
 at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
@@ -361,7 +361,8 @@ at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
 
 // y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8 [N, Kp·bits/8],
 // ``scales``/``mins`` fp32 or fp16 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype. From
-// ``dequant_rows`` rows on (0: never), W is unpacked for a library GEMM (see the top).
+// ``dequant_rows`` rows on (0: never), W is unpacked onto AMX tiles (bf16 x, where the build
+// and the OS allow them) or for a library GEMM (see the top).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                         const at::Tensor& mins, int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias_in,
                         int64_t dequant_rows) {
