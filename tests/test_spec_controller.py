@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import SamplingParams
 from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.controller import DraftLengthController
-from specserve.spec.cost_model import CostModel, StepSample, target_features
+from specserve.models.quantized import QuantLinear, switch_rows
+from specserve.spec.cost_model import CostModel, StepCosts, StepSample, target_features
 from tiny_models import LLM32
 
 MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
@@ -568,6 +570,49 @@ def test_the_start_up_profile_prices_a_token_by_the_steps_a_lone_request_runs(ti
     speculator.profile_step_cost()
     token = speculator.controller.costs.target.theta[1]
     assert token == pytest.approx(0.006, rel=0.02)
+
+
+def test_the_fit_prices_tokens_on_each_side_of_the_kernels_switch():
+    """A pass whose projections run another way from 16 rows on (a quantized CPU layer on
+    AMX tiles: a fixed cost to unpack, then each row cheap) and on the integer kernel
+    below (each row dear): fitted on the start-up profile's kinds of step, a lone
+    request's verify tokens are priced at the small passes' slope and a batch's at the
+    large ones'. With one slope for both, a lone request's drafts were priced at a
+    fraction of their cost, and the plan drafted more than paid at batch 1."""
+    def cost(rows, reqs, context):
+        return 0.004 + 0.0003 * reqs + 0.002 * context / 1000 + (0.0016 * rows if rows < 16 else 0.012 + 0.0004 * rows)
+
+    profile = ((1, 0, 65), (1, 4, 65), (8, 0, 520), (8, 4, 520), (32, 0, 2080), (32, 4, 2080), (8, 0, 2056),
+               (32, 0, 8224), (8, 8, 528), (32, 32, 2112))
+    for switch in (16, 0):
+        costs = StepCosts(switch_rows=switch)
+        for reqs, drafts, context in profile:
+            rows = reqs + drafts
+            costs.observe(StepSample(cost(rows, reqs, context), num_tokens=rows, num_spans=min(drafts, reqs),
+                                     num_reqs=reqs, context=context))
+        if switch:
+            assert costs.token_price(5) == pytest.approx(0.0016, rel=0.05)
+            assert costs.token_price(24) == pytest.approx(0.0004, rel=0.05)
+            assert costs.target.predict(costs.features(5, 1, 69, 1, 0)) == pytest.approx(cost(5, 1, 69), rel=0.02)
+            assert costs.target.predict(costs.features(40, 24, 5000, 16, 0)) == pytest.approx(cost(40, 24, 5000),
+                                                                                               rel=0.02)
+        else:  # one slope: a lone request's tokens priced well below what they cost
+            assert costs.token_price(5) < 0.8 * 0.0016
+
+
+def test_the_engine_tells_the_fit_where_a_quantized_targets_kernels_switch():
+    """The controller's cost model learns the row count from which the target's quantized
+    layers unpack their weights (none for float weights)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert switch_rows(model) == 0
+    layer = QuantLinear.__new__(QuantLinear)
+    torch.nn.Module.__init__(layer)
+    layer.dequant_rows = 16
+    other = QuantLinear.__new__(QuantLinear)
+    torch.nn.Module.__init__(other)
+    other.dequant_rows = 0  # the deterministic mode's: never
+    assert switch_rows(torch.nn.Sequential(layer, other)) == 16
+    assert switch_rows(torch.nn.Sequential(other)) == 0
 
 
 def test_engine_with_adaptive_speculation_is_lossless_and_frees_blocks(tiny_model_dir):

@@ -37,6 +37,13 @@ DEQUANT_ROWS = 32
 TILE_ROWS = 16
 
 
+def switch_rows(model: nn.Module) -> int:
+    """The fewest rows from which a QuantLinear of ``model`` unpacks its weight, where a
+    pass's cost per row changes (0: none does)."""
+    return min((m.dequant_rows for m in model.modules() if isinstance(m, QuantLinear) and m.dequant_rows > 0),
+               default=0)
+
+
 def default_dequant_rows() -> int:
     """``dequant_rows`` for a QuantLinear here: TILE_ROWS where the kernels multiply on AMX
     tiles, else DEQUANT_ROWS."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.calibration import ConfidenceCalibration
-from specserve.spec.cost_model import StepCosts, StepSample, target_features
+from specserve.spec.cost_model import StepCosts, StepSample
 from specserve.spec.goodput import GoodputCheck
 from specserve.spec.planner import Prices, plan_draft_lengths
 from specserve.spec.stopping import StopRule
@@ -81,7 +81,7 @@ class DraftLengthController:
 
     def __init__(self, max_k: int, min_gain: float | None = None, check_goodput: bool = True,
                  forks: tuple[tuple[int, int], ...] = (), first_draft_in_catch_up: bool = False,
-                 confidence: bool = False) -> None:
+                 confidence: bool = False, switch_rows: int = 0) -> None:
         """``forks``: the further draft paths' (depth, rank) (``DraftPaths.forks``): a
         request drafting k tokens may verify one path more for each fork above depth k.
         ``first_draft_in_catch_up``: the drafter's catch-up yields the first proposals
@@ -89,7 +89,8 @@ class DraftLengthController:
         confidence (``spec.stopping``; not with further paths, which keep their static
         forks): the plan is then the most each request may draft, made with the
         calibration map's best case, and the drafter decides how much of it to use.
-        ``min_gain``: how much more goodput than none a plan with drafts must promise
+        ``switch_rows``: the rows from which the target's pass runs its projections
+        another way (``target_features``; 0: none). ``min_gain``: how much more goodput than none a plan with drafts must promise
         (None: ``MIN_GAIN``, read when the controller is made)."""
         self.max_k = max_k
         self.calibration = ConfidenceCalibration() if confidence and not forks else None
@@ -99,7 +100,7 @@ class DraftLengthController:
         # Per-request acceptance, what the plan reads without a map (with one it reads the
         # map's best case, and the drafter judges each token): not kept where unread.
         self.estimates = AcceptanceEstimates(max_k, len(forks) + 1) if self.calibration is None else None
-        self.costs = StepCosts(first_draft_in_catch_up)
+        self.costs = StepCosts(first_draft_in_catch_up, switch_rows)
         self.unforked: set[str] = set()  # the last choice's requests to verify their own path only
         self.min_gain = MIN_GAIN if min_gain is None else min_gain
         self.measured_plain = True  # the plan without drafts priced as its kind's steps showed; False: by the fit
@@ -325,9 +326,11 @@ class DraftLengthController:
         theta = self.costs.target.theta
         o, d, e = self.costs.draft.theta
         prices = Prices(
-            fixed=self.costs.target.predict(target_features(num_reqs, num_reqs + num_other_spans, context, 0,
-                                                            num_reqs if padded else 0, num_other_tokens)),
-            token=theta[1], span=theta[4], padded_token=theta[5] if padded else 0.0,
+            fixed=self.costs.target.predict(self.costs.features(num_reqs, num_reqs + num_other_spans, context, 0,
+                                                                num_reqs if padded else 0, num_other_tokens)),
+            # (drafts priced on the side of the kernels' switch the step starts on)
+            token=self.costs.token_price(num_reqs + num_other_tokens), span=theta[4],
+            padded_token=theta[5] if padded else 0.0,
             draft_pass=d, draft_token=e, draft_fixed=o,
             plain=(check.plain_step(num_reqs) if self.measured_plain and check is not None and not num_other_tokens
                    else None) or 0.0)

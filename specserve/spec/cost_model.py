@@ -160,12 +160,18 @@ class StepSample:
 
 
 def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
-                    num_prefill: int = 0) -> list[float]:
+                    num_prefill: int = 0, switch_rows: int = 0) -> list[float]:
     """The target cost model's inputs: decode/verify tokens, requests, context (in
     thousands of tokens, to keep the fit's columns alike in scale), verify spans, padded
-    tokens, prefill tokens and whether the step has any."""
-    return [1.0, num_tokens, num_reqs, context / 1000.0, num_spans, num_padded, num_prefill,
-            1.0 if num_prefill else 0.0]
+    tokens, prefill tokens and whether the step has any; then whether the pass's rows
+    (its tokens and prefill tokens) reach ``switch_rows`` (0: no such count), and its
+    decode/verify tokens there. From that many rows a pass runs its projections another
+    way (a quantized CPU layer unpacks its weight: ``QuantLinear.dequant_rows``), at another
+    cost per token with a fixed cost of its own; one slope for both priced a lone request's
+    verify tokens at a batch's."""
+    above = 0 < switch_rows <= num_tokens + num_prefill
+    return [1.0, 0 if above else num_tokens, num_reqs, context / 1000.0, num_spans, num_padded, num_prefill,
+            1.0 if num_prefill else 0.0, 1.0 if above else 0.0, num_tokens if above else 0]
 
 
 def draft_features(passes: int, num_drafting: int, drafting: bool = True) -> list[float]:
@@ -182,12 +188,25 @@ class StepCosts:
     is, and that pass yields the first proposals (a draft model): a draft depth D costs
     D - 1 passes of the drafter, not D. The catch-up's time is the target's where steps
     without drafts wait for it too, else (fed after the target's pass in those,
-    ``Speculator.catch_up``) the drafter's fixed part: what drafting at all costs."""
+    ``Speculator.catch_up``) the drafter's fixed part: what drafting at all costs.
+    ``switch_rows``: the target's (``target_features``)."""
 
-    def __init__(self, first_draft_in_catch_up: bool = False) -> None:
-        self.target = CostModel(8)  # target_features -> seconds
-        self.draft = CostModel(3)   # draft_features -> seconds
+    def __init__(self, first_draft_in_catch_up: bool = False, switch_rows: int = 0) -> None:
+        self.target = CostModel(10)  # target_features -> seconds
+        self.draft = CostModel(3)    # draft_features -> seconds
         self.first_free = int(first_draft_in_catch_up)
+        self.switch_rows = switch_rows
+
+    def features(self, num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
+                 num_prefill: int = 0) -> list[float]:
+        """``target_features`` of a pass of this target."""
+        return target_features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill, self.switch_rows)
+
+    def token_price(self, rows: int) -> float:
+        """What a further decode/verify token costs a pass of ``rows`` rows: the fit's slope
+        on that side of ``switch_rows``."""
+        theta = self.target.theta
+        return float(theta[9] if 0 < self.switch_rows <= rows else theta[1])
 
     def drafter_passes(self, depths: np.ndarray) -> np.ndarray:
         """The drafter's sequential passes a draft depth costs."""
@@ -195,8 +214,8 @@ class StepCosts:
 
     def observe(self, sample: StepSample) -> None:
         if sample.target_s is not None:
-            self.target.observe(target_features(sample.num_tokens, sample.num_reqs, sample.context,
-                                                sample.num_spans, sample.num_padded, sample.num_prefill),
+            self.target.observe(self.features(sample.num_tokens, sample.num_reqs, sample.context,
+                                              sample.num_spans, sample.num_padded, sample.num_prefill),
                                 sample.target_s)
         if sample.depth > 0:
             self.draft.observe(draft_features(self.drafter_passes(sample.depth), sample.num_drafting), sample.draft_s)

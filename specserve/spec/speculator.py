@@ -19,6 +19,7 @@ from specserve.errors import RanksOutOfStepError, SpecserveError
 from specserve.kv_cache import KVCacheManager
 from specserve.metrics import SpecDecodeStats
 from specserve.model_runner import ModelRunner
+from specserve.models.quantized import switch_rows
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerOutput, StepResult
@@ -172,7 +173,7 @@ class Speculator:
                     drafter.catch_up_lazily()  # drafting nothing then costs nothing
                 self.controller = DraftLengthController(self.max_k, forks=tuple(self.paths.forks),
                                                         first_draft_in_catch_up=drafter.first_draft_in_catch_up,
-                                                        confidence=confidence)
+                                                        confidence=confidence, switch_rows=switch_rows(runner.model))
 
     def _stops_by_confidence(self) -> bool:
         """Whether drafting stops token by token (``draft_stopping``): ``auto`` does on a
