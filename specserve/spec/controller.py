@@ -90,8 +90,9 @@ class DraftLengthController:
         forks): the plan is then the most each request may draft, made with the
         calibration map's best case, and the drafter decides how much of it to use.
         ``switch_rows``: the rows from which the target's pass runs its projections
-        another way (``target_features``; 0: none). ``min_gain``: how much more goodput than none a plan with drafts must promise
-        (None: ``MIN_GAIN``, read when the controller is made)."""
+        another way (``target_features``; 0: none). ``min_gain``: how much more goodput
+        than none a plan with drafts must promise (None: ``MIN_GAIN``, read when the
+        controller is made)."""
         self.max_k = max_k
         self.calibration = ConfidenceCalibration() if confidence and not forks else None
         self.stop: StopRule | None = None  # the last choice's stopping rule (None: drafts as planned)
