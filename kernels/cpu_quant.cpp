@@ -236,10 +236,10 @@ constexpr int64_t kTileStride = 16 * kTileK + 32;
 // y [m, n] (bf16) = x [m, k] (bf16) · Wᵀ (+ bias).
 //
 // A thread takes 64 rows of W at a time, unpacked into [16-row block][step][row][32 inputs]
-// (one A tile per 16 rows and step), and runs four accumulator tiles side by side: one
-// tile's products wait on its last ones (TDPBF16PS's latency is several times its issue
-// interval), four keep the unit busy. Up to 16 rows of x: the four 16-row blocks of W against x; more:
-// two blocks of W against two blocks of x, pair by pair.
+// (one A tile per 16 rows and step), and multiplies them with four accumulator tiles side
+// by side, so that each tile of x loaded serves four blocks of W. Up to 16 rows of x: the
+// four 16-row blocks of W against x; more: two blocks of W against two blocks of x, pair
+// by pair.
 template <typename S>
 at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
   const int64_t m = x.size(0), k = x.size(1), n = wt.n, kp = wt.kp, group = wt.group, bits = wt.bits;

@@ -600,9 +600,10 @@ def test_the_fit_prices_tokens_on_each_side_of_the_kernels_switch():
             assert costs.token_price(5) < 0.8 * 0.0016
 
 
-def test_the_engine_tells_the_fit_where_a_quantized_targets_kernels_switch():
-    """The controller's cost model learns the row count from which the target's quantized
-    layers unpack their weights (none for float weights)."""
+def test_a_models_switch_is_the_fewest_rows_a_quantized_layer_unpacks_from():
+    """``switch_rows``, which the speculator gives the cost model: the fewest rows from which
+    a quantized layer of the target unpacks its weight; none for float weights, nor for
+    layers that never unpack (the deterministic mode)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert switch_rows(model) == 0
     layer = QuantLinear.__new__(QuantLinear)
