@@ -277,21 +277,46 @@ class ModelDrafter:
                                                   ranks)
         columns, q_columns, tops = [tokens], [q], [top]
         n = len(active)
+        # Where the stopping rule judges each row and nothing else follows the rows'
+        # order (no logits processing, no tree), a pass runs only the rows still drafting
+        # (``passes_rows``: each pass's rows, as ranks in ``order``), as the rule prices
+        # it; else the rows up to the last one still drafting, a prefix, as the rows
+        # were sorted for.
+        compact = session is not None and process is None and not ranks
+        if session is not None:
+            session.compact = compact
+        everyone, alive = active, list(range(n))
+        passes_rows = [alive] if compact else None
         for j in range(1, active[0].num_lookahead):
-            n = sum(p.num_lookahead > j for p in active) if session is None else \
-                session.after(j - 1, confidence[:n].tolist())
+            if session is None:
+                n = sum(p.num_lookahead > j for p in active)
+            else:
+                n = session.after(j - 1, _by_rank(confidence, alive) if compact else confidence[:n].tolist())
             if n == 0:
                 break
-            active = active[:n]
+            if compact:
+                going, where = session.running, {r: p for p, r in enumerate(alive)}
+                picks = [where[r] for r in going]
+                inputs = tokens[:len(picks)] if picks == list(range(len(picks))) else \
+                    tokens.index_select(0, to_device([picks], torch.int64, self.device)[0])
+                alive, n = going, len(going)
+                passes_rows.append(alive)
+                active = [everyone[r] for r in alive]
+                rows_meta = meta and _rows(meta, alive)
+            else:
+                inputs = tokens[:n]
+                alive = list(range(n))
+                active = active[:n]
+                rows_meta = meta and _head(meta, n)
             if process is not None:
                 process = process.head(n)
-                process.advance(tokens[:n])
+                process.advance(inputs)
             # Feed the step-(j-1) proposal d_j at position end + j - 1; its id is on the device.
-            step = [ScheduledRequest(p.req_id, [0], ends[i] + j - 1, p.block_table, p.params,
-                                     long_rope=p.long_rope) for i, p in zip(order, active)]
-            logits = self._forward(step, DeviceTokenIds(tokens[:n], [1] * n))
-            tokens, q, confidence, top = self._choose(logits, active, [ends[i] + j for i in order[:n]],
-                                                      meta and _head(meta, n), forks[:n] if forking else None, j,
+            step = [ScheduledRequest(p.req_id, [0], ends[order[r]] + j - 1, p.block_table, p.params,
+                                     long_rope=p.long_rope) for r, p in zip(alive, active)]
+            logits = self._forward(step, DeviceTokenIds(inputs, [1] * n))
+            tokens, q, confidence, top = self._choose(logits, active, [ends[order[r]] + j for r in alive],
+                                                      rows_meta, forks[:n] if forking else None, j,
                                                       process, session is not None, ranks)
             columns.append(tokens)
             q_columns.append(q)
@@ -300,7 +325,7 @@ class ModelDrafter:
                 for p, fork in zip(active, forks):
                     if fork is None:  # a request's paths feed the same positions
                         self._fed[p.req_id] += 1
-        proposal = self._proposal(scheduled, order, columns, q_columns, session, confidence, n)
+        proposal = self._proposal(scheduled, order, columns, q_columns, session, confidence, n, passes_rows)
         if ranks:
             self._tree_material(proposal, scheduled, order, tops)
         return proposal
@@ -314,24 +339,27 @@ class ModelDrafter:
         return indices.tolist(), probs.tolist()
 
     def _proposal(self, scheduled, order, columns, q_columns, session: DraftStop | None,
-                  confidence: torch.Tensor | None, n: int) -> DraftProposal:
+                  confidence: torch.Tensor | None, n: int, passes_rows: list[list[int]] | None = None) -> DraftProposal:
         """The step's proposals: every planned draft, or with ``session`` the ones its
-        stopping rule kept (its last pass's ``n`` rows' ``confidence`` judged first)."""
+        stopping rule kept (its last pass's ``n`` rows' ``confidence`` judged first).
+        ``passes_rows``: each pass's rows as ranks in ``order`` (None: a prefix of it)."""
         if session is None:
             draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns)
             return DraftProposal([[0] * p.num_lookahead for p in scheduled], draft_probs, draft_ids)
         if session.judged < len(columns):  # the last pass's tokens are still to be judged
-            session.after(len(columns) - 1, confidence[:n].tolist())
+            session.after(len(columns) - 1, confidence[:n].tolist() if passes_rows is None else
+                          _by_rank(confidence, passes_rows[-1]))
         rank = {i: r for r, i in enumerate(order)}
         lengths = [session.kept[rank[i]] if i in rank else 0 for i in range(len(scheduled))]
-        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns, lengths)
+        draft_ids, draft_probs = self._in_schedule_order(scheduled, order, columns, q_columns, lengths, passes_rows)
         dropped: list[tuple[int, int, float] | None] = [None] * len(scheduled)
         depths = {miss[0] for miss in session.dropped if miss is not None}
         if depths:  # their tokens, from the device (a CPU's, where drafting stops by confidence)
             tokens = {d: columns[d].tolist() for d in depths}
             for r, miss in enumerate(session.dropped):
                 if miss is not None:
-                    dropped[order[r]] = (miss[0], tokens[miss[0]][r], miss[1])
+                    at = r if passes_rows is None else passes_rows[miss[0]].index(r)
+                    dropped[order[r]] = (miss[0], tokens[miss[0]][at], miss[1])
         return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
                              session.passes, dropped, goodput=session.gain / session.time)
@@ -381,11 +409,12 @@ class ModelDrafter:
             at = [(firsts[j] + r) * width for j in range(counts[i])]
             proposal.candidates[i] = [(flat_tokens[a:a + width], flat_probs[a:a + width]) for a in at]
 
-    def _in_schedule_order(self, scheduled, order, columns, q_columns, lengths: list[int] | None = None):
+    def _in_schedule_order(self, scheduled, order, columns, q_columns, lengths: list[int] | None = None,
+                           passes_rows: list[list[int]] | None = None):
         """Proposals ``[Σ k_i]`` (and q rows ``[Σ k_i, vocab]``) request by request in
         schedule order, from the per-step ``columns`` over (a prefix of) ``order``, the
-        drafting entries' indices in ``scheduled``; ``lengths``: how many of its drafts
-        each entry keeps (None: its k)."""
+        drafting entries' indices in ``scheduled``, or over each pass's ``passes_rows``
+        (ranks in ``order``); ``lengths``: how many of its drafts each entry keeps (None: its k)."""
         sampled = q_columns[0] is not None
         if lengths is None:
             lengths = [p.num_lookahead for p in scheduled]
@@ -394,8 +423,9 @@ class ModelDrafter:
             return torch.stack(columns, dim=1).view(-1), q
         starts = [0, *accumulate(len(c) for c in columns)]
         rank = {i: r for r, i in enumerate(order)}
-        (index,) = to_device([[starts[j] + rank[i] for i, k in enumerate(lengths) for j in range(k)]],
-                             torch.int64, self.device)
+        at = None if passes_rows is None else [{r: p for p, r in enumerate(rows)} for rows in passes_rows]
+        (index,) = to_device([[starts[j] + (rank[i] if at is None else at[j][rank[i]])
+                               for i, k in enumerate(lengths) for j in range(k)]], torch.int64, self.device)
         q = torch.cat(q_columns).index_select(0, index) if sampled else None
         return torch.cat(columns).index_select(0, index), q
 
@@ -515,6 +545,24 @@ def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], devic
         candidate = masked.argmax(dim=-1)
         chosen = torch.where(ranks_t == rank, candidate, chosen)
     return chosen
+
+
+def _by_rank(confidence: torch.Tensor, rows: list[int]) -> list[float]:
+    """A pass's confidences (one per row it ran, ``rows`` as ranks) as the stopping rule
+    reads them, by rank: 0 for the rows it did not run (no longer drafting)."""
+    values = confidence.tolist()
+    out = [0.0] * (max(rows) + 1)
+    for r, c in zip(rows, values):
+        out[r] = c
+    return out
+
+
+def _rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
+    """Those ``rows``' settings."""
+    index = torch.tensor(rows, dtype=torch.long, device=meta.temperature.device)
+    return dataclasses.replace(meta, temperature=meta.temperature.index_select(0, index),
+                               top_k=meta.top_k.index_select(0, index), top_p=meta.top_p.index_select(0, index),
+                               min_p=meta.min_p.index_select(0, index))
 
 
 def _head(meta: SamplingMetadata, n: int) -> SamplingMetadata:

@@ -235,6 +235,46 @@ def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tm
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_a_draft_pass_runs_only_the_rows_still_drafting(tiny_model_dir, near):
+    """Rows are ordered by their planned k, so the rows the rule keeps drafting need not be
+    the first ones: each further pass of a draft model runs those rows only, as the rule
+    prices a pass (where it ran every row up to the last one going, a batch's stopped rows
+    cost each pass), and greedy output stays plain greedy's."""
+    from specserve.spec.stopping import DraftStop
+
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=5,
+                speculative_adaptive=False, **SMALL)
+    force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+    drafter = llm.engine.speculator.drafter
+    decided, ran = [], []
+    next_pass, forward = DraftStop._next_pass, drafter._forward
+
+    def judged(self, *args):
+        n = next_pass(self, *args)
+        decided.append(list(self.running) if n else None)
+        return n
+
+    def counted(entries, device_ids=None):
+        if device_ids is not None:  # a further pass (fed the last pass's proposals on the device)
+            ran.append(len(entries))
+        return forward(entries, device_ids)
+
+    DraftStop._next_pass = judged
+    drafter._forward = counted
+    try:
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        DraftStop._next_pass = next_pass
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    going = [rows for rows in decided if rows]
+    assert ran == [len(rows) for rows in going]
+    assert any(rows != list(range(len(rows))) for rows in going)  # some pass skipped a stopped row
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):
     """Adaptive with a draft model, stopping by confidence (the default on a CPU): the rule runs, the
     map learns from the verified tokens, and greedy output is plain greedy's."""

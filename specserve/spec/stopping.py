@@ -69,6 +69,10 @@ class DraftStop:
         self.depth = 0                    # deepest kept draft so far
         self.passes = 1                   # drafter passes run (the first yields depth 0)
         self.judged = 0                   # depths judged so far
+        self.running: list[int] = []      # the rows the next pass runs (``_next_pass``)
+        # Whether the drafter's passes run only the rows still drafting (``running``), as
+        # the rule prices them; else the first rows up to the last of them.
+        self.compact = False
 
     def after(self, depth: int, confidence: list[float]) -> int:
         """Rows ``[0, len(confidence))`` drafted their token at ``depth`` with these
@@ -128,10 +132,11 @@ class DraftStop:
         for r in keep:
             if self.caps[r] <= depth + 1:
                 self.going[r] = False
-        running = pinned + going
+        running = sorted(pinned + going)
+        self.running = running
         if not running:
             return 0
-        n = max(running) + 1
+        n = running[-1] + 1
         self.passes += 1
-        self.time += prices.draft_pass + prices.draft_token * n
+        self.time += prices.draft_pass + prices.draft_token * (len(running) if self.compact else n)
         return n
