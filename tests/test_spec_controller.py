@@ -600,6 +600,43 @@ def test_the_fit_prices_tokens_on_each_side_of_the_kernels_switch():
             assert costs.token_price(5) < 0.8 * 0.0016
 
 
+def test_drafts_that_carry_a_step_past_the_kernels_switch_are_priced_on_that_side():
+    """14 requests run on the integer kernel (each row dear); with a draft each their 28
+    rows run on AMX tiles, where the whole pass costs about what the 14 rows alone did. The
+    plan prices drafts that carry a step past the switch on the side they reach, so it
+    drafts there; priced at the slope of the side the step starts on (as before), drafts
+    never paid at such a batch. Where the other side costs more (a dear fixed cost of its
+    own), it still drafts nothing, as it does where the fit has never timed that side."""
+    def cost(rows, reqs, context, fixed_above):
+        return 0.004 + 0.0003 * reqs + 0.002 * context / 1000 + (
+            0.0016 * rows if rows < 16 else fixed_above + 0.0004 * rows)
+
+    profile = ((1, 0, 65), (1, 4, 65), (8, 0, 520), (8, 4, 520), (32, 0, 2080), (32, 4, 2080), (8, 0, 2056),
+               (32, 0, 8224), (8, 8, 528), (32, 32, 2112))
+
+    def planned(fixed_above, seen=True):
+        switch = 16
+        ctl = DraftLengthController(4, switch_rows=switch)
+        for reqs, drafts, context in profile:
+            rows = reqs + drafts
+            if seen or rows < switch:
+                ctl.observe_step(StepSample(cost(rows, reqs, context, fixed_above), num_tokens=rows,
+                                            num_spans=min(drafts, reqs), num_reqs=reqs, context=context))
+        for depth, reqs in ((1, 1), (2, 8), (3, 14), (4, 32)):  # a pass 0.5 ms, 20 us a request
+            ctl.observe_step(StepSample(None, depth=depth, num_drafting=reqs,
+                                        draft_s=(depth - 1) * (0.0005 + 0.00002 * reqs)))
+        caps = {f"r{i}": 4 for i in range(14)}
+        for req_id in caps:  # a first draft accepted half the time, none after it
+            for t in range(30):
+                ctl.observe_acceptance(req_id, DraftOutcome(4, 4, t % 2))
+        return ctl.choose(caps, context=14 * 100)
+
+    crossing = planned(fixed_above=0.012)
+    assert 14 + sum(crossing.values()) >= 16 and set(crossing.values()) == {1}
+    assert sum(planned(fixed_above=0.200).values()) == 0  # past the switch a pass costs far more
+    assert sum(planned(fixed_above=0.012, seen=False).values()) == 0  # that side never timed
+
+
 def test_a_models_switch_is_the_fewest_rows_a_quantized_layer_unpacks_from():
     """``switch_rows``, which the speculator gives the cost model: the fewest rows from which
     a quantized layer of the target unpacks its weight; none for float weights, nor for

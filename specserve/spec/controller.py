@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Container
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -326,11 +326,12 @@ class DraftLengthController:
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), self.max_k)
         theta = self.costs.target.theta
         o, d, e = self.costs.draft.theta
+        step_rows = num_reqs + num_other_tokens
+        shape = (num_reqs, num_reqs + num_other_spans, context, 0, num_reqs if padded else 0, num_other_tokens)
         prices = Prices(
-            fixed=self.costs.target.predict(self.costs.features(num_reqs, num_reqs + num_other_spans, context, 0,
-                                                                num_reqs if padded else 0, num_other_tokens)),
-            # (drafts priced on the side of the kernels' switch the step starts on)
-            token=self.costs.token_price(num_reqs + num_other_tokens), span=theta[4],
+            fixed=self.costs.target.predict(self.costs.features(*shape)),
+            # (drafts priced on the side of the kernels' switch the step starts on; see below)
+            token=self.costs.token_price(step_rows), span=theta[4],
             padded_token=theta[5] if padded else 0.0,
             draft_pass=d, draft_token=e, draft_fixed=o,
             plain=(check.plain_step(num_reqs) if self.measured_plain and check is not None and not num_other_tokens
@@ -347,9 +348,24 @@ class DraftLengthController:
             rows = estimates.rows(req_ids)
             estimates.drift_idle(rows, steps)  # not observed since the last plan: trusted a little less
             alpha, rate, path_gain = estimates.alpha[rows], estimates.rate[rows], estimates.path_gain
-        k, chain_only = plan_draft_lengths(
-            alpha, rate, cap, prices, self.costs.drafter_passes(np.arange(self.max_k + 1)), self.min_gain,
-            self._paths, path_gain, can_fork)
+        passes = self.costs.drafter_passes(np.arange(self.max_k + 1))
+        k, chain_only, goodput = plan_draft_lengths(alpha, rate, cap, prices, passes, self.min_gain, self._paths,
+                                                    path_gain, can_fork)
+        switch = self.costs.switch_rows
+        if 0 < step_rows < switch <= step_rows + int(cap.sum()) and self.costs.seen_above():
+            # The step starts below the rows where the pass runs its projections another
+            # way, and its drafts may carry it past them: there the whole pass costs what
+            # that side's fit says, its fixed cost and every token at its slope (a quantized
+            # CPU layer on AMX tiles: 14 requests and 14 drafts can cost less than the 14
+            # requests alone on the integer kernel). Priced on the side it starts on, such a
+            # batch (a burst's tail, draining) drafted nothing step after step. The plan that
+            # promises more is taken, this one only where its drafts do reach the switch.
+            crossing = replace(prices, fixed=self.costs.target.predict(self.costs.features(*shape, above=True)),
+                               token=float(theta[9]))
+            k_over, chain_over, over = plan_draft_lengths(alpha, rate, cap, crossing, passes, self.min_gain,
+                                                          self._paths, path_gain, can_fork)
+            if over > goodput and step_rows + int(k_over.sum()) >= switch:
+                k, chain_only, prices = k_over, chain_over, crossing
         if estimates is not None:
             estimates.idle[rows] = (k == 0) & (cap > 0)
         if chain_only is None:

@@ -34,6 +34,7 @@ import numpy as np
 OUTLIER_RATIO = 2.0   # a measured cost is clipped at this multiple of the prediction
 RESOLVE_ERROR = 0.25  # a fit is solved at once for a sample off by more than this
 RESOLVE_EVERY = 8     # and else every this many samples
+SEEN_WEIGHT = 0.05    # a side of the kernels' switch is known from this much sample weight on (``seen_above``)
 
 
 class CostModel:
@@ -160,7 +161,7 @@ class StepSample:
 
 
 def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
-                    num_prefill: int = 0, switch_rows: int = 0) -> list[float]:
+                    num_prefill: int = 0, switch_rows: int = 0, above: bool | None = None) -> list[float]:
     """The target cost model's inputs: decode/verify tokens, requests, context (in
     thousands of tokens, to keep the fit's columns alike in scale), verify spans, padded
     tokens, prefill tokens and whether the step has any; then whether the pass's rows
@@ -168,8 +169,11 @@ def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int
     decode/verify tokens there. From that many rows a pass runs its projections another
     way (a quantized CPU layer unpacks its weight: ``QuantLinear.dequant_rows``), at another
     cost per token with a fixed cost of its own; one slope for both priced a lone request's
-    verify tokens at a batch's."""
-    above = 0 < switch_rows <= num_tokens + num_prefill
+    verify tokens at a batch's. ``above``: the pass priced on that side of the switch
+    whatever its rows (None: by its rows)."""
+    if above is None:
+        above = 0 < switch_rows <= num_tokens + num_prefill
+    above = above and switch_rows > 0
     return [1.0, 0 if above else num_tokens, num_reqs, context / 1000.0, num_spans, num_padded, num_prefill,
             1.0 if num_prefill else 0.0, 1.0 if above else 0.0, num_tokens if above else 0]
 
@@ -198,15 +202,22 @@ class StepCosts:
         self.switch_rows = switch_rows
 
     def features(self, num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
-                 num_prefill: int = 0) -> list[float]:
+                 num_prefill: int = 0, above: bool | None = None) -> list[float]:
         """``target_features`` of a pass of this target."""
-        return target_features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill, self.switch_rows)
+        return target_features(num_tokens, num_reqs, context, num_spans, num_padded, num_prefill, self.switch_rows,
+                               above)
 
     def token_price(self, rows: int) -> float:
         """What a further decode/verify token costs a pass of ``rows`` rows: the fit's slope
         on that side of ``switch_rows``."""
         theta = self.target.theta
         return float(theta[9] if 0 < self.switch_rows <= rows else theta[1])
+
+    def seen_above(self) -> bool:
+        """Whether the target's fit has timed passes at or above ``switch_rows`` (the
+        start-up profile's batches of 32, or steps since): it prices that side only then."""
+        target = self.target
+        return self.switch_rows > 0 and float(target.anchor_xtx[8, 8] + target.xtx[8, 8]) > SEEN_WEIGHT
 
     def drafter_passes(self, depths: np.ndarray) -> np.ndarray:
         """The drafter's sequential passes a draft depth costs."""

@@ -52,7 +52,9 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
     drafter passes per draft depth. Draft paths (all three or none): ``paths``
     ``[max_k + 1]`` paths a forking request verifies at each k, ``path_gain`` extra
     accepted tokens per number of paths, ``can_fork`` ``[n]`` which requests may fork.
-    Returns ``(k [n], chain_only [n] or None)``; None when no request may fork."""
+    Returns ``(k [n], chain_only [n] or None, goodput)``: chain_only None when no request
+    may fork; goodput the plan's expected emitted tokens per second under ``prices`` (the
+    bar, raised by the margin, where no plan with drafts beats it)."""
     num_reqs, max_k = alpha.shape
     rate = rate[:, None]
     b, c, e = prices.token, prices.span, prices.draft_token
@@ -102,6 +104,6 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
             break
         k, ratio, fork = new_k, new_ratio, new_fork
     if can_fork is None:
-        return k, None
+        return k, None, ratio
     chain_only = can_fork & (k > 0) if fork is None else can_fork & (k > 0) & ~fork[every, k]
-    return k, chain_only
+    return k, chain_only, ratio
