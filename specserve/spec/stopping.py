@@ -75,9 +75,10 @@ class DraftStop:
         self.compact = False
 
     def after(self, depth: int, confidence: list[float]) -> int:
-        """Rows ``[0, len(confidence))`` drafted their token at ``depth`` with these
-        confidences: which keep it, and how many first rows the next pass must run (0:
-        drafting ends)."""
+        """The rows still drafting among ``[0, len(confidence))`` drafted their token at
+        ``depth`` with these confidences (the other rows' entries are not read): which
+        keep it, and how many first rows hold those that draft on (0: drafting ends;
+        ``running`` names them)."""
         rule, prices = self.rule, self.rule.prices
         cal = rule.calibration
         self.judged = depth + 1
