@@ -1,6 +1,13 @@
-import sys, statistics
+"""Speculation off, three default engines and fixed k = 1 in one process, taking turns:
+output tokens/s of each over off's per round. Needs switches.patch applied (the attributes
+that turn each change off in one engine). PYTHONPATH=$PWD python ab.py ROUNDS WORKLOAD
+"""
+import statistics
+import sys
+
 from specserve import LLMEngine
 from specserve.bench.offline import load_workload, prompt_ids, run_offline, warm_up
+
 rounds = int(sys.argv[1]); workload = sys.argv[2]
 engines = {"off": LLMEngine(speculative_method="none"), "new": LLMEngine(speculative_method="draft_model"),
            "compact": LLMEngine(speculative_method="draft_model"), "old": LLMEngine(speculative_method="draft_model"),

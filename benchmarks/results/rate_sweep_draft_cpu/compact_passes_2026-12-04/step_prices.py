@@ -1,9 +1,12 @@
 """Controlled: a step of B requests, each drafting k (verify pass), and draft passes over n rows,
 timed; beside the cost model's prices after the start-up profile."""
-import sys, time, statistics
-import torch
+import statistics
+import sys
+import time
+
 from specserve import LLMEngine, SamplingParams
 from specserve.scheduler import ScheduledRequest, SchedulerOutput
+
 e = LLMEngine(speculative_method="draft_model")
 sp = e.speculator
 ctl = sp.controller

@@ -1,8 +1,18 @@
-import statistics, sys, json, time as _t
+"""Speculation off, the default and fixed k = 1 in one process, ROUNDS bursts of 24 WORKLOAD
+prompts queued at once each, taking turns; every step of the default recorded (requests,
+kept drafts, tokens, time, the plan's prices, the goodput check) into trace_WORKLOAD.json.
+From the repository root: PYTHONPATH=$PWD python trace.py ROUNDS WORKLOAD
+"""
+import json
+import statistics
+import sys
+import time as _t
+
 from specserve import LLMEngine
+from specserve import engine as _E
 from specserve.bench.offline import load_workload, prompt_ids, run_offline, warm_up
 from specserve.spec import speculator as S
-from specserve import engine as _E
+
 LOG = []
 orig = S.Speculator._learn_cost
 def _learn_cost(self, choice, drafts, emitted, elapsed):
@@ -22,6 +32,7 @@ def _learn_cost(self, choice, drafts, emitted, elapsed):
     return out
 S.Speculator._learn_cost = _learn_cost
 from specserve.spec import stopping as ST
+
 CUR = {}
 _begin = ST.StopRule.begin
 def begin(self, rows):
@@ -77,4 +88,5 @@ for r in range(rounds):
         pl = [x for x in st if not x['dr']]
         print(f"  {nm}: steps {len(st)} total {tot:.2f}s drafted {len(dr)} ({sum(x['el'] for x in dr):.2f}s, em {sum(x['em'] for x in dr)}, draft_s {sum(x['ds'] for x in dr):.2f}) "
               f"plain {len(pl)} ({sum(x['el'] for x in pl):.2f}s, em {sum(x['em'] for x in pl)}) backlog {sum(x['bl'] for x in st):.2f}s", flush=True)
-json.dump(allsteps, open(f"/tmp/s42/trace_{workload}.json", "w"))
+with open(f"trace_{workload}.json", "w") as out:  # every default step of every round
+    json.dump(allsteps, out)

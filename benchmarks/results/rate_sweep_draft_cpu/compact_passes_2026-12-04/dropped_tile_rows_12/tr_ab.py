@@ -1,9 +1,12 @@
 """24 prompts queued at once: speculation off and the default, with quantized layers on AMX
 tiles from 16 rows and from 12, all four engines in one process taking turns."""
-import sys, statistics
+import statistics
+import sys
+
 import specserve.models.quantized as Q
 from specserve import LLMEngine
 from specserve.bench.offline import load_workload, prompt_ids, run_offline, warm_up
+
 rounds = int(sys.argv[1]); workload = sys.argv[2]
 engines = {}
 for tr in (16, 12):
