@@ -269,22 +269,20 @@ class ModelDrafter:
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
                                              [p.params for p in active], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in active])
-        session = None if stop is None or forking else stop.begin(active)
         # A draft tree grows from its greedy rows' runner-up candidates (spec/tree.py).
         ranks = TREE_RANKS if self.grows_trees and not forking else 0
-        tokens, q, confidence, top = self._choose(logits, active, [ends[i] for i in order], meta,
-                                                  forks if forking else None, 0, process, session is not None,
-                                                  ranks)
-        columns, q_columns, tops = [tokens], [q], [top]
-        n = len(active)
         # Where the stopping rule judges each row and nothing else follows the rows'
         # order (no logits processing, no tree), a pass runs only the rows still drafting
         # (``passes_rows``: each pass's rows, as ranks in ``order``), as the rule prices
         # it; else the rows up to the last one still drafting, a prefix, as the rows
         # were sorted for.
-        compact = session is not None and process is None and not ranks
-        if session is not None:
-            session.compact = compact
+        compact = stop is not None and not forking and process is None and not ranks
+        session = None if stop is None or forking else stop.begin(active, compact)
+        tokens, q, confidence, top = self._choose(logits, active, [ends[i] for i in order], meta,
+                                                  forks if forking else None, 0, process, session is not None,
+                                                  ranks)
+        columns, q_columns, tops = [tokens], [q], [top]
+        n = len(active)
         everyone, alive = active, list(range(n))
         passes_rows = [alive] if compact else None
         for j in range(1, active[0].num_lookahead):

@@ -361,7 +361,7 @@ class DraftLengthController:
             # batch (a burst's tail, draining) drafted nothing step after step. The plan that
             # promises more is taken, this one only where its drafts do reach the switch.
             crossing = replace(prices, fixed=self.costs.target.predict(self.costs.features(*shape, above=True)),
-                               token=float(theta[9]))
+                               token=self.costs.token_price(switch))
             k_over, chain_over, over = plan_draft_lengths(alpha, rate, cap, crossing, passes, self.min_gain,
                                                           self._paths, path_gain, can_fork)
             if over > goodput and step_rows + int(k_over.sum()) >= switch:

@@ -42,16 +42,19 @@ class StopRule:
     free: Container[str]     # requests whose k the controller chose
     padded: bool = False     # the verify pass pads every request to the longest query
 
-    def begin(self, rows: list[ScheduledRequest]) -> "DraftStop":
-        """The step's drafting rows, in the drafter's order."""
-        return DraftStop(self, rows)
+    def begin(self, rows: list[ScheduledRequest], compact: bool = False) -> "DraftStop":
+        """The step's drafting rows, in the drafter's order. ``compact``: the drafter's
+        further passes run only the rows still drafting (``DraftStop.running``), else the
+        first rows up to the last of them."""
+        return DraftStop(self, rows, compact)
 
 
 class DraftStop:
     """Per row: how many drafts it keeps, and the confidences of those it drafted."""
 
-    def __init__(self, rule: StopRule, rows: list[ScheduledRequest]) -> None:
+    def __init__(self, rule: StopRule, rows: list[ScheduledRequest], compact: bool = False) -> None:
         self.rule = rule
+        self.compact = compact  # (``StopRule.begin``): what a further pass is charged for
         self.greedy = [p.params.greedy for p in rows]
         self.caps = [p.num_lookahead for p in rows]
         self.free = [p.req_id in rule.free and getattr(p, "fork", None) is None for p in rows]
@@ -70,9 +73,6 @@ class DraftStop:
         self.passes = 1                   # drafter passes run (the first yields depth 0)
         self.judged = 0                   # depths judged so far
         self.running: list[int] = []      # the rows the next pass runs (``_next_pass``)
-        # Whether the drafter's passes run only the rows still drafting (``running``), as
-        # the rule prices them; else the first rows up to the last of them.
-        self.compact = False
 
     def after(self, depth: int, confidence: list[float]) -> int:
         """The rows still drafting among ``[0, len(confidence))`` drafted their token at
