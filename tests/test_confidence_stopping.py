@@ -262,6 +262,9 @@ def test_a_draft_pass_runs_only_the_rows_still_drafting(tiny_model_dir, near):
             ran.append(len(entries))
         return forward(entries, device_ids)
 
+    speculator = llm.engine.speculator
+    propose, reported = speculator.propose, []
+    speculator.propose = lambda *a: (drafts := propose(*a), reported.append(drafts.pass_rows))[0]
     DraftStop._next_pass = judged
     drafter._forward = counted
     try:
@@ -272,7 +275,31 @@ def test_a_draft_pass_runs_only_the_rows_still_drafting(tiny_model_dir, near):
     going = [rows for rows in decided if rows]
     assert ran == [len(rows) for rows in going]
     assert any(rows != list(range(len(rows))) for rows in going)  # some pass skipped a stopped row
+    # What the step reports for the drafter's cost model: each pass's rows, as they ran.
+    assert [n for rows in reported if rows for n in rows[1:]] == ran
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_a_steps_sample_counts_the_rows_its_draft_passes_ran():
+    """The drafter's cost is fitted per row its passes ran (``StepSample.draft_rows``):
+    where drafting stops by confidence, the rows still drafting at each pass, fewer than
+    the planned k say; else each drafting request's passes for its own k. A catch-up that
+    yields the first proposals is not one of the passes the fit counts."""
+    from types import SimpleNamespace
+
+    from specserve.scheduler import SchedulerOutput
+    from specserve.spec.cost_model import StepCosts
+    from specserve.spec.speculator import Drafts, Speculator
+
+    planned = [ScheduledRequest(f"r{i}", [7], 10, [0], GREEDY, num_lookahead=k, draft_token_ids=[0] * k)
+               for i, k in enumerate((4, 4, 2, 0))]
+    for first_free, stopped, planned_rows in ((False, 7, 10), (True, 4, 7)):
+        speculator = SimpleNamespace(controller=SimpleNamespace(costs=StepCosts(first_free)),
+                                     runner=SimpleNamespace(padded_tokens=lambda *args: 0))
+        cut = Speculator._step_sample(speculator, Drafts(SchedulerOutput(planned, []), pass_rows=[3, 2, 1, 1]), 0.01)
+        assert (cut.depth, cut.num_drafting, cut.draft_rows) == (4, 3, stopped)
+        whole = Speculator._step_sample(speculator, Drafts(SchedulerOutput(planned, [])), 0.01)
+        assert (whole.depth, whole.num_drafting, whole.draft_rows) == (4, 3, planned_rows)
 
 
 def test_the_default_learns_its_map_and_stays_exact(tiny_model_dir, near):

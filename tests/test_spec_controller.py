@@ -1,6 +1,9 @@
 """The adaptive draft-length controller on synthetic acceptance and cost inputs."""
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.controller import DraftLengthController
 from specserve.models.quantized import QuantLinear, switch_rows
 from specserve.spec.cost_model import CostModel, StepCosts, StepSample, target_features
+from specserve.spec.planner import Prices, plan_draft_lengths
 from tiny_models import LLM32
 
 MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
@@ -59,8 +63,38 @@ def test_a_drafting_steps_fixed_cost_is_not_priced_into_its_passes():
     for depth in (1, 2, 3, 4, 2, 3):
         costs.observe(StepSample(0.0015, num_tokens=1 + depth, num_spans=1, depth=depth, num_drafting=1,
                                  draft_s=fixed + per_pass * (depth - 1)))
-    o, d, e = costs.draft.theta
-    assert o == pytest.approx(fixed, rel=1e-3) and d + e == pytest.approx(per_pass, rel=1e-3)
+    o, g, d, e = costs.draft.theta  # (one request drafts in every step: o and g, d and e come together)
+    assert o + g == pytest.approx(fixed, rel=1e-3) and d + e == pytest.approx(per_pass, rel=1e-3)
+
+
+def test_a_drafting_requests_own_cost_is_learned_apart_from_the_steps_and_priced_per_request():
+    """A lazily fed draft model's first pass catches each drafting request up on the
+    tokens the target accepted (two or more rows each): its cost grows with the requests
+    that draft, not with the step. Fitted as one fixed cost over every batch size, it was
+    priced far under what a full batch's took, and a plan at 24 requests drafted where
+    drafts lost. The fit tells it apart from the passes' rows (which stop short where
+    drafting stops by confidence, ``draft_rows``) and the plan prices it per request."""
+    fixed, each, per_pass, per_row = 1e-3, 0.25e-3, 1e-3, 0.4e-3
+    costs = StepCosts()
+    for reqs in (1, 2, 4, 8, 16, 24):
+        for depth in (1, 2, 3):
+            for rows in {depth * reqs, depth + reqs - 1}:  # every row in every pass, or one going on
+                costs.observe(StepSample(0.0015, num_tokens=reqs, num_spans=reqs, depth=depth, num_drafting=reqs,
+                                         draft_rows=rows,
+                                         draft_s=fixed + each * reqs + per_pass * depth + per_row * rows))
+    assert costs.draft.theta == pytest.approx([fixed, each, per_pass, per_row], rel=1e-3)
+    ctl = controller(**MEMORY_BOUND)
+    ctl.costs = costs
+    assert ctl._plan({"r": 4}, 0, 0, False, 0)[2].draft_request == pytest.approx(each, rel=1e-3)
+    # The plan pays it once per drafting request, whatever its k (``test_choice_is_the_best_plan_of_all``
+    # prices it in its brute force).
+    alpha = np.full((2, 2), 0.9)
+    cheap = Prices(fixed=0.010, token=1e-4, span=0.0, padded_token=0.0, draft_pass=0.0, draft_token=0.0)
+    assert plan_draft_lengths(alpha, np.ones(2), np.array([2, 2]), cheap, np.arange(3), 0.0)[0].tolist() == [2, 2]
+    # Each request's two drafts bring 0.9 + 0.81 tokens: at 10 ms a step with its one
+    # token each, not worth 20 ms of its own catch-up.
+    dear = replace(cheap, draft_request=0.020)
+    assert plan_draft_lengths(alpha, np.ones(2), np.array([2, 2]), dear, np.arange(3), 0.0)[0].tolist() == [0, 0]
 
 
 def test_a_cost_the_fit_would_make_negative_is_held_at_zero_and_the_rest_refitted():
@@ -176,7 +210,7 @@ def test_choice_is_the_best_plan_of_all():
         for r, q in zip(caps, rate):
             ctl.set_estimates(r, alpha[r], q)
         graph = trial % 2 == 1
-        (o, d, e) = ctl.costs.draft.theta
+        (o, g, d, e) = ctl.costs.draft.theta
 
         def ratio(plan, o=o):
             gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
@@ -184,7 +218,7 @@ def test_choice_is_the_best_plan_of_all():
             padded = 3 * (1 + max(plan)) if graph else 0
             spans = sum(q for k, q in zip(plan, rate) if k)
             cost = (ctl.costs.target.predict(target_features(3 + tokens, 3, 0, spans, padded))
-                    + o * (max(plan) > 0) + d * max(plan) + e * tokens)
+                    + o * (max(plan) > 0) + g * spans + d * max(plan) + e * tokens)
             return (3 + gain) / cost
 
         plans = itertools.product(*(range(cap + 1) for cap in caps.values()))

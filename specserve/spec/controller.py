@@ -325,7 +325,7 @@ class DraftLengthController:
         num_reqs = len(req_ids)
         cap = np.minimum(np.fromiter(caps.values(), dtype=int, count=num_reqs), self.max_k)
         theta = self.costs.target.theta
-        o, d, e = self.costs.draft.theta
+        o, g, d, e = self.costs.draft.theta
         step_rows = num_reqs + num_other_tokens
         shape = (num_reqs, num_reqs + num_other_spans, context, 0, num_reqs if padded else 0, num_other_tokens)
         prices = Prices(
@@ -333,7 +333,7 @@ class DraftLengthController:
             # (drafts priced on the side of the kernels' switch the step starts on; see below)
             token=self.costs.token_price(step_rows), span=theta[4],
             padded_token=theta[5] if padded else 0.0,
-            draft_pass=d, draft_token=e, draft_fixed=o,
+            draft_pass=d, draft_token=e, draft_fixed=o, draft_request=g,
             plain=(check.plain_step(num_reqs) if self.measured_plain and check is not None and not num_other_tokens
                    else None) or 0.0)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \

@@ -12,14 +12,20 @@ drafter's, from the steps the engine runs.
   cost (on a GPU it replays a ragged graph, not a padded one, or runs eagerly). It is
   the whole step's wall time less the drafter's: the host work around the pass (verify
   lists, rollback, detokenising more tokens) is part of what drafts cost.
-* **Drafter.** ``o + passes * (d + e * drafting_requests)`` for a step that drafts at all:
-  what drafting costs whatever its depth (ranking the first proposals, gathering them for
-  the verify pass) and its sequential passes: D for a draft depth D, or D - 1 for a
-  draft model, whose catch-up on the tokens the target accepted runs at every step
-  whatever k is and yields the first proposals; its time counts with the target's.
-  Without ``o`` a depth's fixed part was spread over its passes (and a draft model's
-  depth of 1, with none, taught nothing): a depth of 2 priced its one pass at both, and
-  the plan drafted too little.
+* **Drafter.** ``o + g * drafting_requests + d * passes + e * rows`` for a step that
+  drafts at all: what drafting costs whatever its depth (ranking the first proposals,
+  gathering them for the verify pass), what each request that drafts adds to it (a
+  lazily fed draft model's first pass catches it up on the tokens the target accepted:
+  two or more rows each, not one), and its sequential passes and the rows they run all
+  together. The passes are D for a draft depth D, or D - 1 for a draft model whose
+  catch-up runs at every step whatever k is and yields the first proposals (its time
+  counts with the target's). Their rows are each drafting request's passes for its own
+  k, or fewer where drafting stops by confidence (a pass then runs only the rows still
+  drafting). Without ``o`` a depth's fixed part was spread over its passes (and a draft
+  model's depth of 1, with none, taught nothing): a depth of 2 priced its one pass at
+  both, and the plan drafted too little. Without ``g`` the catch-up of a full batch was
+  priced from the fixed cost the fit learned over every batch size, far under what it
+  took, and the plan drafted where drafts lost.
 
 Both forget old steps exponentially, and no cost is negative (an active-set solve). A
 start-up profile is kept for good (``CostModel.anchor``): it varies what a steady state
@@ -158,6 +164,7 @@ class StepSample:
     depth: int = 0           # draft depth: the step's longest k
     num_drafting: int = 0    # requests that drafted
     draft_s: float = 0.0     # the drafter's time, its catch-up excluded
+    draft_rows: int | None = None  # rows its passes ran, all together (None: depth passes x num_drafting)
 
 
 def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
@@ -178,11 +185,13 @@ def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int
             1.0 if num_prefill else 0.0, 1.0 if above else 0.0, num_tokens if above else 0]
 
 
-def draft_features(passes: int, num_drafting: int, drafting: bool = True) -> list[float]:
-    """The drafter's cost model's inputs: a step that drafts at all, its passes, and its
-    passes times the requests drafting in them. ``drafting`` False: a pass alone (the
-    start-up profile's)."""
-    return [1.0 if drafting else 0.0, float(passes), float(passes * num_drafting)]
+def draft_features(passes: int, num_drafting: int, rows: int | None = None, drafting: bool = True) -> list[float]:
+    """The drafter's cost model's inputs: a step that drafts at all, the requests that
+    draft, its passes and the rows they run all together (None: every pass runs every
+    drafting request). ``drafting`` False: passes alone over ``num_drafting`` rows each
+    (the start-up profile's)."""
+    rows = passes * num_drafting if rows is None else rows
+    return [1.0 if drafting else 0.0, float(num_drafting) if drafting else 0.0, float(passes), float(rows)]
 
 
 class StepCosts:
@@ -197,7 +206,7 @@ class StepCosts:
 
     def __init__(self, first_draft_in_catch_up: bool = False, switch_rows: int = 0) -> None:
         self.target = CostModel(10)  # target_features -> seconds
-        self.draft = CostModel(3)    # draft_features -> seconds
+        self.draft = CostModel(4)    # draft_features -> seconds
         self.first_free = int(first_draft_in_catch_up)
         self.switch_rows = switch_rows
 
@@ -229,4 +238,5 @@ class StepCosts:
                                               sample.num_spans, sample.num_padded, sample.num_prefill),
                                 sample.target_s)
         if sample.depth > 0:
-            self.draft.observe(draft_features(self.drafter_passes(sample.depth), sample.num_drafting), sample.draft_s)
+            self.draft.observe(draft_features(self.drafter_passes(sample.depth), sample.num_drafting,
+                                              sample.draft_rows), sample.draft_s)

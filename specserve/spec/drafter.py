@@ -31,9 +31,10 @@ class DraftProposal:
     draft_probs: torch.Tensor | None = None
     draft_ids: torch.Tensor | None = None    # [Σ len(draft_token_ids[i])] int64, on the device
     # With a stopping rule (``spec.stopping``): each proposal's confidence, per request,
-    # and the drafter's passes run (the first included); None: every planned draft proposed.
+    # and the rows each of the drafter's passes ran (the first included); None: every
+    # planned draft proposed, each pass over the rows still drafting.
     confidence: list[list[float]] | None = None
-    num_passes: int | None = None
+    pass_rows: list[int] | None = None
     # And per request the first draft the rule did not keep, (depth, token, confidence), or
     # None: its target token tells the calibration map whether it would have been accepted.
     dropped: list[tuple[int, int, float] | None] | None = None

@@ -37,6 +37,7 @@ class Prices:
     draft_pass: float    # one drafter pass
     draft_token: float   # a drafted token in one pass
     draft_fixed: float = 0.0  # a step that drafts at all, whatever its depth (the drafter's own part)
+    draft_request: float = 0.0  # a request that drafts at all (a lazily fed draft's catch-up on what it accepted)
     plain: float = 0.0   # the step without drafts as measured, the bar a plan with drafts must clear (0: ``fixed``)
 
 
@@ -57,7 +58,7 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
     bar, raised by the margin, where no plan with drafts beats it)."""
     num_reqs, max_k = alpha.shape
     rate = rate[:, None]
-    b, c, e = prices.token, prices.span, prices.draft_token
+    b, c, e = prices.token, prices.span + prices.draft_request, prices.draft_token
     depths = np.arange(max_k + 1)
     depth_cost = prices.draft_pass * passes + prices.padded_token * num_reqs * depths + \
         prices.draft_fixed * (depths > 0)

@@ -64,7 +64,7 @@ class Drafts:
     # after the work queued before that pass (what the feed may not run before).
     catch_up: tuple[Mapping[str, Request], torch.cuda.Event | None] | None = None
     paths: dict[str, PathOutcome] = field(default_factory=dict)  # set by keep_best_paths
-    depth: int | None = None                 # drafter passes run where a stopping rule cut them short
+    pass_rows: list[int] | None = None       # where a stopping rule cut drafting short: each drafter pass's rows
     confidence: dict[str, list[float]] = field(default_factory=dict)  # req_id -> its drafts' confidences
     dropped: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # req_id -> (depth, token, confidence)
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> its grammar-forced drafts
@@ -334,7 +334,7 @@ class Speculator:
                 drafts.dropped = {p.req_id: d for p, d in zip(scheduled.scheduled, proposal.dropped) if d is not None}
             drafts.lookahead = [len(p.draft_token_ids) for p in scheduled.scheduled if p.sample]
             drafts.drafted = any(drafts.lookahead)
-            drafts.depth = proposal.num_passes
+            drafts.pass_rows = proposal.pass_rows
         if self.kv.draft_cache is not None and self.kv.enable_prefix_caching:
             self._mark_draft_cache(scheduled.scheduled)
         if proposal.draft_ids is not None:
@@ -591,13 +591,20 @@ class Speculator:
         lookahead = [p.num_lookahead for p in planned]
         tokens = sum(lengths)
         prefill = tokens - sum(drafted) - fed.count(1)  # the chunks' tokens (fed > 1)
+        # The rows of the passes the cost model counts (``StepCosts.drafter_passes``: a
+        # catch-up that yields the first proposals is not one).
+        first_free = self.controller.costs.first_free
+        if drafts.pass_rows is None:  # each drafting request ran the passes of its own k
+            depth, rows = max(lookahead), sum(max(k - first_free, 0) for k in lookahead)
+        else:
+            depth, rows = len(drafts.pass_rows), sum(drafts.pass_rows[first_free:])
         return StepSample(
             target_s=elapsed - drafts.draft_s - drafts.backlog_s, num_tokens=tokens - prefill,
             num_spans=len(drafted) - drafted.count(0),
             num_padded=self.runner.padded_tokens(drafts.scheduled, lengths), num_reqs=len(planned),
             context=sum([p.start_pos for p in planned]) + tokens, num_prefill=prefill,
-            depth=max(lookahead) if drafts.depth is None else drafts.depth,
-            num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s)
+            depth=depth, num_drafting=len(lookahead) - lookahead.count(0), draft_s=drafts.draft_s,
+            draft_rows=rows)
 
     def free(self, req_id: str) -> None:
         """Forget a request that ended (what its steps teach learned first)."""

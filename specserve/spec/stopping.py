@@ -9,8 +9,8 @@ model and the calibration map:
   calibrated acceptance of it and every kept token before it, pays for what verifying
   it costs at the step's goodput so far: P >= G * (token [+ span for a first draft]),
   G = expected emitted tokens / expected step time. That time counts the drafter's first
-  pass: it is spent before any choice and paid even by a step that drops its drafts, so
-  leaving it out overstates G and drops drafts that pay. A depth no request kept before
+  pass and what drafting at all costs: they are spent before any choice and paid even by
+  a step that drops its drafts, so leaving them out overstates G and drops drafts that pay. A depth no request kept before
   also pads every request on a padded pass; the tokens kept there pay for that together.
 * **Run one more pass** for the requests whose next token would pay: its chance is
   estimated as P times this token's calibrated acceptance (confidence runs in streaks),
@@ -67,12 +67,20 @@ class DraftStop:
         # would have been (``Speculator._calibrate``), so the map learns where it drops too.
         self.dropped: list[tuple[int, float] | None] = [None] * len(rows)
         self.gain = float(rule.num_reqs)  # expected emitted tokens of the step so far
-        # Its expected seconds so far: the step without drafts and the first pass, spent.
-        self.time = max(rule.prices.fixed, 1e-9) + rule.prices.draft_pass + rule.prices.draft_token * len(rows)
+        # Its expected seconds so far: the step without drafts, drafting at all and the
+        # first pass, spent.
+        prices = rule.prices
+        self.time = max(prices.fixed, 1e-9) + prices.draft_fixed + prices.draft_pass + \
+            (prices.draft_request + prices.draft_token) * len(rows)
+        self.rows = [len(rows)]           # rows each pass ran, the first included
         self.depth = 0                    # deepest kept draft so far
-        self.passes = 1                   # drafter passes run (the first yields depth 0)
         self.judged = 0                   # depths judged so far
         self.running: list[int] = []      # the rows the next pass runs (``_next_pass``)
+
+    @property
+    def passes(self) -> int:
+        """Drafter passes run (the first yields depth 0)."""
+        return len(self.rows)
 
     def after(self, depth: int, confidence: list[float]) -> int:
         """The rows still drafting among ``[0, len(confidence))`` drafted their token at
@@ -138,6 +146,6 @@ class DraftStop:
         if not running:
             return 0
         n = running[-1] + 1
-        self.passes += 1
-        self.time += prices.draft_pass + prices.draft_token * (len(running) if self.compact else n)
+        self.rows.append(len(running) if self.compact else n)
+        self.time += prices.draft_pass + prices.draft_token * self.rows[-1]
         return n
