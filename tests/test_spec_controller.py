@@ -1175,6 +1175,33 @@ def test_a_plan_must_beat_what_its_kinds_steps_without_drafts_were_seen_to_cost(
     assert ctl.last.planned and any(chosen.values()) != measured
 
 
+def test_a_kinds_plain_step_is_a_line_through_the_batch_sizes_it_saw():
+    """A kind spans a factor of two in batch size. Where a plain step costs about the same
+    at every batch of it (a CPU, 17 to 24 requests), the bar at 24 is that step, not its
+    seconds per request times 24: priced in proportion, a fresh burst's plan drafted
+    against a bar well under what its plain steps delivered. With every plain step at
+    one batch size the slope is unknown and stays proportional; it never falls below
+    flat, nor rises above proportional."""
+    from specserve.spec.goodput import CHECK_MIN, GoodputCheck
+
+    flat = GoodputCheck(max_k=4, batch=16)
+    for n in (17, 18, 19, 20, 17, 18, 19, 20) * 3:
+        flat.observe(False, False, n, 0.036 + 0.0001 * n)
+    assert 0.038 < flat.plain_step(24) < 0.041  # the line's 0.0384; in proportion 0.049
+    assert flat.plain_step(17) == pytest.approx(0.0377, rel=0.02)
+    one = GoodputCheck(max_k=4, batch=16)
+    for _ in range(CHECK_MIN):
+        one.observe(False, False, 18, 0.036)
+    assert one.plain_step(24) == pytest.approx(0.048) and one.plain_step(9) == pytest.approx(0.018)
+    falling, steep = GoodputCheck(max_k=4, batch=16), GoodputCheck(max_k=4, batch=16)
+    for n in (16, 20, 24, 28) * 4:
+        falling.observe(False, False, n, 0.060 - 0.001 * n)  # longer contexts as a burst drains
+        steep.observe(False, False, n, 0.004 * n - 0.040)
+    assert falling.plain_step(16) == pytest.approx(falling.plain_step(28))  # flat, at their mean
+    mean_n, mean_s = (lambda sums: (sums[1] / sums[0], sums[2] / sums[0]))(steep._sums[1])
+    assert steep.plain_step(28) == pytest.approx(28 * mean_s / mean_n)  # in proportion, no steeper
+
+
 def test_drafts_that_lose_realised_goodput_are_vetoed():
     """The model says drafting is nearly free (a memory-bound fit), but each drafted step
     really takes 6x a plain one for 5x the tokens: the checks find drafting ~17 % slower

@@ -27,6 +27,7 @@ VETO_NEW_BATCH = 0.5        # under a veto, what the drafted side keeps when mos
 LARGE_BATCH = 8             # from this batch a step's cost is the machine's (``stale``, ``observe``)
 CHECK_SHARE = 0.01          # there, what a veto's checks add: at most this share of the kind's time
 INHERIT = 0.5               # what a kind new to the check takes of its neighbour's evidence
+PLAIN_SLOPE_PRIOR = 0.01    # a plain step's slope taken as proportional, weighed as steps this spread (x batch^2)
 
 
 class GoodputCheck:
@@ -121,16 +122,29 @@ class GoodputCheck:
 
     def plain_step(self, num_reqs: int) -> float | None:
         """Seconds a step of ``num_reqs`` requests without drafts takes, as this kind's own
-        such steps showed (their seconds per emitted token, one token a request; None
-        before ``CHECK_MIN`` of them). The bar a plan with drafts must clear: the cost
-        model is a linear fit over every kind, and where a step's cost bends with the batch
-        (a CPU's per-token cost falls as rows share the weights they read) its
-        extrapolation to a large batch can be far off, which no check's verdict would
-        correct before the drafts it let through were paid."""
-        tokens, seconds = self._sums[1][1:3]
+        such steps showed (None before ``CHECK_MIN`` of them). The bar a plan with drafts
+        must clear: the cost model is a linear fit over every kind, and where a step's
+        cost bends with the batch (a CPU's per-token cost falls as rows share the weights
+        they read) its extrapolation to a large batch can be far off, which no check's
+        verdict would correct before the drafts it let through were paid.
+
+        A line through the plain steps' (requests, seconds), one token a request: their
+        mean step, and a slope between none and their seconds per request (a step never
+        costs less for more requests, nor more than in proportion), shrunk towards the
+        latter where their batch sizes barely differ (``PLAIN_SLOPE_PRIOR``). A kind spans
+        a factor of two in batch size, and on a CPU a plain step costs about the same from
+        17 requests to 24: priced in proportion, the bar was under what a fresh burst's
+        plain steps deliver, where drafts lost, and above what a draining batch's do,
+        where they paid."""
+        steps, tokens, seconds, tt, ts, _ = self._sums[1]
         if self._counts[1] < CHECK_MIN or tokens <= 0:
             return None
-        return num_reqs * seconds / tokens
+        mean_n, mean_s = tokens / steps, seconds / steps
+        proportional = mean_s / mean_n
+        spread = max(tt - tokens * mean_n, 0.0)  # the batch sizes' decayed sum of squared deviations
+        prior = PLAIN_SLOPE_PRIOR * mean_n * mean_n
+        slope = (ts - tokens * mean_s + prior * proportional) / (spread + prior)
+        return mean_s + min(max(slope, 0.0), proportional) * (num_reqs - mean_n)
 
     def stale(self, drafted: bool) -> bool:
         """Whether the drafted (or plain) side needs a step: it has none yet while the
