@@ -212,7 +212,7 @@ def test_choice_is_the_best_plan_of_all():
         graph = trial % 2 == 1
         (o, g, d, e) = ctl.costs.draft.theta
 
-        def ratio(plan, o=o):
+        def ratio(plan, o=o, g=g):
             gain = sum(q * np.prod(alpha[r][:j + 1]) for r, k, q in zip(caps, plan, rate) for j in range(k))
             tokens = sum(q * k for k, q in zip(plan, rate))
             padded = 3 * (1 + max(plan)) if graph else 0
@@ -1198,7 +1198,8 @@ def test_a_kinds_plain_step_is_a_line_through_the_batch_sizes_it_saw():
         falling.observe(False, False, n, 0.060 - 0.001 * n)  # longer contexts as a burst drains
         steep.observe(False, False, n, 0.004 * n - 0.040)
     assert falling.plain_step(16) == pytest.approx(falling.plain_step(28))  # flat, at their mean
-    mean_n, mean_s = (lambda sums: (sums[1] / sums[0], sums[2] / sums[0]))(steep._sums[1])
+    steps, tokens, seconds = steep._sums[1][:3]
+    mean_n, mean_s = tokens / steps, seconds / steps
     assert steep.plain_step(28) == pytest.approx(28 * mean_s / mean_n)  # in proportion, no steeper
 
 
