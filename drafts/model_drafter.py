@@ -360,7 +360,7 @@ class ModelDrafter:
                     dropped[order[r]] = (miss[0], tokens[miss[0]][at], miss[1])
         return DraftProposal([[0] * k for k in lengths], draft_probs, draft_ids,
                              [session.confidence[rank[i]] if i in rank else [] for i in range(len(scheduled))],
-                             session.rows, dropped, goodput=session.gain / session.time)
+                             session.pass_rows, dropped, goodput=session.gain / session.time)
 
     def _tree_material(self, proposal: DraftProposal, scheduled, order, tops) -> None:
         """What a draft tree grows from: with ``fixed_trees`` (a tree of fixed shape,

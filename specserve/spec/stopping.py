@@ -10,8 +10,9 @@ model and the calibration map:
   it costs at the step's goodput so far: P >= G * (token [+ span for a first draft]),
   G = expected emitted tokens / expected step time. That time counts the drafter's first
   pass and what drafting at all costs: they are spent before any choice and paid even by
-  a step that drops its drafts, so leaving them out overstates G and drops drafts that pay. A depth no request kept before
-  also pads every request on a padded pass; the tokens kept there pay for that together.
+  a step that drops its drafts, so leaving them out overstates G and drops drafts that
+  pay. A depth no request kept before also pads every request on a padded pass; the
+  tokens kept there pay for that together.
 * **Run one more pass** for the requests whose next token would pay: its chance is
   estimated as P times this token's calibrated acceptance (confidence runs in streaks),
   against its verify and draft cost; those together must pay for the pass itself.
@@ -72,7 +73,7 @@ class DraftStop:
         prices = rule.prices
         self.time = max(prices.fixed, 1e-9) + prices.draft_fixed + prices.draft_pass + \
             (prices.draft_request + prices.draft_token) * len(rows)
-        self.rows = [len(rows)]           # rows each pass ran, the first included
+        self.pass_rows = [len(rows)]      # rows each pass ran, the first included
         self.depth = 0                    # deepest kept draft so far
         self.judged = 0                   # depths judged so far
         self.running: list[int] = []      # the rows the next pass runs (``_next_pass``)
@@ -80,7 +81,7 @@ class DraftStop:
     @property
     def passes(self) -> int:
         """Drafter passes run (the first yields depth 0)."""
-        return len(self.rows)
+        return len(self.pass_rows)
 
     def after(self, depth: int, confidence: list[float]) -> int:
         """The rows still drafting among ``[0, len(confidence))`` drafted their token at
@@ -146,6 +147,6 @@ class DraftStop:
         if not running:
             return 0
         n = running[-1] + 1
-        self.rows.append(len(running) if self.compact else n)
-        self.time += prices.draft_pass + prices.draft_token * self.rows[-1]
+        self.pass_rows.append(len(running) if self.compact else n)
+        self.time += prices.draft_pass + prices.draft_token * self.pass_rows[-1]
         return n
