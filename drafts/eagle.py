@@ -31,7 +31,7 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
-from specserve.drafts.model_drafter import ModelDrafter, _head
+from specserve.drafts.model_drafter import ModelDrafter, _by_rank, _going, _head, _rows
 from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
@@ -180,34 +180,51 @@ class EagleDrafter(ModelDrafter):
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[p.req_id]) for p in order],
                                              [p.params for p in order], logits.shape[1], self.device,
                                              [requests[p.req_id].grammar for p in order])
-        session = None if stop is None else stop.begin(order)
         ranks = TREE_RANKS if self.grows_trees else 0
+        # As ModelDrafter: where the stopping rule judges each row and nothing else follows
+        # the rows' order, a pass runs only the rows still drafting (``passes_rows``).
+        compact = stop is not None and process is None and not ranks
+        session = None if stop is None else stop.begin(order, compact)
         tokens, q, confidence, top = self._choose(logits, order, [ends[p.req_id] for p in order], meta,
                                                   process=process, confident=session is not None, runner_ups=ranks)
         columns, q_columns, tops = [tokens], [q], [top]
         n = len(order)
+        alive = list(range(n))
+        passes_rows = [alive] if compact else None
         for j in range(1, order[0].num_lookahead):
-            n = sum(p.num_lookahead > j for p in order) if session is None else \
-                session.after(j - 1, confidence[:n].tolist())
+            if session is None:
+                n = sum(p.num_lookahead > j for p in order)
+            else:
+                n = session.after(j - 1, _by_rank(confidence, alive) if compact else confidence[:n].tolist())
             if n == 0:
                 break
-            active = order[:n]
+            if compact:
+                going, pick = _going(session.running, alive, self.device)
+                inputs, features = pick(tokens), pick(outputs)
+                alive, n = going, len(going)
+                passes_rows.append(alive)
+                active = [order[r] for r in alive]
+                rows_meta = meta and _rows(meta, alive)
+            else:
+                inputs, features = tokens[:n], outputs[:n]
+                active = order[:n]
+                rows_meta = meta and _head(meta, n)
             if process is not None:
                 process = process.head(n)
-                process.advance(tokens[:n])
+                process.advance(inputs)
             # Proposal d_j at position s - 1 + j (= end + j - 2), the head's output as its feature.
             step = [ScheduledRequest(p.req_id, [0], ends[p.req_id] + j - 2, p.block_table, p.params,
                                      long_rope=p.long_rope) for p in active]
-            logits, outputs = self._forward(step, [outputs[:n]], DeviceTokenIds(tokens[:n], [1] * n))
+            logits, outputs = self._forward(step, [features], DeviceTokenIds(inputs, [1] * n))
             tokens, q, confidence, top = self._choose(logits, active, [ends[p.req_id] + j for p in active],
-                                                      meta and _head(meta, n), process=process,
+                                                      rows_meta, process=process,
                                                       confident=session is not None, runner_ups=ranks)
             columns.append(tokens)
             q_columns.append(q)
             tops.append(top)
         index = {id(p): i for i, p in enumerate(scheduled)}
         positions = [index[id(p)] for p in order]
-        proposal = self._proposal(scheduled, positions, columns, q_columns, session, confidence, n)
+        proposal = self._proposal(scheduled, positions, columns, q_columns, session, confidence, n, passes_rows)
         if ranks:
             self._tree_material(proposal, scheduled, positions, tops)
         return proposal

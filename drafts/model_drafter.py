@@ -293,10 +293,8 @@ class ModelDrafter:
             if n == 0:
                 break
             if compact:
-                going, where = session.running, {r: p for p, r in enumerate(alive)}
-                picks = [where[r] for r in going]
-                inputs = tokens[:len(picks)] if picks == list(range(len(picks))) else \
-                    tokens.index_select(0, to_device([picks], torch.int64, self.device)[0])
+                going, pick = _going(session.running, alive, self.device)
+                inputs = pick(tokens)
                 alive, n = going, len(going)
                 passes_rows.append(alive)
                 active = [everyone[r] for r in alive]
@@ -543,6 +541,18 @@ def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], devic
         candidate = masked.argmax(dim=-1)
         chosen = torch.where(ranks_t == rank, candidate, chosen)
     return chosen
+
+
+def _going(going: list[int], alive: list[int], device: torch.device):
+    """The rows (ranks) a compact pass runs, ``going``, among the last pass's ``alive``, and
+    a function that takes their rows of a tensor of the last pass's (its proposals, its
+    features): a slice where they are its first rows, else a gather on the device."""
+    where = {r: p for p, r in enumerate(alive)}
+    picks = [where[r] for r in going]
+    if picks == list(range(len(picks))):
+        return going, lambda rows: rows[:len(picks)]
+    (index,) = to_device([picks], torch.int64, device)
+    return going, lambda rows: rows.index_select(0, index)
 
 
 def _by_rank(confidence: torch.Tensor, rows: list[int]) -> list[float]:

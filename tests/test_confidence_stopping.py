@@ -235,17 +235,21 @@ def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tm
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_a_draft_pass_runs_only_the_rows_still_drafting(tiny_model_dir, near):
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+def test_a_draft_pass_runs_only_the_rows_still_drafting(drafter, tiny_model_dir, near, tmp_path):
     """Rows are ordered by their planned k, so the rows the rule keeps drafting need not be
-    the first ones: each further pass of a draft model runs those rows only, as the rule
-    prices a pass (where it ran every row up to the last one going, a batch's stopped rows
-    cost each pass), and greedy output stays plain greedy's."""
+    the first ones: each further pass of a draft model or an EAGLE head runs those rows
+    only (their proposals and, for a head, its features gathered), as the rule prices a
+    pass (where it ran every row up to the last one going, a batch's stopped rows cost each
+    pass), and greedy output stays plain greedy's."""
+    from specserve.batch import DeviceTokenIds
     from specserve.spec.stopping import DraftStop
 
     target = str(tiny_model_dir("llama"))
+    draft = near if drafter == "draft_model" else sharpened(make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=5,
+    llm = LLM32(target, speculative_method="draft_model", draft_model=draft, num_speculative_tokens=5,
                 speculative_adaptive=False, **SMALL)
     force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
     drafter = llm.engine.speculator.drafter
@@ -257,10 +261,10 @@ def test_a_draft_pass_runs_only_the_rows_still_drafting(tiny_model_dir, near):
         decided.append(list(self.running) if n else None)
         return n
 
-    def counted(entries, device_ids=None):
-        if device_ids is not None:  # a further pass (fed the last pass's proposals on the device)
+    def counted(entries, *args):
+        if args and isinstance(args[-1], DeviceTokenIds):  # a further pass (fed the last pass's proposals)
             ran.append(len(entries))
-        return forward(entries, device_ids)
+        return forward(entries, *args)
 
     speculator = llm.engine.speculator
     propose, reported = speculator.propose, []
@@ -449,16 +453,20 @@ def test_draft_stopping_is_chosen_or_refused(tiny_model_dir, near):
         EngineConfig(draft_stopping="sometimes")
 
 
-def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(tiny_model_dir, unsure):
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(drafter, tiny_model_dir, unsure,
+                                                                           tmp_path):
     """4-token continuations (top_k = 2: 16 outcomes, exact from transformers) with drafts a
     confidence rule cuts at varied depths: chi-square within its 15 degrees of freedom.
     The rule reads q's top probability, never the drawn token's: with the drawn token's
-    probability instead, chi-square is in the hundreds (checked)."""
+    probability instead, chi-square is in the hundreds (checked). Further passes run only
+    the rows still drafting, a draft model's and an EAGLE head's alike."""
     target = str(tiny_model_dir("llama"))
+    draft = unsure if drafter == "draft_model" else sharpened(make_eagle_head(target, [1], tmp_path)[0], 12.0)
     prompt, length, sp = [5, 17, 99, 230, 17, 99], 4, dict(temperature=1.0, top_k=2)
     exact = exact_continuations(target, prompt, length, sp)
     n = 3000
-    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=unsure,
+    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=draft,
                        num_speculative_tokens=3, speculative_adaptive=False,
                        max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
     # Keep while the chance of acceptance is over about half, in steps of up to 512 requests.
