@@ -65,7 +65,7 @@ def before_settling():
         saved(self, replace(sample, depth=0))  # the target's part as it is
         passes = sample.depth - self.first_free
         if passes > 0:
-            self.draft.observe([0.0, passes, passes * sample.num_drafting], sample.draft_s)
+            self.draft.observe([0.0, 0.0, passes, passes * sample.num_drafting], sample.draft_s)
 
     cost_model.StepCosts.observe = observe
     try:

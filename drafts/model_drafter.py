@@ -567,7 +567,7 @@ def _by_rank(confidence: torch.Tensor, rows: list[int]) -> list[float]:
 
 def _rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
     """Those ``rows``' settings."""
-    index = torch.tensor(rows, dtype=torch.long, device=meta.temperature.device)
+    (index,) = to_device([rows], torch.int64, meta.temperature.device)
     return dataclasses.replace(meta, temperature=meta.temperature.index_select(0, index),
                                top_k=meta.top_k.index_select(0, index), top_p=meta.top_p.index_select(0, index),
                                min_p=meta.min_p.index_select(0, index))

@@ -284,6 +284,24 @@ def test_a_draft_pass_runs_only_the_rows_still_drafting(drafter, tiny_model_dir,
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
 
 
+def test_the_rule_counts_what_drafting_at_all_cost_before_its_first_choice():
+    """The step's expected time before the rule's first choice holds the step without
+    drafts, the drafter's cost of drafting at all (its fixed part and each drafting
+    request's: a lazily fed draft's catch-up) and its first pass: all spent whatever the
+    rule keeps. Left out, the step's goodput so far is overstated and drafts that pay are
+    dropped. Each further pass adds its own cost over the rows it runs."""
+    prices = Prices(fixed=0.010, token=0.001, span=0.0, padded_token=0.0, draft_pass=0.003, draft_token=0.0005,
+                    draft_fixed=0.002, draft_request=0.001)
+    rows = [ScheduledRequest(f"r{i}", [7], 10, [0], GREEDY, num_lookahead=3) for i in range(4)]
+    stop = StopRule(ConfidenceCalibration(), prices, 4, Everyone()).begin(rows, compact=True)
+    assert stop.time == pytest.approx(0.010 + 0.002 + 0.003 + 4 * (0.001 + 0.0005))
+    assert stop.pass_rows == [4] and stop.passes == 1
+    before = stop.time
+    stop.after(0, [0.999, 0.001, 0.999, 0.001])  # rows 0 and 2 keep their drafts and draft on
+    assert stop.kept == [1, 0, 1, 0] and stop.running == [0, 2] and stop.pass_rows == [4, 2]
+    assert stop.time == pytest.approx(before + 2 * prices.token + 0.003 + 2 * 0.0005)
+
+
 def test_a_steps_sample_counts_the_rows_its_draft_passes_ran():
     """The drafter's cost is fitted per row its passes ran (``StepSample.draft_rows``):
     where drafting stops by confidence, the rows still drafting at each pass, fewer than
@@ -459,8 +477,8 @@ def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(draf
     """4-token continuations (top_k = 2: 16 outcomes, exact from transformers) with drafts a
     confidence rule cuts at varied depths: chi-square within its 15 degrees of freedom.
     The rule reads q's top probability, never the drawn token's: with the drawn token's
-    probability instead, chi-square is in the hundreds (checked). Further passes run only
-    the rows still drafting, a draft model's and an EAGLE head's alike."""
+    probability instead, chi-square is in the hundreds (checked). A draft model and an EAGLE
+    head alike: their further passes run only the rows still drafting."""
     target = str(tiny_model_dir("llama"))
     draft = unsure if drafter == "draft_model" else sharpened(make_eagle_head(target, [1], tmp_path)[0], 12.0)
     prompt, length, sp = [5, 17, 99, 230, 17, 99], 4, dict(temperature=1.0, top_k=2)

@@ -164,7 +164,7 @@ class StepSample:
     depth: int = 0           # draft depth: the step's longest k
     num_drafting: int = 0    # requests that drafted
     draft_s: float = 0.0     # the drafter's time, its catch-up excluded
-    draft_rows: int | None = None  # rows its passes ran, all together (None: depth passes x num_drafting)
+    draft_rows: int | None = None  # rows its passes ran, all together (None: the depth's passes x num_drafting)
 
 
 def target_features(num_tokens: int, num_reqs: int, context: int, num_spans: int, num_padded: int,
@@ -201,7 +201,8 @@ class StepCosts:
     is, and that pass yields the first proposals (a draft model): a draft depth D costs
     D - 1 passes of the drafter, not D. The catch-up's time is the target's where steps
     without drafts wait for it too, else (fed after the target's pass in those,
-    ``Speculator.catch_up``) the drafter's fixed part: what drafting at all costs.
+    ``Speculator.catch_up``) the drafter's: what drafting at all costs, the step's and
+    each drafting request's.
     ``switch_rows``: the target's (``target_features``)."""
 
     def __init__(self, first_draft_in_catch_up: bool = False, switch_rows: int = 0) -> None:
