@@ -31,7 +31,7 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
-from specserve.drafts.model_drafter import ModelDrafter, _by_rank, _going, _head, _rows
+from specserve.drafts.model_drafter import ModelDrafter, _by_rank, _next_rows
 from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner
 from specserve.request import Request
@@ -198,17 +198,11 @@ class EagleDrafter(ModelDrafter):
                 n = session.after(j - 1, _by_rank(confidence, alive) if compact else confidence[:n].tolist())
             if n == 0:
                 break
+            alive, active, rows_meta, pick = _next_rows(session.running if compact else None, n, alive, order,
+                                                        meta, self.device)
+            n, inputs, features = len(alive), pick(tokens), pick(outputs)
             if compact:
-                going, pick = _going(session.running, alive, self.device)
-                inputs, features = pick(tokens), pick(outputs)
-                alive, n = going, len(going)
                 passes_rows.append(alive)
-                active = [order[r] for r in alive]
-                rows_meta = meta and _rows(meta, alive)
-            else:
-                inputs, features = tokens[:n], outputs[:n]
-                active = order[:n]
-                rows_meta = meta and _head(meta, n)
             if process is not None:
                 process = process.head(n)
                 process.advance(inputs)

@@ -292,18 +292,11 @@ class ModelDrafter:
                 n = session.after(j - 1, _by_rank(confidence, alive) if compact else confidence[:n].tolist())
             if n == 0:
                 break
+            alive, active, rows_meta, pick = _next_rows(session.running if compact else None, n, alive, everyone,
+                                                        meta, self.device)
+            n, inputs = len(alive), pick(tokens)
             if compact:
-                going, pick = _going(session.running, alive, self.device)
-                inputs = pick(tokens)
-                alive, n = going, len(going)
                 passes_rows.append(alive)
-                active = [everyone[r] for r in alive]
-                rows_meta = meta and _rows(meta, alive)
-            else:
-                inputs = tokens[:n]
-                alive = list(range(n))
-                active = active[:n]
-                rows_meta = meta and _head(meta, n)
             if process is not None:
                 process = process.head(n)
                 process.advance(inputs)
@@ -543,16 +536,22 @@ def _runner_up(logits: torch.Tensor, best: torch.Tensor, ranks: list[int], devic
     return chosen
 
 
-def _going(going: list[int], alive: list[int], device: torch.device):
-    """The rows (ranks) a compact pass runs, ``going``, among the last pass's ``alive``, and
+def _next_rows(going: list[int] | None, n: int, alive: list[int], everyone: list, meta: SamplingMetadata | None,
+               device: torch.device):
+    """The rows a further draft pass runs, as ranks in the drafter's order: ``going`` (a
+    compact pass: the rows still drafting, among the last pass's ``alive``), or None: the
+    first ``n``. Returns them, their entries of ``everyone``, their sampling settings and
     a function that takes their rows of a tensor of the last pass's (its proposals, its
     features): a slice where they are its first rows, else a gather on the device."""
+    if going is None:
+        return list(range(n)), everyone[:n], meta and _head(meta, n), lambda rows: rows[:n]
     where = {r: p for p, r in enumerate(alive)}
     picks = [where[r] for r in going]
+    settings = meta and _rows(meta, going)
     if picks == list(range(len(picks))):
-        return going, lambda rows: rows[:len(picks)]
+        return going, [everyone[r] for r in going], settings, lambda rows: rows[:len(picks)]
     (index,) = to_device([picks], torch.int64, device)
-    return going, lambda rows: rows.index_select(0, index)
+    return going, [everyone[r] for r in going], settings, lambda rows: rows.index_select(0, index)
 
 
 def _by_rank(confidence: torch.Tensor, rows: list[int]) -> list[float]:

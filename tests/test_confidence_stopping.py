@@ -147,14 +147,14 @@ def test_uninformative_confidence_where_tokens_are_dear_stops_at_depth_zero():
     cal = learned_everywhere(lambda c: np.full_like(c, 0.3))  # confidence says nothing: 30% whatever it is
     stop = StopRule(cal, COMPUTE_BOUND, 1, Everyone()).begin(rows(6))
     assert drive(stop, [[0.99]] * 6) == [0]
-    assert stop.passes == 1 and stop.confidence == [[]] and stop.dropped == [(0, 0.99)]
+    assert len(stop.pass_rows) == 1 and stop.confidence == [[]] and stop.dropped == [(0, 0.99)]
 
 
 def test_confident_drafts_where_tokens_are_cheap_go_to_the_plan():
     cal = learned_everywhere(lambda c: np.where(c > 0.9, 0.97, 0.0))
     stop = StopRule(cal, MEMORY_BOUND, 1, Everyone()).begin(rows(6))
     assert drive(stop, [[0.99]] * 6) == [6]
-    assert stop.passes == 6  # the catch-up's proposal and five more passes
+    assert len(stop.pass_rows) == 6  # the catch-up's proposal and five more passes
     # The same prices, a draft unsure at depth 2 (where the unsure are never accepted):
     # it keeps two and stops.
     stop = StopRule(cal, MEMORY_BOUND, 1, Everyone()).begin(rows(6))
@@ -219,15 +219,22 @@ def unsure(tmp_path_factory, tiny_model_dir):
     return sharpened(save_perturbed(tiny_model_dir("llama"), tmp_path_factory.mktemp("unsure"), 0.0), 12.0)
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
-def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tmp_path):
+def greedy_under_half(drafter: str, tiny_model_dir, near, tmp_path):
+    """Plain greedy's outputs of ``PROMPTS``, and an engine drafting 5 a step with a draft
+    model or an EAGLE head, every step under ``HALF``'s rule: (params, want, llm, kept as
+    ``force_rule`` returns it)."""
     target = str(tiny_model_dir("llama"))
-    draft = near if drafter == "draft_model" else sharpened(make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
+    draft = near if drafter == "draft_model" else sharpened(make_eagle_head(target, [1], tmp_path)[0])
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM32(target, speculative_method="draft_model", draft_model=draft, num_speculative_tokens=5,
                 speculative_adaptive=False, **SMALL)
-    kept = force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+    return params, want, llm, force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tmp_path):
+    params, want, llm, kept = greedy_under_half(drafter, tiny_model_dir, near, tmp_path)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     lengths = {k for step in kept for k in step}
@@ -245,13 +252,7 @@ def test_a_draft_pass_runs_only_the_rows_still_drafting(drafter, tiny_model_dir,
     from specserve.batch import DeviceTokenIds
     from specserve.spec.stopping import DraftStop
 
-    target = str(tiny_model_dir("llama"))
-    draft = near if drafter == "draft_model" else sharpened(make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM32(target, speculative_method="draft_model", draft_model=draft, num_speculative_tokens=5,
-                speculative_adaptive=False, **SMALL)
-    force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+    params, want, llm, _ = greedy_under_half(drafter, tiny_model_dir, near, tmp_path)
     drafter = llm.engine.speculator.drafter
     decided, ran = [], []
     next_pass, forward = DraftStop._next_pass, drafter._forward
@@ -295,7 +296,7 @@ def test_the_rule_counts_what_drafting_at_all_cost_before_its_first_choice():
     rows = [ScheduledRequest(f"r{i}", [7], 10, [0], GREEDY, num_lookahead=3) for i in range(4)]
     stop = StopRule(ConfidenceCalibration(), prices, 4, Everyone()).begin(rows, compact=True)
     assert stop.time == pytest.approx(0.010 + 0.002 + 0.003 + 4 * (0.001 + 0.0005))
-    assert stop.pass_rows == [4] and stop.passes == 1
+    assert stop.pass_rows == [4]
     before = stop.time
     stop.after(0, [0.999, 0.001, 0.999, 0.001])  # rows 0 and 2 keep their drafts and draft on
     assert stop.kept == [1, 0, 1, 0] and stop.running == [0, 2] and stop.pass_rows == [4, 2]

@@ -73,15 +73,10 @@ class DraftStop:
         prices = rule.prices
         self.time = max(prices.fixed, 1e-9) + prices.draft_fixed + prices.draft_pass + \
             (prices.draft_request + prices.draft_token) * len(rows)
-        self.pass_rows = [len(rows)]      # rows each pass ran, the first included
+        self.pass_rows = [len(rows)]      # rows each pass ran, the first included (it yields depth 0)
         self.depth = 0                    # deepest kept draft so far
         self.judged = 0                   # depths judged so far
         self.running: list[int] = []      # the rows the next pass runs (``_next_pass``)
-
-    @property
-    def passes(self) -> int:
-        """Drafter passes run (the first yields depth 0)."""
-        return len(self.pass_rows)
 
     def after(self, depth: int, confidence: list[float]) -> int:
         """The rows still drafting among ``[0, len(confidence))`` drafted their token at

@@ -32,7 +32,7 @@ def _learn_cost(self, choice, drafts, emitted, elapsed):
     st = getattr(drafts, '_stop', None)
     if st is not None:
         p = st.rule.prices
-        rec.update(o=p.draft_fixed, g=getattr(p, 'draft_request', 0.0), ctx=sum(p.start_pos for p in sc), pg=st.gain, pt=st.time, fixed=p.fixed, tok=p.token, span=p.span, dp=p.draft_pass, dt=p.draft_token, plain=p.plain, passes=st.passes)
+        rec.update(o=p.draft_fixed, g=getattr(p, 'draft_request', 0.0), ctx=sum(p.start_pos for p in sc), pg=st.gain, pt=st.time, fixed=p.fixed, tok=p.token, span=p.span, dp=p.draft_pass, dt=p.draft_token, plain=p.plain, passes=len(st.pass_rows) if hasattr(st, 'pass_rows') else st.passes)
     out = orig(self, choice, drafts, emitted, elapsed)
     LOG.append(rec)
     return out
