@@ -1,5 +1,5 @@
-"""GGUF on the CPU: the default model's own Q4_1 file run by llama.cpp and by specserve,
-side by side, in one run.
+"""GGUF on the CPU: the default model's own Q4_1 file (or ``--gguf FILE``) run by llama.cpp
+and by specserve, side by side, in one run.
 
 llama.cpp is ``llama-cpp-python`` (optional: ``pip install llama-cpp-python``, built on the
 machine), on the same file with the same thread count, in a process of its own. specserve runs the file with its
@@ -16,7 +16,7 @@ reset, specserve's prefix cache emptied), prompt tokens per second of that. Each
 built, warmed up on one prompt, run and closed in turn.
 
     python benchmarks/gguf_cpu.py [--threads 2,8] [--prompts 4] [--max-tokens 128] [--methods quantized,ngram]
-        [--json out.json]
+        [--gguf model-Q5_K_M.gguf] [--json out.json]
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ from draft_acceptance import machine_name  # noqa: E402
 
 # specserve configurations: short name -> (label, engine settings)
 METHODS = {
-    "quantized": ("specserve, Q4_1 kept quantized", {}),
+    "quantized": ("specserve, kept quantized", {}),
     # The same, its prompt chunks through the integer kernel too (QuantLinear.dequant_rows 0,
     # as --deterministic runs them): what unpacking the weight for a GEMM gains.
-    "integer-prompts": ("specserve, Q4_1, integer kernel for prompts too", {"dequant_rows": 0}),
+    "integer-prompts": ("specserve, kept quantized, integer kernel for prompts too", {"dequant_rows": 0}),
     "bf16": ("specserve, dequantized to bf16", {"gguf_weights": "dequantized"}),
     "ngram": ("specserve quantized + n-gram", {"speculative_method": "ngram"}),
     "draft": ("specserve quantized + built-in draft", {"speculative_method": "draft_model"}),
@@ -81,12 +81,12 @@ def llama_cpp_job() -> None:
     print(json.dumps({"tokens_per_s": tokens / seconds, "tokens": tokens, "prompt_tokens_per_s": prompt_tokens / prompt_s}))
 
 
-def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: int) -> dict:
+def run_specserve(model: str | None, settings: dict, prompts: list[str], threads: int, max_tokens: int) -> dict:
     from specserve import LLM, SamplingParams
 
     settings = dict(settings)
     dequant_rows = settings.pop("dequant_rows", None)
-    llm = LLM(cpu_threads=threads, kv_cache_memory_gib=0.25, max_num_seqs=4, **settings)
+    llm = LLM(model, cpu_threads=threads, kv_cache_memory_gib=0.25, max_num_seqs=4, **settings)
     if dequant_rows is not None:
         from specserve.models.quantized import QuantLinear  # lazy: only for this row
 
@@ -113,7 +113,8 @@ def run_specserve(settings: dict, prompts: list[str], threads: int, max_tokens: 
         prompt_tokens += len(out.prompt_token_ids)
     result = {"tokens_per_s": tokens / seconds, "tokens": tokens, "prompt_tokens_per_s": prompt_tokens / prompt_s,
               "acceptance_length": 1 + accepted / drafts if drafts else None,
-              "quantized_target": llm.engine.quantized_weights}
+              "quantized_target": llm.engine.quantized_weights,
+              "formats": sorted({f for m in llm.engine.runner.model.modules() for f in getattr(m, "formats", ())})}
     llm.close()
     return result
 
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated specserve rows, of: {', '.join(METHODS)}")
+    parser.add_argument("--gguf", default=None, help="a GGUF file to run (default: the default model's own)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--llama-cpp-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,8 +142,8 @@ def main() -> None:
     from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
     from specserve.loader import default_model_gguf, load_tokenizer, resolve_model
 
-    gguf = str(default_model_gguf())
-    tokenizer = load_tokenizer(resolve_model(None))
+    gguf = args.gguf or str(default_model_gguf())
+    tokenizer = load_tokenizer(resolve_model(args.gguf))
     workloads = {kind: chat_prompts(tokenizer, held_out_prompts(kind, args.prompts)) for kind in ("chat", "code")}
     cpu = machine_name(torch.device("cpu"))
     rows = []
@@ -151,13 +153,14 @@ def main() -> None:
             entries = [("llama.cpp (llama-cpp-python)", base)] if base else []
             for name in methods:
                 label, settings = METHODS[name]
-                entries.append((label, run_specserve(settings, prompts, threads, args.max_tokens)))
+                entries.append((label, run_specserve(args.gguf, settings, prompts, threads, args.max_tokens)))
             for label, r in entries:
                 row = {"threads": threads, "workload": workload, "method": label,
                        "tokens_per_s": round(r["tokens_per_s"], 1), "tokens": r["tokens"],
                        "prompt_tokens_per_s": round(r["prompt_tokens_per_s"], 1),
                        "vs_llama_cpp": round(r["tokens_per_s"] / base["tokens_per_s"], 2) if base else None,
-                       "acceptance_length": round(r["acceptance_length"], 2) if r.get("acceptance_length") else None}
+                       "acceptance_length": round(r["acceptance_length"], 2) if r.get("acceptance_length") else None,
+                       "formats": r.get("formats")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\n{Path(gguf).name} on {cpu}; batch 1, greedy, at most {args.max_tokens} new tokens per prompt, "

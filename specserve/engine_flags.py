@@ -24,8 +24,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="auto (bfloat16 on CUDA and on CPUs with native bf16 GEMM such as AMX, "
                         "else float32), float32, bfloat16, float16; float32 for bit-exact output")
     g.add_argument("--gguf-weights", default="auto", choices=GGUF_WEIGHTS,
-                   help="a .gguf model's weights: quantized (kept in their 4/8-bit blocks and run "
-                        "by the C++ CPU kernels; llama architecture, Q4_0/Q4_1/Q8_0/Q4_K/Q6_K), "
+                   help="a .gguf model's weights: quantized (kept in their blocks and run by the "
+                        "C++ CPU kernels; llama architecture, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q2_K-Q6_K, "
+                        "IQ4_NL/IQ4_XS), "
                         "dequantized (to --dtype), or auto: quantized on a CPU where it can be "
                         "(default), else dequantized")
     g.add_argument("--seed", type=int, default=0,

@@ -22,6 +22,7 @@ from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_
 from specserve.models.quantized import (
     DEQUANT_ROWS,
     FORMATS,
+    SCALE_FIELDS,
     GGUFWeight,
     QuantLinear,
     decode,
@@ -32,11 +33,12 @@ from specserve.models.quantized import (
 
 needs_cpu_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build")
 CPU = torch.device("cpu")
-SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 # Input widths per format: block multiples with an odd number of 64-input chunks, a tail
 # that needs padding (Q4_0 at 96), tail blocks of 8, 4, 2 and 1 chunks, and full blocks.
 WIDTHS = {"Q4_0": (32, 96, 576, 1536), "Q4_1": (64, 576, 864, 1536), "Q8_0": (32, 448, 576),
-          "Q4_K": (256, 768, 1792), "Q6_K": (256, 512, 1792)}
+          "Q4_K": (256, 768, 1792), "Q6_K": (256, 512, 1792), "Q5_0": (32, 96, 576), "Q5_1": (64, 576, 1536),
+          "Q5_K": (256, 768, 1792), "Q3_K": (256, 768), "Q2_K": (256, 1792), "IQ4_NL": (32, 576),
+          "IQ4_XS": (256, 768)}
 
 
 def random_weight(kind: str, rows: int, k: int, seed: int = 0) -> GGUFWeight:
@@ -44,7 +46,7 @@ def random_weight(kind: str, rows: int, k: int, seed: int = 0) -> GGUFWeight:
     rng = np.random.default_rng(seed)
     per, nbytes, _ = FORMATS[kind]
     raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[kind]:
+    for offset in SCALE_FIELDS[kind]:
         raw[..., offset:offset + 2] = (rng.standard_normal((rows, k // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
     return GGUFWeight(kind, raw.reshape(rows, -1), k)
 
@@ -189,11 +191,13 @@ def test_a_row_does_not_depend_on_its_batch():
 
 @needs_cpu_kernels
 def test_scales_are_kept_in_float16_only_where_every_one_is_exact():
-    """Q4_0, Q4_1 and Q8_0 hold float16 scales (fewer bytes per step); K-quants' scales are
-    products and stay float32. Either way the layer computes the same bits as with the
+    """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL hold float16 scales (fewer bytes per step);
+    K-quants' and IQ4_XS's scales are products and stay float32. Either way the layer computes the same bits as with the
     scales in float32, through the integer kernel and the unpacked weight alike."""
-    want = {"Q4_0": torch.float16, "Q4_1": torch.float16, "Q8_0": torch.float16,
-            "Q4_K": torch.float32, "Q6_K": torch.float32}
+    want = {"Q4_0": torch.float16, "Q4_1": torch.float16, "Q8_0": torch.float16, "Q5_0": torch.float16,
+            "Q5_1": torch.float16, "IQ4_NL": torch.float16, "Q4_K": torch.float32, "Q6_K": torch.float32,
+            "Q5_K": torch.float32, "Q3_K": torch.float32, "Q2_K": torch.float32, "IQ4_XS": torch.float32}
+    assert set(want) == set(FORMATS)
     for kind, dtype in want.items():
         for k in WIDTHS[kind]:
             layer = QuantLinear([(0, random_weight(kind, 40, k, seed=k))], k, 40, torch.randn(40))
@@ -233,18 +237,29 @@ def tiny_gguf(tmp_path, **types):
     return ModelFiles("tiny-gguf", path.parent, path), hf
 
 
+# What Q5_K_M, Q3_K_M, Q2_K and IQ4_XS files hold beside their main format: Q5_0 and Q5_1
+# where llama.cpp falls back from Q4_K and Q5_K (rows not a multiple of 256 inputs), IQ4_NL
+# from Q2_K, Q3_K and IQ4_XS.
+K_MIXES = {"Q4_K_M-like": ({}, ["Q4_K", "Q6_K", "Q8_0"]),
+           "Q5_K_M/Q3_K_M/IQ4_XS-like": ({"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q3_K", "attn_output": "Q2_K",
+                                          "ffn_gate": "IQ4_XS", "ffn_up": "Q5_1", "ffn_down": "Q6_K",
+                                          "token_embd": "IQ4_NL"}, ["Q3_K", "Q5_0", "Q5_K"])}
+
+
 @needs_cpu_kernels
-def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path):
-    """Every weight kept in its blocks (six formats, mixed inside qkv), q and k rows
-    unpermuted, the tied head run from the embedding's blocks: logits close to
-    transformers' on the dequantised weights (int8 activations are the only difference;
-    a wrong q/k order moves them by ~1.6 and changes 3 argmaxes in 4)."""
-    files, hf = tiny_gguf(tmp_path)
+@pytest.mark.parametrize("mix", sorted(K_MIXES))
+def test_a_gguf_model_runs_quantized_and_agrees_with_transformers(tmp_path, mix):
+    """Every weight kept in its blocks (formats mixed inside qkv), q and k rows unpermuted,
+    the tied head run from the embedding's blocks: logits close to transformers' on the
+    dequantised weights (int16 activations are the only difference; a wrong q/k order
+    moves them by ~1.6 and changes 3 argmaxes in 4)."""
+    types, qkv_formats = K_MIXES[mix]
+    files, hf = tiny_gguf(tmp_path, **types)
     model = build_model(files, load_hf_config(files), torch.float32, CPU,
                         TorchAttentionBackend(cpu_kernels=True), quantized=True)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert not linears and isinstance(model.lm_head, QuantLinear)
-    assert model.model.layers[0].self_attn.qkv_proj.formats == ["Q4_K", "Q6_K", "Q8_0"]
+    assert model.model.layers[0].self_attn.qkv_proj.formats == qkv_formats
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 9)]
     for prompt, got in zip(prompts, ragged_logits(model, prompts, chunk=5)):
         with torch.no_grad():
@@ -650,12 +665,12 @@ def test_a_bf16_float_model_quantized_as_its_own_draft_runs_quantized(tmp_path, 
 def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_model_dir, caplog, monkeypatch):
     """``quantized`` refuses in one line naming why; ``auto`` loads dequantised (exact
     too) and says why; ``dequantized`` never reads the blocks."""
-    files, _ = tiny_gguf(tmp_path / "q5", ffn_down="Q5_K")  # a format without a kernel
-    with pytest.raises(ModelLoadError, match="Q5_K, which has no quantized CPU kernel"):
+    files, _ = tiny_gguf(tmp_path / "iq2", ffn_down="IQ2_XS")  # a format without a kernel (a grid codebook)
+    with pytest.raises(ModelLoadError, match="IQ2_XS, which has no quantized CPU kernel"):
         quantized_gguf(files, "quantized", CPU)
     with caplog.at_level("INFO", logger="specserve"):
         assert not quantized_gguf(files, "auto", CPU)
-    assert "Q5_K" in caplog.text
+    assert "IQ2_XS" in caplog.text
     plain = ModelFiles("tiny", tiny_model_dir("llama"))
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
         quantized_gguf(plain, "quantized", CPU)

@@ -198,6 +198,11 @@ def make_eagle_head(target_dir, layers: list[int], path, seed: int = 0, input_no
 # A tiny llama as a GGUF file: each weight's ggml type, by the name llama.cpp gives it.
 GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q4_0",
               "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+# Formats the gguf package quantizes (the others get random blocks), and what their random
+# blocks' scales are divided by to keep weights near the others' size (q up to 31 and
+# sub-block scales up to 63 multiply them).
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+SCALE_DIVISORS = {"Q6_K": 16, "Q5_K": 32, "Q3_K": 4, "IQ4_NL": 8, "IQ4_XS": 64}
 TINY_GGUF = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
@@ -209,7 +214,7 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     permuted for its rotary layout, every weight in its block format (``types``, default
     GGUF_TYPES: 4-, 6- and 8-bit formats mixed inside one projection; F32, F16 or BF16 for
     a float weight, and under the key "norm" for the norms, F32 by default; a key such as
-    "blk.1.ffn_down" sets one layer's). The K-quants get
+    "blk.1.ffn_down" sets one layer's). The K-quants and IQ4 formats get
     random blocks (the ``gguf`` package cannot quantize to them), the others quantize
     random weights. Writes ``model.gguf`` plus config.json, a tokenizer and the dequantised
     weights beside it (what ``resolve_model``'s conversion writes), and returns
@@ -221,7 +226,7 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     from gguf.quants import dequantize, quantize
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specserve.models.quantized import FORMATS
+    from specserve.models.quantized import FORMATS, SCALE_FIELDS
 
     types = {**GGUF_TYPES, **(types or {})}
     directory = Path(directory)
@@ -238,12 +243,11 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
         if kind not in FORMATS:  # a format without a kernel: zeros
             per, nbytes = gguf.GGML_QUANT_SIZES[qtype]
             return np.zeros((rows, k // per * nbytes), np.uint8)
-        if kind.endswith("_K"):  # random blocks with small, finite fp16 scales
+        if kind not in QUANTIZABLE:  # random blocks with small, finite fp16 scales
             per, nbytes, _ = FORMATS[kind]
             raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
-            offsets = {"Q4_K": (0, 2), "Q6_K": (208,)}[kind]
-            for off in offsets:
-                scale = (rng.uniform(0.2, 1.0, (rows, k // per, 1)) * 0.02 / (16 if kind == "Q6_K" else 1))
+            for off in SCALE_FIELDS[kind]:
+                scale = (rng.uniform(0.2, 1.0, (rows, k // per, 1)) * 0.02 / SCALE_DIVISORS.get(kind, 1))
                 raw[..., off:off + 2] = scale.astype(np.float16).view(np.uint8)
             return raw.reshape(rows, -1)
         return quantize(weight.float().numpy(), qtype)

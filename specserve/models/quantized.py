@@ -14,6 +14,22 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
         8 groups of 32: w = d·sc · q − dmin·m
   Q6_K  256 inputs: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d:f16;
         16 groups of 16: w = d·sc · (q − 32)
+  Q5_0  d:f16, 32 high bits, 16 bytes of nibbles   w = d · (q − 16)
+  Q5_1  d:f16, m:f16, 32 high bits, 16 bytes of nibbles   w = d · q + m
+  Q5_K  256 inputs: d, dmin:f16, Q4_K's scales and mins, 32 bytes of high bits, 128 bytes
+        of nibbles; 8 groups of 32: w = d·sc · q − dmin·m
+  Q3_K  256 inputs: 32 bytes of high bits, 64 bytes of 2-bit lows, 12 bytes of 6-bit
+        scales, d:f16; 16 groups of 16: w = d·(sc − 32) · (q − 4)
+  Q2_K  256 inputs: 16 bytes of 4-bit scales and mins, 64 bytes of 2-bit q, d, dmin:f16;
+        16 groups of 16: w = d·sc · q − dmin·m
+  IQ4_NL  d:f16, 16 bytes of nibbles indexing a table of 16 int8 values t
+        w = d · t[q]
+  IQ4_XS  256 inputs: d:f16, 6-bit scales (2 bits in a u16, 4 in 4 bytes), 128 bytes of
+        nibbles; 8 groups of 32: w = d·(sc − 32) · t[q]
+
+Q5 formats run as 8-bit q (0..31), Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats
+as 8-bit q = t[q] + 128: every value exactly as ggml dequantises it, in more bits than
+the file holds (see ``QuantLinear`` for the bytes a step reads).
 """
 from __future__ import annotations
 
@@ -115,16 +131,93 @@ def _decode_q8_0(b: np.ndarray) -> tuple:
     return q, d, -128.0 * d, 8, 32
 
 
-def _decode_q4_k(b: np.ndarray) -> tuple:
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    s = b[..., 4:16].astype(np.uint8)
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins (ggml's get_scale_min_k4):
+    the 8 groups' scales and mins as float32."""
     low = np.arange(4)
     sc = np.concatenate([s[..., low] & 63, (s[..., low + 8] & 0x0F) | ((s[..., low] >> 6) << 4)], axis=-1)
     mn = np.concatenate([s[..., low + 4] & 63, (s[..., low + 8] >> 4) | ((s[..., low + 4] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _high_bits(b: np.ndarray, start: int, count: int) -> np.ndarray:
+    """``count`` bytes from ``start`` as bits, least significant first: ``[..., 8 · count]``."""
+    return np.unpackbits(b[..., start:start + count], axis=-1, bitorder="little")
+
+
+def _decode_q4_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k4_scales(b[..., 4:16])
     qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)  # 4 × 32 bytes: groups 2j (low), 2j+1 (high)
     q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 256)
-    scale = d[..., None] * sc.astype(np.float32)
-    return q, scale, -(dmin[..., None] * mn.astype(np.float32)), 4, 32
+    return q, d[..., None] * sc, -(dmin[..., None] * mn), 4, 32
+
+
+def _decode_q5_0(b: np.ndarray) -> tuple:
+    d = _f16(b, 0)
+    q = _nibbles(b[..., 6:22]) | (_high_bits(b, 2, 4) << 4)  # bit i of qh: input i's fifth
+    return q, d, -16.0 * d, 8, 32
+
+
+def _decode_q5_1(b: np.ndarray) -> tuple:
+    return _nibbles(b[..., 8:24]) | (_high_bits(b, 4, 4) << 4), _f16(b, 0), _f16(b, 2), 8, 32
+
+
+def _decode_q5_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _k4_scales(b[..., 4:16])
+    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)  # as Q4_K's: groups 2j (low), 2j+1 (high)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    # Byte l of qh holds the fifth bit of input l of every group: group g's is its bit g.
+    high = _high_bits(b, 16, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)
+    q = (q | (high << 4)).reshape(*b.shape[:-1], 256)
+    return q, d[..., None] * sc, -(dmin[..., None] * mn), 8, 32
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes of 6-bit scales as its 16 groups' (ggml's aux words, byte by byte)."""
+    low, high = s[..., 0:8], s[..., 8:12]
+    lows = np.concatenate([low & 0x0F, low >> 4], axis=-1)                       # groups 0-7, 8-15
+    highs = np.concatenate([(high >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    return (lows | (highs << 4)).astype(np.float32) - 32.0
+
+
+def _decode_q3_k(b: np.ndarray) -> tuple:
+    d = _f16(b, 108)
+    qs = b[..., 32:96].reshape(*b.shape[:-1], 2, 1, 32)
+    low = (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3                 # [2 halves, 4 shifts, 32]
+    hmask = _high_bits(b, 0, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)  # [8 bits, 32 inputs]
+    q = low + 4 * hmask.reshape(*b.shape[:-1], 2, 4, 32)  # (q3 + 4): bit 4n + j of byte l, half n, shift j
+    scale = d[..., None] * _q3_k_scales(b[..., 96:108])
+    return q.reshape(*b.shape[:-1], 256), scale, -4.0 * scale, 4, 16
+
+
+def _decode_q2_k(b: np.ndarray) -> tuple:
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    sc = b[..., 0:16]
+    qs = b[..., 16:80].reshape(*b.shape[:-1], 2, 1, 32)
+    q = (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3                   # [2 halves, 4 shifts, 32]
+    scale = d[..., None] * (sc & 0x0F).astype(np.float32)
+    return q.reshape(*b.shape[:-1], 256), scale, -(dmin[..., None] * (sc >> 4).astype(np.float32)), 4, 16
+
+
+# IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl), offset by 128 into unsigned bytes.
+_IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
+
+
+def _decode_iq4_nl(b: np.ndarray) -> tuple:
+    d = _f16(b, 0)
+    return _IQ4_TABLE.astype(np.uint8)[_nibbles(b[..., 2:18])], d, -128.0 * d, 8, 32
+
+
+def _decode_iq4_xs(b: np.ndarray) -> tuple:
+    d = _f16(b, 0)
+    high = b[..., 2:4].copy().view(np.uint16)  # [..., 1]
+    ls = np.stack([((b[..., 4 + g // 2] >> (4 * (g % 2))) & 0x0F) | (((high[..., 0] >> (2 * g)) & 3) << 4)
+                   for g in range(8)], axis=-1).astype(np.float32)
+    q = _IQ4_TABLE.astype(np.uint8)[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))]
+    scale = d[..., None] * (ls - 32.0)
+    return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, 8, 32
 
 
 def _decode_q6_k(b: np.ndarray) -> tuple:
@@ -140,7 +233,13 @@ def _decode_q6_k(b: np.ndarray) -> tuple:
 
 # ggml type name -> (inputs per block, bytes per block, decoder)
 FORMATS = {"Q4_0": (32, 18, _decode_q4_0), "Q4_1": (32, 20, _decode_q4_1), "Q8_0": (32, 34, _decode_q8_0),
-           "Q4_K": (256, 144, _decode_q4_k), "Q6_K": (256, 210, _decode_q6_k)}
+           "Q4_K": (256, 144, _decode_q4_k), "Q6_K": (256, 210, _decode_q6_k),
+           "Q5_0": (32, 22, _decode_q5_0), "Q5_1": (32, 24, _decode_q5_1), "Q5_K": (256, 176, _decode_q5_k),
+           "Q3_K": (256, 110, _decode_q3_k), "Q2_K": (256, 84, _decode_q2_k),
+           "IQ4_NL": (32, 18, _decode_iq4_nl), "IQ4_XS": (256, 136, _decode_iq4_xs)}
+# Where each block holds its float16 scales (byte offsets): the rest of a block is any bits.
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
+                "Q5_1": (0, 2), "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def decode(weight: GGUFWeight) -> Decoded:
@@ -238,8 +337,9 @@ def _exact_in_float16(values: np.ndarray) -> bool:
 class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
     weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0
-    and Q4_1 and 9 for Q8_0 (float16 scales, as the file has them), 6 for Q4_K and 12 for
-    Q6_K (float32, their scales being products). ``parts``: (first row, weight) filling the layer's
+    and Q4_1 and 9 for Q8_0, Q5_0, Q5_1 and IQ4_NL (float16 scales, as the file has them),
+    6 for Q4_K, 8 for Q3_K and Q2_K, 10 for Q5_K and IQ4_XS and 12 for Q6_K (float32,
+    their scales being products). ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
