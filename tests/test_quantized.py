@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 from test_model import ragged_logits
-from tiny_models import make_hf_model, make_tokenizer, write_tiny_gguf
+from tiny_models import SCALE_FIELDS, make_hf_model, make_tokenizer, write_tiny_gguf
 
 from specserve import LLM, EngineConfig, SamplingParams
 from specserve.attention import TorchAttentionBackend
@@ -22,7 +22,6 @@ from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_
 from specserve.models.quantized import (
     DEQUANT_ROWS,
     FORMATS,
-    SCALE_FIELDS,
     GGUFWeight,
     QuantLinear,
     decode,

@@ -202,6 +202,10 @@ GGUF_TYPES = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output
 # blocks' scales are divided by to keep weights near the others' size (q up to 31 and
 # sub-block scales up to 63 multiply them).
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Where each block format holds its float16 scales (byte offsets, as ggml-common.h lays the
+# blocks out): random bytes elsewhere make a valid block, random bytes there may not be finite.
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
+                "Q5_1": (0, 2), "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 SCALE_DIVISORS = {"Q6_K": 16, "Q5_K": 32, "Q3_K": 4, "IQ4_NL": 8, "IQ4_XS": 64}
 TINY_GGUF = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -226,7 +230,7 @@ def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     from gguf.quants import dequantize, quantize
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specserve.models.quantized import FORMATS, SCALE_FIELDS
+    from specserve.models.quantized import FORMATS
 
     types = {**GGUF_TYPES, **(types or {})}
     directory = Path(directory)

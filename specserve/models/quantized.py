@@ -237,9 +237,6 @@ FORMATS = {"Q4_0": (32, 18, _decode_q4_0), "Q4_1": (32, 20, _decode_q4_1), "Q8_0
            "Q5_0": (32, 22, _decode_q5_0), "Q5_1": (32, 24, _decode_q5_1), "Q5_K": (256, 176, _decode_q5_k),
            "Q3_K": (256, 110, _decode_q3_k), "Q2_K": (256, 84, _decode_q2_k),
            "IQ4_NL": (32, 18, _decode_iq4_nl), "IQ4_XS": (256, 136, _decode_iq4_xs)}
-# Where each block holds its float16 scales (byte offsets): the rest of a block is any bits.
-SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
-                "Q5_1": (0, 2), "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def decode(weight: GGUFWeight) -> Decoded:
