@@ -3,8 +3,8 @@
 // decoder layers (cpu_layer.cpp). Included once per source file: everything is internal.
 //
 // Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4 or 8 bits,
-// as GGUF files hold it (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; specserve/models/quantized.py
-// repacks each into the one form below, exactly).
+// as GGUF files hold it (Q4_0 … Q8_0, the K-quants, IQ4_NL and IQ4_XS:
+// specserve/models/quantized.py repacks each into the one form below, exactly).
 //
 // Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
 // or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
@@ -116,7 +116,7 @@ template <typename T>
 float as_float(T v) { return static_cast<float>(v); }
 
 // A weight's scales and mins are float32, or float16 where every one of them is exactly
-// a float16 (Q4_0, Q4_1, Q8_0: GGUF stores them so), which reads fewer bytes per step.
+// a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), which reads fewer bytes per step.
 inline float scalar(float v) { return v; }
 inline float scalar(at::Half v) { return static_cast<float>(v); }
 

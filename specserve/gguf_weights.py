@@ -105,6 +105,8 @@ class GGUFCheckpoint:
         """Why this file cannot run with quantized kernels, or None when it can."""
         if self.architecture not in ARCHITECTURES:
             return f"its architecture {self.architecture!r} has no quantized path (supported: {', '.join(ARCHITECTURES)})"
+        if self.reader.byte_order != "I":  # blocks are read in this host's byte order
+            return "it is written in the other byte order than this machine's (a big-endian file)"
         for tensor in self.tensors.values():
             kind = tensor.tensor_type.name
             if kind not in FORMATS and kind not in FLOAT_TYPES and kind != "BF16":

@@ -16,7 +16,7 @@ from tiny_models import SCALE_FIELDS, make_hf_model, make_tokenizer, write_tiny_
 from specserve import LLM, EngineConfig, SamplingParams
 from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
-from specserve.gguf_weights import open_gguf
+from specserve.gguf_weights import GGUFCheckpoint, open_gguf
 from specserve.kernels import cpu_ops
 from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_gguf
 from specserve.models.quantized import (
@@ -64,6 +64,26 @@ def test_every_format_decodes_to_what_ggml_dequantises(kind):
         weight = random_weight(kind, 24, k, seed=k)
         want = dequantize(weight.raw, gguf.GGMLQuantizationType[kind]).reshape(24, k)
         assert np.array_equal(decode(weight).dequantize(), want), (kind, k)
+
+
+# The kernel's form each format runs in: (bits of q, inputs per scale and min).
+KERNEL_FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q3_K": (4, 16), "Q2_K": (4, 16),
+                "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q5_K": (8, 32), "IQ4_NL": (8, 32),
+                "IQ4_XS": (8, 32), "Q6_K": (8, 16)}
+
+
+def test_every_format_runs_in_its_narrowest_form_and_q_fits_it():
+    """Each format's q in the fewest bits that hold it (Q3_K and Q2_K in 4, over groups of
+    16), every q within them; a q wider than its form is refused, never packed cut."""
+    assert set(KERNEL_FORMS) == set(FORMATS)
+    for kind, form in KERNEL_FORMS.items():
+        decoded = decode(random_weight(kind, 16, WIDTHS[kind][-1]))
+        assert (decoded.bits, decoded.group) == form, kind
+        assert int(decoded.q.max()) < 1 << decoded.bits, kind
+    decoded = decode(random_weight("Q3_K", 4, 256))
+    decoded.q[0, 0] = 16
+    with pytest.raises(ValueError, match="wider than its 4 bits"):
+        pack(decoded)
 
 
 @needs_cpu_kernels
@@ -164,7 +184,7 @@ def test_amx_tiles_multiply_the_unpacked_weights(kind):
 def test_amx_tiles_give_a_row_the_same_bits_in_any_batch():
     """Each output is summed over its inputs in one order whatever the number of rows: a
     row's result on the tiles does not depend on the rows beside it."""
-    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536)):
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768)):
         layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, torch.randn(70))
         layer.dequant_rows = 1
         x = torch.randn(37, k).bfloat16()
@@ -178,7 +198,7 @@ def test_amx_tiles_give_a_row_the_same_bits_in_any_batch():
 def test_a_row_does_not_depend_on_its_batch():
     """With ``dequant_rows`` 0 (the deterministic mode's), each output is summed in one
     order whatever the number of rows: the layer is batch-invariant."""
-    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536)):
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768)):
         layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, None)
         layer.dequant_rows = 0
         x = torch.randn(37, k).bfloat16()
@@ -212,6 +232,12 @@ def test_scales_are_kept_in_float16_only_where_every_one_is_exact():
     decoded = decode(random_weight("Q4_1", 8, 64))
     decoded.scale[0, 0] = 1e-9  # not a float16: the layer keeps float32
     assert pack(decoded)[1].dtype == torch.float32
+    weight = random_weight("Q5_0", 8, 64)
+    weight.raw[0, 0:2] = np.array([4096.0], np.float16).view(np.uint8)  # its min, -16 d, is past float16's range
+    decoded = decode(weight)
+    packed = pack(decoded)
+    assert packed[1].dtype == packed[2].dtype == torch.float32
+    assert packed[2][0, 0].item() == -65536.0
 
 
 @needs_cpu_kernels
@@ -229,6 +255,12 @@ def test_parts_of_different_formats_make_one_layer():
     assert torch.equal(layer.select_rows(rows)(x), layer(x)[:, rows])
     with pytest.raises(ValueError, match="quantized parts make"):
         QuantLinear([(0, parts[0])], 512, 64, None)
+    # Q3_K q and k beside a Q4_K v (a Q3_K_M file's): 4-bit q over groups of 16.
+    parts = [random_weight("Q3_K", 32, 512, 4), random_weight("Q3_K", 16, 512, 5), random_weight("Q4_K", 16, 512, 6)]
+    layer = QuantLinear([(0, parts[0]), (32, parts[1]), (48, parts[2])], 512, 64, None)
+    assert (layer.bits, layer.group) == (4, 16)
+    want = reference(x, np.concatenate([decode(p).dequantize() for p in parts]))
+    assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def tiny_gguf(tmp_path, **types):
@@ -236,9 +268,9 @@ def tiny_gguf(tmp_path, **types):
     return ModelFiles("tiny-gguf", path.parent, path), hf
 
 
-# What Q5_K_M, Q3_K_M, Q2_K and IQ4_XS files hold beside their main format: Q5_0 and Q5_1
-# where llama.cpp falls back from Q4_K and Q5_K (rows not a multiple of 256 inputs), IQ4_NL
-# from Q2_K, Q3_K and IQ4_XS.
+# What Q5_K_M, Q3_K_M, Q2_K and IQ4_XS files hold beside their main formats: Q5_0, Q5_1
+# and IQ4_NL where llama.cpp falls back from Q4_K, Q5_K and IQ4_XS (rows not a multiple of
+# 256 inputs; Q2_K and Q3_K fall back to Q4_0).
 K_MIXES = {"Q4_K_M-like": ({}, ["Q4_K", "Q6_K", "Q8_0"]),
            "Q5_K_M/Q3_K_M/IQ4_XS-like": ({"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q3_K", "attn_output": "Q2_K",
                                           "ffn_gate": "IQ4_XS", "ffn_up": "Q5_1", "ffn_down": "Q6_K",
@@ -683,6 +715,9 @@ def test_what_cannot_run_quantized_is_refused_or_dequantized(tmp_path, tiny_mode
             build_model(ok, load_hf_config(ok), torch.float32, CPU, TorchAttentionBackend(cpu_kernels=True),
                         quantized=True)
     assert not quantized_gguf(ok, "dequantized", CPU)
+    swapped = GGUFCheckpoint(ok.gguf)
+    swapped.reader.byte_order = "S"  # as the gguf reader marks a big-endian file here
+    assert "big-endian" in swapped.refusal()
     with pytest.raises(ModelLoadError, match="run on the CPU, not cuda"):
         quantized_gguf(ok, "quantized", torch.device("cuda"))
     with pytest.raises(ModelLoadError, match="without tensor parallelism"):

@@ -303,6 +303,8 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j); scales
     and mins float16 where each is one exactly (groups of 32), else float32."""
     rows, k = decoded.q.shape
+    if decoded.q.size and int(decoded.q.max()) >> decoded.bits:
+        raise ValueError(f"a quantized weight's q is wider than its {decoded.bits} bits")
     kp = -(-k // CHUNK) * CHUNK
     q = np.zeros((rows, kp), np.uint8)
     q[:, :k] = decoded.q
@@ -325,8 +327,9 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _exact_in_float16(values: np.ndarray) -> bool:
-    """Whether every value is a float16 exactly (GGUF's Q4_0, Q4_1 and Q8_0 store their
-    scales so; K-quants' products of two scales often are not)."""
+    """Whether every value is a float16 exactly (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+    IQ4_NL scales and mins are, unless one overflows; K-quants' and IQ4_XS's products of
+    two scales often are not)."""
     with np.errstate(over="ignore"):
         return bool(np.array_equal(values.astype(np.float16).astype(values.dtype), values))
 

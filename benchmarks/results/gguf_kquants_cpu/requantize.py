@@ -2,6 +2,7 @@
 llama-quantize tool does; requantizing allowed) into the K-quant and IQ4 file kinds."""
 import collections
 import ctypes
+import os
 import sys
 
 import gguf
@@ -19,5 +20,4 @@ for kind in kinds:
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     r = gguf.GGUFReader(dst)
     counts = collections.Counter(t.tensor_type.name for t in r.tensors)
-    import os
     print(kind, "rc", rc, f"{os.path.getsize(dst)/1e6:.1f} MB", dict(counts), flush=True)
