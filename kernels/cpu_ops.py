@@ -73,6 +73,13 @@ def amx_tiles() -> bool:
     return available() and bool(torch.ops.specserve_cpu.amx_tiles())
 
 
+@functools.cache
+def five_bit_weights() -> bool:
+    """Whether quantized layers take 5-bit weights (the 4-bit layout plus a plane of fifth
+    bits, ``cpu_quant.h``): kernels built for AVX-512. Elsewhere they run as 8 bits."""
+    return available() and bool(torch.ops.specserve_cpu.five_bit_weights())
+
+
 @contextlib.contextmanager
 def _building(build_dir: Path):
     """Hold an OS lock on ``build_dir`` while torch's loader builds and loads there.

@@ -74,6 +74,15 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
                        int64_t chunks, int64_t group, int64_t bits, T* out, int64_t half_stride) {
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   auto bytes16 = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  // 5 bits: the fifth bits of chunk c's inputs from ``first`` on (16 of them), as 16 in
+  // their lanes (0 for 4 bits). The row's plane follows its chunks' nibbles.
+  const uint8_t* plane = row + chunks * (kChunk / 2);
+  auto fifth = [&](int64_t chunk, int first) {
+    if (bits != 5) return _mm512_setzero_si512();
+    uint16_t mask;
+    std::memcpy(&mask, plane + 8 * chunk + first / 8, 2);
+    return _mm512_maskz_mov_epi32(__mmask16(mask), _mm512_set1_epi32(16));
+  };
   int64_t c = 0, g0 = 0;
   for (const int64_t size : sizes) {
     const int64_t count = size * kChunk / group;  // groups in this block
@@ -85,23 +94,27 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
       sv[h] = _mm512_permutexvar_ps(lanes, ls);
       mv[h] = _mm512_permutexvar_ps(lanes, lm);
     }
-    if (bits == 4 && size > 1) {  // chunk pairs: byte i holds input i of c (low nibble) and of c + 1 (high)
+    if (bits != 8 && size > 1) {  // chunk pairs: byte i holds input i of c (low nibble) and of c + 1 (high)
       for (int64_t j = 0; j < size; j += 2, c += 2) {
         const uint8_t* pair = row + c * (kChunk / 2);
         for (int h = 0; h < 2; ++h) {
           const __m512i d0 = bytes16(pair + 32 * h), d1 = bytes16(pair + 32 * h + 16);
-          store_weights(_mm512_and_si512(d0, nibble), _mm512_and_si512(d1, nibble), sv[2 * h], mv[2 * h],
+          store_weights(_mm512_or_si512(_mm512_and_si512(d0, nibble), fifth(c, 32 * h)),
+                        _mm512_or_si512(_mm512_and_si512(d1, nibble), fifth(c, 32 * h + 16)), sv[2 * h], mv[2 * h],
                         sv[2 * h + 1], mv[2 * h + 1], out + (2 * c + h) * half_stride);
-          store_weights(_mm512_srli_epi32(d0, 4), _mm512_srli_epi32(d1, 4), sv[2 * h], mv[2 * h],
+          store_weights(_mm512_or_si512(_mm512_srli_epi32(d0, 4), fifth(c + 1, 32 * h)),
+                        _mm512_or_si512(_mm512_srli_epi32(d1, 4), fifth(c + 1, 32 * h + 16)), sv[2 * h], mv[2 * h],
                         sv[2 * h + 1], mv[2 * h + 1], out + (2 * c + 2 + h) * half_stride);
         }
       }
-    } else if (bits == 4) {  // the odd last chunk, its own block: byte i holds its inputs i and 32 + i
+    } else if (bits != 8) {  // the odd last chunk, its own block: byte i holds its inputs i and 32 + i
       const uint8_t* bytes = row + c * (kChunk / 2);
       const __m512i d0 = bytes16(bytes), d1 = bytes16(bytes + 16);
-      store_weights(_mm512_and_si512(d0, nibble), _mm512_and_si512(d1, nibble), sv[0], mv[0], sv[1], mv[1],
+      store_weights(_mm512_or_si512(_mm512_and_si512(d0, nibble), fifth(c, 0)),
+                    _mm512_or_si512(_mm512_and_si512(d1, nibble), fifth(c, 16)), sv[0], mv[0], sv[1], mv[1],
                     out + 2 * c * half_stride);
-      store_weights(_mm512_srli_epi32(d0, 4), _mm512_srli_epi32(d1, 4), sv[2], mv[2], sv[3], mv[3],
+      store_weights(_mm512_or_si512(_mm512_srli_epi32(d0, 4), fifth(c, 32)),
+                    _mm512_or_si512(_mm512_srli_epi32(d1, 4), fifth(c, 48)), sv[2], mv[2], sv[3], mv[3],
                     out + (2 * c + 1) * half_stride);
       ++c;
     } else {
@@ -452,8 +465,12 @@ bool amx_tiles() {
 #endif
 }
 
+// Whether quant_linear takes 5-bit weights (``kFiveBitWeights``) in this build.
+bool five_bit_weights() { return kFiveBitWeights; }
+
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("amx_tiles() -> bool", &amx_tiles);
+  m.def("five_bit_weights() -> bool", &five_bit_weights);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group, "
         "Tensor? bias, int dequant_rows=0) -> Tensor");
 }

@@ -33,6 +33,9 @@
 //    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
 //    bytes, byte j holding its inputs j and 32 + j.
 //  - 8 bits: Kp bytes.
+//  - 5 bits (AVX-512 builds): the 4-bit layout of the low four bits, then a plane of the
+//    fifth: 8 bytes a chunk, bit j of chunk c's (as a little-endian u64) input j of the
+//    chunk in the order its 4-bit bytes give (the pair's byte j, the odd chunk's j, 32 + j).
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
 //    group order (not reordered).
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
@@ -75,6 +78,11 @@ constexpr int64_t kChunk = 64;    // inputs per weight vector
 constexpr int64_t kABlock = 32;   // inputs per activation scale
 constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
 constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
+#if defined(QUANT_AVX512)
+constexpr bool kFiveBitWeights = true;  // the 5-bit layout: AVX-512 builds only
+#else
+constexpr bool kFiveBitWeights = false;
+#endif
 
 // The blocks of a row of kp inputs, in chunks: as many 16-group blocks as fit, then
 // blocks of half, a quarter, ... of that (the layout's order; models/quantized.py: blocks).
@@ -212,6 +220,14 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
 }
 
 #if defined(QUANT_AVX512)
+// The fifth bits of chunk c of a 5-bit row whose plane is at ``plane``, as 16 in the bytes
+// they belong to (in the chunk's order: as weight_chunk and a pair's masks give them).
+inline __m512i fifth_bits(const uint8_t* plane, int64_t c) {
+  uint64_t bits;
+  std::memcpy(&bits, plane + 8 * c, 8);
+  return _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), _mm512_set1_epi8(16));
+}
+
 // Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w, outside chunk
 // pairs: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, inputs j and 32 + j).
 template <int Bits>
@@ -268,13 +284,19 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     __m512i dots[Cols][Rows];
     for (int n = 0; n < Cols; ++n)
       for (int r = 0; r < Rows; ++r) dots[n][r] = _mm512_setzero_si512();
-    if (Bits == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
+    // 4 bits, or 5: the low four as 4 bits, the fifth from the row's plane (kp / 2 bytes on).
+    constexpr int kNibbles = Bits == 5 ? 4 : Bits;
+    if (kNibbles == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int64_t j = 0; j < size; j += 2, c += 2)
         for (int n = 0; n < Cols; ++n) {
           const __m512i packed = _mm512_loadu_si512(w + n * row_bytes + c * (kChunk / 2));
-          const __m512i lo = _mm512_and_si512(packed, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          __m512i lo = _mm512_and_si512(packed, low4);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+          if constexpr (Bits == 5) {
+            lo = _mm512_or_si512(lo, fifth_bits(w + n * row_bytes + kp / 2, c));
+            hi = _mm512_or_si512(hi, fifth_bits(w + n * row_bytes + kp / 2, c + 1));
+          }
           for (int r = 0; r < Rows; ++r) {
             dots[n][r] = madd(dots[n][r], lo, a + r * kp + c * kChunk);
             dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
@@ -283,7 +305,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     } else {  // 8 bits, or a 4-bit block of one chunk: the row's odd last chunk
       for (int64_t j = 0; j < size; ++j, ++c)
         for (int n = 0; n < Cols; ++n) {
-          const __m512i wv = weight_chunk<Bits>(w + n * row_bytes, c);
+          __m512i wv = weight_chunk<kNibbles>(w + n * row_bytes, c);
+          if constexpr (Bits == 5) wv = _mm512_or_si512(wv, fifth_bits(w + n * row_bytes + kp / 2, c));
           for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
         }
     }
@@ -601,8 +624,11 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 CPU tensor [N, bytes]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || (bits == 5 && kFiveBitWeights),
+              "bits must be 4 or 8 (or 5, built for AVX-512)");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  TORCH_CHECK(packed.size(1) * 8 % bits == 0, "packed rows of ", packed.size(1), " bytes hold no whole ", bits,
+              "-bit row");
   const int64_t n = packed.size(0), kp = packed.size(1) * 8 / bits;
   TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
   const bool half = scales.scalar_type() == at::kHalf;
@@ -649,6 +675,14 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
 
 template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
+  if (w.bits == 5) {  // (quant_weight takes 5 bits only where the build runs them)
+#if defined(QUANT_AVX512)
+    if (w.half) matmul_columns<5, 32, at::Half, T, R>(q, m, w, out, begin, end);
+    else if (w.group == 32) matmul_columns<5, 32, float, T, R>(q, m, w, out, begin, end);
+    else matmul_columns<5, 16, float, T, R>(q, m, w, out, begin, end);
+#endif
+    return;
+  }
   if (w.half) {  // groups of 32 (quant_weight checks it)
     if (w.bits == 4) matmul_columns<4, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else matmul_columns<8, 32, at::Half, T, R>(q, m, w, out, begin, end);

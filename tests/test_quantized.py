@@ -68,13 +68,14 @@ def test_every_format_decodes_to_what_ggml_dequantises(kind):
 
 # The kernel's form each format runs in: (bits of q, inputs per scale and min).
 KERNEL_FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q3_K": (4, 16), "Q2_K": (4, 16),
-                "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q5_K": (8, 32), "IQ4_NL": (8, 32),
+                "Q5_0": (5, 32), "Q5_1": (5, 32), "Q5_K": (5, 32), "Q8_0": (8, 32), "IQ4_NL": (8, 32),
                 "IQ4_XS": (8, 32), "Q6_K": (8, 16)}
 
 
 def test_every_format_runs_in_its_narrowest_form_and_q_fits_it():
     """Each format's q in the fewest bits that hold it (Q3_K and Q2_K in 4, over groups of
-    16), every q within them; a q wider than its form is refused, never packed cut."""
+    16; the Q5 formats in 5), every q within them; a q wider than its form is refused,
+    never packed cut."""
     assert set(KERNEL_FORMS) == set(FORMATS)
     for kind, form in KERNEL_FORMS.items():
         decoded = decode(random_weight(kind, 16, WIDTHS[kind][-1]))
@@ -184,7 +185,7 @@ def test_amx_tiles_multiply_the_unpacked_weights(kind):
 def test_amx_tiles_give_a_row_the_same_bits_in_any_batch():
     """Each output is summed over its inputs in one order whatever the number of rows: a
     row's result on the tiles does not depend on the rows beside it."""
-    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768)):
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768), ("Q5_0", 576), ("Q5_K", 768)):
         layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, torch.randn(70))
         layer.dequant_rows = 1
         x = torch.randn(37, k).bfloat16()
@@ -198,7 +199,7 @@ def test_amx_tiles_give_a_row_the_same_bits_in_any_batch():
 def test_a_row_does_not_depend_on_its_batch():
     """With ``dequant_rows`` 0 (the deterministic mode's), each output is summed in one
     order whatever the number of rows: the layer is batch-invariant."""
-    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768)):
+    for kind, k in (("Q4_1", 576), ("Q6_K", 768), ("Q8_0", 1536), ("Q3_K", 768), ("Q5_0", 576), ("Q5_K", 768)):
         layer = QuantLinear([(0, random_weight(kind, 70, k))], k, 70, None)
         layer.dequant_rows = 0
         x = torch.randn(37, k).bfloat16()
@@ -206,6 +207,31 @@ def test_a_row_does_not_depend_on_its_batch():
         for rows in (2, 3, 5, 8, 37):
             batched = torch.cat([layer(x[i:i + rows]) for i in range(0, 37, rows)])
             assert torch.equal(batched, alone), (kind, rows)
+
+
+@needs_cpu_kernels
+def test_five_bit_weights_give_the_bits_of_their_eight_bit_form(monkeypatch):
+    """On a build for AVX-512 a Q5 weight is held in 5 bits (its low four as 4-bit q, then
+    a plane of fifth bits); elsewhere as 8. Both give the same outputs, bit for bit,
+    through the integer kernel and the unpacked weight alike, at odd and even chunk counts
+    and beside a 4-bit part of groups of 16."""
+    if not cpu_ops.five_bit_weights():
+        pytest.skip("the kernels here are not built for AVX-512: Q5 weights run as 8 bits")
+    cases = [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
+             [(0, random_weight("Q5_K", 24, 768, 3))],
+             [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]]
+    for parts in cases:
+        k = parts[0][1].in_features
+        five = QuantLinear(parts, k, 24, torch.randn(24))
+        assert five.bits == 5 and five.packed.shape[1] == 5 * (-(-k // 64) * 64) // 8
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_ops, "five_bit_weights", lambda: False)
+            eight = QuantLinear(parts, k, 24, five.bias)
+        assert eight.bits == 8
+        for rows, dequant_rows in ((1, 0), (3, 0), (9, 0), (5, 1), (40, 16)):
+            for x in (torch.randn(rows, k), torch.randn(rows, k).bfloat16()):
+                five.dequant_rows = eight.dequant_rows = dequant_rows
+                assert torch.equal(five(x), eight(x)), (parts[0][1].qtype, k, rows, dequant_rows, x.dtype)
 
 
 @needs_cpu_kernels

@@ -27,9 +27,9 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
   IQ4_XS  256 inputs: d:f16, 6-bit scales (2 bits in a u16, 4 in 4 bytes), 128 bytes of
         nibbles; 8 groups of 32: w = d·(sc − 32) · t[q]
 
-Q5 formats run as 8-bit q (0..31), Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats
-as 8-bit q = t[q] + 128: every value exactly as ggml dequantises it, in more bits than
-the file holds (see ``QuantLinear`` for the bytes a step reads).
+Q5 formats run as 5-bit q (0..31; as 8-bit where the kernels are not built for AVX-512),
+Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats as 8-bit q = t[q] + 128: every
+value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ class GGUFWeight:
 
 @dataclass
 class Decoded:
-    """w = scale · q + min: q uint8 ``[rows, K]``, scale/min fp32 ``[rows, K / group]``."""
+    """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5 or 8), scale/min fp32
+    ``[rows, K / group]``."""
 
     q: np.ndarray
     scale: np.ndarray
@@ -156,11 +157,11 @@ def _decode_q4_k(b: np.ndarray) -> tuple:
 def _decode_q5_0(b: np.ndarray) -> tuple:
     d = _f16(b, 0)
     q = _nibbles(b[..., 6:22]) | (_high_bits(b, 2, 4) << 4)  # bit i of qh: input i's fifth
-    return q, d, -16.0 * d, 8, 32
+    return q, d, -16.0 * d, 5, 32
 
 
 def _decode_q5_1(b: np.ndarray) -> tuple:
-    return _nibbles(b[..., 8:24]) | (_high_bits(b, 4, 4) << 4), _f16(b, 0), _f16(b, 2), 8, 32
+    return _nibbles(b[..., 8:24]) | (_high_bits(b, 4, 4) << 4), _f16(b, 0), _f16(b, 2), 5, 32
 
 
 def _decode_q5_k(b: np.ndarray) -> tuple:
@@ -171,7 +172,7 @@ def _decode_q5_k(b: np.ndarray) -> tuple:
     # Byte l of qh holds the fifth bit of input l of every group: group g's is its bit g.
     high = _high_bits(b, 16, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)
     q = (q | (high << 4)).reshape(*b.shape[:-1], 256)
-    return q, d[..., None] * sc, -(dmin[..., None] * mn), 8, 32
+    return q, d[..., None] * sc, -(dmin[..., None] * mn), 5, 32
 
 
 def _q3_k_scales(s: np.ndarray) -> np.ndarray:
@@ -300,8 +301,10 @@ def block_order(kp: int, group: int) -> np.ndarray:
 def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's layout (``cpu_quant.cpp``): inputs padded with zero weights to a
     multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
-    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j); scales
-    and mins float16 where each is one exactly (groups of 32), else float32."""
+    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j); 5-bit q
+    as 4-bit, then a plane of their fifth bits, 8 bytes a chunk (bit j: the chunk's j-th
+    input in the order its bytes hold them); scales and mins float16 where each is one
+    exactly (groups of 32), else float32."""
     rows, k = decoded.q.shape
     if decoded.q.size and int(decoded.q.max()) >> decoded.bits:
         raise ValueError(f"a quantized weight's q is wider than its {decoded.bits} bits")
@@ -312,13 +315,17 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pad_groups = (kp - k) // decoded.group
     scale = np.pad(decoded.scale, ((0, 0), (0, pad_groups)))
     mins = np.pad(decoded.min, ((0, 0), (0, pad_groups)))
-    if decoded.bits == 4:
+    if decoded.bits in (4, 5):
+        low = q & 0x0F
         pairs = kp // (2 * CHUNK)
-        paired = q[:, :pairs * 2 * CHUNK].reshape(rows, pairs, 2, CHUNK)
+        paired = low[:, :pairs * 2 * CHUNK].reshape(rows, pairs, 2, CHUNK)
         packed = [(paired[:, :, 0] | (paired[:, :, 1] << 4)).reshape(rows, pairs * CHUNK)]
         if kp % (2 * CHUNK):  # an odd last chunk
-            tail = q[:, pairs * 2 * CHUNK:]
+            tail = low[:, pairs * 2 * CHUNK:]
             packed.append(tail[:, :32] | (tail[:, 32:] << 4))
+        if decoded.bits == 5:  # each chunk's inputs are in their bytes' order already
+            packed.append(np.packbits((q >> 4).reshape(rows, kp // CHUNK, CHUNK), axis=-1,
+                                      bitorder="little").reshape(rows, kp // 8))
         q = np.concatenate(packed, axis=1)
     if decoded.group == 32 and _exact_in_float16(scale) and _exact_in_float16(mins):
         scale, mins = scale.astype(np.float16), mins.astype(np.float16)  # fewer bytes per step, same values
@@ -337,9 +344,10 @@ def _exact_in_float16(values: np.ndarray) -> bool:
 class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
     weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0
-    and Q4_1 and 9 for Q8_0, Q5_0, Q5_1 and IQ4_NL (float16 scales, as the file has them),
-    6 for Q4_K, 8 for Q3_K and Q2_K, 10 for Q5_K and IQ4_XS and 12 for Q6_K (float32,
-    their scales being products). ``parts``: (first row, weight) filling the layer's
+    and Q4_1, 6 for Q5_0 and Q5_1 and 9 for Q8_0 and IQ4_NL (float16 scales, as the file
+    has them), 6 for Q4_K, 7 for Q5_K, 8 for Q3_K and Q2_K, 10 for IQ4_XS and 12 for Q6_K
+    (float32, their scales being products); the 5-bit formats 3 more where the kernels
+    are not built for AVX-512. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
@@ -361,6 +369,8 @@ class QuantLinear(nn.Module):
         merged = _merge(decoded)
         if merged.q.shape != (out_features, in_features):
             raise ValueError(f"quantized parts make {merged.q.shape}, the layer is {(out_features, in_features)}")
+        if merged.bits == 5 and not cpu_ops.five_bit_weights():
+            merged.bits = 8  # the same q, in the layout every build runs
         self.bits, self.group = merged.bits, merged.group
         self.formats = sorted({w.qtype for _, w in parts})
         packed, scales, mins = pack(merged)
