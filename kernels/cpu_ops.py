@@ -76,7 +76,7 @@ def amx_tiles() -> bool:
 @functools.cache
 def five_bit_weights() -> bool:
     """Whether quantized layers take 5-bit weights (the 4-bit layout plus a plane of fifth
-    bits, ``cpu_quant.h``): kernels built for AVX-512. Elsewhere they run as 8 bits."""
+    bits, ``cpu_quant.h``): kernels built for AVX-512 VNNI. Elsewhere they run as 8 bits."""
     return available() and bool(torch.ops.specserve_cpu.five_bit_weights())
 
 

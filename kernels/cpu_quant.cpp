@@ -137,6 +137,7 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
                    const S* scales, const S* mins, T* out) {
   const std::vector<int64_t> sizes = blocks(kp, group);
   const int64_t groups = kp / group, chunks = kp / kChunk;
+  TORCH_CHECK(bits != 5 || kFiveBitWeights, "5-bit weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)

@@ -2,12 +2,12 @@
 // and the integer dot-product kernels, shared by quant_linear (cpu_quant.cpp) and the fused
 // decoder layers (cpu_layer.cpp). Included once per source file: everything is internal.
 //
-// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4 or 8 bits,
+// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4, 5 or 8 bits,
 // as GGUF files hold it (Q4_0 … Q8_0, the K-quants, IQ4_NL and IQ4_XS:
 // specserve/models/quantized.py repacks each into the one form below, exactly).
 //
 // Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
-// or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
+// 5 bits: 0..31, or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
 // inputs (G = 16 or 32). Q4_0 is q · d − 8d, Q8_0 is (q + 128) · d − 128d, Q6_K's groups
 // of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32.
 //
@@ -33,7 +33,7 @@
 //    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
 //    bytes, byte j holding its inputs j and 32 + j.
 //  - 8 bits: Kp bytes.
-//  - 5 bits (AVX-512 builds): the 4-bit layout of the low four bits, then a plane of the
+//  - 5 bits (AVX-512 VNNI builds): the 4-bit layout of the low four bits, then a plane of the
 //    fifth: 8 bytes a chunk, bit j of chunk c's (as a little-endian u64) input j of the
 //    chunk in the order its 4-bit bytes give (the pair's byte j, the odd chunk's j, 32 + j).
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
@@ -79,7 +79,7 @@ constexpr int64_t kABlock = 32;   // inputs per activation scale
 constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
 constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
 #if defined(QUANT_AVX512)
-constexpr bool kFiveBitWeights = true;  // the 5-bit layout: AVX-512 builds only
+constexpr bool kFiveBitWeights = true;  // the 5-bit layout: AVX-512 VNNI builds only
 #else
 constexpr bool kFiveBitWeights = false;
 #endif
@@ -302,7 +302,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
             dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
           }
         }
-    } else {  // 8 bits, or a 4-bit block of one chunk: the row's odd last chunk
+    } else {  // 8 bits, or a 4- or 5-bit block of one chunk: the row's odd last chunk
       for (int64_t j = 0; j < size; ++j, ++c)
         for (int n = 0; n < Cols; ++n) {
           __m512i wv = weight_chunk<kNibbles>(w + n * row_bytes, c);
@@ -625,7 +625,7 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 CPU tensor [N, bytes]");
   TORCH_CHECK(bits == 4 || bits == 8 || (bits == 5 && kFiveBitWeights),
-              "bits must be 4 or 8 (or 5, built for AVX-512)");
+              "bits must be 4 or 8 (or 5, built for AVX-512 VNNI)");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
   TORCH_CHECK(packed.size(1) * 8 % bits == 0, "packed rows of ", packed.size(1), " bytes hold no whole ", bits,
               "-bit row");
@@ -680,6 +680,8 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* 
     if (w.half) matmul_columns<5, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else if (w.group == 32) matmul_columns<5, 32, float, T, R>(q, m, w, out, begin, end);
     else matmul_columns<5, 16, float, T, R>(q, m, w, out, begin, end);
+#else
+    TORCH_CHECK(false, "5-bit weights run on builds for AVX-512 VNNI only");
 #endif
     return;
   }

@@ -216,7 +216,7 @@ def test_five_bit_weights_give_the_bits_of_their_eight_bit_form(monkeypatch):
     through the integer kernel and the unpacked weight alike, at odd and even chunk counts
     and beside a 4-bit part of groups of 16."""
     if not cpu_ops.five_bit_weights():
-        pytest.skip("the kernels here are not built for AVX-512: Q5 weights run as 8 bits")
+        pytest.skip("the kernels here are not built for AVX-512 VNNI: Q5 weights run as 8 bits")
     cases = [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
              [(0, random_weight("Q5_K", 24, 768, 3))],
              [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]]
@@ -370,20 +370,23 @@ def test_float_tensors_in_a_gguf_load_beside_the_blocks(tmp_path):
 def test_one_call_per_layer_gives_the_same_bits(tmp_path, tiny_model_dir, dtype):
     """Steps whose spans the C++ attention takes (decode rows, verify spans) run each layer
     as one C++ call: the same ops in the same order, so the same logits bit for bit as
-    layer by layer; longer prefill chunks run layer by layer."""
-    files, _ = tiny_gguf(tmp_path)
-    model = build_model(files, load_hf_config(files), dtype, CPU, TorchAttentionBackend(cpu_kernels=True),
-                        quantized=True)
-    assert model.fused_cpu is not None
+    layer by layer (the default file's formats, and one of Q5 formats, 5-bit on AVX-512);
+    longer prefill chunks run layer by layer."""
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (23, 9, 4)]
-    for chunk in (1, 5):
-        fused = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
-        fused_cpu, model.fused_cpu = model.fused_cpu, None
-        try:
-            by_layer = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
-        finally:
-            model.fused_cpu = fused_cpu
-        assert all(torch.equal(a, b) for a, b in zip(fused, by_layer)), chunk
+    fives = {"attn_q": "Q5_0", "attn_v": "Q5_K", "ffn_up": "Q5_1", "ffn_down": "Q5_K"}
+    for name, types in (("five", fives), ("default", {})):  # the default file's model goes on below
+        files, _ = tiny_gguf(tmp_path / name, **types)
+        model = build_model(files, load_hf_config(files), dtype, CPU, TorchAttentionBackend(cpu_kernels=True),
+                            quantized=True)
+        assert model.fused_cpu is not None
+        for chunk in (1, 5):
+            fused = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
+            fused_cpu, model.fused_cpu = model.fused_cpu, None
+            try:
+                by_layer = ragged_logits(model, prompts, chunk=chunk, dtype=dtype)
+            finally:
+                model.fused_cpu = fused_cpu
+            assert all(torch.equal(a, b) for a, b in zip(fused, by_layer)), (name, chunk)
     # The layers an EAGLE-3 head reads are tapped between the calls: the same rows either way.
     model.feature_layers, kept = (0, 1), []
     model.compute_logits = lambda hidden, logits=model.compute_logits: kept.append(model.features.clone()) or logits(hidden)

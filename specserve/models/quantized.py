@@ -1,7 +1,7 @@
 """Linear layers that keep a GGUF file's quantized weights, run by ``kernels/cpu_quant.cpp``.
 
 A GGUF weight arrives as rows of blocks (``GGUFWeight``). Every supported block format is
-decoded here into one form the kernel runs: an unsigned integer q per weight (4 or 8
+decoded here into one form the kernel runs: an unsigned integer q per weight (4, 5 or 8
 bits), one fp32 scale and one fp32 min per group of 16 or 32 inputs, w = scale · q + min.
 The decoding is exact: each format's dequantised value is that expression (see
 ``decode``), which the tests check against the ``gguf`` package's own dequantisation.
@@ -27,7 +27,7 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
   IQ4_XS  256 inputs: d:f16, 6-bit scales (2 bits in a u16, 4 in 4 bytes), 128 bytes of
         nibbles; 8 groups of 32: w = d·(sc − 32) · t[q]
 
-Q5 formats run as 5-bit q (0..31; as 8-bit where the kernels are not built for AVX-512),
+Q5 formats run as 5-bit q (0..31; as 8-bit where the kernels are not built for AVX-512 VNNI),
 Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats as 8-bit q = t[q] + 128: every
 value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
 """
@@ -347,7 +347,7 @@ class QuantLinear(nn.Module):
     and Q4_1, 6 for Q5_0 and Q5_1 and 9 for Q8_0 and IQ4_NL (float16 scales, as the file
     has them), 6 for Q4_K, 7 for Q5_K, 8 for Q3_K and Q2_K, 10 for IQ4_XS and 12 for Q6_K
     (float32, their scales being products); the 5-bit formats 3 more where the kernels
-    are not built for AVX-512. ``parts``: (first row, weight) filling the layer's
+    are not built for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
