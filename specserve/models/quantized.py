@@ -183,10 +183,16 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
     return (lows | (highs << 4)).astype(np.float32) - 32.0
 
 
+def _two_bit(b: np.ndarray, start: int) -> np.ndarray:
+    """Q3_K's and Q2_K's 64 bytes of 2-bit values from ``start``: ``[..., 2 halves, 4 shifts,
+    32]``, half n's bytes shifted by 2j for the j-th run of 32 inputs (ggml's order)."""
+    qs = b[..., start:start + 64].reshape(*b.shape[:-1], 2, 1, 32)
+    return (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+
+
 def _decode_q3_k(b: np.ndarray) -> tuple:
     d = _f16(b, 108)
-    qs = b[..., 32:96].reshape(*b.shape[:-1], 2, 1, 32)
-    low = (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3                 # [2 halves, 4 shifts, 32]
+    low = _two_bit(b, 32)
     hmask = _high_bits(b, 0, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)  # [8 bits, 32 inputs]
     q = low + 4 * hmask.reshape(*b.shape[:-1], 2, 4, 32)  # (q3 + 4): bit 4n + j of byte l, half n, shift j
     scale = d[..., None] * _q3_k_scales(b[..., 96:108])
@@ -196,19 +202,19 @@ def _decode_q3_k(b: np.ndarray) -> tuple:
 def _decode_q2_k(b: np.ndarray) -> tuple:
     d, dmin = _f16(b, 80), _f16(b, 82)
     sc = b[..., 0:16]
-    qs = b[..., 16:80].reshape(*b.shape[:-1], 2, 1, 32)
-    q = (qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3                   # [2 halves, 4 shifts, 32]
+    q = _two_bit(b, 16)
     scale = d[..., None] * (sc & 0x0F).astype(np.float32)
     return q.reshape(*b.shape[:-1], 256), scale, -(dmin[..., None] * (sc >> 4).astype(np.float32)), 4, 16
 
 
 # IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl), offset by 128 into unsigned bytes.
-_IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
+_IQ4_TABLE = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+              + 128).astype(np.uint8)
 
 
 def _decode_iq4_nl(b: np.ndarray) -> tuple:
     d = _f16(b, 0)
-    return _IQ4_TABLE.astype(np.uint8)[_nibbles(b[..., 2:18])], d, -128.0 * d, 8, 32
+    return _IQ4_TABLE[_nibbles(b[..., 2:18])], d, -128.0 * d, 8, 32
 
 
 def _decode_iq4_xs(b: np.ndarray) -> tuple:
@@ -216,7 +222,7 @@ def _decode_iq4_xs(b: np.ndarray) -> tuple:
     high = b[..., 2:4].copy().view(np.uint16)  # [..., 1]
     ls = np.stack([((b[..., 4 + g // 2] >> (4 * (g % 2))) & 0x0F) | (((high[..., 0] >> (2 * g)) & 3) << 4)
                    for g in range(8)], axis=-1).astype(np.float32)
-    q = _IQ4_TABLE.astype(np.uint8)[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))]
+    q = _IQ4_TABLE[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))]
     scale = d[..., None] * (ls - 32.0)
     return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, 8, 32
 
