@@ -296,11 +296,14 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     block or per-row weight scales, float8 inputs per token or per token and group, or
     inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias; with the
     tiles planned for the shape and rows, and with K split among programs whose partial
-    sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores)."""
+    sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores),
+    up to 16 rows of W8A8 through the kernel with the weights on the left."""
     from specserve.kernels import quant_matmul
 
     one_row = Launches(quant_matmul._fp8_row_kernel)
+    left = Launches(quant_matmul._fp8_left_kernel)
     monkeypatch.setattr(quant_matmul, "_fp8_row_kernel", one_row)
+    monkeypatch.setattr(quant_matmul, "_fp8_left_kernel", left)
     g = torch.Generator().manual_seed(2)
     for n, k in SHAPES:
         if activations == "group" and k % block[1]:
@@ -325,7 +328,8 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
             assert got.dtype == dtype and err <= (BF16_TOLERANCE if dtype == torch.bfloat16 else fp32_tolerance), \
                 (n, k, rows, err)
             assert one_row.count == (rows == 1 and activations is None), rows  # W8A16 only
-            one_row.count = 0
+            assert left.count == (rows <= quant_matmul.FEW_ROWS and activations is not None), rows  # W8A8 only
+            one_row.count = left.count = 0
 
 
 def _quantize_groups(x: torch.Tensor, group: int):

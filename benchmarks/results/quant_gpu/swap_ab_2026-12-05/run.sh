@@ -1,0 +1,22 @@
+#!/bin/bash
+# W8A8 at few rows with the weights on the left: the 8B-shape decode step, new (this tree)
+# against base (the commit before, a tarball), taking turns; the CUDA tests of the GEMMs between.
+nvidia-smi --query-gpu=name --format=csv,noheader
+mkdir -p /root/base && tar xzf device_carry_s45/base.tar.gz -C /root/base
+for R in $PWD /root/base; do (cd $R && ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts); done
+T0=$(date +%s)
+run() {  # label root
+  (cd $2 && PYTHONPATH=$2 timeout 110 python benchmarks/quant_gpu.py --sections decode --reps 30 --json $OUT/decode_$1.json > $OUT/decode_$1.log 2>&1)
+  grep '"decode"' $OUT/decode_$1.log | python -c "
+import sys, json
+for l in sys.stdin:
+    r = json.loads(l[l.index('{'):])
+    print('$1', r['scheme'], r['step_ms'], r['floor_ms'], r['vs_floor'], r['verify_1_plus_4_ms'])"
+  echo "$1 done at $(( $(date +%s) - T0 )) s"
+}
+run new1 $PWD
+run base1 /root/base
+PYTHONPATH=$PWD timeout 120 python -m pytest -q -x -p no:cacheprovider tests/test_checkpoint_quant.py -k "fp8_gemm or int4_gemm or row_does" > $OUT/pytest_gpu.log 2>&1
+tail -3 $OUT/pytest_gpu.log; echo "tests done at $(( $(date +%s) - T0 )) s"
+run base2 /root/base
+run new2 $PWD
