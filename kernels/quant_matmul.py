@@ -4,8 +4,10 @@
   (a block-wise ``weight_scale_inv`` of 128 × 128, or one per row: BK ≥ K). The
   activations come either in the model's dtype (W8A16) or in float8 with fp32 scales per
   row and group of ``AK`` inputs (W8A8: per token, AK ≥ K, or per token and 128-group as
-  DeepSeek-V3 and Qwen3 FP8 checkpoints run). Each K tile lies inside one scale block, so
-  a tile's dot product is scaled once: ``acc += (a · b) · sa · sw``.
+  DeepSeek-V3 and Qwen3 FP8 checkpoints run), or in the model's dtype to be rounded to
+  float8 so (``quantize``: inside the product where its K tiles are the groups, else by
+  ``quantize_rows`` first). Each K tile lies inside one scale block, so a tile's dot
+  product is scaled once: ``acc += (a · b) · sa · sw``.
 * ``int4_linear``: W in 4 bits, eight inputs per int32 in chunks of 128 inputs (``pack_int4``:
   input 128t + 16j + c in nibble j of the chunk's word c), with a scale and an integer
   zero point per row and group of ``G`` inputs (AWQ's and GPTQ's asymmetric form;
@@ -35,6 +37,19 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8 import round_e4m3
+
+@triton.jit
+def _group_scale(amax):
+    """A dynamic float8 scale from a group's largest magnitude: that magnitude at 448."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
+def _e4m3_values(v, scale):
+    """fp32 ``v`` over ``scale``, saturated and rounded to float8 e4m3's values (as fp32):
+    torch's division, clamp and float8 cast."""
+    return round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
+
 
 @triton.jit
 def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
@@ -87,14 +102,18 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                      AK, BN, BK,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     QUANTIZE_X: tl.constexpr):
     """W8A8 at a decode or verify step's few rows: ``_fp8_kernel``'s sums, the weights on
     the product's left (outᵀ = W · xᵀ, a ``[BLOCK_N, BLOCK_M]`` tile). With x on the left
     a product has the rows' 16 as its M, which Hopper runs as mma.sync with the weights
     staged through shared memory; with W there M is the column tile, the shape of a wgmma
-    (vLLM's CUTLASS FP8 GEMM swaps its operands at small M for the same reason). 5–16 %
-    faster per projection at 1 to 16 rows of Llama-3.1-8B's shapes on an H200
-    (``benchmarks/results/quant_gpu/swap_ab_2026-12-05``)."""
+    (vLLM's CUTLASS FP8 GEMM swaps its operands at small M for the same reason; measured in
+    ``benchmarks/results/quant_gpu/swap_ab_2026-12-05``).
+
+    QUANTIZE_X: x comes in the model's dtype and each K tile, one input group (AK =
+    BLOCK_K), is rounded to float8 here by ``_group_scale`` and ``_e4m3_values``, as
+    ``_quantize_kernel`` rounds it, which saves that launch."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -108,12 +127,19 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K
                     mask=n_valid[:, None] & k_valid[None, :], other=0.0)      # [BLOCK_N, BLOCK_K]
         xt = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None],
                      mask=m_valid[None, :] & k_valid[:, None], other=0.0)     # [BLOCK_K, BLOCK_M]
+        if QUANTIZE_X:
+            xf = xt.to(tl.float32)
+            xs = _group_scale(tl.max(tl.abs(xf), axis=0))
+            xt = _e4m3_values(xf, xs[None, :])
+            if not UPCAST:
+                xt = xt.to(tl.float8e4nv)
+        else:
+            xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
         if UPCAST:  # (the interpreter: fp32 holds float8 products exactly)
             part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(w, xt)
         ws = tl.load(ws_ptr + (rn // BN).to(tl.int64) * stride_wsn + k0 // BK, mask=n_valid, other=0.0)
-        xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
         acc += part * ws[:, None] * xs[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[:, None]
@@ -129,8 +155,8 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
     widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
-    sums along K, a K tile at a time, scaled by the weights' block. (Float8 inputs keep
-    ``_fp8_kernel``: they go to the tensor cores as they are, which measured faster.)"""
+    sums along K, a K tile at a time, scaled by the weights' block. (Float8 inputs go to the
+    tensor cores as they are, in ``_fp8_left_kernel``, which measured faster.)"""
     row = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -270,11 +296,11 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GR
         for k0 in range(start, stop, BLOCK):
             v = tl.load(x_ptr + row * stride_xm + k0 + r, mask=(k0 + r) < stop, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
+        scale = _group_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, stop, BLOCK):
         v = tl.load(x_ptr + row * stride_xm + k0 + r, mask=(k0 + r) < stop, other=0.0).to(tl.float32)
-        q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
+        q = _e4m3_values(v, scale)
         tl.store(q_ptr + row * stride_qm + k0 + r, q.to(q_ptr.dtype.element_ty), mask=(k0 + r) < stop)
 
 
@@ -309,15 +335,27 @@ class Tiles(NamedTuple):
 FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row tile, K split
 INT4_CHUNK = 128  # inputs per packed K tile of a 4-bit weight
 
-# For few rows, per kind of weight: (column tile, deepest K tile, pipeline stages, programs
-# per SM at most, K split at most, K tiles a program at least), from sweeps on an H200
-# (benchmarks/quant_gpu.py --sections tiles; int4_row: benchmarks/results/quant_gpu/
-# int4_one_row/). Each program streams its columns' weights; float8 inputs go straight
+class FewRowTiles(NamedTuple):
+    """A kind of weight's tiles for few rows (``plan``)."""
+    block_n: int       # column tile
+    deepest_k: int     # deepest K tile
+    stages: int        # pipeline stages
+    per_sm: int        # programs per SM at most
+    most_split: int    # K split at most
+    fewest_k: int      # K tiles a program at least
+    num_warps: int
+
+
+# Per kind of weight, from sweeps on an H200 (benchmarks/quant_gpu.py --sections tiles; the
+# rows' kernels and W8A8's in benchmarks/results/quant_gpu/: int4_one_row/, fp8_one_row/,
+# swap_ab_2026-12-05/). Each program streams its columns' weights; float8 inputs go straight
 # to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
 # narrow ones; 4-bit tiles want many programs, and one row's most of all.
-FEW_ROW_TILES = {"w8a8": (64, 256, 4, 2, 16, 2), "w8a16": (32, 128, 4, 4, 16, 4),
-                 "w4a16": (64, INT4_CHUNK, 2, 14, 8, 4), "w4a16_row": (128, INT4_CHUNK, 3, 14, 16, 2),
-                 "w8a16_row": (64, 128, 3, 14, 16, 2)}
+FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4), "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4),
+                 "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4),
+                 "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4),
+                 "w8a16_row": FewRowTiles(64, 128, 3, 14, 16, 2, 4)}
+MANY_ROW_TILES = FewRowTiles(128, 256, 4, 2, 1, 4, 4)  # (no K split)
 
 
 @functools.cache
@@ -339,7 +377,7 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     else:  # the interpreter
         sms, smem = 4, 1 << 30
     bytes_per_weight = 0.5 if kind.startswith("w4a16") else 1
-    block_n, deepest, stages, per_sm, most, fewest = FEW_ROW_TILES[kind] if few else (128, 256, 4, 2, 1, 4)
+    block_n, deepest, stages, per_sm, most, fewest, warps = FEW_ROW_TILES[kind] if few else MANY_ROW_TILES
     if not few:
         while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
             block_n //= 2
@@ -353,7 +391,7 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     while (split < most and triton.cdiv(n, block_n) * split * 2 <= per_sm * sms
            and triton.cdiv(k, block_k * split * 2) >= fewest):
         split *= 2
-    return Tiles(block_m, block_n, block_k, split, 4, stages)
+    return Tiles(block_m, block_n, block_k, split, warps, stages)
 
 
 def _k_step(k: int, *groups: int) -> int:
@@ -398,13 +436,29 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
 
 def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, weight: torch.Tensor,
                weight_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None,
-               out_dtype: torch.dtype, invariant: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype, invariant: bool = False, tiles: Tiles | None = None,
+               quantize: bool = False) -> torch.Tensor:
     """``x`` ``[..., K]`` (float8 with ``x_scale`` ``[rows, K / act_group]``, or the model's
     dtype with ``x_scale`` None) · ``weight`` ``[N, K]`` float8, scaled by ``weight_scale``
-    ``[N / block[0], K / block[1]]`` (ceil). Scale groups of K must be whole K tiles."""
+    ``[N / block[0], K / block[1]]`` (ceil). Scale groups of K must be whole K tiles.
+    ``quantize``: x in the model's dtype is first rounded to float8 per row and group of
+    ``act_group`` inputs (W8A8 with dynamic scales, ``quantize_rows``' values), inside the
+    product where its groups are its K tiles (a decode or verify step's few rows)."""
+    if quantize and x_scale is not None:
+        raise ValueError("fp8_linear: inputs already in float8 (x_scale given) cannot be quantized again")
     n, k = weight.shape
     bn, bk = block
-    step = _k_step(k, bk, act_group if x_scale is not None else k)
+    shape = x.shape
+    scaled = x_scale is not None or quantize  # float8 inputs, with scales per row and group
+    step = _k_step(k, bk, act_group if scaled else k)
+    # Unless a row must not depend on its batch: one row of W8A16 (a decode step) runs without
+    # tensor cores, and a decode or verify step's few rows of W8A8 with the weights on the left.
+    few = x.numel() <= FEW_ROWS * k and not invariant
+    if few and scaled:
+        tiles = tiles or plan(True, "w8a8", n, k, step, x.device)
+    in_product = quantize and few and act_group == tiles.block_k
+    if quantize and not in_product:
+        x, x_scale = quantize_rows(x.reshape(-1, k), act_group)
     xs = x_scale if x_scale is not None else weight_scale
 
     def args(x2, part, k_split, stride_om, stride_os):
@@ -412,15 +466,15 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
                 x2.shape[0], n, k, k_split, x2.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0),
                 stride_om, stride_os, act_group, bn, bk)
 
-    # Unless a row must not depend on its batch: one row of W8A16 (a decode step) runs without
-    # tensor cores, and a decode or verify step's few rows of W8A8 with the weights on the left.
-    few = x.numel() <= FEW_ROWS * k and not invariant
-    if x_scale is None:
+    if not scaled:
         one_row = few and x.numel() == k
         kernel, kind, constants = (_fp8_row_kernel, "w8a16_row", {}) if one_row else (_fp8_kernel, "w8a16", {"A_FP8": False})
+    elif few:
+        kernel, kind, constants = _fp8_left_kernel, "w8a8", {"QUANTIZE_X": in_product}
     else:
-        kernel, kind, constants = (_fp8_left_kernel, "w8a8", {}) if few else (_fp8_kernel, "w8a8", {"A_FP8": True})
-    return _launch(kernel, kind, x, n, k, step, out_dtype, args, lambda t: constants, bias, invariant, tiles)
+        kernel, kind, constants = _fp8_kernel, "w8a8", {"A_FP8": True}
+    out = _launch(kernel, kind, x, n, k, step, out_dtype, args, lambda t: constants, bias, invariant, tiles)
+    return out.view(*shape[:-1], n)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,

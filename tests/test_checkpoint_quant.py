@@ -297,13 +297,19 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     inputs as they are; tails in N and K, 1 to 33 rows, with and without a bias; with the
     tiles planned for the shape and rows, and with K split among programs whose partial
     sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores),
-    up to 16 rows of W8A8 through the kernel with the weights on the left."""
+    up to 16 rows of W8A8 through the kernel with the weights on the left. W8A8 inputs
+    given in their float dtype (``quantize``) give the same outputs bit for bit, rounded to
+    float8 inside the product where its K tiles are the input groups, else by a launch of
+    their own (``quantize_rows``)."""
     from specserve.kernels import quant_matmul
 
     one_row = Launches(quant_matmul._fp8_row_kernel)
     left = Launches(quant_matmul._fp8_left_kernel)
+    quantizer = Launches(quant_matmul._quantize_kernel)
     monkeypatch.setattr(quant_matmul, "_fp8_row_kernel", one_row)
     monkeypatch.setattr(quant_matmul, "_fp8_left_kernel", left)
+    monkeypatch.setattr(quant_matmul, "_quantize_kernel", quantizer)
+    in_product = 0
     g = torch.Generator().manual_seed(2)
     for n, k in SHAPES:
         if activations == "group" and k % block[1]:
@@ -317,10 +323,11 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
             else:
                 act_group = k if activations == "token" else bk
                 xq, xs = _quantize_groups(x.float(), act_group)
+            # split: K tiles of one input group each (32 for per-token inputs and W8A16)
+            tiles = split_tiles(act_group if activations == "group" else 32) if split else None
             got = quant_matmul.fp8_linear(xq.to(DEVICE), None if xs is None else xs.to(DEVICE), act_group,
                                           weight.values.to(DEVICE), weight.scale.to(DEVICE), (block[0], bk),
-                                          None if bias is None else bias.to(DEVICE, dtype), dtype,
-                                          tiles=split_tiles(32) if split else None)
+                                          None if bias is None else bias.to(DEVICE, dtype), dtype, tiles=tiles)
             xd = x.double() if xs is None else (xq.double().view(rows, -1, act_group) * xs.double()[..., None]).view(rows, k)
             want = xd @ weight.dequantize().double().T + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
@@ -329,7 +336,21 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
                 (n, k, rows, err)
             assert one_row.count == (rows == 1 and activations is None), rows  # W8A16 only
             assert left.count == (rows <= quant_matmul.FEW_ROWS and activations is not None), rows  # W8A8 only
-            one_row.count = left.count = 0
+            if activations is not None:
+                left.count = 0
+                fused = quant_matmul.fp8_linear(x.to(DEVICE), None, act_group, weight.values.to(DEVICE),
+                                                weight.scale.to(DEVICE), (block[0], bk),
+                                                None if bias is None else bias.to(DEVICE, dtype), dtype,
+                                                tiles=tiles, quantize=True)
+                assert torch.equal(fused, got), (n, k, rows)
+                step = quant_matmul._k_step(k, bk, act_group)
+                k_tile = (tiles or quant_matmul.plan(True, "w8a8", n, k, step, DEVICE)).block_k
+                expected = rows <= quant_matmul.FEW_ROWS and k_tile == act_group
+                assert quantizer.count == (not expected) and left.count == (rows <= quant_matmul.FEW_ROWS), rows
+                in_product += expected
+            one_row.count = left.count = quantizer.count = 0
+    if activations == "group":  # the planned or given K tiles are the groups
+        assert in_product > 0
 
 
 def _quantize_groups(x: torch.Tensor, group: int):

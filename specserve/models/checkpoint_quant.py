@@ -438,19 +438,23 @@ class Fp8Linear(nn.Module):
                 outs.append(self._matmul(x2, *_quantize_static(x2, scale), row, row + rows))
                 row += rows
             y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
-        elif self.activations == "token":
-            y = self._matmul(x2, *_quantize_rows(x2, self.in_features), 0, self.out_features)
-        elif self.activations == "group":
-            y = self._matmul(x2, *_quantize_rows(x2, self.block[1]), 0, self.out_features)
+        elif self.activations in ("token", "group"):
+            y = self._matmul(x2, x2, None, 0, self.out_features, quantize=True)
         else:
             y = self._matmul(x2, x2, None, 0, self.out_features)
         return y.view(*shape[:-1], self.out_features)
 
-    def _matmul(self, x, xq, x_scale, start: int, stop: int) -> torch.Tensor:
+    def _matmul(self, x, xq, x_scale, start: int, stop: int, quantize: bool = False) -> torch.Tensor:
+        """``quantize``: ``xq`` is ``x``, to be rounded to float8 per token (and group) here,
+        or on CUDA by ``quant_matmul.fp8_linear`` (inside its product where it can)."""
         bias = None if self.bias is None else self.bias[start:stop]
         weight, scale = self.weight, self.weight_scale
         if (start, stop) != (0, self.out_features):  # a part's rows (static scales: scales per row)
             weight, scale = weight[start:stop], scale[start:stop]
+        act_group = self.in_features if self.activations != "group" else self.block[1]
+        if quantize and (not x.is_cuda or self._scaled_mm(x, stop - start)):
+            xq, x_scale = _quantize_rows(x, act_group)
+            quantize = False
         if self.widened is not None:
             w = self.widened[start]
             if w.is_mkldnn:
@@ -465,9 +469,9 @@ class Fp8Linear(nn.Module):
             return y if bias is None else y + bias
         from specserve.kernels import quant_matmul  # lazy: Triton, on CUDA only
 
-        act_group = self.in_features if self.activations != "group" else self.block[1]
         return quant_matmul.fp8_linear(xq, None if x_scale is None else x_scale.expand(xq.shape[0], -1),
-                                       act_group, weight, scale, self.block, bias, x.dtype, self.deterministic)
+                                       act_group, weight, scale, self.block, bias, x.dtype, self.deterministic,
+                                       quantize=quantize)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
