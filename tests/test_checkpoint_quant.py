@@ -440,6 +440,49 @@ def test_a_row_does_not_depend_on_its_batch():
                 torch.testing.assert_close(layer(x[rows]), whole[rows], rtol=1e-6, atol=1e-6)
 
 
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specserve.kernels import quant_matmul as qm
+
+def compile(fn, pointers, constants, num_warps=4, num_stages=3):
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
+    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+tiles = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=128, UPCAST=False, IEEE=False)
+fp8 = dict(xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32")
+# W8A8's few rows, float8 inputs given or rounded in the product: the weights on the left, as wgmma
+for x, quantize in (("fp8e4nv", False), ("bf16", True), ("fp32", True)):
+    ptx = compile(qm._fp8_left_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=64, QUANTIZE_X=quantize),
+                  num_stages=4).asm["ptx"]
+    assert "wgmma.mma_async" in ptx, (x, quantize)
+for x, a_fp8 in (("fp8e4nv", True), ("bf16", False)):
+    compile(qm._fp8_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=128, A_FP8=a_fp8))
+compile(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64))
+int4 = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*fp32")
+for kernel in (qm._int4_kernel, qm._int4_row_kernel):
+    compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2)
+compile(qm._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", x_static="fp32"),
+        dict(STATIC=False, BLOCK=128))
+compile(qm._sum_splits, dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
+        dict(SPLIT=4, HAS_BIAS=True, BLOCK=1024))
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for real")
+def test_the_quantized_gemms_compile_for_hopper():
+    """Every Triton kernel of ``quant_matmul`` compiles for sm_90 (what the interpreter
+    cannot tell), and W8A8's few-row kernel, its inputs given in float8 or rounded in the
+    product, multiplies with wgmma (the point of putting the weights on the left)."""
+    from sm90_compile import compiles_for_sm90
+
+    compiles_for_sm90(COMPILE_FOR_SM90)
+
+
 def _to_device(weight):
     return type(weight)(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(weight).items()})
 
