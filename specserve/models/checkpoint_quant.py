@@ -452,7 +452,8 @@ class Fp8Linear(nn.Module):
         if (start, stop) != (0, self.out_features):  # a part's rows (static scales: scales per row)
             weight, scale = weight[start:stop], scale[start:stop]
         act_group = self.in_features if self.activations != "group" else self.block[1]
-        if quantize and (not x.is_cuda or self._scaled_mm(x, stop - start)):
+        scaled_mm = self._scaled_mm(x, stop - start)
+        if quantize and (not x.is_cuda or scaled_mm):
             xq, x_scale = _quantize_rows(x, act_group)
             quantize = False
         if self.widened is not None:
@@ -463,7 +464,7 @@ class Fp8Linear(nn.Module):
                 y = torch.nn.functional.linear(xq.to(w.dtype), w)
             y = (y.float() * x_scale.expand(xq.shape[0], 1) * scale.reshape(1, -1)).to(x.dtype)
             return y if bias is None else y + bias
-        if self._scaled_mm(x, stop - start):
+        if scaled_mm:
             y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
                                  scale_b=scale.reshape(1, -1).contiguous(), out_dtype=x.dtype)
             return y if bias is None else y + bias
