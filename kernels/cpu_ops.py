@@ -73,11 +73,16 @@ def amx_tiles() -> bool:
     return available() and bool(torch.ops.specserve_cpu.amx_tiles())
 
 
+# ``bits`` of a quantized weight held as 4-bit indices into the IQ4 table (``cpu_quant.h``: kIq4).
+IQ4 = -4
+
+
 @functools.cache
-def five_bit_weights() -> bool:
-    """Whether quantized layers take 5-bit weights (the 4-bit layout plus a plane of fifth
-    bits, ``cpu_quant.h``): kernels built for AVX-512 VNNI. Elsewhere they run as 8 bits."""
-    return available() and bool(torch.ops.specserve_cpu.five_bit_weights())
+def weight_forms() -> frozenset[int]:
+    """The weight forms (``bits``) quantized layers take here (``cpu_quant.h``): 4 and 8 bits
+    everywhere; 5 bits (the 4-bit layout plus a plane of fifth bits) and ``IQ4`` where the
+    kernels are built for AVX-512 VNNI. Elsewhere those run as 8 bits."""
+    return frozenset(torch.ops.specserve_cpu.weight_forms()) if available() else frozenset()
 
 
 @contextlib.contextmanager
@@ -154,8 +159,8 @@ def linear_invariant(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  bits: int, group: int, bias: torch.Tensor | None, dequant_rows: int = 0) -> torch.Tensor:
-    """``x · Wᵀ + bias`` with W = scale · q + min held in ``bits`` bits per weight and one
-    scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
+    """``x · Wᵀ + bias`` with W = scale · q + min held in ``bits`` bits per weight (or 4-bit
+    indices of q for ``IQ4``) and one scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
     32, VNNI integer dot products); ``scales`` and ``mins`` both float32, or both float16
     with groups of 32. ``bias``: float32. The result has ``x``'s dtype. From
     ``dequant_rows`` rows on (0: never) W is unpacked, reusing each weight over the rows:

@@ -74,14 +74,17 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
                        int64_t chunks, int64_t group, int64_t bits, T* out, int64_t half_stride) {
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   auto bytes16 = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
-  // 5 bits: the fifth bits of chunk c's inputs from ``first`` on (16 of them), as 16 in
-  // their lanes (0 for 4 bits). The row's plane follows its chunks' nibbles.
+  // q of 16 nibbles (int32 lanes) of chunk c's inputs from ``first`` on: 4 bits as they
+  // are, 5 bits with their fifth bits (from the row's plane, after its chunks' nibbles) as
+  // 16 in their lanes, IQ4 looked up in its table.
   const uint8_t* plane = row + chunks * (kChunk / 2);
-  auto fifth = [&](int64_t chunk, int first) {
-    if (bits != 5) return _mm512_setzero_si512();
+  const __m512i table = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Table)));
+  auto q_of = [&](__m512i nibbles, int64_t chunk, int first) {
+    if (bits == kIq4) return _mm512_permutexvar_epi32(nibbles, table);
+    if (bits != 5) return nibbles;
     uint16_t mask;
     std::memcpy(&mask, plane + 8 * chunk + first / 8, 2);
-    return _mm512_maskz_mov_epi32(__mmask16(mask), _mm512_set1_epi32(16));
+    return _mm512_mask_or_epi32(nibbles, __mmask16(mask), nibbles, _mm512_set1_epi32(16));
   };
   int64_t c = 0, g0 = 0;
   for (const int64_t size : sizes) {
@@ -99,22 +102,22 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
         const uint8_t* pair = row + c * (kChunk / 2);
         for (int h = 0; h < 2; ++h) {
           const __m512i d0 = bytes16(pair + 32 * h), d1 = bytes16(pair + 32 * h + 16);
-          store_weights(_mm512_or_si512(_mm512_and_si512(d0, nibble), fifth(c, 32 * h)),
-                        _mm512_or_si512(_mm512_and_si512(d1, nibble), fifth(c, 32 * h + 16)), sv[2 * h], mv[2 * h],
+          store_weights(q_of(_mm512_and_si512(d0, nibble), c, 32 * h),
+                        q_of(_mm512_and_si512(d1, nibble), c, 32 * h + 16), sv[2 * h], mv[2 * h],
                         sv[2 * h + 1], mv[2 * h + 1], out + (2 * c + h) * half_stride);
-          store_weights(_mm512_or_si512(_mm512_srli_epi32(d0, 4), fifth(c + 1, 32 * h)),
-                        _mm512_or_si512(_mm512_srli_epi32(d1, 4), fifth(c + 1, 32 * h + 16)), sv[2 * h], mv[2 * h],
+          store_weights(q_of(_mm512_srli_epi32(d0, 4), c + 1, 32 * h),
+                        q_of(_mm512_srli_epi32(d1, 4), c + 1, 32 * h + 16), sv[2 * h], mv[2 * h],
                         sv[2 * h + 1], mv[2 * h + 1], out + (2 * c + 2 + h) * half_stride);
         }
       }
     } else if (bits != 8) {  // the odd last chunk, its own block: byte i holds its inputs i and 32 + i
       const uint8_t* bytes = row + c * (kChunk / 2);
       const __m512i d0 = bytes16(bytes), d1 = bytes16(bytes + 16);
-      store_weights(_mm512_or_si512(_mm512_and_si512(d0, nibble), fifth(c, 0)),
-                    _mm512_or_si512(_mm512_and_si512(d1, nibble), fifth(c, 16)), sv[0], mv[0], sv[1], mv[1],
+      store_weights(q_of(_mm512_and_si512(d0, nibble), c, 0),
+                    q_of(_mm512_and_si512(d1, nibble), c, 16), sv[0], mv[0], sv[1], mv[1],
                     out + 2 * c * half_stride);
-      store_weights(_mm512_or_si512(_mm512_srli_epi32(d0, 4), fifth(c, 32)),
-                    _mm512_or_si512(_mm512_srli_epi32(d1, 4), fifth(c, 48)), sv[2], mv[2], sv[3], mv[3],
+      store_weights(q_of(_mm512_srli_epi32(d0, 4), c, 32),
+                    q_of(_mm512_srli_epi32(d1, 4), c, 48), sv[2], mv[2], sv[3], mv[3],
                     out + (2 * c + 1) * half_stride);
       ++c;
     } else {
@@ -137,7 +140,7 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
                    const S* scales, const S* mins, T* out) {
   const std::vector<int64_t> sizes = blocks(kp, group);
   const int64_t groups = kp / group, chunks = kp / kChunk;
-  TORCH_CHECK(bits != 5 || kFiveBitWeights, "5-bit weights run on builds for AVX-512 VNNI only");
+  TORCH_CHECK((bits != 5 && bits != kIq4) || kNibbleForms, "5-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -466,12 +469,16 @@ bool amx_tiles() {
 #endif
 }
 
-// Whether quant_linear takes 5-bit weights (``kFiveBitWeights``) in this build.
-bool five_bit_weights() { return kFiveBitWeights; }
+// The forms (``bits``) quant_linear and the fused layers take in this build.
+std::vector<int64_t> weight_forms() {
+  std::vector<int64_t> forms = {4, 8};
+  if (kNibbleForms) forms.insert(forms.end(), {5, kIq4});
+  return forms;
+}
 
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("amx_tiles() -> bool", &amx_tiles);
-  m.def("five_bit_weights() -> bool", &five_bit_weights);
+  m.def("weight_forms() -> int[]", &weight_forms);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group, "
         "Tensor? bias, int dequant_rows=0) -> Tensor");
 }

@@ -9,7 +9,9 @@
 // Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
 // 5 bits: 0..31, or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
 // inputs (G = 16 or 32). Q4_0 is q · d − 8d, Q8_0 is (q + 128) · d − 128d, Q6_K's groups
-// of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32.
+// of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32. IQ4_NL and IQ4_XS index a table
+// of 16 values t: their q is t[i] + 128, held as the 4-bit index i (the form ``kIq4``,
+// bits = -4) and looked up in the kernel.
 //
 // Activations are quantized per row and per block of 32 inputs to int16 with one fp32
 // scale: a = round(x / d), d = max|x| / 32767. A group's dot product is then an integer
@@ -36,6 +38,7 @@
 //  - 5 bits (AVX-512 VNNI builds): the 4-bit layout of the low four bits, then a plane of the
 //    fifth: 8 bytes a chunk, bit j of chunk c's (as a little-endian u64) input j of the
 //    chunk in the order its 4-bit bytes give (the pair's byte j, the odd chunk's j, 32 + j).
+//  - IQ4 (AVX-512 VNNI builds): the 4-bit layout of the indices.
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
 //    group order (not reordered).
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
@@ -78,11 +81,20 @@ constexpr int64_t kChunk = 64;    // inputs per weight vector
 constexpr int64_t kABlock = 32;   // inputs per activation scale
 constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
 constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
+// The forms beside 4 and 8 bits (``bits`` of a call): 5 bits, and 4-bit indices into the
+// IQ4 table. Both need byte masks or shuffles that only the AVX-512 VNNI path has; other
+// builds run their q as 8 bits (``weight_forms``).
+constexpr int64_t kIq4 = -4;
 #if defined(QUANT_AVX512)
-constexpr bool kFiveBitWeights = true;  // the 5-bit layout: AVX-512 VNNI builds only
+constexpr bool kNibbleForms = true;
 #else
-constexpr bool kFiveBitWeights = false;
+constexpr bool kNibbleForms = false;
 #endif
+// IQ4_NL's and IQ4_XS's values (ggml's kvalues_iq4nl) + 128: q of index i.
+constexpr uint8_t kIq4Table[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// Bits a weight takes in ``packed``.
+constexpr int64_t stored_bits(int64_t bits) { return bits == kIq4 ? 4 : bits; }
 
 // The blocks of a row of kp inputs, in chunks: as many 16-group blocks as fit, then
 // blocks of half, a quarter, ... of that (the layout's order; models/quantized.py: blocks).
@@ -228,6 +240,11 @@ inline __m512i fifth_bits(const uint8_t* plane, int64_t c) {
   return _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), _mm512_set1_epi8(16));
 }
 
+// kIq4Table in each 128-bit lane: vpshufb's table, a nibble its index.
+inline __m512i iq4_table() {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Table)));
+}
+
 // Weight vector (64 inputs, as unsigned bytes) of chunk c of the row at w, outside chunk
 // pairs: any 8-bit chunk, or a 4-bit row's odd last chunk (32 bytes, inputs j and 32 + j).
 template <int Bits>
@@ -273,6 +290,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
   // Bytes 4l, 4l + 1 (first) and 4l + 2, 4l + 3 (second) of each dword as int16 pairs.
   const __m512i first = _mm512_set4_epi32(int(0x800D800Cu), int(0x80098008u), int(0x80058004u), int(0x80018000u));
   const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi32(0x0002'0002));
+  const __m512i table = iq4_table();  // (IQ4 only)
   // acc += w · a over one 64-input chunk: the weight bytes widened to int16 pairs.
   auto madd = [&](__m512i dot, __m512i wv, const int16_t* ac) __attribute__((always_inline)) {
     dot = _mm512_dpwssd_epi32(dot, _mm512_shuffle_epi8(wv, first), _mm512_loadu_si512(ac));
@@ -284,8 +302,9 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     __m512i dots[Cols][Rows];
     for (int n = 0; n < Cols; ++n)
       for (int r = 0; r < Rows; ++r) dots[n][r] = _mm512_setzero_si512();
-    // 4 bits, or 5: the low four as 4 bits, the fifth from the row's plane (kp / 2 bytes on).
-    constexpr int kNibbles = Bits == 5 ? 4 : Bits;
+    // 4 bits, 5 (the low four as 4 bits, the fifth from the row's plane, kp / 2 bytes on)
+    // or IQ4 (4-bit indices, looked up).
+    constexpr int kNibbles = stored_bits(Bits) == 5 ? 4 : stored_bits(Bits);
     if (kNibbles == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int64_t j = 0; j < size; j += 2, c += 2)
@@ -296,6 +315,9 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
           if constexpr (Bits == 5) {
             lo = _mm512_or_si512(lo, fifth_bits(w + n * row_bytes + kp / 2, c));
             hi = _mm512_or_si512(hi, fifth_bits(w + n * row_bytes + kp / 2, c + 1));
+          } else if constexpr (Bits == kIq4) {
+            lo = _mm512_shuffle_epi8(table, lo);
+            hi = _mm512_shuffle_epi8(table, hi);
           }
           for (int r = 0; r < Rows; ++r) {
             dots[n][r] = madd(dots[n][r], lo, a + r * kp + c * kChunk);
@@ -307,6 +329,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
         for (int n = 0; n < Cols; ++n) {
           __m512i wv = weight_chunk<kNibbles>(w + n * row_bytes, c);
           if constexpr (Bits == 5) wv = _mm512_or_si512(wv, fifth_bits(w + n * row_bytes + kp / 2, c));
+          if constexpr (Bits == kIq4) wv = _mm512_shuffle_epi8(table, wv);
           for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
         }
     }
@@ -617,19 +640,20 @@ struct QuantWeight {
   int64_t spans() const { return (n + kSpan - 1) / kSpan; }
 };
 
-// A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · bits / 8], ``scales``
+// A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · stored_bits(bits) / 8], ``scales``
 // and ``mins`` [N, Kp / group]) and read as a QuantWeight.
 inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
                                 int64_t group, int64_t k, const float* bias) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 CPU tensor [N, bytes]");
-  TORCH_CHECK(bits == 4 || bits == 8 || (bits == 5 && kFiveBitWeights),
-              "bits must be 4 or 8 (or 5, built for AVX-512 VNNI)");
+  TORCH_CHECK(bits == 4 || bits == 8 || ((bits == 5 || bits == kIq4) && kNibbleForms),
+              "bits must be 4 or 8 (or 5 or -4, IQ4, built for AVX-512 VNNI)");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
-  TORCH_CHECK(packed.size(1) * 8 % bits == 0, "packed rows of ", packed.size(1), " bytes hold no whole ", bits,
-              "-bit row");
-  const int64_t n = packed.size(0), kp = packed.size(1) * 8 / bits;
+  TORCH_CHECK(bits != kIq4 || group == 32, "IQ4 weights come in groups of 32");
+  TORCH_CHECK(packed.size(1) * 8 % stored_bits(bits) == 0, "packed rows of ", packed.size(1),
+              " bytes hold no whole ", stored_bits(bits), "-bit row");
+  const int64_t n = packed.size(0), kp = packed.size(1) * 8 / stored_bits(bits);
   TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
@@ -675,13 +699,15 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
 
 template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
-  if (w.bits == 5) {  // (quant_weight takes 5 bits only where the build runs them)
+  if (w.bits == 5 || w.bits == kIq4) {  // (quant_weight takes them only where the build runs them)
 #if defined(QUANT_AVX512)
-    if (w.half) matmul_columns<5, 32, at::Half, T, R>(q, m, w, out, begin, end);
+    if (w.bits == kIq4 && w.half) matmul_columns<kIq4, 32, at::Half, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == kIq4) matmul_columns<kIq4, 32, float, T, R>(q, m, w, out, begin, end);  // (groups of 32)
+    else if (w.half) matmul_columns<5, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else if (w.group == 32) matmul_columns<5, 32, float, T, R>(q, m, w, out, begin, end);
     else matmul_columns<5, 16, float, T, R>(q, m, w, out, begin, end);
 #else
-    TORCH_CHECK(false, "5-bit weights run on builds for AVX-512 VNNI only");
+    TORCH_CHECK(false, "5-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #endif
     return;
   }

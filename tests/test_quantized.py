@@ -68,19 +68,19 @@ def test_every_format_decodes_to_what_ggml_dequantises(kind):
 
 # The kernel's form each format runs in: (bits of q, inputs per scale and min).
 KERNEL_FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q3_K": (4, 16), "Q2_K": (4, 16),
-                "Q5_0": (5, 32), "Q5_1": (5, 32), "Q5_K": (5, 32), "Q8_0": (8, 32), "IQ4_NL": (8, 32),
-                "IQ4_XS": (8, 32), "Q6_K": (8, 16)}
+                "Q5_0": (5, 32), "Q5_1": (5, 32), "Q5_K": (5, 32), "Q8_0": (8, 32), "IQ4_NL": (cpu_ops.IQ4, 32),
+                "IQ4_XS": (cpu_ops.IQ4, 32), "Q6_K": (8, 16)}
 
 
 def test_every_format_runs_in_its_narrowest_form_and_q_fits_it():
     """Each format's q in the fewest bits that hold it (Q3_K and Q2_K in 4, over groups of
-    16; the Q5 formats in 5), every q within them; a q wider than its form is refused,
-    never packed cut."""
+    16; the Q5 formats in 5; the IQ4 formats as 4-bit indices), every q within them; a q
+    wider than its form is refused, never packed cut."""
     assert set(KERNEL_FORMS) == set(FORMATS)
     for kind, form in KERNEL_FORMS.items():
         decoded = decode(random_weight(kind, 16, WIDTHS[kind][-1]))
         assert (decoded.bits, decoded.group) == form, kind
-        assert int(decoded.q.max()) < 1 << decoded.bits, kind
+        assert int(decoded.q.max()) < 1 << abs(decoded.bits), kind
     decoded = decode(random_weight("Q3_K", 4, 256))
     decoded.q[0, 0] = 16
     with pytest.raises(ValueError, match="wider than its 4 bits"):
@@ -210,28 +210,35 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 @needs_cpu_kernels
-def test_five_bit_weights_give_the_bits_of_their_eight_bit_form(monkeypatch):
+@pytest.mark.parametrize("form", [5, cpu_ops.IQ4])
+def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
     """On a build for AVX-512 a Q5 weight is held in 5 bits (its low four as 4-bit q, then
-    a plane of fifth bits); elsewhere as 8. Both give the same outputs, bit for bit,
-    through the integer kernel and the unpacked weight alike, at odd and even chunk counts
-    and beside a 4-bit part of groups of 16."""
-    if not cpu_ops.five_bit_weights():
-        pytest.skip("the kernels here are not built for AVX-512 VNNI: Q5 weights run as 8 bits")
-    cases = [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
-             [(0, random_weight("Q5_K", 24, 768, 3))],
-             [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]]
-    for parts in cases:
+    a plane of fifth bits) and an IQ4 weight as its 4-bit indices into the IQ4 table;
+    elsewhere both as 8-bit q. The forms give the same outputs, bit for bit, through the
+    integer kernel and the unpacked weight alike (AMX tiles where the CPU has them), at odd
+    and even chunk counts; beside a part of another form the layer is held in the wider."""
+    if form not in cpu_ops.weight_forms():
+        pytest.skip("the kernels here are not built for AVX-512 VNNI: Q5 and IQ4 weights run as 8 bits")
+    cases = {5: [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
+                 [(0, random_weight("Q5_K", 24, 768, 3))],
+                 [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]],
+             cpu_ops.IQ4: [[(0, random_weight("IQ4_NL", 24, 576, 1))], [(0, random_weight("IQ4_NL", 24, 1536, 2))],
+                           [(0, random_weight("IQ4_XS", 24, 768, 3))],
+                           [(0, random_weight("IQ4_XS", 16, 512, 4)), (16, random_weight("IQ4_NL", 8, 512, 5))]]}
+    for parts in cases[form]:
         k = parts[0][1].in_features
-        five = QuantLinear(parts, k, 24, torch.randn(24))
-        assert five.bits == 5 and five.packed.shape[1] == 5 * (-(-k // 64) * 64) // 8
+        narrow = QuantLinear(parts, k, 24, torch.randn(24))
+        assert narrow.bits == form and narrow.packed.shape[1] == abs(form) * (-(-k // 64) * 64) // 8
         with monkeypatch.context() as patch:
-            patch.setattr(cpu_ops, "five_bit_weights", lambda: False)
-            eight = QuantLinear(parts, k, 24, five.bias)
+            patch.setattr(cpu_ops, "weight_forms", lambda: frozenset({4, 8}))
+            eight = QuantLinear(parts, k, 24, narrow.bias)
         assert eight.bits == 8
         for rows, dequant_rows in ((1, 0), (3, 0), (9, 0), (5, 1), (40, 16)):
             for x in (torch.randn(rows, k), torch.randn(rows, k).bfloat16()):
-                five.dequant_rows = eight.dequant_rows = dequant_rows
-                assert torch.equal(five(x), eight(x)), (parts[0][1].qtype, k, rows, dequant_rows, x.dtype)
+                narrow.dequant_rows = eight.dequant_rows = dequant_rows
+                assert torch.equal(narrow(x), eight(x)), (parts[0][1].qtype, k, rows, dequant_rows, x.dtype)
+    mixed = QuantLinear([(0, random_weight("IQ4_NL", 8, 512, 6)), (8, random_weight("Q4_0", 8, 512, 7))], 512, 16, None)
+    assert mixed.bits == 8
 
 
 @needs_cpu_kernels

@@ -27,9 +27,10 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
   IQ4_XS  256 inputs: d:f16, 6-bit scales (2 bits in a u16, 4 in 4 bytes), 128 bytes of
         nibbles; 8 groups of 32: w = d·(sc − 32) · t[q]
 
-Q5 formats run as 5-bit q (0..31; as 8-bit where the kernels are not built for AVX-512 VNNI),
-Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats as 8-bit q = t[q] + 128: every
-value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
+Q5 formats run as 5-bit q (0..31), Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats
+as q = t[i] + 128 held as their 4-bit indices i (``cpu_ops.IQ4``), looked up in the kernel;
+where the kernels are not built for AVX-512 VNNI, the Q5 and IQ4 formats run as 8-bit q.
+Every value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
 """
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ class GGUFWeight:
 
 @dataclass
 class Decoded:
-    """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5 or 8), scale/min fp32
-    ``[rows, K / group]``."""
+    """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5 or 8; or ``cpu_ops.IQ4``:
+    q holds 4-bit indices into the IQ4 table), scale/min fp32 ``[rows, K / group]``."""
 
     q: np.ndarray
     scale: np.ndarray
@@ -103,9 +104,15 @@ class Decoded:
         place over one float copy of q and through torch's threads: an embedding table is
         tens of millions of weights, loaded at every start."""
         rows, k = self.q.shape
-        w = torch.from_numpy(np.ascontiguousarray(self.q)).view(rows, k // self.group, self.group).float()
+        w = torch.from_numpy(np.ascontiguousarray(self.widened().q)).view(rows, k // self.group, self.group).float()
         w.mul_(torch.from_numpy(self.scale)[..., None]).add_(torch.from_numpy(self.min)[..., None])
         return w.view(rows, k).numpy()
+
+    def widened(self) -> Decoded:
+        """The same weight with q as 8-bit integers (IQ4's indices looked up): a form every
+        build of the kernels runs."""
+        q = _IQ4_TABLE[self.q] if self.bits == cpu_ops.IQ4 else self.q
+        return Decoded(q, self.scale, self.min, 8, self.group)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -214,7 +221,7 @@ _IQ4_TABLE = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
 
 def _decode_iq4_nl(b: np.ndarray) -> tuple:
     d = _f16(b, 0)
-    return _IQ4_TABLE[_nibbles(b[..., 2:18])], d, -128.0 * d, 8, 32
+    return _nibbles(b[..., 2:18]), d, -128.0 * d, cpu_ops.IQ4, 32
 
 
 def _decode_iq4_xs(b: np.ndarray) -> tuple:
@@ -222,9 +229,9 @@ def _decode_iq4_xs(b: np.ndarray) -> tuple:
     high = b[..., 2:4].copy().view(np.uint16)  # [..., 1]
     ls = np.stack([((b[..., 4 + g // 2] >> (4 * (g % 2))) & 0x0F) | (((high[..., 0] >> (2 * g)) & 3) << 4)
                    for g in range(8)], axis=-1).astype(np.float32)
-    q = _IQ4_TABLE[_nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))]
+    q = _nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))
     scale = d[..., None] * (ls - 32.0)
-    return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, 8, 32
+    return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, cpu_ops.IQ4, 32
 
 
 def _decode_q6_k(b: np.ndarray) -> tuple:
@@ -265,7 +272,10 @@ def decode(weight: GGUFWeight) -> Decoded:
 
 def _merge(parts: list[Decoded]) -> Decoded:
     """Row-stack parts (q, k and v of one projection may differ in format): to the widest
-    q and the finest groups any part has, which holds each part's values exactly."""
+    q and the finest groups any part has, which holds each part's values exactly (IQ4
+    indices beside another form: 8 bits)."""
+    if len({p.bits for p in parts}) > 1:
+        parts = [p.widened() if p.bits == cpu_ops.IQ4 else p for p in parts]
     bits, group = max(p.bits for p in parts), min(p.group for p in parts)
     scales, mins = [], []
     for p in parts:
@@ -307,13 +317,14 @@ def block_order(kp: int, group: int) -> np.ndarray:
 def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's layout (``cpu_quant.cpp``): inputs padded with zero weights to a
     multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
-    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j); 5-bit q
-    as 4-bit, then a plane of their fifth bits, 8 bytes a chunk (bit j: the chunk's j-th
-    input in the order its bytes hold them); scales and mins float16 where each is one
-    exactly (groups of 32), else float32."""
+    (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j), IQ4's
+    indices likewise; 5-bit q as 4-bit, then a plane of their fifth bits, 8 bytes a chunk
+    (bit j: the chunk's j-th input in the order its bytes hold them); scales and mins
+    float16 where each is one exactly (groups of 32), else float32."""
     rows, k = decoded.q.shape
-    if decoded.q.size and int(decoded.q.max()) >> decoded.bits:
-        raise ValueError(f"a quantized weight's q is wider than its {decoded.bits} bits")
+    bits = 4 if decoded.bits == cpu_ops.IQ4 else decoded.bits
+    if decoded.q.size and int(decoded.q.max()) >> bits:
+        raise ValueError(f"a quantized weight's q is wider than its {bits} bits")
     kp = -(-k // CHUNK) * CHUNK
     q = np.zeros((rows, kp), np.uint8)
     q[:, :k] = decoded.q
@@ -321,7 +332,7 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pad_groups = (kp - k) // decoded.group
     scale = np.pad(decoded.scale, ((0, 0), (0, pad_groups)))
     mins = np.pad(decoded.min, ((0, 0), (0, pad_groups)))
-    if decoded.bits in (4, 5):
+    if bits in (4, 5):
         low = q & 0x0F
         pairs = kp // (2 * CHUNK)
         paired = low[:, :pairs * 2 * CHUNK].reshape(rows, pairs, 2, CHUNK)
@@ -329,7 +340,7 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if kp % (2 * CHUNK):  # an odd last chunk
             tail = low[:, pairs * 2 * CHUNK:]
             packed.append(tail[:, :32] | (tail[:, 32:] << 4))
-        if decoded.bits == 5:  # each chunk's inputs are in their bytes' order already
+        if bits == 5:  # each chunk's inputs are in their bytes' order already
             packed.append(np.packbits((q >> 4).reshape(rows, kp // CHUNK, CHUNK), axis=-1,
                                       bitorder="little").reshape(rows, kp // 8))
         q = np.concatenate(packed, axis=1)
@@ -349,11 +360,11 @@ def _exact_in_float16(values: np.ndarray) -> bool:
 
 class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
-    weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0
-    and Q4_1, 6 for Q5_0 and Q5_1 and 9 for Q8_0 and IQ4_NL (float16 scales, as the file
-    has them), 6 for Q4_K, 7 for Q5_K, 8 for Q3_K and Q2_K, 10 for IQ4_XS and 12 for Q6_K
-    (float32, their scales being products); the 5-bit formats 3 more where the kernels
-    are not built for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
+    weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0,
+    Q4_1 and IQ4_NL, 6 for Q5_0 and Q5_1 and 9 for Q8_0 (float16 scales, as the file has
+    them), 6 for Q4_K and IQ4_XS, 7 for Q5_K, 8 for Q3_K and Q2_K and 12 for Q6_K (float32,
+    their scales being products); the 5-bit and IQ4 formats 3-4 more where the kernels are
+    not built for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
@@ -375,8 +386,8 @@ class QuantLinear(nn.Module):
         merged = _merge(decoded)
         if merged.q.shape != (out_features, in_features):
             raise ValueError(f"quantized parts make {merged.q.shape}, the layer is {(out_features, in_features)}")
-        if merged.bits == 5 and not cpu_ops.five_bit_weights():
-            merged.bits = 8  # the same q, in the layout every build runs
+        if merged.bits not in cpu_ops.weight_forms():
+            merged = merged.widened()  # the same values, in the layout every build runs
         self.bits, self.group = merged.bits, merged.group
         self.formats = sorted({w.qtype for _, w in parts})
         packed, scales, mins = pack(merged)
@@ -402,8 +413,9 @@ class QuantLinear(nn.Module):
                                     self.dequant_rows)
 
     def extra_repr(self) -> str:
+        bits = "4 (IQ4 table)" if self.bits == cpu_ops.IQ4 else self.bits
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"formats={'+'.join(self.formats)}, bits={self.bits}, group={self.group}")
+                f"formats={'+'.join(self.formats)}, bits={bits}, group={self.group}")
 
 
 def quantize_linears(model: nn.Module, kind: str = "Q4_1") -> int:
