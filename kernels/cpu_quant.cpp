@@ -68,10 +68,12 @@ inline void store_weights(__m512i q0, __m512i q1, __m512 s0, __m512 m0, __m512 s
 // One row of W in the packed layout's block order (``block_positions``): scale · q + min,
 // exact in fp32, rounded once to T; the row's 32-input halves of chunks go to ``out``,
 // ``half_stride`` elements apart (32: the row as it is; AMX: one tile row each). Each
-// block's per-lane scales and mins are spread once for all its chunks.
+// block's per-lane scales and mins (``min_factor`` times ``mins``: QuantWeight) are spread
+// once for all its chunks.
 template <typename S, typename T>
-inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const std::vector<int64_t>& sizes,
-                       int64_t chunks, int64_t group, int64_t bits, T* out, int64_t half_stride) {
+inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, float min_factor,
+                       const std::vector<int64_t>& sizes, int64_t chunks, int64_t group, int64_t bits, T* out,
+                       int64_t half_stride) {
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   auto bytes16 = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
   // q of 16 nibbles (int32 lanes) of chunk c's inputs from ``first`` on: 4 bits as they
@@ -89,7 +91,8 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
   int64_t c = 0, g0 = 0;
   for (const int64_t size : sizes) {
     const int64_t count = size * kChunk / group;  // groups in this block
-    const __m512 ls = per_lane(scales + g0, count), lm = per_lane(mins + g0, count);
+    const __m512 ls = per_lane(scales + g0, count);
+    const __m512 lm = _mm512_mul_ps(per_lane(mins + g0, count), _mm512_set1_ps(min_factor));
     __m512 sv[4], mv[4];  // a chunk's outputs 16h … 16h + 15 are lanes 4h … 4h + 3
     for (int h = 0; h < 4; ++h) {
       const __m512i lanes = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * h),
@@ -137,15 +140,15 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, const
 // the same order, which leaves every product as it was.
 template <typename S, typename T>
 void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uint8_t* packed, int64_t row_bytes,
-                   const S* scales, const S* mins, T* out) {
+                   const S* scales, const S* mins, float min_factor, T* out) {
   const std::vector<int64_t> sizes = blocks(kp, group);
   const int64_t groups = kp / group, chunks = kp / kChunk;
   TORCH_CHECK((bits != 5 && bits != kIq4) || kNibbleForms, "5-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      unpack_row(packed + r * row_bytes, scales + r * groups, mins + r * groups, sizes, chunks, group, bits,
-                 out + r * kp, 32);
+      unpack_row(packed + r * row_bytes, scales + r * groups, mins + r * groups, min_factor, sizes, chunks, group,
+                 bits, out + r * kp, 32);
   });
 #else
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -159,7 +162,7 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
         const int64_t per = 16 / (size * kChunk / group);  // lanes per group
         for (int l = 0; l < 16; ++l) {
           lane_scale[l] = scalar(scales[r * groups + g0 + l / per]);
-          lane_min[l] = scalar(mins[r * groups + g0 + l / per]);
+          lane_min[l] = scalar(mins[r * groups + g0 + l / per]) * min_factor;
         }
         for (int64_t j = 0; j < size; ++j, ++c) {
           // the chunk's 64 q in its order (lane l: positions 4l … 4l + 3)
@@ -310,8 +313,8 @@ at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
           const uint8_t* next = wt.packed + (n0 + span + r) * wt.row_bytes;
           for (int64_t byte = 0; byte < wt.row_bytes; byte += 64) __builtin_prefetch(next + byte, 0, 2);
         }
-        unpack_row(wt.packed + (n0 + r) * wt.row_bytes, scales + (n0 + r) * groups, mins + (n0 + r) * groups, sizes,
-                   chunks, group, bits, tile_a(0, r / 16) + (r % 16) * kTileK, kTileStride);
+        unpack_row(wt.packed + (n0 + r) * wt.row_bytes, scales + (n0 + r) * groups, mins + (n0 + r) * groups,
+                   wt.min_factor, sizes, chunks, group, bits, tile_a(0, r / 16) + (r % 16) * kTileK, kTileStride);
       }
       for (int64_t r = rows; r < span; ++r)  // the last rows' missing rows weigh 0
         for (int64_t s = 0; s < steps; ++s) std::memset(tile_a(s, r / 16) + (r % 16) * kTileK, 0, kTileK * 2);
@@ -426,15 +429,16 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
       auto unpack = [&](auto* sc, auto* mn) {
         const uint8_t* p = packed.data_ptr<uint8_t>() + n0 * row_bytes;
         if (x.scalar_type() == at::kFloat)
-          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, w.data_ptr<float>());
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, wt.min_factor,
+                        w.data_ptr<float>());
         else
-          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups,
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, wt.min_factor,
                         w.data_ptr<at::BFloat16>());
       };
       if (half)
-        unpack(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
+        unpack(static_cast<const at::Half*>(wt.scales), static_cast<const at::Half*>(wt.mins));
       else
-        unpack(scales.data_ptr<float>(), mins.data_ptr<float>());
+        unpack(static_cast<const float*>(wt.scales), static_cast<const float*>(wt.mins));
       const at::Tensor ws = w.narrow(0, 0, cols);
       const at::Tensor y = bias ? at::linear(xb, ws, b.narrow(0, n0, cols)) : at::linear(xb, ws);
       if (slice == n) return y.view(shape);

@@ -40,7 +40,10 @@
 //    chunk in the order its 4-bit bytes give (the pair's byte j, the odd chunk's j, 32 + j).
 //  - IQ4 (AVX-512 VNNI builds): the 4-bit layout of the indices.
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
-//    group order (not reordered).
+//    group order (not reordered). Where every min is one factor f times its group's scale
+//    (Q4_0's −8, Q5_0's −16, Q8_0's and IQ4's −128, Q6_K's −32, Q3_K's −4), ``mins`` is f
+//    alone, a 0-dim float32, and no min is read: the kernels take min = f · scale, exact
+//    (f a power of two), as they take min · 1 from a per-group ``mins``.
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
 // with rows and columns tiled only to share loads: a row's result does not depend on how
 // many rows share the call, so the layer is batch-invariant as it stands.
@@ -280,9 +283,10 @@ inline __m512 per_lane(const S* p, int64_t count) {
 
 // Cols weight rows × Rows activation rows, one accumulator each.
 template <int Rows, int Cols, int Bits, int G, typename S>
-inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, float mf, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
   const int64_t kp = q.kp, groups = kp / G;
+  const __m512 min_factor = _mm512_set1_ps(mf);
   __m512 acc[Cols][Rows];
   for (int n = 0; n < Cols; ++n)
     for (int r = 0; r < Rows; ++r) acc[n][r] = _mm512_setzero_ps();
@@ -341,7 +345,7 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
         const __m512 scale = _mm512_mul_ps(per_lane(ws + n * groups + g0, count), d);
         acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[n][r]), scale, acc[n][r]);
         // the min term, once per group: Σ min · d·Σa
-        acc[n][r] = _mm512_fmadd_ps(load16(wm + n * groups + g0, count), sums, acc[n][r]);
+        acc[n][r] = _mm512_fmadd_ps(_mm512_mul_ps(load16(wm + n * groups + g0, count), min_factor), sums, acc[n][r]);
       }
     }
     g0 += count;
@@ -470,9 +474,10 @@ inline void lanes16(const S* p, int64_t count, bool once, __m256& lo, __m256& hi
 }
 
 template <int Rows, int Cols, int Bits, int G, typename S>
-inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, float mf, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
   const int64_t kp = q.kp, groups = kp / G;
+  const __m256 min_factor = _mm256_set1_ps(mf);
   // One accumulator per output: the two halves' lanes fold into one, l and l + 8.
   __m256 acc[Cols][Rows];
   for (int n = 0; n < Cols; ++n)
@@ -518,6 +523,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
       __m256 scale[2], mins[2];
       lanes16(ws + n * groups + g0, count, false, scale[0], scale[1]);
       lanes16(wm + n * groups + g0, count, true, mins[0], mins[1]);
+      mins[0] = _mm256_mul_ps(mins[0], min_factor);
+      mins[1] = _mm256_mul_ps(mins[1], min_factor);
       for (int r = 0; r < Rows; ++r)
         for (int h = 0; h < 2; ++h) {
           acc[n][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[n][r][h]), _mm256_mul_ps(scale[h], d[r][h]), acc[n][r]);
@@ -539,7 +546,7 @@ constexpr int kVectorRegisters = 16;
 #else
 // Portable: the same sums, lane by lane, in the same order as the vector path.
 template <int Rows, int Cols, int Bits, int G, typename S>
-inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, const QuantizedRows& q,
+inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, float mf, const QuantizedRows& q,
                      int64_t r0, float* out) {
   const int64_t kp = q.kp, groups = kp / G, chunks = kp / kChunk;
   for (int n = 0; n < Cols; ++n) {
@@ -568,7 +575,8 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
         for (int64_t l = 0; l < 16; ++l) {
           const int64_t grp = g0 + l / per;
           acc[l] = std::fma(float(dots[l]), scalar(ws[n * groups + grp]) * q.group_scale[row * groups + grp], acc[l]);
-          if (l < count) acc[l] = std::fma(scalar(wm[n * groups + g0 + l]), q.group_sum[row * groups + g0 + l], acc[l]);
+          if (l < count)
+            acc[l] = std::fma(scalar(wm[n * groups + g0 + l]) * mf, q.group_sum[row * groups + g0 + l], acc[l]);
         }
         g0 += count;
       }
@@ -601,7 +609,7 @@ constexpr int64_t kPrefetchCols = 16;
 // `prefetch`, each tile first asks for the weight rows kPrefetchCols ahead of it, of the
 // `left` rows from w on (a span's first row tile: the others find them in cache).
 template <int Rows, int Bits, int G, typename S>
-void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm,
+void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, float mf,
               const QuantizedRows& q, int64_t r0, float* out, bool prefetch, int64_t left) {
   constexpr int kCols = tile_cols<Rows>();
   float tile[Rows * kCols];
@@ -613,12 +621,13 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, co
     }
     const int64_t width = std::min<int64_t>(kCols, cols - n0);
     if (width == kCols) {
-      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, q, r0, tile);
+      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, mf, q, r0,
+                                        tile);
       for (int r = 0; r < Rows; ++r)
         for (int n = 0; n < kCols; ++n) out[r * cols + n0 + n] = tile[r * kCols + n];
     } else {
       for (int64_t n = n0; n < cols; ++n) {
-        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, q, r0, tile);
+        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, mf, q, r0, tile);
         for (int r = 0; r < Rows; ++r) out[r * cols + n] = tile[r];
       }
     }
@@ -629,11 +638,13 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, co
 constexpr int64_t kSpan = 16;
 
 // A weight in the form above, as a call reads it: ``scales`` and ``mins`` float32, or
-// float16 (``half``, groups of 32); ``bias`` float32 or null.
+// float16 (``half``, groups of 32), each min ``min_factor`` times its ``mins`` entry (1: the
+// mins as they are; or ``mins`` is ``scales`` and the factor f); ``bias`` float32 or null.
 struct QuantWeight {
   const uint8_t* packed;
   const void* scales;
   const void* mins;
+  float min_factor;
   const float* bias;
   int64_t n, kp, row_bytes, bits, group;
   bool half;
@@ -641,7 +652,7 @@ struct QuantWeight {
 };
 
 // A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · stored_bits(bits) / 8], ``scales``
-// and ``mins`` [N, Kp / group]) and read as a QuantWeight.
+// and ``mins`` [N, Kp / group], or ``mins`` a 0-dim float32 factor) and read as a QuantWeight.
 inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
                                 int64_t group, int64_t k, const float* bias) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
@@ -657,11 +668,16 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
   TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
+  const bool factor = mins.dim() == 0;
+  TORCH_CHECK(!factor || mins.scalar_type() == at::kFloat, "mins as one factor must be a 0-dim float32");
   for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
-                    t->size(0) == n && t->size(1) == kp / group,
-                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16");
-  return {packed.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), bias, n, kp, packed.size(1), bits, group, half};
+    TORCH_CHECK((factor && t == &mins) ||
+                    (t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
+                     t->size(0) == n && t->size(1) == kp / group),
+                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16 (or mins one "
+                "0-dim float32 factor of the scales)");
+  return {packed.data_ptr<uint8_t>(), scales.data_ptr(), factor ? scales.data_ptr() : mins.data_ptr(),
+          factor ? mins.item<float>() : 1.f, bias, n, kp, packed.size(1), bits, group, half};
 }
 
 // Output columns begin … end - 1 of y [m, n] = x · Wᵀ (+ bias), x quantized in q, a span
@@ -683,10 +699,10 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
     for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, m - r0);
       switch (rows) {
-        case 1: dot_rows<1, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
-        case 2: dot_rows<2, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
-        case 3: dot_rows<3, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
-        default: dot_rows<4, Bits, G, S>(cols, w, row_bytes, ws, wm, q, r0, res, r0 == 0, n - c0); break;
+        case 1: dot_rows<1, Bits, G, S>(cols, w, row_bytes, ws, wm, wt.min_factor, q, r0, res, r0 == 0, n - c0); break;
+        case 2: dot_rows<2, Bits, G, S>(cols, w, row_bytes, ws, wm, wt.min_factor, q, r0, res, r0 == 0, n - c0); break;
+        case 3: dot_rows<3, Bits, G, S>(cols, w, row_bytes, ws, wm, wt.min_factor, q, r0, res, r0 == 0, n - c0); break;
+        default: dot_rows<4, Bits, G, S>(cols, w, row_bytes, ws, wm, wt.min_factor, q, r0, res, r0 == 0, n - c0); break;
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < cols; ++j) {

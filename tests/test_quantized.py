@@ -242,35 +242,53 @@ def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
 
 
 @needs_cpu_kernels
-def test_scales_are_kept_in_float16_only_where_every_one_is_exact():
+def test_scales_and_mins_are_held_in_the_fewest_bytes_that_keep_them():
     """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL hold float16 scales (fewer bytes per step);
-    K-quants' and IQ4_XS's scales are products and stay float32. Either way the layer computes the same bits as with the
-    scales in float32, through the integer kernel and the unpacked weight alike."""
-    want = {"Q4_0": torch.float16, "Q4_1": torch.float16, "Q8_0": torch.float16, "Q5_0": torch.float16,
-            "Q5_1": torch.float16, "IQ4_NL": torch.float16, "Q4_K": torch.float32, "Q6_K": torch.float32,
-            "Q5_K": torch.float32, "Q3_K": torch.float32, "Q2_K": torch.float32, "IQ4_XS": torch.float32}
+    K-quants' and IQ4_XS's scales are products and stay float32. Where every min is one
+    factor times its scale (Q4_0, Q5_0, Q8_0, the IQ4 formats, Q6_K, Q3_K) only the factor
+    is kept. Either way the layer computes the same bits as with float32 scales and a
+    float32 min per group, through the integer kernel and the unpacked weight alike."""
+    want = {"Q4_0": (torch.float16, -8), "Q4_1": (torch.float16, None), "Q8_0": (torch.float16, -128),
+            "Q5_0": (torch.float16, -16), "Q5_1": (torch.float16, None), "IQ4_NL": (torch.float16, -128),
+            "Q4_K": (torch.float32, None), "Q6_K": (torch.float32, -32), "Q5_K": (torch.float32, None),
+            "Q3_K": (torch.float32, -4), "Q2_K": (torch.float32, None), "IQ4_XS": (torch.float32, -128)}
     assert set(want) == set(FORMATS)
-    for kind, dtype in want.items():
+    for kind, (dtype, factor) in want.items():
         for k in WIDTHS[kind]:
             layer = QuantLinear([(0, random_weight(kind, 40, k, seed=k))], k, 40, torch.randn(40))
-            assert layer.scales.dtype == layer.mins.dtype == dtype, (kind, k)
-            for rows, dequant_rows in ((1, 0), (5, 0), (9, 4)):
+            assert layer.scales.dtype == dtype, (kind, k)
+            if factor is None:
+                assert layer.mins.dtype == dtype and layer.mins.shape == layer.scales.shape, (kind, k)
+                mins = layer.mins.float()
+            else:
+                assert layer.mins.dim() == 0 and layer.mins.item() == factor, (kind, k)
+                mins = layer.scales.float() * factor
+            for rows, dequant_rows in ((1, 0), (5, 0), (9, 4), (40, 16)):
                 x = torch.randn(rows, k).bfloat16()
                 args = (layer.packed, layer.scales, layer.mins, layer.bits, layer.group, layer.bias, dequant_rows)
-                wide = (layer.packed, layer.scales.float(), layer.mins.float(), *args[3:])
+                wide = (layer.packed, layer.scales.float(), mins, *args[3:])
                 assert torch.equal(cpu_ops.quant_linear(x, *args), cpu_ops.quant_linear(x, *wide)), (kind, k, rows)
+            head = layer.select_rows(torch.tensor([3, 0, 17]))
+            x = torch.randn(2, k).bfloat16()
+            assert torch.equal(head(x), layer(x)[:, [3, 0, 17]]), (kind, k)
     layer = QuantLinear([(0, random_weight("Q4_1", 8, 64))], 64, 8, None)
     with pytest.raises(RuntimeError, match="both float32 or both float16"):
         cpu_ops.quant_linear(torch.randn(1, 64), layer.packed, layer.scales, layer.mins.float(), 4, 32, None, 0)
+    with pytest.raises(RuntimeError, match="0-dim float32"):
+        cpu_ops.quant_linear(torch.randn(1, 64), layer.packed, layer.scales, torch.tensor(-8.0).half(), 4, 32, None, 0)
     decoded = decode(random_weight("Q4_1", 8, 64))
     decoded.scale[0, 0] = 1e-9  # not a float16: the layer keeps float32
     assert pack(decoded)[1].dtype == torch.float32
-    weight = random_weight("Q5_0", 8, 64)
-    weight.raw[0, 0:2] = np.array([4096.0], np.float16).view(np.uint8)  # its min, -16 d, is past float16's range
-    decoded = decode(weight)
-    packed = pack(decoded)
-    assert packed[1].dtype == packed[2].dtype == torch.float32
-    assert packed[2][0, 0].item() == -65536.0
+    decoded = decode(random_weight("Q4_0", 8, 64))
+    decoded.min[3, 1] += 1e-3  # one min off the factor: every min is kept
+    assert pack(decoded)[2].shape == (8, 2)
+    weight = random_weight("Q4_0", 8, 64)
+    weight.raw[0, 0:2] = np.array([8192.0], np.float16).view(np.uint8)  # its min, -8 d, is past float16's range
+    packed, scales, factor = pack(decode(weight))
+    assert scales.dtype == torch.float16 and factor.item() == -8.0  # the min made in float32 by the kernels
+    x = torch.randn(3, 64)
+    want = cpu_ops.quant_linear(x, packed, scales.float(), scales.float() * -8.0, 4, 32, None, 0)
+    assert torch.equal(cpu_ops.quant_linear(x, packed, scales, factor, 4, 32, None, 0), want)
 
 
 @needs_cpu_kernels

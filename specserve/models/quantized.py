@@ -319,8 +319,9 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
     (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j), IQ4's
     indices likewise; 5-bit q as 4-bit, then a plane of their fifth bits, 8 bytes a chunk
-    (bit j: the chunk's j-th input in the order its bytes hold them); scales and mins
-    float16 where each is one exactly (groups of 32), else float32."""
+    (bit j: the chunk's j-th input in the order its bytes hold them); scales (and mins)
+    float16 where each is one exactly (groups of 32), else float32; where every min is one
+    factor times its scale (``_min_factor``), that factor alone, 0-dim float32, for mins."""
     rows, k = decoded.q.shape
     bits = 4 if decoded.bits == cpu_ops.IQ4 else decoded.bits
     if decoded.q.size and int(decoded.q.max()) >> bits:
@@ -344,10 +345,26 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             packed.append(np.packbits((q >> 4).reshape(rows, kp // CHUNK, CHUNK), axis=-1,
                                       bitorder="little").reshape(rows, kp // 8))
         q = np.concatenate(packed, axis=1)
-    if decoded.group == 32 and _exact_in_float16(scale) and _exact_in_float16(mins):
-        scale, mins = scale.astype(np.float16), mins.astype(np.float16)  # fewer bytes per step, same values
+    factor = _min_factor(scale, mins)
+    if factor is not None:  # no mins read: the kernels take factor · scale, the same values
+        mins = np.float32(factor)
+    if decoded.group == 32 and _exact_in_float16(scale) and (factor is not None or _exact_in_float16(mins)):
+        scale = scale.astype(np.float16)  # fewer bytes per step, same values
+        mins = mins if factor is not None else mins.astype(np.float16)
     return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale)),
-            torch.from_numpy(np.ascontiguousarray(mins)))
+            torch.tensor(mins) if factor is not None else torch.from_numpy(np.ascontiguousarray(mins)))
+
+
+def _min_factor(scale: np.ndarray, mins: np.ndarray) -> float | None:
+    """f where every min is f times its group's scale, as the kernels compute it (a float32
+    product): Q4_0's −8, Q5_0's −16, Q8_0's and the IQ4 formats' −128, Q6_K's −32, Q3_K's
+    −4. None where the mins are the format's own (Q4_1, Q5_1, the K-quants with mins) or
+    the parts of a layer differ."""
+    nonzero = np.flatnonzero(scale)
+    if not nonzero.size:
+        return None
+    factor = np.float32(mins.flat[nonzero[0]] / scale.flat[nonzero[0]])
+    return float(factor) if np.isfinite(factor) and np.array_equal(factor * scale, mins) else None
 
 
 def _exact_in_float16(values: np.ndarray) -> bool:
@@ -404,7 +421,8 @@ class QuantLinear(nn.Module):
         head.bits, head.group, head.formats = self.bits, self.group, self.formats
         head.dequant_rows = self.dequant_rows
         for name in ("packed", "scales", "mins"):
-            head.register_buffer(name, getattr(self, name).index_select(0, ids.cpu()).contiguous())
+            tensor = getattr(self, name)  # (mins may be one factor of the scales: 0-dim)
+            head.register_buffer(name, tensor.index_select(0, ids.cpu()).contiguous() if tensor.dim() else tensor)
         head.register_buffer("bias", None if self.bias is None else self.bias.index_select(0, ids.cpu()))
         return head
 
