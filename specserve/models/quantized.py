@@ -377,11 +377,12 @@ def _exact_in_float16(values: np.ndarray) -> bool:
 
 class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
-    weight read per step, q plus a scale and a min per group, instead of 16: 5 for Q4_0,
-    Q4_1 and IQ4_NL, 6 for Q5_0 and Q5_1 and 9 for Q8_0 (float16 scales, as the file has
-    them), 6 for Q4_K and IQ4_XS, 7 for Q5_K, 8 for Q3_K and Q2_K and 12 for Q6_K (float32,
-    their scales being products); the 5-bit and IQ4 formats 3-4 more where the kernels are
-    not built for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
+    weight read per step, q plus a scale per group and a min where it is not a factor of
+    the scale, instead of 16: the file's own for Q4_0, IQ4_NL, Q4_1, Q5_0, Q5_1 and Q8_0
+    (4.5, 4.5, 5, 5.5, 6, 8.5: float16 scales, as the file has them), 5 for IQ4_XS, 6 for
+    Q4_K and Q3_K, 7 for Q5_K, 8 for Q2_K and 10 for Q6_K (float32, their scales being
+    products); the 5-bit and IQ4 formats 3-4 more where the kernels are not built for
+    AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
