@@ -77,16 +77,19 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, float
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   auto bytes16 = [](const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
   // q of 16 nibbles (int32 lanes) of chunk c's inputs from ``first`` on: 4 bits as they
-  // are, 5 bits with their fifth bits (from the row's plane, after its chunks' nibbles) as
-  // 16 in their lanes, IQ4 looked up in its table.
+  // are, 5 and 6 bits with their higher bits (from the row's planes, after its chunks'
+  // nibbles) as 16 and 32 in their lanes, IQ4 looked up in its table.
   const uint8_t* plane = row + chunks * (kChunk / 2);
   const __m512i table = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Table)));
   auto q_of = [&](__m512i nibbles, int64_t chunk, int first) {
     if (bits == kIq4) return _mm512_permutexvar_epi32(nibbles, table);
-    if (bits != 5) return nibbles;
-    uint16_t mask;
-    std::memcpy(&mask, plane + 8 * chunk + first / 8, 2);
-    return _mm512_mask_or_epi32(nibbles, __mmask16(mask), nibbles, _mm512_set1_epi32(16));
+    if (bits != 5 && bits != 6) return nibbles;
+    for (int64_t p = 0; p < bits - 4; ++p) {
+      uint16_t mask;
+      std::memcpy(&mask, plane + 8 * ((bits - 4) * chunk + p) + first / 8, 2);
+      nibbles = _mm512_mask_or_epi32(nibbles, __mmask16(mask), nibbles, _mm512_set1_epi32(16 << p));
+    }
+    return nibbles;
   };
   int64_t c = 0, g0 = 0;
   for (const int64_t size : sizes) {
@@ -143,7 +146,8 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
                    const S* scales, const S* mins, float min_factor, T* out) {
   const std::vector<int64_t> sizes = blocks(kp, group);
   const int64_t groups = kp / group, chunks = kp / kChunk;
-  TORCH_CHECK((bits != 5 && bits != kIq4) || kNibbleForms, "5-bit and IQ4 weights run on builds for AVX-512 VNNI only");
+  TORCH_CHECK((bits != 5 && bits != 6 && bits != kIq4) || kNibbleForms,
+              "5-bit, 6-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -476,7 +480,7 @@ bool amx_tiles() {
 // The forms (``bits``) quant_linear and the fused layers take in this build.
 std::vector<int64_t> weight_forms() {
   std::vector<int64_t> forms = {4, 8};
-  if (kNibbleForms) forms.insert(forms.end(), {5, kIq4});
+  if (kNibbleForms) forms.insert(forms.end(), {5, 6, kIq4});
   return forms;
 }
 

@@ -7,7 +7,7 @@
 // specserve/models/quantized.py repacks each into the one form below, exactly).
 //
 // Weight form: every weight is w = scale · q + min, q an unsigned integer (4 bits: 0..15,
-// 5 bits: 0..31, or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
+// 5 bits: 0..31, 6 bits: 0..63, or 8 bits: 0..255), with one fp32 scale and one fp32 min per group of G consecutive
 // inputs (G = 16 or 32). Q4_0 is q · d − 8d, Q8_0 is (q + 128) · d − 128d, Q6_K's groups
 // of 16 are (q + 32) · d·s − 32 · d·s: all exact in fp32. IQ4_NL and IQ4_XS index a table
 // of 16 values t: their q is t[i] + 128, held as the 4-bit index i (the form ``kIq4``,
@@ -35,9 +35,11 @@
 //    of the first (low nibble) and of the second (high nibble); an odd last chunk in 32
 //    bytes, byte j holding its inputs j and 32 + j.
 //  - 8 bits: Kp bytes.
-//  - 5 bits (AVX-512 VNNI builds): the 4-bit layout of the low four bits, then a plane of the
-//    fifth: 8 bytes a chunk, bit j of chunk c's (as a little-endian u64) input j of the
-//    chunk in the order its 4-bit bytes give (the pair's byte j, the odd chunk's j, 32 + j).
+//  - 5 or 6 bits (AVX-512 VNNI builds): the 4-bit layout of the low four bits, then planes
+//    of the higher ones: 8 bytes a chunk and bit (bits − 4 of them, chunk by chunk: chunk c's
+//    at 8 · (bits − 4) · c), bit j of a plane (as a little-endian u64) bit 4 + p of the
+//    chunk's input j in the order its 4-bit bytes give (the pair's byte j, the odd chunk's
+//    j, 32 + j).
 //  - IQ4 (AVX-512 VNNI builds): the 4-bit layout of the indices.
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
 //    group order (not reordered). Where every min is one factor f times its group's scale
@@ -84,8 +86,8 @@ constexpr int64_t kChunk = 64;    // inputs per weight vector
 constexpr int64_t kABlock = 32;   // inputs per activation scale
 constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
 constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
-// The forms beside 4 and 8 bits (``bits`` of a call): 5 bits, and 4-bit indices into the
-// IQ4 table. Both need byte masks or shuffles that only the AVX-512 VNNI path has; other
+// The forms beside 4 and 8 bits (``bits`` of a call): 5 and 6 bits, and 4-bit indices into
+// the IQ4 table. Both need byte masks or shuffles that only the AVX-512 VNNI path has; other
 // builds run their q as 8 bits (``weight_forms``).
 constexpr int64_t kIq4 = -4;
 #if defined(QUANT_AVX512)
@@ -235,12 +237,16 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QuantizedRows& out) {
 }
 
 #if defined(QUANT_AVX512)
-// The fifth bits of chunk c of a 5-bit row whose plane is at ``plane``, as 16 in the bytes
-// they belong to (in the chunk's order: as weight_chunk and a pair's masks give them).
-inline __m512i fifth_bits(const uint8_t* plane, int64_t c) {
-  uint64_t bits;
-  std::memcpy(&bits, plane + 8 * c, 8);
-  return _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), _mm512_set1_epi8(16));
+// The bits above the fourth of chunk c of a 5- or 6-bit row whose planes start at
+// ``planes``, as 16 and 32 in the bytes they belong to (in the chunk's order: as
+// weight_chunk and a pair's masks give them).
+template <int Bits>
+inline __m512i high_bits(const uint8_t* planes, int64_t c) {
+  uint64_t bits[Bits - 4];
+  std::memcpy(bits, planes + 8 * (Bits - 4) * c, sizeof(bits));
+  const __m512i fifth = _mm512_maskz_mov_epi8(_cvtu64_mask64(bits[0]), _mm512_set1_epi8(16));
+  if constexpr (Bits == 5) return fifth;
+  else return _mm512_or_si512(fifth, _mm512_maskz_mov_epi8(_cvtu64_mask64(bits[1]), _mm512_set1_epi8(32)));
 }
 
 // kIq4Table in each 128-bit lane: vpshufb's table, a nibble its index.
@@ -306,9 +312,10 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
     __m512i dots[Cols][Rows];
     for (int n = 0; n < Cols; ++n)
       for (int r = 0; r < Rows; ++r) dots[n][r] = _mm512_setzero_si512();
-    // 4 bits, 5 (the low four as 4 bits, the fifth from the row's plane, kp / 2 bytes on)
-    // or IQ4 (4-bit indices, looked up).
-    constexpr int kNibbles = stored_bits(Bits) == 5 ? 4 : stored_bits(Bits);
+    // 4 bits, 5 or 6 (the low four as 4 bits, the others from the row's planes, kp / 2
+    // bytes on) or IQ4 (4-bit indices, looked up).
+    constexpr bool kPlanes = Bits == 5 || Bits == 6;
+    constexpr int kNibbles = kPlanes ? 4 : stored_bits(Bits);
     if (kNibbles == 4 && size > 1) {  // chunk pairs: one load, two masks (blocks of 2+ chunks hold whole pairs)
       const __m512i low4 = _mm512_set1_epi8(0x0F);
       for (int64_t j = 0; j < size; j += 2, c += 2)
@@ -316,9 +323,9 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
           const __m512i packed = _mm512_loadu_si512(w + n * row_bytes + c * (kChunk / 2));
           __m512i lo = _mm512_and_si512(packed, low4);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-          if constexpr (Bits == 5) {
-            lo = _mm512_or_si512(lo, fifth_bits(w + n * row_bytes + kp / 2, c));
-            hi = _mm512_or_si512(hi, fifth_bits(w + n * row_bytes + kp / 2, c + 1));
+          if constexpr (kPlanes) {
+            lo = _mm512_or_si512(lo, high_bits<Bits>(w + n * row_bytes + kp / 2, c));
+            hi = _mm512_or_si512(hi, high_bits<Bits>(w + n * row_bytes + kp / 2, c + 1));
           } else if constexpr (Bits == kIq4) {
             lo = _mm512_shuffle_epi8(table, lo);
             hi = _mm512_shuffle_epi8(table, hi);
@@ -328,11 +335,11 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
             dots[n][r] = madd(dots[n][r], hi, a + r * kp + (c + 1) * kChunk);
           }
         }
-    } else {  // 8 bits, or a 4- or 5-bit block of one chunk: the row's odd last chunk
+    } else {  // 8 bits, or a 4-, 5- or 6-bit block of one chunk: the row's odd last chunk
       for (int64_t j = 0; j < size; ++j, ++c)
         for (int n = 0; n < Cols; ++n) {
           __m512i wv = weight_chunk<kNibbles>(w + n * row_bytes, c);
-          if constexpr (Bits == 5) wv = _mm512_or_si512(wv, fifth_bits(w + n * row_bytes + kp / 2, c));
+          if constexpr (kPlanes) wv = _mm512_or_si512(wv, high_bits<Bits>(w + n * row_bytes + kp / 2, c));
           if constexpr (Bits == kIq4) wv = _mm512_shuffle_epi8(table, wv);
           for (int r = 0; r < Rows; ++r) dots[n][r] = madd(dots[n][r], wv, a + r * kp + c * kChunk);
         }
@@ -658,8 +665,8 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 CPU tensor [N, bytes]");
-  TORCH_CHECK(bits == 4 || bits == 8 || ((bits == 5 || bits == kIq4) && kNibbleForms),
-              "bits must be 4 or 8 (or 5 or -4, IQ4, built for AVX-512 VNNI)");
+  TORCH_CHECK(bits == 4 || bits == 8 || ((bits == 5 || bits == 6 || bits == kIq4) && kNibbleForms),
+              "bits must be 4 or 8 (or 5, 6 or -4, IQ4, built for AVX-512 VNNI)");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
   TORCH_CHECK(bits != kIq4 || group == 32, "IQ4 weights come in groups of 32");
   TORCH_CHECK(packed.size(1) * 8 % stored_bits(bits) == 0, "packed rows of ", packed.size(1),
@@ -715,15 +722,18 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
 
 template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
-  if (w.bits == 5 || w.bits == kIq4) {  // (quant_weight takes them only where the build runs them)
+  if (w.bits == 5 || w.bits == 6 || w.bits == kIq4) {  // (quant_weight takes them only where the build runs them)
 #if defined(QUANT_AVX512)
     if (w.bits == kIq4 && w.half) matmul_columns<kIq4, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else if (w.bits == kIq4) matmul_columns<kIq4, 32, float, T, R>(q, m, w, out, begin, end);  // (groups of 32)
+    else if (w.bits == 6 && w.half) matmul_columns<6, 32, at::Half, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 6 && w.group == 32) matmul_columns<6, 32, float, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 6) matmul_columns<6, 16, float, T, R>(q, m, w, out, begin, end);
     else if (w.half) matmul_columns<5, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else if (w.group == 32) matmul_columns<5, 32, float, T, R>(q, m, w, out, begin, end);
     else matmul_columns<5, 16, float, T, R>(q, m, w, out, begin, end);
 #else
-    TORCH_CHECK(false, "5-bit and IQ4 weights run on builds for AVX-512 VNNI only");
+    TORCH_CHECK(false, "5-bit, 6-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #endif
     return;
   }

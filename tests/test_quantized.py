@@ -69,12 +69,12 @@ def test_every_format_decodes_to_what_ggml_dequantises(kind):
 # The kernel's form each format runs in: (bits of q, inputs per scale and min).
 KERNEL_FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q4_K": (4, 32), "Q3_K": (4, 16), "Q2_K": (4, 16),
                 "Q5_0": (5, 32), "Q5_1": (5, 32), "Q5_K": (5, 32), "Q8_0": (8, 32), "IQ4_NL": (cpu_ops.IQ4, 32),
-                "IQ4_XS": (cpu_ops.IQ4, 32), "Q6_K": (8, 16)}
+                "IQ4_XS": (cpu_ops.IQ4, 32), "Q6_K": (6, 16)}
 
 
 def test_every_format_runs_in_its_narrowest_form_and_q_fits_it():
     """Each format's q in the fewest bits that hold it (Q3_K and Q2_K in 4, over groups of
-    16; the Q5 formats in 5; the IQ4 formats as 4-bit indices), every q within them; a q
+    16; the Q5 formats in 5, Q6_K in 6; the IQ4 formats as 4-bit indices), every q within them; a q
     wider than its form is refused, never packed cut."""
     assert set(KERNEL_FORMS) == set(FORMATS)
     for kind, form in KERNEL_FORMS.items():
@@ -210,11 +210,11 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("form", [5, cpu_ops.IQ4])
+@pytest.mark.parametrize("form", [5, 6, cpu_ops.IQ4])
 def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
-    """On a build for AVX-512 a Q5 weight is held in 5 bits (its low four as 4-bit q, then
-    a plane of fifth bits) and an IQ4 weight as its 4-bit indices into the IQ4 table;
-    elsewhere both as 8-bit q. The forms give the same outputs, bit for bit, through the
+    """On a build for AVX-512 a Q5 or Q6_K weight is held in 5 or 6 bits (its low four as
+    4-bit q, then planes of the higher bits) and an IQ4 weight as its 4-bit indices into
+    the IQ4 table; elsewhere as 8-bit q. The forms give the same outputs, bit for bit, through the
     integer kernel and the unpacked weight alike (AMX tiles where the CPU has them), at odd
     and even chunk counts; beside a part of another form the layer is held in the wider."""
     if form not in cpu_ops.weight_forms():
@@ -222,6 +222,8 @@ def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
     cases = {5: [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
                  [(0, random_weight("Q5_K", 24, 768, 3))],
                  [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]],
+             6: [[(0, random_weight("Q6_K", 24, 768, 1))], [(0, random_weight("Q6_K", 24, 1536, 2))],
+                 [(0, random_weight("Q6_K", 16, 512, 4)), (16, random_weight("Q5_0", 8, 512, 5))]],
              cpu_ops.IQ4: [[(0, random_weight("IQ4_NL", 24, 576, 1))], [(0, random_weight("IQ4_NL", 24, 1536, 2))],
                            [(0, random_weight("IQ4_XS", 24, 768, 3))],
                            [(0, random_weight("IQ4_XS", 16, 512, 4)), (16, random_weight("IQ4_NL", 8, 512, 5))]]}

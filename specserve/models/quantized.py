@@ -27,9 +27,10 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
   IQ4_XS  256 inputs: d:f16, 6-bit scales (2 bits in a u16, 4 in 4 bytes), 128 bytes of
         nibbles; 8 groups of 32: w = d·(sc − 32) · t[q]
 
-Q5 formats run as 5-bit q (0..31), Q3_K and Q2_K as 4-bit q (0..7, 0..3), the IQ4 formats
-as q = t[i] + 128 held as their 4-bit indices i (``cpu_ops.IQ4``), looked up in the kernel;
-where the kernels are not built for AVX-512 VNNI, the Q5 and IQ4 formats run as 8-bit q.
+Q5 formats run as 5-bit q (0..31), Q6_K as 6-bit q (0..63), Q3_K and Q2_K as 4-bit q (0..7,
+0..3), the IQ4 formats as q = t[i] + 128 held as their 4-bit indices i (``cpu_ops.IQ4``),
+looked up in the kernel; where the kernels are not built for AVX-512 VNNI, the Q5, Q6_K and
+IQ4 formats run as 8-bit q.
 Every value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ class GGUFWeight:
 
 @dataclass
 class Decoded:
-    """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5 or 8; or ``cpu_ops.IQ4``:
+    """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5, 6 or 8; or ``cpu_ops.IQ4``:
     q holds 4-bit indices into the IQ4 table), scale/min fp32 ``[rows, K / group]``."""
 
     q: np.ndarray
@@ -242,7 +243,7 @@ def _decode_q6_k(b: np.ndarray) -> tuple:
              (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
     q = np.stack(parts, axis=-2).reshape(*b.shape[:-1], 256)  # per half: 4 runs of 32 inputs
     scale = d[..., None] * sc
-    return q.astype(np.uint8), scale, -32.0 * scale, 8, 16
+    return q.astype(np.uint8), scale, -32.0 * scale, 6, 16
 
 
 # ggml type name -> (inputs per block, bytes per block, decoder)
@@ -318,8 +319,9 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's layout (``cpu_quant.cpp``): inputs padded with zero weights to a
     multiple of 64 and put in block order; 4-bit q two per byte, byte j of each 128
     (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j), IQ4's
-    indices likewise; 5-bit q as 4-bit, then a plane of their fifth bits, 8 bytes a chunk
-    (bit j: the chunk's j-th input in the order its bytes hold them); scales (and mins)
+    indices likewise; 5- and 6-bit q as 4-bit, then planes of their higher bits, 8 bytes a
+    chunk and bit, chunk by chunk (bit j: the chunk's j-th input in the order its bytes
+    hold them); scales (and mins)
     float16 where each is one exactly (groups of 32), else float32; where every min is one
     factor times its scale (``_min_factor``), that factor alone, 0-dim float32, for mins."""
     rows, k = decoded.q.shape
@@ -333,7 +335,7 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pad_groups = (kp - k) // decoded.group
     scale = np.pad(decoded.scale, ((0, 0), (0, pad_groups)))
     mins = np.pad(decoded.min, ((0, 0), (0, pad_groups)))
-    if bits in (4, 5):
+    if bits in (4, 5, 6):
         low = q & 0x0F
         pairs = kp // (2 * CHUNK)
         paired = low[:, :pairs * 2 * CHUNK].reshape(rows, pairs, 2, CHUNK)
@@ -341,9 +343,10 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if kp % (2 * CHUNK):  # an odd last chunk
             tail = low[:, pairs * 2 * CHUNK:]
             packed.append(tail[:, :32] | (tail[:, 32:] << 4))
-        if bits == 5:  # each chunk's inputs are in their bytes' order already
-            packed.append(np.packbits((q >> 4).reshape(rows, kp // CHUNK, CHUNK), axis=-1,
-                                      bitorder="little").reshape(rows, kp // 8))
+        if bits > 4:  # each chunk's inputs are in their bytes' order already
+            chunks = q.reshape(rows, kp // CHUNK, CHUNK)
+            planes = [np.packbits((chunks >> plane) & 1, axis=-1, bitorder="little") for plane in range(4, bits)]
+            packed.append(np.stack(planes, axis=2).reshape(rows, kp // 8 * (bits - 4)))
         q = np.concatenate(packed, axis=1)
     factor = _min_factor(scale, mins)
     if factor is not None:  # no mins read: the kernels take factor · scale, the same values
@@ -380,9 +383,9 @@ class QuantLinear(nn.Module):
     weight read per step, q plus a scale per group and a min where it is not a factor of
     the scale, instead of 16: the file's own for Q4_0, IQ4_NL, Q4_1, Q5_0, Q5_1 and Q8_0
     (4.5, 4.5, 5, 5.5, 6, 8.5: float16 scales, as the file has them), 5 for IQ4_XS, 6 for
-    Q4_K and Q3_K, 7 for Q5_K, 8 for Q2_K and 10 for Q6_K (float32, their scales being
-    products); the 5-bit and IQ4 formats 3-4 more where the kernels are not built for
-    AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
+    Q4_K and Q3_K, 7 for Q5_K and 8 for Q2_K and Q6_K (float32, their scales being
+    products); the 5-bit, 6-bit and IQ4 formats 2-4 more where the kernels are not built
+    for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
