@@ -80,8 +80,8 @@ IQ4 = -4
 @functools.cache
 def weight_forms() -> frozenset[int]:
     """The weight forms (``bits``) quantized layers take here (``cpu_quant.h``): 4 and 8 bits
-    everywhere; 5 bits (the 4-bit layout plus a plane of fifth bits) and ``IQ4`` where the
-    kernels are built for AVX-512 VNNI. Elsewhere those run as 8 bits."""
+    everywhere; 5 and 6 bits (the 4-bit layout plus planes of the higher bits) and ``IQ4``
+    where the kernels are built for AVX-512 VNNI. Elsewhere those run as 8 bits."""
     return frozenset(torch.ops.specserve_cpu.weight_forms()) if available() else frozenset()
 
 
@@ -160,9 +160,10 @@ def linear_invariant(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 def quant_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  bits: int, group: int, bias: torch.Tensor | None, dequant_rows: int = 0) -> torch.Tensor:
     """``x · Wᵀ + bias`` with W = scale · q + min held in ``bits`` bits per weight (or 4-bit
-    indices of q for ``IQ4``) and one scale and min per ``group`` inputs (``cpu_quant.cpp``: int16 activations per block of
-    32, VNNI integer dot products); ``scales`` and ``mins`` both float32, or both float16
-    with groups of 32. ``bias``: float32. The result has ``x``'s dtype. From
+    indices of q for ``IQ4``) and one scale and min per ``group`` inputs (``cpu_quant.cpp``:
+    int16 activations per block of 32, VNNI integer dot products); ``scales`` and ``mins``
+    both float32, or both float16 with groups of 32, or ``mins`` a 0-dim float32 factor f
+    (each min f · its scale). ``bias``: float32. The result has ``x``'s dtype. From
     ``dequant_rows`` rows on (0: never) W is unpacked, reusing each weight over the rows:
     onto AMX tiles for bf16 ``x`` where ``amx_tiles()``, else to ``x``'s dtype for ATen's GEMM."""
     return torch.ops.specserve_cpu.quant_linear(x, packed, scales, mins, bits, group, bias, dequant_rows)

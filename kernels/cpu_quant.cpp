@@ -146,7 +146,7 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
                    const S* scales, const S* mins, float min_factor, T* out) {
   const std::vector<int64_t> sizes = blocks(kp, group);
   const int64_t groups = kp / group, chunks = kp / kChunk;
-  TORCH_CHECK((bits != 5 && bits != 6 && bits != kIq4) || kNibbleForms,
+  TORCH_CHECK(!nibble_form(bits) || kNibbleForms,
               "5-bit, 6-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -383,8 +383,9 @@ at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
 }
 #endif
 
-// y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8 [N, Kp·bits/8],
-// ``scales``/``mins`` fp32 or fp16 [N, Kp/group]; ``bias`` fp32 or none. y has x's dtype. From
+// y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8
+// [N, Kp · stored_bits(bits) / 8], ``scales``/``mins`` fp32 or fp16 [N, Kp/group] (``mins``
+// or a 0-dim fp32 factor of the scales); ``bias`` fp32 or none. y has x's dtype. From
 // ``dequant_rows`` rows on (0: never), W is unpacked onto AMX tiles (bf16 x, where the build
 // and the OS allow them) or for a library GEMM (see the top).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,

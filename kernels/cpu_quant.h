@@ -2,7 +2,7 @@
 // and the integer dot-product kernels, shared by quant_linear (cpu_quant.cpp) and the fused
 // decoder layers (cpu_layer.cpp). Included once per source file: everything is internal.
 //
-// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4, 5 or 8 bits,
+// Linear layers over quantized weights on the CPU: y = x · Wᵀ with W kept in 4, 5, 6 or 8 bits,
 // as GGUF files hold it (Q4_0 … Q8_0, the K-quants, IQ4_NL and IQ4_XS:
 // specserve/models/quantized.py repacks each into the one form below, exactly).
 //
@@ -44,8 +44,9 @@
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
 //    group order (not reordered). Where every min is one factor f times its group's scale
 //    (Q4_0's −8, Q5_0's −16, Q8_0's and IQ4's −128, Q6_K's −32, Q3_K's −4), ``mins`` is f
-//    alone, a 0-dim float32, and no min is read: the kernels take min = f · scale, exact
-//    (f a power of two), as they take min · 1 from a per-group ``mins``.
+//    alone, a 0-dim float32, and no min is read: the kernels take min = f · scale in
+//    float32 (pack() keeps f only where that product is each stored min exactly), as they
+//    take min · 1 from a per-group ``mins``.
 // Every output element is summed in one fixed order (block by block, then the 16 lanes),
 // with rows and columns tiled only to share loads: a row's result does not depend on how
 // many rows share the call, so the layer is batch-invariant as it stands.
@@ -90,6 +91,7 @@ constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
 // the IQ4 table. Both need byte masks or shuffles that only the AVX-512 VNNI path has; other
 // builds run their q as 8 bits (``weight_forms``).
 constexpr int64_t kIq4 = -4;
+constexpr bool nibble_form(int64_t bits) { return bits == 5 || bits == 6 || bits == kIq4; }
 #if defined(QUANT_AVX512)
 constexpr bool kNibbleForms = true;
 #else
@@ -140,8 +142,8 @@ struct QuantizedRows {
 template <typename T>
 float as_float(T v) { return static_cast<float>(v); }
 
-// A weight's scales and mins are float32, or float16 where every one of them is exactly
-// a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), which reads fewer bytes per step.
+// A weight's scales (and per-group mins) are float32, or float16 where every one of them is
+// exactly a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), which reads fewer bytes per step.
 inline float scalar(float v) { return v; }
 inline float scalar(at::Half v) { return static_cast<float>(v); }
 
@@ -665,7 +667,7 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(),
               "packed must be a contiguous uint8 CPU tensor [N, bytes]");
-  TORCH_CHECK(bits == 4 || bits == 8 || ((bits == 5 || bits == 6 || bits == kIq4) && kNibbleForms),
+  TORCH_CHECK(bits == 4 || bits == 8 || (nibble_form(bits) && kNibbleForms),
               "bits must be 4 or 8 (or 5, 6 or -4, IQ4, built for AVX-512 VNNI)");
   TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
   TORCH_CHECK(bits != kIq4 || group == 32, "IQ4 weights come in groups of 32");
@@ -676,7 +678,8 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
   const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
   const bool factor = mins.dim() == 0;
-  TORCH_CHECK(!factor || mins.scalar_type() == at::kFloat, "mins as one factor must be a 0-dim float32");
+  TORCH_CHECK(!factor || (mins.scalar_type() == at::kFloat && mins.device().is_cpu()),
+              "mins as one factor must be a 0-dim float32 CPU tensor");
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK((factor && t == &mins) ||
                     (t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
@@ -684,7 +687,7 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
                 "scales and mins must be contiguous [N, Kp / group], both float32 or both float16 (or mins one "
                 "0-dim float32 factor of the scales)");
   return {packed.data_ptr<uint8_t>(), scales.data_ptr(), factor ? scales.data_ptr() : mins.data_ptr(),
-          factor ? mins.item<float>() : 1.f, bias, n, kp, packed.size(1), bits, group, half};
+          factor ? *mins.const_data_ptr<float>() : 1.f, bias, n, kp, packed.size(1), bits, group, half};
 }
 
 // Output columns begin … end - 1 of y [m, n] = x · Wᵀ (+ bias), x quantized in q, a span
@@ -722,7 +725,7 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
 
 template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
-  if (w.bits == 5 || w.bits == 6 || w.bits == kIq4) {  // (quant_weight takes them only where the build runs them)
+  if (nibble_form(w.bits)) {  // (quant_weight takes them only where the build runs them)
 #if defined(QUANT_AVX512)
     if (w.bits == kIq4 && w.half) matmul_columns<kIq4, 32, at::Half, T, R>(q, m, w, out, begin, end);
     else if (w.bits == kIq4) matmul_columns<kIq4, 32, float, T, R>(q, m, w, out, begin, end);  // (groups of 32)

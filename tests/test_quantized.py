@@ -5,6 +5,8 @@ permutation undone and agrees with transformers on the dequantised weights, and 
 default model runs from its own Q4_1 file."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from specserve.loader import ModelFiles, build_model, load_hf_config, quantized_
 from specserve.models.quantized import (
     DEQUANT_ROWS,
     FORMATS,
+    Decoded,
     GGUFWeight,
     QuantLinear,
     decode,
@@ -80,7 +83,7 @@ def test_every_format_runs_in_its_narrowest_form_and_q_fits_it():
     for kind, form in KERNEL_FORMS.items():
         decoded = decode(random_weight(kind, 16, WIDTHS[kind][-1]))
         assert (decoded.bits, decoded.group) == form, kind
-        assert int(decoded.q.max()) < 1 << abs(decoded.bits), kind
+        assert int(decoded.q.max()) < 1 << decoded.stored_bits, kind
     decoded = decode(random_weight("Q3_K", 4, 256))
     decoded.q[0, 0] = 16
     with pytest.raises(ValueError, match="wider than its 4 bits"):
@@ -210,6 +213,30 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 @needs_cpu_kernels
+@dataclass
+class _Given:
+    """A weight given in the kernel's form (as ``QuantLinear`` takes any with ``decoded()``)."""
+
+    form: Decoded
+    qtype: str = "given"
+
+    @property
+    def in_features(self) -> int:
+        return self.form.q.shape[1]
+
+    def decoded(self) -> Decoded:
+        return self.form
+
+
+def _random_decoded(rows: int, k: int, bits: int, group: int, seed: int) -> Decoded:
+    """Random q within ``bits``, float16-exact scales and per-group mins (groups of 32 then
+    hold float16)."""
+    rng = np.random.default_rng(seed)
+    scale = (rng.standard_normal((rows, k // group)) * 0.01).astype(np.float16).astype(np.float32)
+    mins = (rng.standard_normal((rows, k // group)) * 0.1).astype(np.float16).astype(np.float32)
+    return Decoded(rng.integers(0, 1 << bits, (rows, k), dtype=np.uint8), scale, mins, bits, group)
+
+
 @pytest.mark.parametrize("form", [5, 6, cpu_ops.IQ4])
 def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
     """On a build for AVX-512 a Q5 or Q6_K weight is held in 5 or 6 bits (its low four as
@@ -218,19 +245,22 @@ def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
     integer kernel and the unpacked weight alike (AMX tiles where the CPU has them), at odd
     and even chunk counts; beside a part of another form the layer is held in the wider."""
     if form not in cpu_ops.weight_forms():
-        pytest.skip("the kernels here are not built for AVX-512 VNNI: Q5 and IQ4 weights run as 8 bits")
+        pytest.skip("the kernels here are not built for AVX-512 VNNI: Q5, Q6_K and IQ4 weights run as 8 bits")
+    # No GGUF 6-bit weight has an odd chunk count or groups of 32: given ones cover those paths.
+    given = [[(0, _Given(_random_decoded(24, k, 6, group, seed)))] for seed, (k, group) in
+             enumerate(((576, 32), (640, 32), (576, 16), (832, 16)))]
     cases = {5: [[(0, random_weight("Q5_0", 24, 576, 1))], [(0, random_weight("Q5_1", 24, 1536, 2))],
                  [(0, random_weight("Q5_K", 24, 768, 3))],
                  [(0, random_weight("Q5_K", 16, 512, 4)), (16, random_weight("Q3_K", 8, 512, 5))]],
              6: [[(0, random_weight("Q6_K", 24, 768, 1))], [(0, random_weight("Q6_K", 24, 1536, 2))],
-                 [(0, random_weight("Q6_K", 16, 512, 4)), (16, random_weight("Q5_0", 8, 512, 5))]],
+                 [(0, random_weight("Q6_K", 16, 512, 4)), (16, random_weight("Q5_0", 8, 512, 5))], *given],
              cpu_ops.IQ4: [[(0, random_weight("IQ4_NL", 24, 576, 1))], [(0, random_weight("IQ4_NL", 24, 1536, 2))],
                            [(0, random_weight("IQ4_XS", 24, 768, 3))],
                            [(0, random_weight("IQ4_XS", 16, 512, 4)), (16, random_weight("IQ4_NL", 8, 512, 5))]]}
     for parts in cases[form]:
         k = parts[0][1].in_features
         narrow = QuantLinear(parts, k, 24, torch.randn(24))
-        assert narrow.bits == form and narrow.packed.shape[1] == abs(form) * (-(-k // 64) * 64) // 8
+        assert narrow.bits == form and narrow.packed.shape[1] == (4 if form == cpu_ops.IQ4 else form) * (-(-k // 64) * 64) // 8
         with monkeypatch.context() as patch:
             patch.setattr(cpu_ops, "weight_forms", lambda: frozenset({4, 8}))
             eight = QuantLinear(parts, k, 24, narrow.bias)
@@ -257,14 +287,17 @@ def test_scales_and_mins_are_held_in_the_fewest_bytes_that_keep_them():
     assert set(want) == set(FORMATS)
     for kind, (dtype, factor) in want.items():
         for k in WIDTHS[kind]:
-            layer = QuantLinear([(0, random_weight(kind, 40, k, seed=k))], k, 40, torch.randn(40))
+            weight = random_weight(kind, 40, k, seed=k)
+            layer = QuantLinear([(0, weight)], k, 40, torch.randn(40))
             assert layer.scales.dtype == dtype, (kind, k)
             if factor is None:
                 assert layer.mins.dtype == dtype and layer.mins.shape == layer.scales.shape, (kind, k)
-                mins = layer.mins.float()
             else:
                 assert layer.mins.dim() == 0 and layer.mins.item() == factor, (kind, k)
-                mins = layer.scales.float() * factor
+            # the reference: the decoded per-group mins themselves (padding groups weigh 0)
+            decoded_mins = decode(weight).min
+            padding = ((0, 0), (0, layer.scales.shape[1] - decoded_mins.shape[1]))
+            mins = torch.from_numpy(np.ascontiguousarray(np.pad(decoded_mins, padding)))
             for rows, dequant_rows in ((1, 0), (5, 0), (9, 4), (40, 16)):
                 x = torch.randn(rows, k).bfloat16()
                 args = (layer.packed, layer.scales, layer.mins, layer.bits, layer.group, layer.bias, dequant_rows)

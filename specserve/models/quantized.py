@@ -109,6 +109,11 @@ class Decoded:
         w.mul_(torch.from_numpy(self.scale)[..., None]).add_(torch.from_numpy(self.min)[..., None])
         return w.view(rows, k).numpy()
 
+    @property
+    def stored_bits(self) -> int:
+        """Bits a weight takes in the kernel's layout (an IQ4 index: 4)."""
+        return 4 if self.bits == cpu_ops.IQ4 else self.bits
+
     def widened(self) -> Decoded:
         """The same weight with q as 8-bit integers (IQ4's indices looked up): a form every
         build of the kernels runs."""
@@ -325,7 +330,7 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     float16 where each is one exactly (groups of 32), else float32; where every min is one
     factor times its scale (``_min_factor``), that factor alone, 0-dim float32, for mins."""
     rows, k = decoded.q.shape
-    bits = 4 if decoded.bits == cpu_ops.IQ4 else decoded.bits
+    bits = decoded.stored_bits
     if decoded.q.size and int(decoded.q.max()) >> bits:
         raise ValueError(f"a quantized weight's q is wider than its {bits} bits")
     kp = -(-k // CHUNK) * CHUNK
@@ -359,10 +364,10 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _min_factor(scale: np.ndarray, mins: np.ndarray) -> float | None:
-    """f where every min is f times its group's scale, as the kernels compute it (a float32
-    product): Q4_0's −8, Q5_0's −16, Q8_0's and the IQ4 formats' −128, Q6_K's −32, Q3_K's
-    −4. None where the mins are the format's own (Q4_1, Q5_1, the K-quants with mins) or
-    the parts of a layer differ."""
+    """f where every min is f times its group's scale exactly as the kernels compute it (a
+    float32 product), whatever f is: Q4_0's −8, Q5_0's −16, Q8_0's and the IQ4 formats'
+    −128, Q6_K's −32, Q3_K's −4. Else None (Q4_1's, Q5_1's and the K-quants' own mins, a
+    layer of parts whose factors differ)."""
     nonzero = np.flatnonzero(scale)
     if not nonzero.size:
         return None
