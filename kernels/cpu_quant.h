@@ -88,7 +88,7 @@ constexpr int64_t kABlock = 32;   // inputs per activation scale
 constexpr int64_t kLaneIn = 4;    // inputs per int32 lane (two int16 pairs)
 constexpr int64_t kTileRows = 4;  // rows sharing one unpacked weight vector
 // The forms beside 4 and 8 bits (``bits`` of a call): 5 and 6 bits, and 4-bit indices into
-// the IQ4 table. Both need byte masks or shuffles that only the AVX-512 VNNI path has; other
+// the IQ4 table. They need byte masks or shuffles that only the AVX-512 VNNI path has; other
 // builds run their q as 8 bits (``weight_forms``).
 constexpr int64_t kIq4 = -4;
 constexpr bool nibble_form(int64_t bits) { return bits == 5 || bits == 6 || bits == kIq4; }

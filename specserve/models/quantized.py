@@ -30,8 +30,8 @@ Formats (block layouts as ggml's ``ggml-common.h`` defines them):
 Q5 formats run as 5-bit q (0..31), Q6_K as 6-bit q (0..63), Q3_K and Q2_K as 4-bit q (0..7,
 0..3), the IQ4 formats as q = t[i] + 128 held as their 4-bit indices i (``cpu_ops.IQ4``),
 looked up in the kernel; where the kernels are not built for AVX-512 VNNI, the Q5, Q6_K and
-IQ4 formats run as 8-bit q.
-Every value exactly as ggml dequantises it (see ``QuantLinear`` for the bytes a step reads).
+IQ4 formats run as 8-bit q. Every value exactly as ggml dequantises it (see ``QuantLinear``
+for the bytes a step reads).
 """
 from __future__ import annotations
 
@@ -326,9 +326,9 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j), IQ4's
     indices likewise; 5- and 6-bit q as 4-bit, then planes of their higher bits, 8 bytes a
     chunk and bit, chunk by chunk (bit j: the chunk's j-th input in the order its bytes
-    hold them); scales (and mins)
-    float16 where each is one exactly (groups of 32), else float32; where every min is one
-    factor times its scale (``_min_factor``), that factor alone, 0-dim float32, for mins."""
+    hold them); scales (and mins) float16 where each is one exactly (groups of 32), else
+    float32; where every min is one factor times its scale (``_min_factor``), that factor
+    alone, 0-dim float32, for mins."""
     rows, k = decoded.q.shape
     bits = decoded.stored_bits
     if decoded.q.size and int(decoded.q.max()) >> bits:
