@@ -5,9 +5,8 @@
   activations come either in the model's dtype (W8A16) or in float8 with fp32 scales per
   row and group of ``AK`` inputs (W8A8: per token, AK ≥ K, or per token and 128-group as
   DeepSeek-V3 and Qwen3 FP8 checkpoints run), or in the model's dtype to be rounded to
-  float8 so (``quantize``: inside the product where its K tiles are the groups, else by
-  ``quantize_rows`` first). Each K tile lies inside one scale block, so a tile's dot
-  product is scaled once: ``acc += (a · b) · sa · sw``.
+  float8 so first (``quantize``, by ``quantize_rows``). Each K tile lies inside one scale
+  block, so a tile's dot product is scaled once: ``acc += (a · b) · sa · sw``.
 * ``int4_linear``: W in 4 bits, eight inputs per int32 in chunks of 128 inputs (``pack_int4``:
   input 128t + 16j + c in nibble j of the chunk's word c), with a scale and an integer
   zero point per row and group of ``G`` inputs (AWQ's and GPTQ's asymmetric form;
@@ -37,19 +36,6 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.fp8 import round_e4m3
-
-@triton.jit
-def _group_scale(amax):
-    """A dynamic float8 scale from a group's largest magnitude: that magnitude at 448."""
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
-
-
-@triton.jit
-def _e4m3_values(v, scale):
-    """fp32 ``v`` over ``scale``, saturated and rounded to float8 e4m3's values (as fp32):
-    torch's division, clamp and float8 cast."""
-    return round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
-
 
 @triton.jit
 def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
@@ -102,18 +88,16 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                      AK, BN, BK,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     QUANTIZE_X: tl.constexpr):
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """W8A8 at a decode or verify step's few rows: ``_fp8_kernel``'s sums, the weights on
     the product's left (outᵀ = W · xᵀ, a ``[BLOCK_N, BLOCK_M]`` tile). With x on the left
     a product has the rows' 16 as its M, which Hopper runs as mma.sync with the weights
     staged through shared memory; with W there M is the column tile, the shape of a wgmma
     (vLLM's CUTLASS FP8 GEMM swaps its operands at small M for the same reason; measured in
-    ``benchmarks/results/quant_gpu/swap_ab_2026-12-05``).
-
-    QUANTIZE_X: x comes in the model's dtype and each K tile, one input group (AK =
-    BLOCK_K), is rounded to float8 here by ``_group_scale`` and ``_e4m3_values``, as
-    ``_quantize_kernel`` rounds it, which saves that launch."""
+    ``benchmarks/results/quant_gpu/swap_ab_2026-12-05``). Its inputs come rounded to float8
+    (``quantize_rows``): rounding each K tile here instead, in every program, puts a
+    reduction and a division per input inside the streaming loop, and measured far slower
+    (``benchmarks/results/quant_gpu/fused_rounding_2026-12-05``)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -127,14 +111,7 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K
                     mask=n_valid[:, None] & k_valid[None, :], other=0.0)      # [BLOCK_N, BLOCK_K]
         xt = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None],
                      mask=m_valid[None, :] & k_valid[:, None], other=0.0)     # [BLOCK_K, BLOCK_M]
-        if QUANTIZE_X:
-            xf = xt.to(tl.float32)
-            xs = _group_scale(tl.max(tl.abs(xf), axis=0))
-            xt = _e4m3_values(xf, xs[None, :])
-            if not UPCAST:
-                xt = xt.to(tl.float8e4nv)
-        else:
-            xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
+        xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
         if UPCAST:  # (the interpreter: fp32 holds float8 products exactly)
             part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:
@@ -296,11 +273,11 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GR
         for k0 in range(start, stop, BLOCK):
             v = tl.load(x_ptr + row * stride_xm + k0 + r, mask=(k0 + r) < stop, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = _group_scale(tl.max(amax, axis=0))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), 1e-12)
         tl.store(s_ptr + row * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, stop, BLOCK):
         v = tl.load(x_ptr + row * stride_xm + k0 + r, mask=(k0 + r) < stop, other=0.0).to(tl.float32)
-        q = _e4m3_values(v, scale)
+        q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0))
         tl.store(q_ptr + row * stride_qm + k0 + r, q.to(q_ptr.dtype.element_ty), mask=(k0 + r) < stop)
 
 
@@ -442,8 +419,7 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
     dtype with ``x_scale`` None) · ``weight`` ``[N, K]`` float8, scaled by ``weight_scale``
     ``[N / block[0], K / block[1]]`` (ceil). Scale groups of K must be whole K tiles.
     ``quantize``: x in the model's dtype is first rounded to float8 per row and group of
-    ``act_group`` inputs (W8A8 with dynamic scales, ``quantize_rows``' values), inside the
-    product where its groups are its K tiles (a decode or verify step's few rows)."""
+    ``act_group`` inputs (W8A8 with dynamic scales, ``quantize_rows``)."""
     if quantize and x_scale is not None:
         raise ValueError("fp8_linear: inputs already in float8 (x_scale given) cannot be quantized again")
     n, k = weight.shape
@@ -454,10 +430,7 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
     # Unless a row must not depend on its batch: one row of W8A16 (a decode step) runs without
     # tensor cores, and a decode or verify step's few rows of W8A8 with the weights on the left.
     few = x.numel() <= FEW_ROWS * k and not invariant
-    if few and scaled:
-        tiles = tiles or plan(True, "w8a8", n, k, step, x.device)
-    in_product = quantize and few and act_group == tiles.block_k
-    if quantize and not in_product:
+    if quantize:
         x, x_scale = quantize_rows(x.reshape(-1, k), act_group)
     xs = x_scale if x_scale is not None else weight_scale
 
@@ -470,7 +443,7 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
         one_row = few and x.numel() == k
         kernel, kind, constants = (_fp8_row_kernel, "w8a16_row", {}) if one_row else (_fp8_kernel, "w8a16", {"A_FP8": False})
     elif few:
-        kernel, kind, constants = _fp8_left_kernel, "w8a8", {"QUANTIZE_X": in_product}
+        kernel, kind, constants = _fp8_left_kernel, "w8a8", {}
     else:
         kernel, kind, constants = _fp8_kernel, "w8a8", {"A_FP8": True}
     out = _launch(kernel, kind, x, n, k, step, out_dtype, args, lambda t: constants, bias, invariant, tiles)

@@ -299,8 +299,7 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores),
     up to 16 rows of W8A8 through the kernel with the weights on the left. W8A8 inputs
     given in their float dtype (``quantize``) give the same outputs bit for bit, rounded to
-    float8 inside the product where its K tiles are the input groups, else by a launch of
-    their own (``quantize_rows``)."""
+    float8 by a launch of their own (``quantize_rows``)."""
     from specserve.kernels import quant_matmul
 
     one_row = Launches(quant_matmul._fp8_row_kernel)
@@ -309,7 +308,6 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     monkeypatch.setattr(quant_matmul, "_fp8_row_kernel", one_row)
     monkeypatch.setattr(quant_matmul, "_fp8_left_kernel", left)
     monkeypatch.setattr(quant_matmul, "_quantize_kernel", quantizer)
-    in_product = 0
     g = torch.Generator().manual_seed(2)
     for n, k in SHAPES:
         if activations == "group" and k % block[1]:
@@ -343,14 +341,8 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
                                                 None if bias is None else bias.to(DEVICE, dtype), dtype,
                                                 tiles=tiles, quantize=True)
                 assert torch.equal(fused, got), (n, k, rows)
-                step = quant_matmul._k_step(k, bk, act_group)
-                k_tile = (tiles or quant_matmul.plan(True, "w8a8", n, k, step, DEVICE)).block_k
-                expected = rows <= quant_matmul.FEW_ROWS and k_tile == act_group
-                assert quantizer.count == (not expected) and left.count == (rows <= quant_matmul.FEW_ROWS), rows
-                in_product += expected
+                assert quantizer.count == 1 and left.count == (rows <= quant_matmul.FEW_ROWS), rows
             one_row.count = left.count = quantizer.count = 0
-    if activations == "group":  # the planned or given K tiles are the groups
-        assert in_product > 0
 
 
 def _quantize_groups(x: torch.Tensor, group: int):
@@ -454,11 +446,9 @@ def compile(fn, pointers, constants, num_warps=4, num_stages=3):
 
 tiles = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=128, UPCAST=False, IEEE=False)
 fp8 = dict(xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32")
-# W8A8's few rows, float8 inputs given or rounded in the product: the weights on the left, as wgmma
-for x, quantize in (("fp8e4nv", False), ("bf16", True), ("fp32", True)):
-    ptx = compile(qm._fp8_left_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=64, QUANTIZE_X=quantize),
-                  num_stages=4).asm["ptx"]
-    assert "wgmma.mma_async" in ptx, (x, quantize)
+# W8A8's few rows: the weights on the left, as wgmma
+ptx = compile(qm._fp8_left_kernel, dict(fp8, x_ptr="*fp8e4nv"), dict(tiles, BLOCK_N=64), num_stages=4).asm["ptx"]
+assert "wgmma.mma_async" in ptx
 for x, a_fp8 in (("fp8e4nv", True), ("bf16", False)):
     compile(qm._fp8_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=128, A_FP8=a_fp8))
 compile(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64))
@@ -476,8 +466,8 @@ print("compiled")
 @pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for real")
 def test_the_quantized_gemms_compile_for_hopper():
     """Every Triton kernel of ``quant_matmul`` compiles for sm_90 (what the interpreter
-    cannot tell), and W8A8's few-row kernel, its inputs given in float8 or rounded in the
-    product, multiplies with wgmma (the point of putting the weights on the left)."""
+    cannot tell), and W8A8's few-row kernel multiplies with wgmma (the point of putting the
+    weights on the left)."""
     from sm90_compile import compiles_for_sm90
 
     compiles_for_sm90(COMPILE_FOR_SM90)

@@ -446,7 +446,7 @@ class Fp8Linear(nn.Module):
 
     def _matmul(self, x, xq, x_scale, start: int, stop: int, quantize: bool = False) -> torch.Tensor:
         """``quantize``: ``xq`` is ``x``, to be rounded to float8 per token (and group) here,
-        or on CUDA by ``quant_matmul.fp8_linear`` (inside its product where it can)."""
+        or on CUDA by ``quant_matmul.fp8_linear`` (a Triton launch before its product)."""
         bias = None if self.bias is None else self.bias[start:stop]
         weight, scale = self.weight, self.weight_scale
         if (start, stop) != (0, self.out_features):  # a part's rows (static scales: scales per row)
