@@ -285,7 +285,11 @@ def quantize_rows(x2: torch.Tensor, group: int, static: float | None = None) -> 
     """``x2`` ``[M, K]`` to float8 in one launch: per row and group of ``group`` inputs
     (``group`` ≥ K: per row) scaled to a largest magnitude of 448, with the fp32 scales
     ``[M, ⌈K / group⌉]``; or with the one ``static`` scale (returned ``[1, 1]``). The
-    same values as torch's division, clamp and float8 cast (on an H200 a −0 came out +0)."""
+    same values as torch's division, clamp and float8 cast (on an H200 a −0 came out +0).
+    The kernel steps along a row one input at a time: a row that is not contiguous is
+    copied first."""
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     m, k = x2.shape
     group = min(group, k)
     groups = triton.cdiv(k, group)

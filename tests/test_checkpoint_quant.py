@@ -298,8 +298,9 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     tiles planned for the shape and rows, and with K split among programs whose partial
     sums are added after. One row of W8A16 goes through the one-row kernel (no tensor cores),
     up to 16 rows of W8A8 through the kernel with the weights on the left. W8A8 inputs
-    given in their float dtype (``quantize``) give the same outputs bit for bit, rounded to
-    float8 by a launch of their own (``quantize_rows``)."""
+    given in their float dtype (``quantize``; here with a leading dimension and strided
+    rows) give the same outputs bit for bit, rounded to float8 by a launch of their own
+    (``quantize_rows``)."""
     from specserve.kernels import quant_matmul
 
     one_row = Launches(quant_matmul._fp8_row_kernel)
@@ -336,11 +337,12 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
             assert left.count == (rows <= quant_matmul.FEW_ROWS and activations is not None), rows  # W8A8 only
             if activations is not None:
                 left.count = 0
-                fused = quant_matmul.fp8_linear(x.to(DEVICE), None, act_group, weight.values.to(DEVICE),
-                                                weight.scale.to(DEVICE), (block[0], bk),
-                                                None if bias is None else bias.to(DEVICE, dtype), dtype,
-                                                tiles=tiles, quantize=True)
-                assert torch.equal(fused, got), (n, k, rows)
+                given = x.to(DEVICE).t().contiguous().t()[None]  # [1, rows, K], its rows' inputs strided
+                quantized = quant_matmul.fp8_linear(given, None, act_group, weight.values.to(DEVICE),
+                                                    weight.scale.to(DEVICE), (block[0], bk),
+                                                    None if bias is None else bias.to(DEVICE, dtype), dtype,
+                                                    tiles=tiles, quantize=True)
+                assert quantized.shape == (1, rows, n) and torch.equal(quantized[0], got), (n, k, rows)
                 assert quantizer.count == 1 and left.count == (rows <= quant_matmul.FEW_ROWS), rows
             one_row.count = left.count = quantizer.count = 0
 
