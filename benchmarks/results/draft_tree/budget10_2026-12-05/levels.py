@@ -3,7 +3,7 @@ import runpy
 import sys
 
 levels, expand = int(sys.argv[1]), int(sys.argv[2])
-from specserve.spec import tree  # noqa: E402
+from specserve.spec import tree
 
 defaults = list(tree.DraftTrees.__init__.__defaults__)
 defaults[0], defaults[1] = levels, expand

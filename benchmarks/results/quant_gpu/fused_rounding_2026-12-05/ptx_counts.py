@@ -20,13 +20,13 @@ def compile(fn, pointers, constants, num_warps=4, num_stages=4):
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-tiles = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=False, IEEE=False)
-fp8 = dict(xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32")
+tiles = {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "UPCAST": False, "IEEE": False}
+fp8 = {"xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*fp32"}
 print("triton", triton.__version__)
 for x, quantize in (("fp8e4nv", False), ("bf16", True)):
-    ptx = compile(qm._fp8_left_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, QUANTIZE_X=quantize)).asm["ptx"]
+    ptx = compile(qm._fp8_left_kernel, {**fp8, "x_ptr": "*" + x}, {**tiles, "QUANTIZE_X": quantize}).asm["ptx"]
     print(f"x {x}, rounded in the product {quantize}: {ptx.count(chr(10))} PTX lines, "
           f"{ptx.count('shfl')} shfl, {ptx.count('div.rn')} div.rn, {ptx.count('wgmma.mma_async')} wgmma.mma_async")
