@@ -212,7 +212,6 @@ def test_a_row_does_not_depend_on_its_batch():
             assert torch.equal(batched, alone), (kind, rows)
 
 
-@needs_cpu_kernels
 @dataclass
 class _Given:
     """A weight given in the kernel's form (as ``QuantLinear`` takes any with ``decoded()``)."""
@@ -237,6 +236,7 @@ def _random_decoded(rows: int, k: int, bits: int, group: int, seed: int) -> Deco
     return Decoded(rng.integers(0, 1 << bits, (rows, k), dtype=np.uint8), scale, mins, bits, group)
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("form", [5, 6, cpu_ops.IQ4])
 def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
     """On a build for AVX-512 a Q5 or Q6_K weight is held in 5 or 6 bits (its low four as
