@@ -85,6 +85,14 @@ def weight_forms() -> frozenset[int]:
     return frozenset(torch.ops.specserve_cpu.weight_forms()) if available() else frozenset()
 
 
+@functools.cache
+def two_level_scales() -> bool:
+    """Whether quantized layers take two-level scales here (``cpu_quant.h``: ``Sub8``, an int8
+    a group and a float32 factor a super-block of 256 inputs, the K-quants' and IQ4_XS's
+    own structure): where the kernels are built for AVX-512 VNNI."""
+    return available() and bool(torch.ops.specserve_cpu.two_level_scales())
+
+
 @contextlib.contextmanager
 def _building(build_dir: Path):
     """Hold an OS lock on ``build_dir`` while torch's loader builds and loads there.

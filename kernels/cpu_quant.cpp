@@ -92,10 +92,11 @@ inline void unpack_row(const uint8_t* row, const S* scales, const S* mins, float
     return nibbles;
   };
   int64_t c = 0, g0 = 0;
+  const int64_t groups = chunks * kChunk / group;
   for (const int64_t size : sizes) {
     const int64_t count = size * kChunk / group;  // groups in this block
-    const __m512 ls = per_lane(scales + g0, count);
-    const __m512 lm = _mm512_mul_ps(per_lane(mins + g0, count), _mm512_set1_ps(min_factor));
+    const __m512 ls = lane_values(scales, g0, count, groups, group);
+    const __m512 lm = _mm512_mul_ps(lane_values(mins, g0, count, groups, group), _mm512_set1_ps(min_factor));
     __m512 sv[4], mv[4];  // a chunk's outputs 16h … 16h + 15 are lanes 4h … 4h + 3
     for (int h = 0; h < 4; ++h) {
       const __m512i lanes = _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * h),
@@ -149,9 +150,10 @@ void unpack_weight(int64_t n, int64_t kp, int64_t group, int64_t bits, const uin
   TORCH_CHECK(!nibble_form(bits) || kNibbleForms,
               "5-bit, 6-bit and IQ4 weights run on builds for AVX-512 VNNI only");
 #if defined(QUANT_AVX512)
+  const int64_t stride = scale_row<S>(groups, group);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      unpack_row(packed + r * row_bytes, scales + r * groups, mins + r * groups, min_factor, sizes, chunks, group,
+      unpack_row(packed + r * row_bytes, scales + r * stride, mins + r * stride, min_factor, sizes, chunks, group,
                  bits, out + r * kp, 32);
   });
 #else
@@ -267,7 +269,7 @@ constexpr int64_t kTileStride = 16 * kTileK + 32;
 template <typename S>
 at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
   const int64_t m = x.size(0), k = x.size(1), n = wt.n, kp = wt.kp, group = wt.group, bits = wt.bits;
-  const int64_t steps = kp / kTileK, blocks_m = (m + 15) / 16, groups = kp / group;
+  const int64_t steps = kp / kTileK, blocks_m = (m + 15) / 16, stride = scale_row<S>(kp / group, group);
   // x's columns in the packed order (zeros at the padding inputs), then as B tiles:
   // [block of 16 rows][step][pair j][row i] = inputs 2j, 2j + 1 of the step, of row i.
   const std::vector<int64_t> position = block_positions(kp, group);
@@ -317,7 +319,7 @@ at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
           const uint8_t* next = wt.packed + (n0 + span + r) * wt.row_bytes;
           for (int64_t byte = 0; byte < wt.row_bytes; byte += 64) __builtin_prefetch(next + byte, 0, 2);
         }
-        unpack_row(wt.packed + (n0 + r) * wt.row_bytes, scales + (n0 + r) * groups, mins + (n0 + r) * groups,
+        unpack_row(wt.packed + (n0 + r) * wt.row_bytes, scales + (n0 + r) * stride, mins + (n0 + r) * stride,
                    wt.min_factor, sizes, chunks, group, bits, tile_a(0, r / 16) + (r % 16) * kTileK, kTileStride);
       }
       for (int64_t r = rows; r < span; ++r)  // the last rows' missing rows weigh 0
@@ -410,7 +412,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   shape.back() = n;
 #if defined(QUANT_AMX)
   if (dequant_rows > 0 && m >= dequant_rows && x.scalar_type() == at::kBFloat16 && amx_ready()) {
-    const at::Tensor y = half ? amx_linear<at::Half>(x, wt) : amx_linear<float>(x, wt);
+    const at::Tensor y = half ? amx_linear<at::Half>(x, wt) : wt.two_level ? amx_linear<Sub8>(x, wt)
+                                                                            : amx_linear<float>(x, wt);
     return y.view(shape);
   }
 #endif
@@ -424,7 +427,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
     const std::vector<int64_t> position = block_positions(kp, group);
     const at::Tensor index = at::tensor(at::ArrayRef<int64_t>(position.data(), k), at::kLong);
     const at::Tensor xb = at::zeros({m, kp}, x.options()).index_copy_(1, index, x);
-    const int64_t groups = kp / group, row_bytes = packed.size(1);
+    const int64_t row_bytes = packed.size(1);
     const int64_t slice = std::min(n, std::max<int64_t>(64, kUnpackBytes / (kp * x.element_size()) / 64 * 64));
     at::Tensor w = at::empty({slice, kp}, x.options());
     const at::Tensor b = bias ? bias_in->to(x.scalar_type()) : at::Tensor();
@@ -433,15 +436,20 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
       const int64_t cols = std::min(slice, n - n0);
       auto unpack = [&](auto* sc, auto* mn) {
         const uint8_t* p = packed.data_ptr<uint8_t>() + n0 * row_bytes;
+        const int64_t stride = scale_row<std::remove_cv_t<std::remove_pointer_t<decltype(sc)>>>(kp / group, group);
         if (x.scalar_type() == at::kFloat)
-          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, wt.min_factor,
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * stride, mn + n0 * stride, wt.min_factor,
                         w.data_ptr<float>());
         else
-          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * groups, mn + n0 * groups, wt.min_factor,
+          unpack_weight(cols, kp, group, bits, p, row_bytes, sc + n0 * stride, mn + n0 * stride, wt.min_factor,
                         w.data_ptr<at::BFloat16>());
       };
       if (half)
         unpack(static_cast<const at::Half*>(wt.scales), static_cast<const at::Half*>(wt.mins));
+#if defined(QUANT_AVX512)
+      else if (wt.two_level)
+        unpack(static_cast<const Sub8*>(wt.scales), static_cast<const Sub8*>(wt.mins));
+#endif
       else
         unpack(static_cast<const float*>(wt.scales), static_cast<const float*>(wt.mins));
       const at::Tensor ws = w.narrow(0, 0, cols);
@@ -478,6 +486,9 @@ bool amx_tiles() {
 #endif
 }
 
+// Whether quant_linear and the fused layers take two-level (uint8) scales in this build.
+bool two_level_scales() { return kTwoLevelScales; }
+
 // The forms (``bits``) quant_linear and the fused layers take in this build.
 std::vector<int64_t> weight_forms() {
   std::vector<int64_t> forms = {4, 8};
@@ -488,6 +499,7 @@ std::vector<int64_t> weight_forms() {
 TORCH_LIBRARY_FRAGMENT(specserve_cpu, m) {
   m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("weight_forms() -> int[]", &weight_forms);
+  m.def("two_level_scales() -> bool", &two_level_scales);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int bits, int group, "
         "Tensor? bias, int dequant_rows=0) -> Tensor");
 }

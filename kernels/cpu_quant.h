@@ -42,7 +42,12 @@
 //    j, 32 + j).
 //  - IQ4 (AVX-512 VNNI builds): the 4-bit layout of the indices.
 //  - scales, mins: [N, Kp/G] fp32 (or fp16, where every value is one exactly and G = 32), in
-//    group order (not reordered). Where every min is one factor f times its group's scale
+//    group order (not reordered). Or two-level (``Sub8``, AVX-512 VNNI builds, Kp a multiple
+//    of 256): where every value is a float32 factor of its super-block of 256 inputs times
+//    a small integer of its group (the K-quants' d · sc and dmin · m, IQ4_XS's d · (ls −
+//    32)), a row is its groups' integers as int8, then its super-blocks' factors as
+//    float32 (4 bytes each, unaligned): [N, Kp/G + 4 · Kp/256] bytes, where fp32 took 4
+//    bytes a group. Q4_K then reads 4.75 bits a weight, not 6; Q6_K 6.625, not 8. Where every min is one factor f times its group's scale
 //    (Q4_0's −8, Q5_0's −16, Q8_0's and IQ4's −128, Q6_K's −32, Q3_K's −4), ``mins`` is f
 //    alone, a 0-dim float32, and no min is read: the kernels take min = f · scale in
 //    float32 (pack() keeps f only where that product is each stored min exactly), as they
@@ -146,6 +151,23 @@ float as_float(T v) { return static_cast<float>(v); }
 // exactly a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), which reads fewer bytes per step.
 inline float scalar(float v) { return v; }
 inline float scalar(at::Half v) { return static_cast<float>(v); }
+
+// A two-level scale's (or min's) per-group integer (the form above); its super-block's
+// factor sits after the row's integers.
+struct Sub8 {
+  int8_t v;
+};
+template <typename S>
+constexpr bool kTwoLevel = std::is_same_v<S, Sub8>;
+constexpr int64_t kSuperBlock = 256;  // inputs a two-level factor covers
+
+// Entries of S a row of scales (or mins) takes: one a group, and for two-level ones 4 bytes
+// a super-block after them.
+template <typename S>
+constexpr int64_t scale_row(int64_t groups, int64_t group) {
+  if constexpr (kTwoLevel<S>) return groups + 4 * (groups * group / kSuperBlock);
+  else return groups;
+}
 
 #if defined(QUANT_AVX512)
 // 16 activations from p on, as float32.
@@ -279,21 +301,51 @@ inline __m512 load16(const at::Half* p, int64_t count) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << count) - 1), p));
 }
 
+// Groups g0 … g0 + count − 1 of a row of scales or mins as float32, lane l holding group
+// g0 + l (0 from lane ``count`` on); ``groups`` and ``group``: the row's (two-level rows
+// read their factors after their integers). A two-level value is factor · integer, the
+// float32 product the fp32 form holds.
 template <typename S>
-inline __m512 per_lane(const S* p, int64_t count) {
-  const __m512 v = load16(p, count);
+inline __m512 group_values(const S* row, int64_t g0, int64_t count, int64_t /*groups*/, int64_t /*group*/) {
+  return load16(row + g0, count);
+}
+inline __m512 group_values(const Sub8* row, int64_t g0, int64_t count, int64_t groups, int64_t group) {
+  const __mmask16 valid = __mmask16((1u << count) - 1);
+  const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(valid, row + g0)));
+  const uint8_t* factors = reinterpret_cast<const uint8_t*>(row) + groups;
+  const int64_t per = kSuperBlock / group, first = g0 / per;  // (a block never starts inside a super-block's groups)
+  float f[2];
+  std::memcpy(f, factors + 4 * first, count > per ? 8 : 4);
+  __m512 factor = _mm512_set1_ps(f[0]);
+  if (count > per) factor = _mm512_mask_blend_ps(__mmask16(0xFFFFu << per), factor, _mm512_set1_ps(f[1]));
+  return _mm512_mul_ps(sub, factor);
+}
+
+// Lane l takes the value of group l / (16 / count) (a block of ``count`` groups over 16 lanes).
+inline __m512 spread(__m512 v, int64_t count) {
   if (count == 16) return v;
-  // lane l takes group l / (16 / count): a shift, counts being powers of two
+  // a shift, counts being powers of two
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int shift = __builtin_ctzll(static_cast<uint64_t>(16 / count));
   return _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, static_cast<unsigned>(shift)), v);
+}
+
+template <typename S>
+inline __m512 per_lane(const S* p, int64_t count) {
+  return spread(load16(p, count), count);
+}
+
+// A block's per-lane scales or mins from a row of them (``group_values`` spread).
+template <typename S>
+inline __m512 lane_values(const S* row, int64_t g0, int64_t count, int64_t groups, int64_t group) {
+  return spread(group_values(row, g0, count, groups, group), count);
 }
 
 // Cols weight rows × Rows activation rows, one accumulator each.
 template <int Rows, int Cols, int Bits, int G, typename S>
 inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wm, float mf, const QuantizedRows& q,
                      int64_t r0, float* out /* [Rows][Cols] */) {
-  const int64_t kp = q.kp, groups = kp / G;
+  const int64_t kp = q.kp, groups = kp / G, stride = scale_row<S>(groups, G);
   const __m512 min_factor = _mm512_set1_ps(mf);
   __m512 acc[Cols][Rows];
   for (int n = 0; n < Cols; ++n)
@@ -347,14 +399,19 @@ inline void dot_tile(const uint8_t* w, int64_t row_bytes, const S* ws, const S* 
         }
     }
     const __mmask16 valid = __mmask16((1u << count) - 1);
+    __m512 wscale[Cols], wmin[Cols];  // the columns' per-lane scales and per-group mins
+    for (int n = 0; n < Cols; ++n) {
+      wscale[n] = lane_values(ws + n * stride, g0, count, groups, G);
+      wmin[n] = _mm512_mul_ps(group_values(wm + n * stride, g0, count, groups, G), min_factor);
+    }
     for (int r = 0; r < Rows; ++r) {
       const __m512 d = per_lane(q.group_scale.data() + (r0 + r) * groups + g0, count);
       const __m512 sums = _mm512_maskz_loadu_ps(valid, q.group_sum.data() + (r0 + r) * groups + g0);
       for (int n = 0; n < Cols; ++n) {
-        const __m512 scale = _mm512_mul_ps(per_lane(ws + n * groups + g0, count), d);
+        const __m512 scale = _mm512_mul_ps(wscale[n], d);
         acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[n][r]), scale, acc[n][r]);
         // the min term, once per group: Σ min · d·Σa
-        acc[n][r] = _mm512_fmadd_ps(_mm512_mul_ps(load16(wm + n * groups + g0, count), min_factor), sums, acc[n][r]);
+        acc[n][r] = _mm512_fmadd_ps(wmin[n], sums, acc[n][r]);
       }
     }
     g0 += count;
@@ -622,7 +679,7 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, co
               const QuantizedRows& q, int64_t r0, float* out, bool prefetch, int64_t left) {
   constexpr int kCols = tile_cols<Rows>();
   float tile[Rows * kCols];
-  const int64_t groups = q.kp / G;
+  const int64_t stride = scale_row<S>(q.kp / G, G);
   for (int64_t n0 = 0; n0 < cols; n0 += kCols) {
     if (prefetch && n0 + kPrefetchCols + kCols <= left) {
       const uint8_t* ahead = w + (n0 + kPrefetchCols) * row_bytes;
@@ -630,13 +687,13 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, co
     }
     const int64_t width = std::min<int64_t>(kCols, cols - n0);
     if (width == kCols) {
-      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * groups, wm + n0 * groups, mf, q, r0,
+      dot_tile<Rows, kCols, Bits, G, S>(w + n0 * row_bytes, row_bytes, ws + n0 * stride, wm + n0 * stride, mf, q, r0,
                                         tile);
       for (int r = 0; r < Rows; ++r)
         for (int n = 0; n < kCols; ++n) out[r * cols + n0 + n] = tile[r * kCols + n];
     } else {
       for (int64_t n = n0; n < cols; ++n) {
-        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * groups, wm + n * groups, mf, q, r0, tile);
+        dot_tile<Rows, 1, Bits, G, S>(w + n * row_bytes, row_bytes, ws + n * stride, wm + n * stride, mf, q, r0, tile);
         for (int r = 0; r < Rows; ++r) out[r * cols + n] = tile[r];
       }
     }
@@ -647,8 +704,9 @@ void dot_rows(int64_t cols, const uint8_t* w, int64_t row_bytes, const S* ws, co
 constexpr int64_t kSpan = 16;
 
 // A weight in the form above, as a call reads it: ``scales`` and ``mins`` float32, or
-// float16 (``half``, groups of 32), each min ``min_factor`` times its ``mins`` entry (1: the
-// mins as they are; or ``mins`` is ``scales`` and the factor f); ``bias`` float32 or null.
+// float16 (``half``, groups of 32), or two-level (``two_level``: Sub8 rows), each min
+// ``min_factor`` times its ``mins`` entry (1: the mins as they are; or ``mins`` is
+// ``scales`` and the factor f); ``bias`` float32 or null.
 struct QuantWeight {
   const uint8_t* packed;
   const void* scales;
@@ -656,9 +714,12 @@ struct QuantWeight {
   float min_factor;
   const float* bias;
   int64_t n, kp, row_bytes, bits, group;
-  bool half;
+  bool half, two_level;
   int64_t spans() const { return (n + kSpan - 1) / kSpan; }
 };
+
+// Whether this build takes two-level scales (``Sub8``): its AVX-512 VNNI kernels read them.
+constexpr bool kTwoLevelScales = kNibbleForms;
 
 // A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · stored_bits(bits) / 8], ``scales``
 // and ``mins`` [N, Kp / group], or ``mins`` a 0-dim float32 factor) and read as a QuantWeight.
@@ -675,19 +736,24 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
               " bytes hold no whole ", stored_bits(bits), "-bit row");
   const int64_t n = packed.size(0), kp = packed.size(1) * 8 / stored_bits(bits);
   TORCH_CHECK(kp % kChunk == 0 && k <= kp && kp - k < kChunk, "x has ", k, " features, the weight ", kp, " (padded)");
-  const bool half = scales.scalar_type() == at::kHalf;
+  const bool half = scales.scalar_type() == at::kHalf, two_level = scales.scalar_type() == at::kByte;
   TORCH_CHECK(!half || group == 32, "float16 scales come with groups of 32");
+  TORCH_CHECK(!two_level || (kTwoLevelScales && kp % kSuperBlock == 0),
+              "two-level (uint8) scales need a build for AVX-512 VNNI and inputs in whole super-blocks of 256");
+  const at::ScalarType dtype = half ? at::kHalf : two_level ? at::kByte : at::kFloat;
+  const int64_t row = two_level ? scale_row<Sub8>(kp / group, group) : kp / group;
   const bool factor = mins.dim() == 0;
   TORCH_CHECK(!factor || (mins.scalar_type() == at::kFloat && mins.device().is_cpu()),
               "mins as one factor must be a 0-dim float32 CPU tensor");
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK((factor && t == &mins) ||
-                    (t->scalar_type() == (half ? at::kHalf : at::kFloat) && t->is_contiguous() && t->dim() == 2 &&
-                     t->size(0) == n && t->size(1) == kp / group),
-                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16 (or mins one "
-                "0-dim float32 factor of the scales)");
+                    (t->scalar_type() == dtype && t->is_contiguous() && t->dim() == 2 && t->size(0) == n &&
+                     t->size(1) == row),
+                "scales and mins must be contiguous [N, Kp / group], both float32 or both float16, or both "
+                "two-level uint8 [N, Kp / group + 4 Kp / 256] (or mins one 0-dim float32 factor of the scales)");
   return {packed.data_ptr<uint8_t>(), scales.data_ptr(), factor ? scales.data_ptr() : mins.data_ptr(),
-          factor ? *mins.const_data_ptr<float>() : 1.f, bias, n, kp, packed.size(1), bits, group, half};
+          factor ? *mins.const_data_ptr<float>() : 1.f, bias, n, kp, packed.size(1), bits, group, half,
+          two_level};
 }
 
 // Output columns begin … end - 1 of y [m, n] = x · Wᵀ (+ bias), x quantized in q, a span
@@ -696,7 +762,7 @@ inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scal
 // then stored as T (a float32 output of a bfloat16 model's values: R = bfloat16, T = float).
 template <int Bits, int G, typename S, typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T* out, int64_t begin, int64_t end) {
-  const int64_t n = wt.n, row_bytes = wt.row_bytes, groups = q.kp / G;
+  const int64_t n = wt.n, row_bytes = wt.row_bytes, stride = scale_row<S>(q.kp / G, G);
   const S* scales = static_cast<const S*>(wt.scales);
   const S* mins = static_cast<const S*>(wt.mins);
   const float* bias = wt.bias;
@@ -704,8 +770,8 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
   for (int64_t c0 = begin; c0 < end; c0 += kSpan) {
     const int64_t cols = std::min(kSpan, end - c0);
     const uint8_t* w = wt.packed + c0 * row_bytes;
-    const S* ws = scales + c0 * groups;
-    const S* wm = mins + c0 * groups;
+    const S* ws = scales + c0 * stride;
+    const S* wm = mins + c0 * stride;
     for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, m - r0);
       switch (rows) {
@@ -725,6 +791,21 @@ void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& wt, T*
 
 template <typename T, typename R = T>
 void matmul_columns(const QuantizedRows& q, int64_t m, const QuantWeight& w, T* out, int64_t begin, int64_t end) {
+#if defined(QUANT_AVX512)
+  if (w.two_level) {  // (quant_weight takes them only where the build runs them: K-quants, IQ4_XS, their merges)
+    const bool g32 = w.group == 32;
+    if (w.bits == kIq4) matmul_columns<kIq4, 32, Sub8, T, R>(q, m, w, out, begin, end);  // (groups of 32)
+    else if (w.bits == 4 && g32) matmul_columns<4, 32, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 4) matmul_columns<4, 16, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 5 && g32) matmul_columns<5, 32, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 5) matmul_columns<5, 16, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 6 && g32) matmul_columns<6, 32, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (w.bits == 6) matmul_columns<6, 16, Sub8, T, R>(q, m, w, out, begin, end);
+    else if (g32) matmul_columns<8, 32, Sub8, T, R>(q, m, w, out, begin, end);
+    else matmul_columns<8, 16, Sub8, T, R>(q, m, w, out, begin, end);
+    return;
+  }
+#endif
   if (nibble_form(w.bits)) {  // (quant_weight takes them only where the build runs them)
 #if defined(QUANT_AVX512)
     if (w.bits == kIq4 && w.half) matmul_columns<kIq4, 32, at::Half, T, R>(q, m, w, out, begin, end);

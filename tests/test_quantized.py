@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 from test_model import ragged_logits
-from tiny_models import SCALE_FIELDS, make_hf_model, make_tokenizer, write_tiny_gguf
+from tiny_models import make_hf_model, make_tokenizer, random_gguf_weight, write_tiny_gguf
 
 from specserve import LLM, EngineConfig, SamplingParams
 from specserve.attention import TorchAttentionBackend
@@ -25,7 +25,6 @@ from specserve.models.quantized import (
     DEQUANT_ROWS,
     FORMATS,
     Decoded,
-    GGUFWeight,
     QuantLinear,
     decode,
     default_dequant_rows,
@@ -43,14 +42,7 @@ WIDTHS = {"Q4_0": (32, 96, 576, 1536), "Q4_1": (64, 576, 864, 1536), "Q8_0": (32
           "IQ4_XS": (256, 768)}
 
 
-def random_weight(kind: str, rows: int, k: int, seed: int = 0) -> GGUFWeight:
-    """Random blocks of ``kind`` (every bit pattern is a valid block) with finite fp16 scales."""
-    rng = np.random.default_rng(seed)
-    per, nbytes, _ = FORMATS[kind]
-    raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
-    for offset in SCALE_FIELDS[kind]:
-        raw[..., offset:offset + 2] = (rng.standard_normal((rows, k // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
-    return GGUFWeight(kind, raw.reshape(rows, -1), k)
+random_weight = random_gguf_weight  # random blocks of a format, finite fp16 scales
 
 
 def reference(x: torch.Tensor, dense: np.ndarray) -> torch.Tensor:
@@ -261,8 +253,9 @@ def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
         k = parts[0][1].in_features
         narrow = QuantLinear(parts, k, 24, torch.randn(24))
         assert narrow.bits == form and narrow.packed.shape[1] == (4 if form == cpu_ops.IQ4 else form) * (-(-k // 64) * 64) // 8
-        with monkeypatch.context() as patch:
+        with monkeypatch.context() as patch:  # a build without AVX-512 VNNI: neither nibble forms nor two-level scales
             patch.setattr(cpu_ops, "weight_forms", lambda: frozenset({4, 8}))
+            patch.setattr(cpu_ops, "two_level_scales", lambda: False)
             eight = QuantLinear(parts, k, 24, narrow.bias)
         assert eight.bits == 8
         for rows, dequant_rows in ((1, 0), (3, 0), (9, 0), (5, 1), (40, 16)):
@@ -275,33 +268,40 @@ def test_nibble_forms_give_the_bits_of_their_eight_bit_form(monkeypatch, form):
 
 @needs_cpu_kernels
 def test_scales_and_mins_are_held_in_the_fewest_bytes_that_keep_them():
-    """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL hold float16 scales (fewer bytes per step);
-    K-quants' and IQ4_XS's scales are products and stay float32. Where every min is one
-    factor times its scale (Q4_0, Q5_0, Q8_0, the IQ4 formats, Q6_K, Q3_K) only the factor
-    is kept. Either way the layer computes the same bits as with float32 scales and a
-    float32 min per group, through the integer kernel and the unpacked weight alike."""
+    """Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL hold float16 scales (fewer bytes per step).
+    K-quants' and IQ4_XS's scales are products of a factor per 256 inputs and a small
+    integer per group: on a build for AVX-512 VNNI they are held so (two-level, uint8 rows:
+    an int8 a group, then a float32 factor a super-block; Q4_K's scales and mins then take
+    1.5 bytes a group each where float32 took 4), elsewhere as float32 products. Where every
+    min is one factor times its scale (Q4_0, Q5_0, Q8_0, the IQ4 formats, Q6_K, Q3_K) only
+    the factor is kept. Either way the layer computes the same bits as with float32 scales
+    and a float32 min per group, through the integer kernel and the unpacked weight alike."""
+    products = torch.uint8 if cpu_ops.two_level_scales() else torch.float32
     want = {"Q4_0": (torch.float16, -8), "Q4_1": (torch.float16, None), "Q8_0": (torch.float16, -128),
             "Q5_0": (torch.float16, -16), "Q5_1": (torch.float16, None), "IQ4_NL": (torch.float16, -128),
-            "Q4_K": (torch.float32, None), "Q6_K": (torch.float32, -32), "Q5_K": (torch.float32, None),
-            "Q3_K": (torch.float32, -4), "Q2_K": (torch.float32, None), "IQ4_XS": (torch.float32, -128)}
+            "Q4_K": (products, None), "Q6_K": (products, -32), "Q5_K": (products, None),
+            "Q3_K": (products, -4), "Q2_K": (products, None), "IQ4_XS": (products, -128)}
     assert set(want) == set(FORMATS)
     for kind, (dtype, factor) in want.items():
         for k in WIDTHS[kind]:
             weight = random_weight(kind, 40, k, seed=k)
             layer = QuantLinear([(0, weight)], k, 40, torch.randn(40))
             assert layer.scales.dtype == dtype, (kind, k)
+            if dtype == torch.uint8:  # per row: the groups' int8s, then the super-blocks' float32 factors
+                assert layer.scales.shape == (40, k // layer.group + 4 * k // 256), (kind, k)
             if factor is None:
                 assert layer.mins.dtype == dtype and layer.mins.shape == layer.scales.shape, (kind, k)
             else:
                 assert layer.mins.dim() == 0 and layer.mins.item() == factor, (kind, k)
-            # the reference: the decoded per-group mins themselves (padding groups weigh 0)
-            decoded_mins = decode(weight).min
-            padding = ((0, 0), (0, layer.scales.shape[1] - decoded_mins.shape[1]))
-            mins = torch.from_numpy(np.ascontiguousarray(np.pad(decoded_mins, padding)))
+            # the reference: the decoded per-group scales and mins themselves as float32
+            # (padding groups weigh 0)
+            decoded = decode(weight)
+            padding = ((0, 0), (0, -(-k // 64) * 64 // layer.group - decoded.scale.shape[1]))
+            scales, mins = (torch.from_numpy(np.ascontiguousarray(np.pad(v, padding))) for v in (decoded.scale, decoded.min))
             for rows, dequant_rows in ((1, 0), (5, 0), (9, 4), (40, 16)):
                 x = torch.randn(rows, k).bfloat16()
                 args = (layer.packed, layer.scales, layer.mins, layer.bits, layer.group, layer.bias, dequant_rows)
-                wide = (layer.packed, layer.scales.float(), mins, *args[3:])
+                wide = (layer.packed, scales, mins, *args[3:])
                 assert torch.equal(cpu_ops.quant_linear(x, *args), cpu_ops.quant_linear(x, *wide)), (kind, k, rows)
             head = layer.select_rows(torch.tensor([3, 0, 17]))
             x = torch.randn(2, k).bfloat16()
@@ -314,6 +314,12 @@ def test_scales_and_mins_are_held_in_the_fewest_bytes_that_keep_them():
     decoded = decode(random_weight("Q4_1", 8, 64))
     decoded.scale[0, 0] = 1e-9  # not a float16: the layer keeps float32
     assert pack(decoded)[1].dtype == torch.float32
+    decoded = decode(random_weight("Q4_K", 8, 512))
+    decoded.scale[2, 9] = np.nextafter(decoded.scale[2, 9], np.float32(1))  # not its factor times an integer
+    assert pack(decoded)[1].dtype == torch.float32
+    decoded = decode(random_weight("Q4_K", 8, 512))
+    decoded.min[5, 0] = np.nextafter(decoded.min[5, 0], np.float32(1))  # a min off its factor: float32 for both
+    assert pack(decoded)[1].dtype == torch.float32 and pack(decoded)[2].dtype == torch.float32
     decoded = decode(random_weight("Q4_0", 8, 64))
     decoded.min[3, 1] += 1e-3  # one min off the factor: every min is kept
     assert pack(decoded)[2].shape == (8, 2)
@@ -347,6 +353,33 @@ def test_parts_of_different_formats_make_one_layer():
     assert (layer.bits, layer.group) == (4, 16)
     want = reference(x, np.concatenate([decode(p).dequantize() for p in parts]))
     assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kinds, form", [(("Q4_K", "Q6_K"), (6, 16)), (("Q3_K", "Q3_K", "Q4_K"), (4, 16)),
+                                         (("IQ4_XS", "Q6_K"), (8, 16)), (("Q5_K", "Q2_K"), (5, 16))])
+def test_merged_k_quants_keep_two_level_scales(monkeypatch, kinds, form):
+    """Parts of K-quants and IQ4_XS merged into one layer (a Q4_K_M file's Q4_K q and k
+    beside a Q6_K v) keep their scales and mins two-level where the build takes them:
+    each part's factors per 256 inputs, its groups' integers repeated where its groups are
+    split; a min that is a power of two times its scale (Q6_K's −32) made a factor of its
+    own. The layer gives the bits it gives with float32 scales and mins, through the
+    integer kernel and the unpacked weight alike."""
+    if not cpu_ops.two_level_scales():
+        pytest.skip("the kernels here are not built for AVX-512 VNNI: K-quant scales are float32 products")
+    parts = [(16 * i, random_weight(kind, 16, 768, i)) for i, kind in enumerate(kinds)]
+    rows = 16 * len(kinds)
+    layer = QuantLinear(parts, 768, rows, torch.randn(rows))
+    assert (layer.bits, layer.group) == form
+    assert layer.scales.dtype == layer.mins.dtype == torch.uint8
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_ops, "two_level_scales", lambda: False)
+        products = QuantLinear(parts, 768, rows, layer.bias)
+    assert products.scales.dtype == torch.float32
+    for m, dequant_rows in ((1, 0), (4, 0), (7, 0), (40, 16)):
+        for x in (torch.randn(m, 768), torch.randn(m, 768).bfloat16()):
+            layer.dequant_rows = products.dequant_rows = dequant_rows
+            assert torch.equal(layer(x), products(x)), (kinds, m, x.dtype)
 
 
 def tiny_gguf(tmp_path, **types):

@@ -213,6 +213,21 @@ TINY_GGUF = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hid
                  rope_theta=10000.0)
 
 
+def random_gguf_weight(kind: str, rows: int, k: int, seed: int = 0):
+    """A ``GGUFWeight`` of random blocks of ``kind`` (every bit pattern is a valid block)
+    with finite fp16 scales."""
+    import numpy as np
+
+    from specserve.models.quantized import FORMATS, GGUFWeight
+
+    rng = np.random.default_rng(seed)
+    per, nbytes, _ = FORMATS[kind]
+    raw = rng.integers(0, 256, size=(rows, k // per, nbytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[kind]:
+        raw[..., offset:offset + 2] = (rng.standard_normal((rows, k // per, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return GGUFWeight(kind, raw.reshape(rows, -1), k)
+
+
 def write_tiny_gguf(directory, seed: int = 0, types: dict | None = None):
     """A tiny tied-embedding llama written as llama.cpp writes a GGUF: q and k rows
     permuted for its rotary layout, every weight in its block format (``types``, default

@@ -92,13 +92,21 @@ class GGUFWeight:
 @dataclass
 class Decoded:
     """w = scale · q + min: q uint8 ``[rows, K]`` within ``bits`` (4, 5, 6 or 8; or ``cpu_ops.IQ4``:
-    q holds 4-bit indices into the IQ4 table), scale/min fp32 ``[rows, K / group]``."""
+    q holds 4-bit indices into the IQ4 table), scale/min fp32 ``[rows, K / group]``.
+    ``scale_factor`` / ``min_factor``: where each scale (min) is a float32 factor of its
+    super-block of 256 inputs times a small integer of its group (the K-quants' d · sc and
+    −dmin · m, IQ4_XS's d · (ls − 32); a min that is a power of two times its scale, −32 d ·
+    sc for Q6_K, has the factor times that power), the factors, fp32 ``[rows, K / 256]``
+    (None: not so made): ``pack`` then holds the integers and factors, fewer bytes than the
+    products (``two_level``)."""
 
     q: np.ndarray
     scale: np.ndarray
     min: np.ndarray
     bits: int
     group: int
+    scale_factor: np.ndarray | None = None
+    min_factor: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """scale · q + min in float32 (a product rounded, then a sum: ggml's values), in
@@ -118,7 +126,7 @@ class Decoded:
         """The same weight with q as 8-bit integers (IQ4's indices looked up): a form every
         build of the kernels runs."""
         q = _IQ4_TABLE[self.q] if self.bits == cpu_ops.IQ4 else self.q
-        return Decoded(q, self.scale, self.min, 8, self.group)
+        return Decoded(q, self.scale, self.min, 8, self.group, self.scale_factor, self.min_factor)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -164,7 +172,7 @@ def _decode_q4_k(b: np.ndarray) -> tuple:
     sc, mn = _k4_scales(b[..., 4:16])
     qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 32)  # 4 × 32 bytes: groups 2j (low), 2j+1 (high)
     q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 256)
-    return q, d[..., None] * sc, -(dmin[..., None] * mn), 4, 32
+    return q, d[..., None] * sc, -(dmin[..., None] * mn), 4, 32, (d, -dmin)
 
 
 def _decode_q5_0(b: np.ndarray) -> tuple:
@@ -185,7 +193,7 @@ def _decode_q5_k(b: np.ndarray) -> tuple:
     # Byte l of qh holds the fifth bit of input l of every group: group g's is its bit g.
     high = _high_bits(b, 16, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)
     q = (q | (high << 4)).reshape(*b.shape[:-1], 256)
-    return q, d[..., None] * sc, -(dmin[..., None] * mn), 5, 32
+    return q, d[..., None] * sc, -(dmin[..., None] * mn), 5, 32, (d, -dmin)
 
 
 def _q3_k_scales(s: np.ndarray) -> np.ndarray:
@@ -209,7 +217,7 @@ def _decode_q3_k(b: np.ndarray) -> tuple:
     hmask = _high_bits(b, 0, 32).reshape(*b.shape[:-1], 32, 8).swapaxes(-1, -2)  # [8 bits, 32 inputs]
     q = low + 4 * hmask.reshape(*b.shape[:-1], 2, 4, 32)  # (q3 + 4): bit 4n + j of byte l, half n, shift j
     scale = d[..., None] * _q3_k_scales(b[..., 96:108])
-    return q.reshape(*b.shape[:-1], 256), scale, -4.0 * scale, 4, 16
+    return q.reshape(*b.shape[:-1], 256), scale, -4.0 * scale, 4, 16, (d, -4.0 * d)
 
 
 def _decode_q2_k(b: np.ndarray) -> tuple:
@@ -217,7 +225,7 @@ def _decode_q2_k(b: np.ndarray) -> tuple:
     sc = b[..., 0:16]
     q = _two_bit(b, 16)
     scale = d[..., None] * (sc & 0x0F).astype(np.float32)
-    return q.reshape(*b.shape[:-1], 256), scale, -(dmin[..., None] * (sc >> 4).astype(np.float32)), 4, 16
+    return q.reshape(*b.shape[:-1], 256), scale, -(dmin[..., None] * (sc >> 4).astype(np.float32)), 4, 16, (d, -dmin)
 
 
 # IQ4_NL's and IQ4_XS's 16 values (ggml's kvalues_iq4nl), offset by 128 into unsigned bytes.
@@ -237,7 +245,7 @@ def _decode_iq4_xs(b: np.ndarray) -> tuple:
                    for g in range(8)], axis=-1).astype(np.float32)
     q = _nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16))
     scale = d[..., None] * (ls - 32.0)
-    return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, cpu_ops.IQ4, 32
+    return q.reshape(*b.shape[:-1], 256), scale, -128.0 * scale, cpu_ops.IQ4, 32, (d, -128.0 * d)
 
 
 def _decode_q6_k(b: np.ndarray) -> tuple:
@@ -248,7 +256,7 @@ def _decode_q6_k(b: np.ndarray) -> tuple:
              (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
     q = np.stack(parts, axis=-2).reshape(*b.shape[:-1], 256)  # per half: 4 runs of 32 inputs
     scale = d[..., None] * sc
-    return q.astype(np.uint8), scale, -32.0 * scale, 6, 16
+    return q.astype(np.uint8), scale, -32.0 * scale, 6, 16, (d, -32.0 * d)
 
 
 # ggml type name -> (inputs per block, bytes per block, decoder)
@@ -270,10 +278,12 @@ def decode(weight: GGUFWeight) -> Decoded:
         raise ValueError(f"a {weight.qtype} weight of {k} inputs must be {k // per_block * nbytes} bytes "
                          f"per row, got {weight.raw.shape[1]}")
     blocks = np.ascontiguousarray(weight.raw).reshape(rows, k // per_block, nbytes)
-    q, scale, mins, bits, group = decoder(blocks)
+    q, scale, mins, bits, group, *factors = decoder(blocks)
     groups = k // group
+    scale_factor, min_factor = (None if f is None else np.ascontiguousarray(f.reshape(rows, -1), dtype=np.float32)
+                                for f in (factors[0] if factors else (None, None)))
     return Decoded(np.ascontiguousarray(q.reshape(rows, k)), scale.reshape(rows, groups).astype(np.float32),
-                   mins.reshape(rows, groups).astype(np.float32), bits, group)
+                   mins.reshape(rows, groups).astype(np.float32), bits, group, scale_factor, min_factor)
 
 
 def _merge(parts: list[Decoded]) -> Decoded:
@@ -288,7 +298,13 @@ def _merge(parts: list[Decoded]) -> Decoded:
         repeat = p.group // group
         scales.append(np.repeat(p.scale, repeat, axis=1))
         mins.append(np.repeat(p.min, repeat, axis=1))
-    return Decoded(np.concatenate([p.q for p in parts]), np.concatenate(scales), np.concatenate(mins), bits, group)
+    # Factors where every part has them (one a super-block of 256 inputs whatever the
+    # group: a part regrouped repeats its groups' integers under the same factors).
+    factors = [np.concatenate([getattr(p, name) for p in parts])
+               if all(getattr(p, name) is not None for p in parts) else None
+               for name in ("scale_factor", "min_factor")]
+    return Decoded(np.concatenate([p.q for p in parts]), np.concatenate(scales), np.concatenate(mins), bits, group,
+                   *factors)
 
 
 def blocks(kp: int, group: int) -> list[int]:
@@ -326,9 +342,10 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (reordered) inputs holding inputs j and 64 + j (an odd last 64: j and 32 + j), IQ4's
     indices likewise; 5- and 6-bit q as 4-bit, then planes of their higher bits, 8 bytes a
     chunk and bit, chunk by chunk (bit j: the chunk's j-th input in the order its bytes
-    hold them); scales (and mins) float16 where each is one exactly (groups of 32), else
-    float32; where every min is one factor times its scale (``_min_factor``), that factor
-    alone, 0-dim float32, for mins."""
+    hold them); scales (and mins) two-level where the decoder gave their factors and the
+    build takes them (``two_level``), else float16 where each is one exactly (groups of
+    32), else float32; where every min is one factor times its scale (``_min_factor``),
+    that factor alone, 0-dim float32, for mins."""
     rows, k = decoded.q.shape
     bits = decoded.stored_bits
     if decoded.q.size and int(decoded.q.max()) >> bits:
@@ -356,11 +373,46 @@ def pack(decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     factor = _min_factor(scale, mins)
     if factor is not None:  # no mins read: the kernels take factor · scale, the same values
         mins = np.float32(factor)
-    if decoded.group == 32 and _exact_in_float16(scale) and (factor is not None or _exact_in_float16(mins)):
+    levels = two_level(decoded, scale, mins if factor is None else None) if kp == k else None
+    if levels is not None:
+        scale, two_mins = levels
+        mins = mins if factor is not None else two_mins
+    elif decoded.group == 32 and _exact_in_float16(scale) and (factor is not None or _exact_in_float16(mins)):
         scale = scale.astype(np.float16)  # fewer bytes per step, same values
         mins = mins if factor is not None else mins.astype(np.float16)
     return (torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(scale)),
             torch.tensor(mins) if factor is not None else torch.from_numpy(np.ascontiguousarray(mins)))
+
+
+SUPER_BLOCK = 256  # inputs a two-level scale's factor covers
+
+
+def two_level(decoded: Decoded, scale: np.ndarray, mins: np.ndarray | None) -> tuple | None:
+    """The scales (and ``mins``, unless None: a factor of the scales) as the kernels' two-level
+    rows, uint8 ``[rows, groups + 4 · K / 256]``: each group's integer as int8, then each
+    super-block's float32 factor; or None where the build does not take them, the width is
+    not whole super-blocks, the decoder gave no factors, or any value is not exactly its
+    factor times an int8 (a float32 product, as the kernels form it)."""
+    rows, groups = scale.shape
+    if not cpu_ops.two_level_scales() or (groups * decoded.group) % SUPER_BLOCK:
+        return None
+    out = []
+    for values, factors in ((scale, decoded.scale_factor), (mins, decoded.min_factor)):
+        if values is None:
+            out.append(None)
+            continue
+        if factors is None or factors.shape != (rows, groups * decoded.group // SUPER_BLOCK):
+            return None
+        spread = np.repeat(factors, SUPER_BLOCK // decoded.group, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sub = np.where(spread != 0, values / spread, 0.0)
+        if not (np.isfinite(sub).all() and np.all((sub >= -128) & (sub <= 127))):
+            return None
+        sub = np.rint(sub).astype(np.int8)
+        if not np.array_equal(spread * sub.astype(np.float32), values):
+            return None
+        out.append(np.concatenate([sub.view(np.uint8), np.ascontiguousarray(factors, np.float32).view(np.uint8)], axis=1))
+    return out[0], out[1]
 
 
 def _min_factor(scale: np.ndarray, mins: np.ndarray) -> float | None:
@@ -387,10 +439,12 @@ class QuantLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` on the CPU whose weight stays quantized: bits per
     weight read per step, q plus a scale per group and a min where it is not a factor of
     the scale, instead of 16: the file's own for Q4_0, IQ4_NL, Q4_1, Q5_0, Q5_1 and Q8_0
-    (4.5, 4.5, 5, 5.5, 6, 8.5: float16 scales, as the file has them), 5 for IQ4_XS, 6 for
-    Q4_K and Q3_K, 7 for Q5_K and 8 for Q2_K and Q6_K (float32, their scales being
-    products); the 5-bit, 6-bit and IQ4 formats 2-4 more where the kernels are not built
-    for AVX-512 VNNI. ``parts``: (first row, weight) filling the layer's
+    (4.5, 4.5, 5, 5.5, 6, 8.5: float16 scales, as the file has them); with two-level
+    scales and mins (``two_level``: an int8 a group, a float32 factor per 256 inputs)
+    4.375 for IQ4_XS, 4.625 for Q3_K, 4.75 for Q4_K, 5.25 for Q2_K, 5.75 for Q5_K and
+    6.625 for Q6_K. Where the kernels are not built for AVX-512 VNNI those hold float32
+    products (5 for IQ4_XS, 6 for Q4_K and Q3_K, 7 for Q5_K, 8 for Q2_K and Q6_K) and the
+    5-bit, 6-bit and IQ4 formats run 2-4 bits wider. ``parts``: (first row, weight) filling the layer's
     rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
     its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
 
