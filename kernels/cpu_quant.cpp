@@ -386,8 +386,9 @@ at::Tensor amx_linear(const at::Tensor& x, const QuantWeight& wt) {
 #endif
 
 // y [..., N] = x [..., K] · Wᵀ (+ bias), W in the form above: ``packed`` uint8
-// [N, Kp · stored_bits(bits) / 8], ``scales``/``mins`` fp32 or fp16 [N, Kp/group] (``mins``
-// or a 0-dim fp32 factor of the scales); ``bias`` fp32 or none. y has x's dtype. From
+// [N, Kp · stored_bits(bits) / 8], ``scales``/``mins`` fp32 or fp16 [N, Kp/group], or two-level
+// uint8 rows (``Sub8``: AVX-512 VNNI builds) (``mins`` or a 0-dim fp32 factor of the scales);
+// ``bias`` fp32 or none. y has x's dtype. From
 // ``dequant_rows`` rows on (0: never), W is unpacked onto AMX tiles (bf16 x, where the build
 // and the OS allow them) or for a library GEMM (see the top).
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,

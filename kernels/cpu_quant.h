@@ -318,7 +318,7 @@ inline __m512 group_values(const Sub8* row, int64_t g0, int64_t count, int64_t g
   std::memcpy(f, factors + 4 * first, count > per ? 8 : 4);
   __m512 factor = _mm512_set1_ps(f[0]);
   if (count > per) factor = _mm512_mask_blend_ps(__mmask16(0xFFFFu << per), factor, _mm512_set1_ps(f[1]));
-  return _mm512_mul_ps(sub, factor);
+  return _mm512_maskz_mul_ps(valid, sub, factor);  // (lanes past the block 0 whatever the factor)
 }
 
 // Lane l takes the value of group l / (16 / count) (a block of ``count`` groups over 16 lanes).
@@ -722,7 +722,8 @@ struct QuantWeight {
 constexpr bool kTwoLevelScales = kNibbleForms;
 
 // A weight's tensors checked for k inputs (``packed`` uint8 [N, Kp · stored_bits(bits) / 8], ``scales``
-// and ``mins`` [N, Kp / group], or ``mins`` a 0-dim float32 factor) and read as a QuantWeight.
+// and ``mins`` float32 or float16 [N, Kp / group] or two-level uint8 [N, scale_row], or ``mins`` a
+// 0-dim float32 factor) and read as a QuantWeight.
 inline QuantWeight quant_weight(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t bits,
                                 int64_t group, int64_t k, const float* bias) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&

@@ -143,6 +143,12 @@ def test_a_large_weight_is_unpacked_in_slices_exactly():
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0))
     want = x.double() @ dense.double().T + bias.double()
     assert (layer(x).double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # Two-level scales (K-quants): each slice's rows of integers and factors (1,365 rows of
+    # 768 inputs a float32 slice).
+    weight = random_weight("Q4_K", 3000, 768, seed=4)
+    layer = QuantLinear([(0, weight)], 768, 3000, None)
+    layer.dequant_rows = 1
+    assert torch.equal(layer(torch.eye(768)), torch.from_numpy(decode(weight).dequantize()).T)
 
 
 needs_amx = pytest.mark.skipif(not (cpu_ops.available() and cpu_ops.amx_tiles()), reason="no AMX tiles here")
@@ -320,6 +326,9 @@ def test_scales_and_mins_are_held_in_the_fewest_bytes_that_keep_them():
     decoded = decode(random_weight("Q4_K", 8, 512))
     decoded.min[5, 0] = np.nextafter(decoded.min[5, 0], np.float32(1))  # a min off its factor: float32 for both
     assert pack(decoded)[1].dtype == torch.float32 and pack(decoded)[2].dtype == torch.float32
+    weight = random_weight("Q6_K", 8, 512)
+    weight.raw[3, 208:210] = np.array([np.inf], np.float16).view(np.uint8)  # a super-block's d not finite
+    assert pack(decode(weight))[1].dtype == torch.float32
     decoded = decode(random_weight("Q4_0", 8, 64))
     decoded.min[3, 1] += 1e-3  # one min off the factor: every min is kept
     assert pack(decoded)[2].shape == (8, 2)
@@ -357,7 +366,8 @@ def test_parts_of_different_formats_make_one_layer():
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("kinds, form", [(("Q4_K", "Q6_K"), (6, 16)), (("Q3_K", "Q3_K", "Q4_K"), (4, 16)),
-                                         (("IQ4_XS", "Q6_K"), (8, 16)), (("Q5_K", "Q2_K"), (5, 16))])
+                                         (("IQ4_XS", "Q6_K"), (8, 16)), (("Q5_K", "Q2_K"), (5, 16)),
+                                         (("Q4_K", "Q5_K"), (5, 32))])
 def test_merged_k_quants_keep_two_level_scales(monkeypatch, kinds, form):
     """Parts of K-quants and IQ4_XS merged into one layer (a Q4_K_M file's Q4_K q and k
     beside a Q6_K v) keep their scales and mins two-level where the build takes them:

@@ -392,7 +392,8 @@ def two_level(decoded: Decoded, scale: np.ndarray, mins: np.ndarray | None) -> t
     rows, uint8 ``[rows, groups + 4 · K / 256]``: each group's integer as int8, then each
     super-block's float32 factor; or None where the build does not take them, the width is
     not whole super-blocks, the decoder gave no factors, or any value is not exactly its
-    factor times an int8 (a float32 product, as the kernels form it)."""
+    factor times an int8 (a float32 product, as the kernels form it; a −0 may come back +0,
+    which no weight or product tells apart)."""
     rows, groups = scale.shape
     if not cpu_ops.two_level_scales() or (groups * decoded.group) % SUPER_BLOCK:
         return None
