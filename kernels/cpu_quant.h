@@ -47,7 +47,8 @@
 //    a small integer of its group (the K-quants' d · sc and dmin · m, IQ4_XS's d · (ls −
 //    32)), a row is its groups' integers as int8, then its super-blocks' factors as
 //    float32 (4 bytes each, unaligned): [N, Kp/G + 4 · Kp/256] bytes, where fp32 took 4
-//    bytes a group. Q4_K then reads 4.75 bits a weight, not 6; Q6_K 6.625, not 8. Where every min is one factor f times its group's scale
+//    bytes a group. Q4_K then reads 4.75 bits a weight, not 6; Q6_K 6.625, not 8.
+//    Where every min is one factor f times its group's scale
 //    (Q4_0's −8, Q5_0's −16, Q8_0's and IQ4's −128, Q6_K's −32, Q3_K's −4), ``mins`` is f
 //    alone, a 0-dim float32, and no min is read: the kernels take min = f · scale in
 //    float32 (pack() keeps f only where that product is each stored min exactly), as they
