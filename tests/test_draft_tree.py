@@ -13,7 +13,7 @@ import torch
 
 from specserve import LLMEngine, SamplingParams
 from specserve.errors import SpecserveError
-from specserve.spec.speculator import Drafts
+from specserve.spec.speculator import Drafts, Speculator
 from specserve.spec.tree import Node, candidate_tree, choose, feed_rows, frontier, walk
 from tiny_models import (LLM32, continuation_chi_square, exact_continuations, make_eagle_head, save_perturbed,
                          sharpened)
@@ -22,6 +22,16 @@ PROMPTS = ["a b c a b c a b c a b c", "def f(x): return x\ndef f(x):", "hello", 
            "import os\nimport sys\nimport os\n"]
 ENGINE = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=96)
 KS = (4, 2, 4, 1, 3)
+FIXED_TREES_BY_DEVICE = Speculator._fixed_trees  # (``chosen_trees`` replaces it in every test)
+
+
+@pytest.fixture(autouse=True)
+def chosen_trees():
+    """This module's engines choose their trees from the candidates' chances on any device
+    (on a GPU the engine grows trees of fixed shape, ``Speculator._fixed_trees``), so that
+    a GPU runs the same checks of them; ``_fixed`` makes an engine of the GPU's kind."""
+    with mock.patch.object(Speculator, "_fixed_trees", return_value=False):
+        yield
 
 
 # ---------------------------------------------------------------------- the pieces
@@ -141,13 +151,12 @@ def test_candidates_ranked_after_the_last_pass_are_each_passs_own():
 def test_a_fixed_tree_takes_every_depths_runner_up_then_the_next_rank():
     from types import SimpleNamespace
 
-    from specserve.spec.speculator import Speculator
     from specserve.spec.tree import fixed_shape
 
     assert fixed_shape(3, 4) == [(0, 1), (1, 1), (2, 1), (0, 2)]
     assert fixed_shape(2, 10, ranks=3) == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
     assert fixed_shape(4, 0) == [] and fixed_shape(0, 5) == []
-    fixed = {kind: Speculator._fixed_trees(SimpleNamespace(runner=SimpleNamespace(device=torch.device(kind))))
+    fixed = {kind: FIXED_TREES_BY_DEVICE(SimpleNamespace(runner=SimpleNamespace(device=torch.device(kind))))
              for kind in ("cpu", "cuda")}
     assert fixed == {"cpu": False, "cuda": True}
 
@@ -210,15 +219,16 @@ def test_greedy_with_a_draft_tree_equals_speculation_off(tiny_model_dir, near_dr
         assert (eager.engine.spec_stats.num_path_wins, eager.engine.spec_stats.num_accepted_tokens) == \
             (stats[8].num_path_wins, stats[8].num_accepted_tokens)
     assert stats[0].num_path_wins == 0
-    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
+    # Runner-ups win with either size; a larger tree may win a step less, taking another
+    # path (on an H100: 37 against 38, 18 against 19), but accepts no less.
+    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins > 0
+    assert stats[8].mean_acceptance_length >= stats[3].mean_acceptance_length
     assert stats[8].mean_acceptance_length > stats[0].mean_acceptance_length
     assert stats[8].num_draft_tokens > stats[0].num_draft_tokens  # every verified node counts
 
 
 def _fixed(**kwargs):
-    """An engine whose draft trees take a fixed shape (a GPU's way) on this CPU."""
-    from specserve.spec.speculator import Speculator
-
+    """An engine whose draft trees take a fixed shape (a GPU's way) on any device."""
     with mock.patch.object(Speculator, "_fixed_trees", return_value=True):
         return LLM32(**kwargs)
 
@@ -249,7 +259,10 @@ def test_greedy_with_a_fixed_tree_equals_speculation_off(tiny_model_dir, near_dr
     chain = LLM32(target, speculative_method=method, num_speculative_tokens=4, speculative_adaptive=False,
                   **drafter, **ENGINE)
     chain.generate(PROMPTS, [_greedy(k) for k in KS], use_tqdm=False)
-    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins >= stats[3].num_path_wins
+    # Runner-ups win with either size; a larger tree may win a step less, taking another
+    # path (on an H100: 37 against 38, 18 against 19), but accepts no less.
+    assert stats[3].num_path_wins > 0 and stats[8].num_path_wins > 0
+    assert stats[8].mean_acceptance_length >= stats[3].mean_acceptance_length
     assert stats[8].mean_acceptance_length > chain.engine.spec_stats.mean_acceptance_length
     assert stats[8].num_draft_tokens > stats[3].num_draft_tokens > chain.engine.spec_stats.num_draft_tokens
 
@@ -361,7 +374,7 @@ def test_a_tree_moves_its_paths_kv_to_the_chains_slots(tiny_model_dir, near_draf
                 speculative_adaptive=False, draft_tree_nodes=8, enable_prefix_caching=False, **ENGINE)
     engine = llm.engine
     engine.add_request(PROMPTS[1], _greedy(4, max_tokens=200), req_id="a")
-    plain = LLM32(target, enable_prefix_caching=False, **ENGINE).engine
+    plain = LLM32(target, enable_prefix_caching=False, enforce_eager=True, **ENGINE).engine  # (its pass's rows kept)
     won = False
     for _ in range(30):
         wins = engine.spec_stats.num_path_wins
@@ -492,7 +505,7 @@ def test_an_eagle_head_grows_trees_and_reads_the_features_of_the_path(tiny_model
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks and llm.engine.spec_stats.num_path_wins > 0
     engine = llm.engine
     engine.add_request(PROMPTS[1], _greedy(4, max_tokens=200), req_id="a")
-    plain = LLM32(target, enable_prefix_caching=False, **ENGINE).engine
+    plain = LLM32(target, enable_prefix_caching=False, enforce_eager=True, **ENGINE).engine  # (its pass's rows kept)
     plain.runner.keep_hidden = True
     for _ in range(40):
         wins = engine.spec_stats.num_path_wins

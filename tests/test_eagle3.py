@@ -192,7 +192,8 @@ def test_the_target_keeps_its_feature_layers_on_every_path(deep_target, tmp_path
 
     target_dir = deep_target(4)
     head_dir, _ = make_eagle3_head(target_dir, tmp_path / "head")
-    llm = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    eager = {"max_num_batched_tokens": 64, "enforce_eager": True}  # (a GPU's own graphs: the test below)
+    llm = eagle_llm(target_dir, head_dir, **eager)
     runner = llm.engine.runner
     assert runner.model.feature_layers == (0, 2, 3)
     kept = []
@@ -201,17 +202,17 @@ def test_the_target_keeps_its_feature_layers_on_every_path(deep_target, tmp_path
         (batch.input_ids.clone(), runner.last_hidden.clone())))[0]
     prompt = PROMPTS[2]
     llm.generate([prompt], greedy(0, max_tokens=1), use_tqdm=False)
-    ids, rows = kept[0]
+    ids, rows = (t.cpu() for t in kept[0])  # (transformers' model on the CPU)
     assert ids.tolist() == prompt
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         states = target(input_ids=ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(rows, torch.cat([states[i][0] for i in (0, 2, 3)], -1), atol=1e-5, rtol=1e-5)
     params = [greedy(k) for k in KS]
-    plain = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    plain = eagle_llm(target_dir, head_dir, **eager)
     plain_proposals = record_proposals(plain.engine.speculator.drafter)
     want = plain.generate(PROMPTS, params, use_tqdm=False)
-    graphed = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    graphed = eagle_llm(target_dir, head_dir, **eager)
     graphed.engine.enable_graphs(capture=False)
     proposals = record_proposals(graphed.engine.speculator.drafter)
     got = graphed.generate(PROMPTS, params, use_tqdm=False)
