@@ -63,7 +63,7 @@ def test_the_gpu_memory_budget_reserves_the_graph_outputs():
 @pytest.mark.parametrize("method", ["none", "ngram"])
 def test_padded_graph_path_equals_eager(tiny_model_dir, variant, method):
     kwargs = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                  speculative_method=method, num_speculative_tokens=4,
+                  speculative_method=method, num_speculative_tokens=4, enforce_eager=True,  # (a GPU's too)
                   speculative_adaptive=False)  # drafts every step: the padded verify shapes
     eager = LLM32(str(tiny_model_dir(variant)), **kwargs)
     padded = LLM32(str(tiny_model_dir(variant)), **kwargs)
@@ -86,7 +86,7 @@ def test_padded_graph_path_equals_eager(tiny_model_dir, variant, method):
 
 def test_padding_rows_never_reach_the_cache(tiny_model_dir):
     llm = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_num_seqs=4,
-                speculative_method="ngram", num_speculative_tokens=3)
+                speculative_method="ngram", num_speculative_tokens=3, enforce_eager=True)
     runner = llm.engine.runner
     runner.enable_graphs(4, llm.engine.max_model_len, capture=False)
     for k, v in runner.kv_caches:
@@ -95,7 +95,7 @@ def test_padding_rows_never_reach_the_cache(tiny_model_dir):
     # Every real slot is written before it is read; NaN anywhere else must not leak in.
     out = llm.generate(["a b a b a b a b"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)[0]
-    ref = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64).generate(
+    ref = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, enforce_eager=True).generate(
         ["a b a b a b a b"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     assert out.token_ids == ref.token_ids
 
@@ -115,6 +115,7 @@ def test_ragged_graph_path_equals_eager(tiny_model_dir, backend, method):
     for the worst case, as the captured graph does."""
     kwargs = dict(block_size=4, num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=20,
                   speculative_method=method, num_speculative_tokens=3, attention_backend=backend,
+                  enforce_eager=True,  # (a GPU's engines too: the graph paths below run eagerly)
                   speculative_adaptive=False)  # drafts every step: verify spans beside the chunks
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 3]
     eager = LLM32(str(tiny_model_dir("llama")), **kwargs)

@@ -272,10 +272,11 @@ def test_the_graph_path_hands_the_head_its_features(eagle):
     tokens, same drafts accepted."""
     target_dir, head_dir, _ = eagle()
     params = [greedy(k) for k in KS]
-    plain = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    eager = {"max_num_batched_tokens": 64, "enforce_eager": True}  # (a GPU's captures: the CUDA test)
+    plain = eagle_llm(target_dir, head_dir, **eager)
     want_proposals = record_proposals(plain.engine.speculator.drafter)
     want = plain.generate(PROMPTS, params, use_tqdm=False)
-    llm = eagle_llm(target_dir, head_dir, max_num_batched_tokens=64)
+    llm = eagle_llm(target_dir, head_dir, **eager)
     llm.engine.enable_graphs(capture=False)
     shapes = record_graph_shapes(llm.engine.runner.graphs)
     head_shapes = record_graph_shapes(llm.engine.speculator.drafter.runner.graphs)
