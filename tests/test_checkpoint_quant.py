@@ -595,9 +595,10 @@ def follow_engine_roundings(reference, path, scheme, inputs: dict[str, list[torc
     """Hooks that make each of transformers' projections take, as the scheme says (per
     token, per token and group, or with the projection's own static scale from the
     checkpoint), the rounding of the engine's input to it, ``inputs`` — after checking
-    that its own input agrees with the engine's to float32 summation order. So it
-    computes the checkpoint's model on the engine's roundings, which a float32 difference
-    upstream may move by a step at a midpoint."""
+    that its own input agrees with the engine's: to float32 summation order on a CPU, to
+    the float8 tensor cores' sums on CUDA (``W8A8_MMA``). So it computes the checkpoint's
+    model on the engine's roundings, which such a difference upstream may move by a step
+    at a midpoint."""
     from safetensors import safe_open
 
     if scheme.kind != "fp8" or scheme.activations is None:
