@@ -81,21 +81,22 @@ SYNCS = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle", "ngram", "none"])
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("graphs", [False, True, pytest.param("captured", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="captures real CUDA graphs"))])
 def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, tmp_path, monkeypatch, method, graphs):
     """Outside the model's forward (where the CPU attention backend plans on the host),
     a step reads device values exactly once: the rejection sampler's packed copy, which
     also brings a draft model's proposals back (an EAGLE head's too, its features kept on
-    the device)."""
+    the device). ``graphs``: eager, the graphs' paths run eagerly, or captured (CUDA)."""
     kwargs = dict(speculative_method=method, num_speculative_tokens=4)
     if method == "draft_model":
         kwargs["draft_model"] = near_draft
     elif method == "eagle":
         kwargs.update(speculative_method="draft_model",
                       draft_model=make_eagle_head(tiny_model_dir("llama"), [1], tmp_path)[0])
-    llm = LLM32(str(tiny_model_dir("llama")), enforce_eager=True, **ENGINE, **kwargs)  # (a GPU's too)
+    llm = LLM32(str(tiny_model_dir("llama")), enforce_eager=graphs != "captured", **ENGINE, **kwargs)
     engine = llm.engine
-    if graphs:
+    if graphs is True:
         engine.enable_graphs(capture=False)
     reads, in_model = [], [False]
     for model in {id(engine.runner.model): engine.runner.model,
