@@ -8,6 +8,7 @@ taking turns.
 
     python one_row_after_verify.py
 """
+import itertools
 import statistics
 import time
 
@@ -43,7 +44,7 @@ for _round in range(2):
 for name in engines:
     passes = [(r, s) for n, r, s in log if n == name]
     after = {"after a one-row pass": [], "after a verify pass (2+ rows)": []}
-    for (prev, _), (rows, s) in zip(passes, passes[1:]):
+    for (prev, _), (rows, s) in itertools.pairwise(passes):
         if rows == 1 and prev < 20:  # (not after a prompt's pass)
             after["after a one-row pass" if prev == 1 else "after a verify pass (2+ rows)"].append(s)
     verify = [s for r, s in passes if 2 <= r <= 5]
