@@ -178,6 +178,13 @@ def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
 
 
+def fp8_round_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x quantized to float8 per row and group of ``group`` inputs (``group`` ≥ K: per row),
+    each scaled so its largest magnitude is 448, as values."""
+    return torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
+                      for p in x.split(group, dim=-1)], dim=-1)
+
+
 def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
     """Dequantise-then-matmul in fp64, with the scheme's activation quantization written
     out: per token (and per group of the block's width), or with each part's static scale."""
@@ -194,10 +201,7 @@ def reference_linear(layer, x: torch.Tensor) -> torch.Tensor:
         elif mode is None:
             y = x.double() @ w.T
         else:
-            group = k if mode == "token" else layer.block[1]
-            parts = [x[:, i:i + group] for i in range(0, k, group)]
-            y = torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
-                           for p in parts], dim=1) @ w.T
+            y = fp8_round_rows(x, k if mode == "token" else layer.block[1]) @ w.T
     else:
         w = Int4Weight(unpack_int4(layer.packed, layer.in_features), layer.scales.cpu(), layer.zeros.cpu(), layer.group).dequantize()
         if layer.perm is not None:
@@ -619,10 +623,7 @@ def follow_engine_roundings(reference, path, scheme, inputs: dict[str, list[torc
             assert (engine - x).abs().max() <= bound, (name, (engine - x).abs().max().item())
             if scheme.activations == "static":
                 return (fp8_round(engine, statics[name].reshape(())).float(),)
-            group = x.shape[-1] if scheme.activations == "token" else scheme.block[1]
-            parts = engine.split(group, dim=-1)
-            return (torch.cat([fp8_round(p, (p.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12))
-                               for p in parts], dim=-1).float(),)
+            return (fp8_round_rows(engine, x.shape[-1] if scheme.activations == "token" else scheme.block[1]).float(),)
         return hook
 
     return [module.register_forward_pre_hook(hook_for(name)) for name, module in reference.named_modules()
