@@ -445,9 +445,10 @@ class QuantLinear(nn.Module):
     4.375 for IQ4_XS, 4.625 for Q3_K, 4.75 for Q4_K, 5.25 for Q2_K, 5.75 for Q5_K and
     6.625 for Q6_K. Where the kernels are not built for AVX-512 VNNI those hold float32
     products (5 for IQ4_XS, 6 for Q4_K and Q3_K, 7 for Q5_K, 8 for Q2_K and Q6_K) and the
-    5-bit, 6-bit and IQ4 formats run 2-4 bits wider. ``parts``: (first row, weight) filling the layer's
-    rows, in any order; a weight is a GGUFWeight, or any weight whose ``decoded()`` gives
-    its exact (q, scale, min) form and ``qtype`` names it (a 4-bit AWQ/GPTQ layer).
+    5-bit, 6-bit and IQ4 formats run 2-4 bits wider. ``parts``: (first row, weight) filling
+    the layer's rows, in any order; a weight is a GGUFWeight, or any weight whose
+    ``decoded()`` gives its exact (q, scale, min) form and ``qtype`` names it (a 4-bit
+    AWQ/GPTQ layer).
 
     ``dequant_rows``: from this many rows on (a prefill chunk; on AMX, a batch of a few
     requests) the weight is unpacked to bf16 onto AMX tiles, or to the activations' dtype
