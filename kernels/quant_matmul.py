@@ -38,19 +38,46 @@ import triton.language as tl
 from specserve.kernels.fp8 import round_e4m3
 
 @triton.jit
-def _store(acc, bias_ptr, out_ptr, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS: tl.constexpr):
-    """The tile ``acc`` (+ the bias) into ``out`` in its dtype."""
+def _store(total, offs, cols, mask, bias_ptr, out_ptr, HAS_BIAS: tl.constexpr):
+    """``total`` (+ the bias) into ``out`` at ``offs``, rounded to its dtype."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+        total += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(acc, offs, cols, mask, bias_ptr, out_ptr, part_ptr, count_ptr, MN,
+            HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr):
+    """A program's fp32 sums ``acc`` for the outputs at ``offs`` of ``out`` ``[M, N]`` (row
+    · stride + column; ``cols`` their columns, ``mask`` the valid ones). K whole
+    (``SPLIT_SUM`` 0): + the bias, rounded to out's dtype. K split: the partial sums go to
+    ``part`` ``[split, M, N]`` (fp32) at this program's split, to be added in the order of
+    the splits, bias last: by a second launch (``_sum_splits``, SPLIT_SUM 1), or (2) by the
+    last of the output tile's programs to finish, which a counter per tile names. Each
+    program counts itself once its partial sums are stored (release); the last reads them
+    all from L2 after its count (acquire), and sets the counter back to 0 for the next
+    launch. The sums are the same either way, and the same on every run."""
+    if SPLIT_SUM == 0:
+        _store(acc, offs, cols, mask, bias_ptr, out_ptr, HAS_BIAS)
+    else:
+        tl.store(part_ptr + tl.program_id(2) * MN + offs, acc, mask=mask)
+        if SPLIT_SUM == 2:
+            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tl.debug_barrier()  # every thread's stores come before the count
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+                total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for i in range(1, tl.num_programs(2)):
+                    total += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                _store(total, offs, cols, mask, bias_ptr, out_ptr, HAS_BIAS)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                 AK, BN, BK,
-                A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,14 +107,15 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLI
             xs = tl.load(xs_ptr + rm.to(tl.int64) * stride_xsm + k0 // AK, mask=m_valid, other=0.0)
             part = part * xs[:, None]
         acc += part * ws[None, :]
-    _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+    _finish(acc, rm[:, None].to(tl.int64) * stride_om + rn[None, :], rn[None, :], m_valid[:, None] & n_valid[None, :],
+            bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS, SPLIT_SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                      AK, BN, BK,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """W8A8 at a decode or verify step's few rows: ``_fp8_kernel``'s sums, the weights on
     the product's left (outᵀ = W · xᵀ, a ``[BLOCK_N, BLOCK_M]`` tile). With x on the left
@@ -118,17 +146,15 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K
             part = tl.dot(w, xt)
         ws = tl.load(ws_ptr + (rn // BN).to(tl.int64) * stride_wsn + k0 // BK, mask=n_valid, other=0.0)
         acc += part * ws[:, None] * xs[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + tl.program_id(2) * stride_os + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[None, :] & n_valid[:, None])
+    _finish(acc, rm[None, :].to(tl.int64) * stride_om + rn[:, None], rn[:, None], m_valid[None, :] & n_valid[:, None],
+            bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS, SPLIT_SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                     AK, BN, BK,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
     widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
@@ -147,16 +173,14 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, K_
                     mask=n_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         ws = tl.load(ws_ptr + (rn // BN).to(tl.int64) * stride_wsn + k0 // BK, mask=n_valid, other=0.0)
         acc += tl.sum(b * a[None, :], axis=1) * ws
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
-             mask=n_valid)
+    _finish(acc, row * stride_om + rn, rn, n_valid, bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS,
+            SPLIT_SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                  stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """A K tile is one chunk of 128 inputs, 16 words a row (``INT4_CHUNK``): nibble j of
     word c holds input 16j + c, so each nibble is its own product with 16 contiguous
@@ -194,13 +218,14 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
-    _store(acc, bias_ptr, out_ptr + tl.program_id(2) * stride_os, rm, rn, m_valid, n_valid, stride_om, HAS_BIAS)
+    _finish(acc, rm[:, None].to(tl.int64) * stride_om + rn[None, :], rn[None, :], m_valid[:, None] & n_valid[None, :],
+            bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS, SPLIT_SUM)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_SPLIT,
+def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                      stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One row (a decode step's) without tensor cores: a product of 1 × 16 × N pads the
     tensor cores' 16 rows and routes the weights through shared memory for each nibble;
@@ -237,10 +262,8 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, K_S
                 acc += (tl.sum(q * a[None, :], axis=1) - z * tl.sum(a, axis=0)) * s
         if TILE_IN_GROUP:
             acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(2) * stride_os + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty),
-             mask=n_valid)
+    _finish(acc, row * stride_om + rn, rn, n_valid, bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS,
+            SPLIT_SUM)
 
 
 @triton.jit
@@ -388,12 +411,34 @@ def _k_step(k: int, *groups: int) -> int:
 
 
 
+ONE_LAUNCH_SUM = True  # K split: the tile's last program adds the partial sums (False: a second launch)
+COUNTERS = 1 << 14  # output tiles a launch with K split may have (one int32 counter each)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """``_finish``'s counters on ``device``: zeros, each set back to 0 by the launch that
+    counts on it, so one set serves every launch there, captured in a CUDA graph or not.
+    Launches on one device therefore must not run at once on two streams (the engine
+    issues a device's launches one at a time). None where a launch must add its K splits
+    by a second launch: off (``ONE_LAUNCH_SUM``), more tiles than counters, or a graph
+    being captured before any launch made the counters (the zeros would be the graph's
+    to write, at its first replay)."""
+    if not ONE_LAUNCH_SUM or tiles > COUNTERS:
+        return None
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
 def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invariant: bool, tiles):
-    """``kernel`` over ``x`` ``[..., K]`` into ``[..., N]``. ``args(x2, part, k_split,
-    stride_om, stride_os)`` lists the kernel's arguments and ``constants(tiles)`` its own
-    constexprs; ``part`` is the output, or with K split the fp32 partial sums
-    ``[split, M, N]`` that ``_sum_splits`` then adds, bias included. ``tiles`` overrides
-    ``plan`` (for sweeps)."""
+    """``kernel`` over ``x`` ``[..., K]`` into ``[..., N]``. ``args(x2, out, part, counters,
+    k_split, stride_om, stride_os)`` lists the kernel's arguments and ``constants(tiles)``
+    its own constexprs; with K split, ``part`` holds the fp32 partial sums ``[split, M, N]``
+    that ``_finish`` adds, bias included, in the launch or in a second one (``_sum_splits``).
+    ``tiles`` overrides ``plan`` (for sweeps)."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -403,13 +448,14 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
         t = tiles or plan(m <= FEW_ROWS and not invariant, kind, n, k, step, x.device)
         k_split = triton.cdiv(triton.cdiv(k, t.split), t.block_k) * t.block_k
         split = triton.cdiv(k, k_split)
-        part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-        kernel[grid](x2, *args(x2, part, k_split, part.stride(-2), m * n if split > 1 else 0),
-                     HAS_BIAS=bias is not None and split == 1, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                     BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda", IEEE=x.dtype == torch.float32,
-                     num_warps=t.num_warps, num_stages=t.num_stages, **constants(t))
-        if split > 1:
+        part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[1]) if split > 1 else None
+        kernel[grid](x2, *args(x2, out, part, out if counters is None else counters, k_split, n, m * n),
+                     HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
+                     BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
+                     IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **constants(t))
+        if split > 1 and counters is None:
             _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
                                                      SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)
     return out.view(*x.shape[:-1], n)
@@ -438,8 +484,8 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
         x, x_scale = quantize_rows(x.reshape(-1, k), act_group)
     xs = x_scale if x_scale is not None else weight_scale
 
-    def args(x2, part, k_split, stride_om, stride_os):
-        return (xs, weight, weight_scale, bias if bias is not None else weight_scale, part,
+    def args(x2, out, part, counters, k_split, stride_om, stride_os):
+        return (xs, weight, weight_scale, bias if bias is not None else weight_scale, out, part, counters,
                 x2.shape[0], n, k, k_split, x2.stride(0), xs.stride(0), weight.stride(0), weight_scale.stride(0),
                 stride_om, stride_os, act_group, bn, bk)
 
@@ -466,8 +512,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"4-bit K tiles are the packed chunks of {INT4_CHUNK} inputs")
     _k_step(k, group)
 
-    def args(x2, part, k_split, stride_om, stride_os):
-        return (packed, scales, zeros, bias if bias is not None else scales, part, x2.shape[0], n, k, k_split,
+    def args(x2, out, part, counters, k_split, stride_om, stride_os):
+        return (packed, scales, zeros, bias if bias is not None else scales, out, part, counters, x2.shape[0], n, k, k_split,
                 x2.stride(0), packed.stride(0), scales.stride(0), stride_om, stride_os, group)
 
     # One row (a decode step) runs without tensor cores, unless a row must not depend on its batch.

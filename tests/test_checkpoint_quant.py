@@ -391,6 +391,73 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
             one_row.count = 0
 
 
+def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
+    """With K split among programs, the last of a tile's programs to finish adds the
+    partial sums (``_finish``), in the order the second launch (``_sum_splits``) adds them:
+    the same outputs bit for bit, through every kernel, with and without a bias; every
+    tile counter is back at 0 after each launch, ready for the next."""
+    from specserve.kernels import quant_matmul
+
+    g = torch.Generator().manual_seed(4)
+    n, k = SHAPES[-1]
+    fp8 = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (1, k))
+    int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
+    packed = Int4Linear(int4, None).packed.to(DEVICE)
+    tiles = split_tiles(32)
+
+    def outputs():
+        got = []
+        for rows, bias in ((1, torch.randn(n, generator=g)), (5, None)):
+            x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
+            bias = None if bias is None else bias.to(DEVICE, torch.bfloat16)
+            for quantize in (False, True):  # W8A16 (a row kernel at one row), W8A8 (the weights on the left)
+                got.append(quant_matmul.fp8_linear(x, None, k, fp8.values.to(DEVICE), fp8.scale.to(DEVICE), (1, k),
+                                                   bias, torch.bfloat16, tiles=tiles, quantize=quantize))
+            got.append(quant_matmul.int4_linear(x, packed, int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, bias,
+                                                tiles=split_tiles(128)))
+            counters = quant_matmul._counters.get(packed.device)
+            assert counters is None or not counters.any()
+        return got
+
+    g.manual_seed(5)
+    one_launch = outputs()
+    assert packed.device in quant_matmul._counters  # the launches above counted
+    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", False)
+    sums = Launches(quant_matmul._sum_splits)
+    monkeypatch.setattr(quant_matmul, "_sum_splits", sums)
+    g.manual_seed(5)
+    two_launches = outputs()
+    assert sums.count == len(two_launches)
+    for a, b in zip(one_launch, two_launches, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_a_graph_captured_before_the_counters_sums_its_splits_in_a_second_launch(monkeypatch):
+    """The tile counters are made by a launch outside any capture: a CUDA graph captured
+    before them adds its K splits by a second launch, and replays to the eager outputs."""
+    from specserve.kernels import quant_matmul
+
+    monkeypatch.setattr(quant_matmul, "_counters", {})
+    g = torch.Generator().manual_seed(7)
+    n, k = SHAPES[-1]
+    int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
+    args = (Int4Linear(int4, None).packed.to(DEVICE), int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, None)
+    x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
+    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", False)  # compiles the kernels, makes no counters
+    quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))
+    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", True)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        captured = quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))
+    torch.cuda.current_stream().wait_stream(stream)
+    assert not quant_matmul._counters
+    graph.replay()
+    assert torch.equal(captured, quant_matmul.int4_linear(x, *args, tiles=split_tiles(128)))
+    assert x.device in quant_matmul._counters  # (that eager launch made them)
+
+
 @pytest.mark.parametrize("group, static", [(48, None), (64, None), (10_000, None), (10_000, 0.004)])
 def test_the_activation_quantizer_rounds_as_torch_does(group, static):
     """The one-launch float8 quantizer of the inputs (CUDA's path; the interpreter here)
@@ -450,15 +517,16 @@ def compile(fn, pointers, constants, num_warps=4, num_stages=3):
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
-tiles = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=128, UPCAST=False, IEEE=False)
-fp8 = dict(xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*fp32")
+tiles = dict(HAS_BIAS=False, SPLIT_SUM=2, BLOCK_M=16, BLOCK_K=128, UPCAST=False, IEEE=False)
+split = dict(part_ptr="*fp32", count_ptr="*i32")  # K split, summed by the last program (atomics)
+fp8 = dict(split, xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16")
 # W8A8's few rows: the weights on the left, as wgmma
 ptx = compile(qm._fp8_left_kernel, dict(fp8, x_ptr="*fp8e4nv"), dict(tiles, BLOCK_N=64), num_stages=4).asm["ptx"]
 assert "wgmma.mma_async" in ptx
 for x, a_fp8 in (("fp8e4nv", True), ("bf16", False)):
     compile(qm._fp8_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=128, A_FP8=a_fp8))
 compile(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64))
-int4 = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*fp32")
+int4 = dict(split, x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16")
 for kernel in (qm._int4_kernel, qm._int4_row_kernel):
     compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2)
 compile(qm._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", x_static="fp32"),
