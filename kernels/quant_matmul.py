@@ -21,8 +21,9 @@ the weights never rounded. Float8 inputs at a decode or verify step's few rows g
 
 Tiles along N and K depend on the weight's shape and the GPU. At a decode step's few rows
 one column tile per program leaves most SMs idle, or each with too few bytes in flight, so
-K is split among programs (``plan``): each writes its fp32 partial sums and a second launch
-adds them in a fixed order, adds the bias and rounds. With ``invariant`` K is never split
+K is split among programs (``plan``): each writes its fp32 partial sums, which are added in
+a fixed order, bias last, and rounded, by the last of the tile's programs to finish (4-bit
+weights) or by a second launch (``_finish``). With ``invariant`` K is never split
 and the row tile is fixed, so a row's result is the same alone or in any batch
 (``--deterministic``).
 """
@@ -327,13 +328,16 @@ def quantize_rows(x2: torch.Tensor, group: int, static: float | None = None) -> 
 
 
 class Tiles(NamedTuple):
-    """One launch's shape: tile sizes, the number of programs along K, warps and stages."""
+    """One launch's shape: tile sizes, the number of programs along K, warps and stages,
+    and with K split, whether the tile's last program adds the partial sums (``_finish``)
+    or a second launch does."""
     block_m: int
     block_n: int
     block_k: int
     split: int
     num_warps: int
     num_stages: int
+    sum_in_launch: bool = False
 
 
 FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row tile, K split
@@ -348,16 +352,19 @@ class FewRowTiles(NamedTuple):
     most_split: int    # K split at most
     fewest_k: int      # K tiles a program at least
     num_warps: int
+    sum_in_launch: bool = False  # K split: partial sums added by the tile's last program
 
 
 # Per kind of weight, from sweeps on an H200 (benchmarks/quant_gpu.py --sections tiles; the
 # rows' kernels and W8A8's in benchmarks/results/quant_gpu/: int4_one_row/, fp8_one_row/,
 # swap_ab_2026-12-05/). Each program streams its columns' weights; float8 inputs go straight
 # to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
-# narrow ones; 4-bit tiles want many programs, and one row's most of all.
+# narrow ones; 4-bit tiles want many programs, and one row's most of all. Summing the K
+# splits in the launch saved 3-4 % of a 4-bit decode or verify step on an H100 and nothing
+# measurable for FP8 (a per-channel W8A8 step took 2 % longer): one_launch_split_2026-12-05/.
 FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4), "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4),
-                 "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4),
-                 "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4),
+                 "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),
+                 "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4, sum_in_launch=True),
                  "w8a16_row": FewRowTiles(64, 128, 3, 14, 16, 2, 4)}
 MANY_ROW_TILES = FewRowTiles(128, 256, 4, 2, 1, 4, 4)  # (no K split)
 
@@ -381,7 +388,7 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     else:  # the interpreter
         sms, smem = 4, 1 << 30
     bytes_per_weight = 0.5 if kind.startswith("w4a16") else 1
-    block_n, deepest, stages, per_sm, most, fewest, warps = FEW_ROW_TILES[kind] if few else MANY_ROW_TILES
+    block_n, deepest, stages, per_sm, most, fewest, warps, sum_in_launch = FEW_ROW_TILES[kind] if few else MANY_ROW_TILES
     if not few:
         while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
             block_n //= 2
@@ -395,7 +402,7 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     while (split < most and triton.cdiv(n, block_n) * split * 2 <= per_sm * sms
            and triton.cdiv(k, block_k * split * 2) >= fewest):
         split *= 2
-    return Tiles(block_m, block_n, block_k, split, warps, stages)
+    return Tiles(block_m, block_n, block_k, split, warps, stages, sum_in_launch and split > 1)
 
 
 def _k_step(k: int, *groups: int) -> int:
@@ -411,7 +418,6 @@ def _k_step(k: int, *groups: int) -> int:
 
 
 
-ONE_LAUNCH_SUM = True  # K split: the tile's last program adds the partial sums (False: a second launch)
 COUNTERS = 1 << 14  # output tiles a launch with K split may have (one int32 counter each)
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -421,10 +427,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     counts on it, so one set serves every launch there, captured in a CUDA graph or not.
     Launches on one device therefore must not run at once on two streams (the engine
     issues a device's launches one at a time). None where a launch must add its K splits
-    by a second launch: off (``ONE_LAUNCH_SUM``), more tiles than counters, or a graph
-    being captured before any launch made the counters (the zeros would be the graph's
-    to write, at its first replay)."""
-    if not ONE_LAUNCH_SUM or tiles > COUNTERS:
+    by a second launch after all: more tiles than counters, or a graph being captured
+    before any launch made the counters (the zeros would be the graph's to write, at its
+    first replay)."""
+    if tiles > COUNTERS:
         return None
     if device not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -450,7 +456,7 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
         split = triton.cdiv(k, k_split)
         grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
         part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[1]) if split > 1 else None
+        counters = _tile_counters(x.device, grid[0] * grid[1]) if split > 1 and t.sum_in_launch else None
         kernel[grid](x2, *args(x2, out, part, out if counters is None else counters, k_split, n, m * n),
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",

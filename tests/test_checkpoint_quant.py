@@ -285,11 +285,13 @@ class Launches:
         return self.kernel[grid]
 
 
-def split_tiles(block_k: int):
-    """Tiles that split K among 2 to 3 programs at the tests' shapes (CPU and CUDA)."""
+def split_tiles(block_k: int, sum_in_launch: bool = False):
+    """Tiles that split K among 2 to 3 programs at the tests' shapes (CPU and CUDA), their
+    partial sums added by a second launch or in the launch."""
     from specserve.kernels.quant_matmul import Tiles
 
-    return Tiles(block_m=16, block_n=32, block_k=block_k, split=3, num_warps=4, num_stages=2)
+    return Tiles(block_m=16, block_n=32, block_k=block_k, split=3, num_warps=4, num_stages=2,
+                 sum_in_launch=sum_in_launch)
 
 
 @pytest.mark.parametrize("block, activations", FP8_CASES)
@@ -382,7 +384,7 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
             got = quant_matmul.int4_linear(x.to(DEVICE), packed.to(DEVICE), weight.scale.to(DEVICE),
                                            weight.zero.to(DEVICE), size,
                                            None if bias is None else bias.to(DEVICE, dtype),
-                                           tiles=split_tiles(128) if split else None)
+                                           tiles=split_tiles(128, sum_in_launch=True) if split else None)
             want = x.double() @ weight.dequantize().to(dtype).double().T
             want = want + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
@@ -403,33 +405,36 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     fp8 = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (1, k))
     int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
     packed = Int4Linear(int4, None).packed.to(DEVICE)
-    tiles = split_tiles(32)
+    sums = Launches(quant_matmul._sum_splits)
+    monkeypatch.setattr(quant_matmul, "_sum_splits", sums)
 
-    def outputs():
+    def outputs(in_launch: bool):
+        g.manual_seed(5)
         got = []
         for rows, bias in ((1, torch.randn(n, generator=g)), (5, None)):
             x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
             bias = None if bias is None else bias.to(DEVICE, torch.bfloat16)
             for quantize in (False, True):  # W8A16 (a row kernel at one row), W8A8 (the weights on the left)
                 got.append(quant_matmul.fp8_linear(x, None, k, fp8.values.to(DEVICE), fp8.scale.to(DEVICE), (1, k),
-                                                   bias, torch.bfloat16, tiles=tiles, quantize=quantize))
+                                                   bias, torch.bfloat16, tiles=split_tiles(32, in_launch),
+                                                   quantize=quantize))
             got.append(quant_matmul.int4_linear(x, packed, int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, bias,
-                                                tiles=split_tiles(128)))
+                                                tiles=split_tiles(128, in_launch)))
             counters = quant_matmul._counters.get(packed.device)
             assert counters is None or not counters.any()
         return got
 
-    g.manual_seed(5)
-    one_launch = outputs()
-    assert packed.device in quant_matmul._counters  # the launches above counted
-    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", False)
-    sums = Launches(quant_matmul._sum_splits)
-    monkeypatch.setattr(quant_matmul, "_sum_splits", sums)
-    g.manual_seed(5)
-    two_launches = outputs()
+    one_launch = outputs(True)
+    assert sums.count == 0 and packed.device in quant_matmul._counters
+    two_launches = outputs(False)
     assert sums.count == len(two_launches)
     for a, b in zip(one_launch, two_launches, strict=True):
         assert torch.equal(a, b)
+    # The plan sums in the launch where it measured faster on a GPU: 4-bit weights' K splits.
+    cpu = torch.device("cpu")
+    assert [quant_matmul.plan(True, kind, 128, 4096, 128, cpu)[3:] for kind in ("w4a16_row", "w4a16", "w8a8")] == [
+        (16, 4, 3, True), (8, 4, 2, True), (4, 4, 4, False)]
+    assert not quant_matmul.plan(True, "w4a16_row", 128, 256, 128, cpu).sum_in_launch  # (K whole)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
@@ -444,17 +449,15 @@ def test_a_graph_captured_before_the_counters_sums_its_splits_in_a_second_launch
     int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
     args = (Int4Linear(int4, None).packed.to(DEVICE), int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, None)
     x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
-    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", False)  # compiles the kernels, makes no counters
-    quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))
-    monkeypatch.setattr(quant_matmul, "ONE_LAUNCH_SUM", True)
+    quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))  # compiles the kernels, makes no counters
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        captured = quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))
+        captured = quant_matmul.int4_linear(x, *args, tiles=split_tiles(128, sum_in_launch=True))
     torch.cuda.current_stream().wait_stream(stream)
     assert not quant_matmul._counters
     graph.replay()
-    assert torch.equal(captured, quant_matmul.int4_linear(x, *args, tiles=split_tiles(128)))
+    assert torch.equal(captured, quant_matmul.int4_linear(x, *args, tiles=split_tiles(128, sum_in_launch=True)))
     assert x.device in quant_matmul._counters  # (that eager launch made them)
 
 
