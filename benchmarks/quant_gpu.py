@@ -209,7 +209,8 @@ def tiles_section(args, rows: list, bandwidth: float) -> None:
                     for warps, stages in ((4, 4), (4, 2)):  # (8 warps never won on an H200)
                         for split in (1, 2, 4, 8, 16):
                             if -(-k // block_k) >= split:
-                                t = quant_matmul.Tiles(16, block_n, block_k, split, warps, stages)
+                                t = quant_matmul.Tiles(16, block_n, block_k, split, warps, stages,
+                                                       quant_matmul.FEW_ROW_TILES[key[0]].sum_in_launch)
                                 got = us(1, t)[0]
                                 if best is None or got < best[0]:
                                     best = (got, t)

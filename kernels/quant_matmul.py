@@ -22,8 +22,9 @@ the weights never rounded. Float8 inputs at a decode or verify step's few rows g
 Tiles along N and K depend on the weight's shape and the GPU. At a decode step's few rows
 one column tile per program leaves most SMs idle, or each with too few bytes in flight, so
 K is split among programs (``plan``): each writes its fp32 partial sums, which are added in
-a fixed order, bias last, and rounded, by the last of the tile's programs to finish (4-bit
-weights) or by a second launch (``_finish``). With ``invariant`` K is never split
+a fixed order, bias last, and rounded, by the last of the tile's programs to finish
+(``_finish``, 4-bit weights, with the layer's tile counters) or by a second launch
+(``_sum_splits``). With ``invariant`` K is never split
 and the row tile is fixed, so a row's result is the same alone or in any batch
 (``--deterministic``).
 """
@@ -53,22 +54,24 @@ def _finish(acc, offs, cols, mask, bias_ptr, out_ptr, part_ptr, count_ptr, MN,
     · stride + column; ``cols`` their columns, ``mask`` the valid ones). K whole
     (``SPLIT_SUM`` 0): + the bias, rounded to out's dtype. K split: the partial sums go to
     ``part`` ``[split, M, N]`` (fp32) at this program's split, to be added in the order of
-    the splits, bias last: by a second launch (``_sum_splits``, SPLIT_SUM 1), or (2) by the
-    last of the output tile's programs to finish, which a counter per tile names. Each
-    program counts itself once its partial sums are stored (release); the last reads them
-    all from L2 after its count (acquire), and sets the counter back to 0 for the next
+    the splits, bias last: by a second launch (``_sum_splits``, SPLIT_SUM 1), or (SPLIT_SUM
+    2) by the last of the output tile's programs to finish, which the tile's counter names.
+    Each program counts itself once its partial sums are stored (release); the last reads
+    them all from L2 after its count (acquire), and sets the counter back to 0 for the next
     launch. The sums are the same either way, and the same on every run."""
     if SPLIT_SUM == 0:
         _store(acc, offs, cols, mask, bias_ptr, out_ptr, HAS_BIAS)
     else:
-        tl.store(part_ptr + tl.program_id(2) * MN + offs, acc, mask=mask)
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * MN + offs, acc, mask=mask)
         if SPLIT_SUM == 2:
             counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
             tl.debug_barrier()  # every thread's stores come before the count
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                for i in range(1, tl.num_programs(2)):
-                    total += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                split = part_ptr + offs
+                total = tl.load(split, mask=mask, other=0.0, cache_modifier=".cg")
+                for _ in range(1, tl.num_programs(2)):
+                    split += MN
+                    total += tl.load(split, mask=mask, other=0.0, cache_modifier=".cg")
                 _store(total, offs, cols, mask, bias_ptr, out_ptr, HAS_BIAS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -360,8 +363,9 @@ class FewRowTiles(NamedTuple):
 # swap_ab_2026-12-05/). Each program streams its columns' weights; float8 inputs go straight
 # to the tensor cores and want wide tiles, bf16 inputs convert the weights first and want
 # narrow ones; 4-bit tiles want many programs, and one row's most of all. Summing the K
-# splits in the launch saved 3-4 % of a 4-bit decode or verify step on an H100 and nothing
-# measurable for FP8 (a per-channel W8A8 step took 2 % longer): one_launch_split_2026-12-05/.
+# splits in the launch saved 3.6 % of a 4-bit decode step and 2 % of a verify step on an
+# H100, and nothing measurable for FP8 (a per-channel W8A8 step took 2 % longer):
+# one_launch_split_2026-12-05/.
 FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4), "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4),
                  "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),
                  "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4, sum_in_launch=True),
@@ -380,7 +384,8 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     Few rows read each weight once for at most 16 rows: the step takes the weight's bytes
     over the bandwidth if enough programs stream it, so K splits (each split keeping the
     kind's fewest K tiles) until the programs reach the kind's count per SM. Many rows:
-    column tiles narrow until the single row tile has about two programs per SM."""
+    column tiles narrow until the single row tile has about two programs per SM. Where K
+    splits, the kind says whether the tile's last program adds the partial sums."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         sms = props.multi_processor_count
@@ -418,33 +423,14 @@ def _k_step(k: int, *groups: int) -> int:
 
 
 
-COUNTERS = 1 << 14  # output tiles a launch with K split may have (one int32 counter each)
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """``_finish``'s counters on ``device``: zeros, each set back to 0 by the launch that
-    counts on it, so one set serves every launch there, captured in a CUDA graph or not.
-    Launches on one device therefore must not run at once on two streams (the engine
-    issues a device's launches one at a time). None where a launch must add its K splits
-    by a second launch after all: more tiles than counters, or a graph being captured
-    before any launch made the counters (the zeros would be the graph's to write, at its
-    first replay)."""
-    if tiles > COUNTERS:
-        return None
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
-def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invariant: bool, tiles):
+def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invariant: bool, tiles,
+            counters: torch.Tensor | None = None):
     """``kernel`` over ``x`` ``[..., K]`` into ``[..., N]``. ``args(x2, out, part, counters,
     k_split, stride_om, stride_os)`` lists the kernel's arguments and ``constants(tiles)``
     its own constexprs; with K split, ``part`` holds the fp32 partial sums ``[split, M, N]``
-    that ``_finish`` adds, bias included, in the launch or in a second one (``_sum_splits``).
-    ``tiles`` overrides ``plan`` (for sweeps)."""
+    that ``_finish`` adds, bias included, in the launch where the tiles say so and
+    ``counters`` (int32 zeros, one per output tile at least) are given, else in a second
+    launch (``_sum_splits``). ``tiles`` overrides ``plan`` (for sweeps)."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -456,7 +442,8 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
         split = triton.cdiv(k, k_split)
         grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
         part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device, grid[0] * grid[1]) if split > 1 and t.sum_in_launch else None
+        if not (split > 1 and t.sum_in_launch and counters is not None and counters.numel() >= grid[0] * grid[1]):
+            counters = None
         kernel[grid](x2, *args(x2, out, part, out if counters is None else counters, k_split, n, m * n),
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
@@ -470,12 +457,13 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
 def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, weight: torch.Tensor,
                weight_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None,
                out_dtype: torch.dtype, invariant: bool = False, tiles: Tiles | None = None,
-               quantize: bool = False) -> torch.Tensor:
+               quantize: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[..., K]`` (float8 with ``x_scale`` ``[rows, K / act_group]``, or the model's
     dtype with ``x_scale`` None) · ``weight`` ``[N, K]`` float8, scaled by ``weight_scale``
     ``[N / block[0], K / block[1]]`` (ceil). Scale groups of K must be whole K tiles.
     ``quantize``: x in the model's dtype is first rounded to float8 per row and group of
-    ``act_group`` inputs (W8A8 with dynamic scales, ``quantize_rows``)."""
+    ``act_group`` inputs (W8A8 with dynamic scales, ``quantize_rows``). ``counters``: as
+    ``int4_linear``'s (the kind's tiles say whether K splits use them)."""
     if quantize and x_scale is not None:
         raise ValueError("fp8_linear: inputs already in float8 (x_scale given) cannot be quantized again")
     n, k = weight.shape
@@ -502,15 +490,20 @@ def fp8_linear(x: torch.Tensor, x_scale: torch.Tensor | None, act_group: int, we
         kernel, kind, constants = _fp8_left_kernel, "w8a8", {}
     else:
         kernel, kind, constants = _fp8_kernel, "w8a8", {"A_FP8": True}
-    out = _launch(kernel, kind, x, n, k, step, out_dtype, args, lambda t: constants, bias, invariant, tiles)
+    out = _launch(kernel, kind, x, n, k, step, out_dtype, args, lambda t: constants, bias, invariant, tiles,
+                  counters)
     return out.view(*shape[:-1], n)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                bias: torch.Tensor | None, invariant: bool = False, tiles: Tiles | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, invariant: bool = False, tiles: Tiles | None = None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[..., K]`` · W ``[N, K]``ᵀ with W = (q − zeros) · scales per group of
     ``group`` inputs: ``packed`` int32 ``[N, 16 · ⌈K / 128⌉]`` (``pack_int4``), ``scales``
-    ``[N, K / group]`` (any float dtype), ``zeros`` uint8 ``[N, K / group]``."""
+    ``[N, K / group]`` (any float dtype), ``zeros`` uint8 ``[N, K / group]``. ``counters``
+    (``tile_counters``, the layer's own): K splits are added in the launch; without them,
+    by a second launch. Each call sets them back to zeros, but two calls must not use the
+    same counters at once (two streams): each layer holds its own."""
     n, k = packed.shape[0], x.shape[-1]
     if packed.shape[1] != triton.cdiv(k, INT4_CHUNK) * INT4_CHUNK // 8:
         raise ValueError(f"int4 weight of {packed.shape[1] * 8} packed inputs for activations of {k}")
@@ -526,7 +519,14 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     one_row = x.numel() == k and not invariant
     return _launch(_int4_row_kernel if one_row else _int4_kernel, "w4a16_row" if one_row else "w4a16", x, n, k,
                    INT4_CHUNK, x.dtype, args,
-                   lambda t: {"TILE_IN_GROUP": group % INT4_CHUNK == 0 or group >= k}, bias, invariant, tiles)
+                   lambda t: {"TILE_IN_GROUP": group % INT4_CHUNK == 0 or group >= k}, bias, invariant, tiles,
+                   counters)
+
+
+def tile_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeros for ``_finish``'s counters: one per output tile of a weight of ``n`` columns at
+    a decode or verify step's few rows (one row tile; column tiles of 16 or more)."""
+    return torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=device)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -394,10 +394,11 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
 
 
 def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
-    """With K split among programs, the last of a tile's programs to finish adds the
-    partial sums (``_finish``), in the order the second launch (``_sum_splits``) adds them:
-    the same outputs bit for bit, through every kernel, with and without a bias; every
-    tile counter is back at 0 after each launch, ready for the next."""
+    """With K split among programs and the layer's tile counters given, the last of a
+    tile's programs to finish adds the partial sums (``_finish``), in the order the second
+    launch (``_sum_splits``) adds them: the same outputs bit for bit (in fp32, where a
+    different order would show), through every kernel, with and without a bias, at one row
+    and at a verify step's five; every counter is back at 0 after each launch."""
     from specserve.kernels import quant_matmul
 
     g = torch.Generator().manual_seed(4)
@@ -405,31 +406,37 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     fp8 = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (1, k))
     int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
     packed = Int4Linear(int4, None).packed.to(DEVICE)
+    counters = quant_matmul.tile_counters(n, DEVICE)
     sums = Launches(quant_matmul._sum_splits)
     monkeypatch.setattr(quant_matmul, "_sum_splits", sums)
 
     def outputs(in_launch: bool):
         g.manual_seed(5)
         got = []
-        for rows, bias in ((1, torch.randn(n, generator=g)), (5, None)):
-            x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
-            bias = None if bias is None else bias.to(DEVICE, torch.bfloat16)
-            for quantize in (False, True):  # W8A16 (a row kernel at one row), W8A8 (the weights on the left)
-                got.append(quant_matmul.fp8_linear(x, None, k, fp8.values.to(DEVICE), fp8.scale.to(DEVICE), (1, k),
-                                                   bias, torch.bfloat16, tiles=split_tiles(32, in_launch),
-                                                   quantize=quantize))
-            got.append(quant_matmul.int4_linear(x, packed, int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, bias,
-                                                tiles=split_tiles(128, in_launch)))
-            counters = quant_matmul._counters.get(packed.device)
-            assert counters is None or not counters.any()
+        for rows, bias in ((1, torch.randn(n, generator=g)), (5, None), (5, torch.randn(n, generator=g))):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+                b = None if bias is None else bias.to(DEVICE, dtype)
+                for quantize in (False, True):  # W8A16 (the row kernel at one row), W8A8 (the weights on the left)
+                    got.append(quant_matmul.fp8_linear(x, None, k, fp8.values.to(DEVICE), fp8.scale.to(DEVICE),
+                                                       (1, k), b, dtype, tiles=split_tiles(32, in_launch),
+                                                       quantize=quantize, counters=counters))
+                got.append(quant_matmul.int4_linear(x, packed, int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, b,
+                                                    tiles=split_tiles(128, in_launch), counters=counters))
+                assert not counters.any()
         return got
 
     one_launch = outputs(True)
-    assert sums.count == 0 and packed.device in quant_matmul._counters
+    assert sums.count == 0
     two_launches = outputs(False)
     assert sums.count == len(two_launches)
     for a, b in zip(one_launch, two_launches, strict=True):
         assert torch.equal(a, b)
+    # Without counters (or too few for the tiles) the splits go to a second launch.
+    x = torch.randn(1, k, generator=g).to(DEVICE)
+    quant_matmul.int4_linear(x, packed, int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, None,
+                             tiles=split_tiles(128, True), counters=counters[:0])
+    assert sums.count == len(two_launches) + 1
     # The plan sums in the launch where it measured faster on a GPU: 4-bit weights' K splits.
     cpu = torch.device("cpu")
     assert [quant_matmul.plan(True, kind, 128, 4096, 128, cpu)[3:] for kind in ("w4a16_row", "w4a16", "w8a8")] == [
@@ -437,28 +444,36 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     assert not quant_matmul.plan(True, "w4a16_row", 128, 256, 128, cpu).sum_in_launch  # (K whole)
 
 
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
-def test_a_graph_captured_before_the_counters_sums_its_splits_in_a_second_launch(monkeypatch):
-    """The tile counters are made by a launch outside any capture: a CUDA graph captured
-    before them adds its K splits by a second launch, and replays to the eager outputs."""
-    from specserve.kernels import quant_matmul
-
-    monkeypatch.setattr(quant_matmul, "_counters", {})
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs and streams")
+def test_split_k_sums_in_the_launch_in_graphs_and_beside_another_stream():
+    """A 4-bit layer's graph, captured after its counters were made (at load), replays to
+    its eager outputs time after time, leaving the counters at 0; and two layers running at
+    once on two streams (a draft model's pass beside the target's) each sum their own
+    tiles, since each holds its own counters."""
     g = torch.Generator().manual_seed(7)
-    n, k = SHAPES[-1]
-    int4 = quantize_int4(torch.randn(n, k, generator=g) * 0.05, 32)
-    args = (Int4Linear(int4, None).packed.to(DEVICE), int4.scale.to(DEVICE), int4.zero.to(DEVICE), 32, None)
-    x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
-    quant_matmul.int4_linear(x, *args, tiles=split_tiles(128))  # compiles the kernels, makes no counters
+    n, k = 4096, 4096
+    layers = [Int4Linear(_to_device(quantize_int4(torch.randn(n, k, generator=g) * 0.05, 128)), None)
+              for _ in range(2)]
+    xs = [torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    want = [layer(x) for layer, x in zip(layers, xs, strict=True)]
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        captured = quant_matmul.int4_linear(x, *args, tiles=split_tiles(128, sum_in_launch=True))
+        captured = layers[0](xs[0])
     torch.cuda.current_stream().wait_stream(stream)
-    assert not quant_matmul._counters
-    graph.replay()
-    assert torch.equal(captured, quant_matmul.int4_linear(x, *args, tiles=split_tiles(128, sum_in_launch=True)))
-    assert x.device in quant_matmul._counters  # (that eager launch made them)
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(captured, want[0])
+    assert not layers[0].tile_counters.any()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for _ in range(50):
+        with torch.cuda.stream(side):
+            beside = [layers[1](xs[1]) for _ in range(4)]
+        main = [layers[0](xs[0]) for _ in range(4)]
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.equal(out, want[0]) for out in main) and all(torch.equal(out, want[1]) for out in beside)
+    assert not layers[0].tile_counters.any() and not layers[1].tile_counters.any()
 
 
 @pytest.mark.parametrize("group, static", [(48, None), (64, None), (10_000, None), (10_000, 0.004)])

@@ -398,7 +398,8 @@ class Fp8Linear(nn.Module):
     scale per token (and per group of the weight block's width); "static" with the
     checkpoint's scale (per part of a merged projection, each its own); None multiplies
     the input as it is (W8A16). ``deterministic``: every call through the Triton kernel,
-    whose result for a row does not depend on the batch."""
+    whose result for a row does not depend on the batch. On CUDA the layer holds its own
+    tile counters for the Triton GEMM (``Int4Linear``'s reasons)."""
 
     def __init__(self, weight: Fp8Weight, segments, activations: str | None, bias: torch.Tensor | None,
                  deterministic: bool, dtype: torch.dtype | None = None) -> None:
@@ -408,6 +409,12 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", weight.values)
         self.register_buffer("weight_scale", weight.scale.float())
         self.register_buffer("bias", bias)
+        counters = None
+        if weight.values.is_cuda:
+            from specserve.kernels.quant_matmul import tile_counters  # lazy: Triton
+
+            counters = tile_counters(self.out_features, weight.values.device)
+        self.register_buffer("tile_counters", counters, persistent=False)
         # (rows, static input scale) per part where the parts' scales differ, else one
         self.segments = segments or [(self.out_features, weight.input_scale)]
         self.deterministic = deterministic
@@ -472,7 +479,7 @@ class Fp8Linear(nn.Module):
 
         return quant_matmul.fp8_linear(xq, None if x_scale is None else x_scale.expand(xq.shape[0], -1),
                                        act_group, weight, scale, self.block, bias, x.dtype, self.deterministic,
-                                       quantize=quantize)
+                                       quantize=quantize, counters=self.tile_counters)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
@@ -522,16 +529,20 @@ class Int4Linear(nn.Module):
     """A linear layer over 4-bit weights on CUDA (``kernels/quant_matmul.int4_linear``),
     packed eight inputs per int32, with the checkpoint's scales and zero points per group;
     act-order weights read their inputs permuted. ``deterministic``: a row's result does
-    not depend on the batch."""
+    not depend on the batch. The layer's own tile counters let a decode or verify step's
+    K splits be added in the GEMM's launch; its own, because a draft model's pass may run
+    on another stream beside the target's."""
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, deterministic: bool = False) -> None:
         super().__init__()
         self.deterministic = deterministic
         self.out_features, self.in_features = weight.shape
         self.group, self.qtype = weight.group, weight.qtype
-        from specserve.kernels.quant_matmul import pack_int4  # lazy: Triton
+        from specserve.kernels import quant_matmul  # lazy: Triton
 
-        self.register_buffer("packed", pack_int4(weight.q))
+        self.register_buffer("packed", quant_matmul.pack_int4(weight.q))
+        self.register_buffer("tile_counters", quant_matmul.tile_counters(self.out_features, weight.q.device),
+                             persistent=False)
         self.register_buffer("scales", weight.scale)
         self.register_buffer("zeros", weight.zero)
         self.register_buffer("perm", weight.perm)
@@ -543,7 +554,7 @@ class Int4Linear(nn.Module):
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return quant_matmul.int4_linear(x, self.packed, self.scales, self.zeros, self.group, self.bias,
-                                        self.deterministic)
+                                        self.deterministic, counters=self.tile_counters)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}, "
