@@ -24,9 +24,8 @@ one column tile per program leaves most SMs idle, or each with too few bytes in 
 K is split among programs (``plan``): each writes its fp32 partial sums, which are added in
 a fixed order, bias last, and rounded, by the last of the tile's programs to finish
 (``_finish``, 4-bit weights, with the layer's tile counters) or by a second launch
-(``_sum_splits``). With ``invariant`` K is never split
-and the row tile is fixed, so a row's result is the same alone or in any batch
-(``--deterministic``).
+(``_sum_splits``). With ``invariant`` K is never split and the row tile is fixed, so a
+row's result is the same alone or in any batch (``--deterministic``).
 """
 from __future__ import annotations
 
