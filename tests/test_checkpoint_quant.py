@@ -366,8 +366,10 @@ def _quantize_groups(x: torch.Tensor, group: int):
 def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
     """The Triton W4A16 GEMM against (q − z) · s rounded to the activations' dtype, then
     matmul in fp64; groups of 32, 128 or all of K (K tiles over several groups, or within
-    one); tails in N; with the planned tiles and with K split among programs. One row
-    goes through the one-row kernel (no tensor cores), more through the tiled one."""
+    one); tails in N; with the planned tiles and with K split among programs, the partial
+    sums added in the launch on the layer's counters (where there are enough for the
+    tiles). One row goes through the one-row kernel (no tensor cores), more through the
+    tiled one."""
     from specserve.kernels import quant_matmul
 
     one_row = Launches(quant_matmul._int4_row_kernel)
@@ -384,7 +386,8 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
             got = quant_matmul.int4_linear(x.to(DEVICE), packed.to(DEVICE), weight.scale.to(DEVICE),
                                            weight.zero.to(DEVICE), size,
                                            None if bias is None else bias.to(DEVICE, dtype),
-                                           tiles=split_tiles(128, sum_in_launch=True) if split else None)
+                                           tiles=split_tiles(128, sum_in_launch=True) if split else None,
+                                           counters=quant_matmul.tile_counters(n, DEVICE))
             want = x.double() @ weight.dequantize().to(dtype).double().T
             want = want + (0 if bias is None else bias.to(dtype).double())
             err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
