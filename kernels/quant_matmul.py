@@ -225,6 +225,68 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
             bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS, SPLIT_SUM)
 
 
+# Σ_j nibble_j(w) · a_j for one packed word w and its eight inputs a_j (fp32), for CUDA.
+# Nibble j is masked in place into the mantissa of 2^23 (one lop3, with 2^23 held in a
+# register; nibbles 5–7 from w >> 12) and 2^23 subtracted, which leaves q · 2^s exactly
+# (s = 4j, or 4j − 12), so the caller passes a_j · 2^-s: the products, and their sum in
+# order j = 0…7, are the same bits as (float) q · a_j summed so (for inputs above 2^-110,
+# whose scaled copies stay normal). Against shift, mask and
+# int-to-float, this takes a third of the integer-pipe instructions a nibble, the pipe that
+# bounds the one-row kernel (results/quant_gpu/int4_k_lanes_2026-12-05/).
+_NIBBLE_DOTS = tl.constexpr("""{
+.reg .b32 m, h, t;
+mov.b32 m, 0x4B000000;
+shr.u32 h, $1, 12;
+lop3.b32 t, $1, 0x0000000F, m, 0xEA; sub.f32 t, t, 0f4B000000; mul.f32 $0, t, $2;
+lop3.b32 t, $1, 0x000000F0, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $3, $0;
+lop3.b32 t, $1, 0x00000F00, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $4, $0;
+lop3.b32 t, $1, 0x0000F000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $5, $0;
+lop3.b32 t, $1, 0x000F0000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $6, $0;
+lop3.b32 t, h, 0x00000F00, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $7, $0;
+lop3.b32 t, h, 0x0000F000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $8, $0;
+lop3.b32 t, h, 0x000F0000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $9, $0;
+}""")
+
+
+@triton.jit
+def _chunk_products(words, x_row, k0, K, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
+    """One packed chunk's products at one row: ``tile`` ``[BLOCK_N, 16]`` = Σ_j q_j · x
+    over the chunk's eight nibbles, for each column and word (nibble j of word c is input
+    k0 + 16j + c), and ``x_sum`` ``[16]`` = Σ_j x, both in fp32, summed in order of j. With
+    ``PTX`` through ``_NIBBLE_DOTS``, else by shift, mask and conversion (the interpreter
+    runs no PTX); the same bits either way (inputs below 2^-110 aside)."""
+    rc = tl.arange(0, 16)
+    if PTX:
+        a0 = tl.load(x_row + k0 + rc, mask=(k0 + rc) < K, other=0.0).to(tl.float32)
+        a1 = tl.load(x_row + k0 + 16 + rc, mask=(k0 + 16 + rc) < K, other=0.0).to(tl.float32)
+        a2 = tl.load(x_row + k0 + 32 + rc, mask=(k0 + 32 + rc) < K, other=0.0).to(tl.float32)
+        a3 = tl.load(x_row + k0 + 48 + rc, mask=(k0 + 48 + rc) < K, other=0.0).to(tl.float32)
+        a4 = tl.load(x_row + k0 + 64 + rc, mask=(k0 + 64 + rc) < K, other=0.0).to(tl.float32)
+        a5 = tl.load(x_row + k0 + 80 + rc, mask=(k0 + 80 + rc) < K, other=0.0).to(tl.float32)
+        a6 = tl.load(x_row + k0 + 96 + rc, mask=(k0 + 96 + rc) < K, other=0.0).to(tl.float32)
+        a7 = tl.load(x_row + k0 + 112 + rc, mask=(k0 + 112 + rc) < K, other=0.0).to(tl.float32)
+        x_sum = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+        tile = tl.inline_asm_elementwise(
+            _NIBBLE_DOTS, "=r,r,r,r,r,r,r,r,r,r",
+            [words, tl.broadcast_to(a0[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
+             tl.broadcast_to((a1 * 0.0625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),              # 2^-4
+             tl.broadcast_to((a2 * 0.00390625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),          # 2^-8
+             tl.broadcast_to((a3 * 0.000244140625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),      # 2^-12
+             tl.broadcast_to((a4 * 0.0000152587890625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),  # 2^-16
+             tl.broadcast_to((a5 * 0.00390625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
+             tl.broadcast_to((a6 * 0.000244140625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
+             tl.broadcast_to((a7 * 0.0000152587890625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16))],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        tile = tl.zeros(words.shape, dtype=tl.float32)
+        x_sum = tl.zeros([16], dtype=tl.float32)
+        for j in tl.static_range(8):
+            a = tl.load(x_row + k0 + 16 * j + rc, mask=(k0 + 16 * j + rc) < K, other=0.0).to(tl.float32)
+            tile += ((words >> (4 * j)) & 0xF).to(tl.float32) * a[None, :]
+            x_sum += a
+    return tile, x_sum
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                      stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
@@ -240,6 +302,7 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     rc = tl.arange(0, 16)
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + rc)[None, :],
@@ -248,23 +311,18 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
-            tile = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-            x_sum = tl.zeros([16], dtype=tl.float32)
-        for j in tl.static_range(8):
-            kj = k0 + 16 * j
-            a = tl.load(x_ptr + row * stride_xm + kj + rc, mask=(kj + rc) < K, other=0.0).to(tl.float32)
-            q = ((words >> (4 * j)) & 0xF).to(tl.float32)
-            if TILE_IN_GROUP:
-                tile += q * a[None, :]
-                x_sum += a
-            else:
+            tile, x_sum = _chunk_products(words, x_row, k0, K, BLOCK_N, not UPCAST)
+            acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
+        else:
+            for j in tl.static_range(8):
+                kj = k0 + 16 * j
+                a = tl.load(x_row + kj + rc, mask=(kj + rc) < K, other=0.0).to(tl.float32)
+                q = ((words >> (4 * j)) & 0xF).to(tl.float32)
                 group = rn.to(tl.int64) * stride_sn + kj // GROUP
                 g_valid = n_valid & ((kj + tl.zeros_like(rn)) < K)
                 s = tl.load(s_ptr + group, mask=g_valid, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.float32)
                 acc += (tl.sum(q * a[None, :], axis=1) - z * tl.sum(a, axis=0)) * s
-        if TILE_IN_GROUP:
-            acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
     _finish(acc, row * stride_om + rn, rn, n_valid, bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS,
             SPLIT_SUM)
 

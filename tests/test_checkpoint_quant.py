@@ -549,7 +549,8 @@ for x, a_fp8 in (("fp8e4nv", True), ("bf16", False)):
 compile(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64))
 int4 = dict(split, x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16")
 for kernel in (qm._int4_kernel, qm._int4_row_kernel):
-    compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2)
+    compiled = compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2)
+assert "lop3.b32" in compiled.asm["ptx"] and "cvt.rn.f32.u32" not in compiled.asm["ptx"]  # _NIBBLE_DOTS
 compile(qm._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", x_static="fp32"),
         dict(STATIC=False, BLOCK=128))
 compile(qm._sum_splits, dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
@@ -561,11 +562,43 @@ print("compiled")
 @pytest.mark.skipif(CUDA, reason="with a GPU the tests above compile the kernels for real")
 def test_the_quantized_gemms_compile_for_hopper():
     """Every Triton kernel of ``quant_matmul`` compiles for sm_90 (what the interpreter
-    cannot tell), and W8A8's few-row kernel multiplies with wgmma (the point of putting the
-    weights on the left)."""
+    cannot tell), W8A8's few-row kernel multiplies with wgmma (the point of putting the
+    weights on the left), and the 4-bit one-row kernel takes its nibbles through
+    ``_NIBBLE_DOTS`` (no int-to-float conversions)."""
     from sm90_compile import compiles_for_sm90
 
     compiles_for_sm90(COMPILE_FOR_SM90)
+
+
+def test_nibble_dots_give_the_products_of_shift_mask_and_convert_bit_for_bit():
+    """``_NIBBLE_DOTS`` (inline PTX, which only a GPU runs) read as written: each line's
+    mask and source word (w, or h = w >> 12) put nibble j into 2^23's mantissa at some
+    shift s; 2^23 subtracted, times its input scaled by 2^-s (as ``_chunk_products``
+    scales them), gives q · a bit for bit, for every nibble in order, and so the same sum."""
+    import re
+
+    from specserve.kernels import quant_matmul
+
+    lines = re.findall(r"lop3\.b32 t, (\$1|h), (0x[0-9A-F]+), m, 0xEA; sub\.f32 t, t, 0f4B000000; "
+                       r"(?:mul\.f32 \$0, t, \$(\d)|fma\.rn\.f32 \$0, t, \$(\d), \$0);",
+                       quant_matmul._NIBBLE_DOTS.value)
+    assert len(lines) == 8
+    g = torch.Generator().manual_seed(11)
+    words = torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=g)
+    a = torch.randn(8, 4096, generator=g) * torch.logspace(-30, 30, 4096)
+    scales = [1.0, 2.0 ** -4, 2.0 ** -8, 2.0 ** -12, 2.0 ** -16, 2.0 ** -8, 2.0 ** -12, 2.0 ** -16]  # as passed
+    got = want = None
+    for j, (source, mask, first, later) in enumerate(lines):
+        assert int(first or later) == j + 2  # operand $2 + j is input j
+        w = (words & 0xFFFFFFFF) >> (12 if source == "h" else 0)
+        bits = ((w & int(mask, 16)) | 0x4B000000).to(torch.int32)
+        q_shifted = bits.view(torch.float32) - 8388608.0
+        product = q_shifted * (a[j] * scales[j])
+        q = ((words >> (4 * j)) & 0xF).to(torch.float32)
+        assert torch.equal(product, q * a[j]), j
+        got = product if got is None else got + product
+        want = q * a[j] if want is None else want + q * a[j]
+    assert torch.equal(got, want)
 
 
 def _to_device(weight):
