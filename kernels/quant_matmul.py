@@ -204,17 +204,20 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
         if TILE_IN_GROUP:
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.int32)
+            z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
+        bits = _nibble_bits(words) if not UPCAST else words
         for j in tl.static_range(8):
             kj = k0 + 16 * j
             if not TILE_IN_GROUP:
                 group = rn.to(tl.int64) * stride_sn + kj // GROUP
                 g_valid = n_valid & ((kj + tl.zeros_like(rn)) < K)
                 s = tl.load(s_ptr + group, mask=g_valid, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.int32)
+                z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.float32)
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kj + rc)[None, :],
                         mask=m_valid[:, None] & ((kj + rc) < K)[None, :], other=0.0)  # [BLOCK_M, 16]
-            b = ((((words >> (4 * j)) & 0xF) - z[None, :]).to(tl.float32) * s[None, :]).to(a.dtype)
+            # (q − z) · s, exact in fp32 either way ((q − z) · 2^p, then times s · 2^-p)
+            q, scale = _nibble(words, bits, j, z[None, :], not UPCAST)
+            b = (q * (s * scale)[None, :]).to(a.dtype)
             if UPCAST:  # the interpreter cannot multiply bf16
                 acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
             elif IEEE:
@@ -225,65 +228,67 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
             bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS, SPLIT_SUM)
 
 
-# Σ_j nibble_j(w) · a_j for one packed word w and its eight inputs a_j (fp32), for CUDA.
-# Nibble j is masked in place into the mantissa of 2^23 (one lop3, with 2^23 held in a
-# register; nibbles 5–7 from w >> 12) and 2^23 subtracted, which leaves q · 2^s exactly
-# (s = 4j, or 4j − 12), so the caller passes a_j · 2^-s: the products, and their sum in
-# order j = 0…7, are the same bits as (float) q · a_j summed so (for inputs above 2^-110,
-# whose scaled copies stay normal). Against shift, mask and
-# int-to-float, this takes a third of the integer-pipe instructions a nibble, the pipe that
-# bounds the one-row kernel (results/quant_gpu/int4_k_lanes_2026-12-05/).
-_NIBBLE_DOTS = tl.constexpr("""{
-.reg .b32 m, h, t;
+# The eight nibbles of each packed word w, each masked in place into the mantissa of 2^23:
+# one lop3 a nibble (2^23 held in a register; nibbles 5–7 from w >> 12), so nibble j reads
+# as the float 2^23 + q · 2^s, exactly, with s = 4j, or 4j − 12 for nibbles 5–7; 2^23
+# subtracted, that is q · 2^s. With its input (or scale) taken times 2^-s, every product is
+# the same bits as shift, mask and int-to-float would give (for values above 2^-110, whose
+# scaled copies stay normal), at a third of the integer-pipe instructions, the pipe that
+# bounds these kernels (results/quant_gpu/int4_k_lanes_2026-12-05/). The mask and the
+# constant are one lop3 only in PTX: written in Triton, two immediates make ptxas emit two.
+_NIBBLE_BITS = tl.constexpr("""{
+.reg .b32 m, h;
 mov.b32 m, 0x4B000000;
-shr.u32 h, $1, 12;
-lop3.b32 t, $1, 0x0000000F, m, 0xEA; sub.f32 t, t, 0f4B000000; mul.f32 $0, t, $2;
-lop3.b32 t, $1, 0x000000F0, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $3, $0;
-lop3.b32 t, $1, 0x00000F00, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $4, $0;
-lop3.b32 t, $1, 0x0000F000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $5, $0;
-lop3.b32 t, $1, 0x000F0000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $6, $0;
-lop3.b32 t, h, 0x00000F00, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $7, $0;
-lop3.b32 t, h, 0x0000F000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $8, $0;
-lop3.b32 t, h, 0x000F0000, m, 0xEA; sub.f32 t, t, 0f4B000000; fma.rn.f32 $0, t, $9, $0;
+shr.u32 h, $8, 12;
+lop3.b32 $0, $8, 0x0000000F, m, 0xEA;
+lop3.b32 $1, $8, 0x000000F0, m, 0xEA;
+lop3.b32 $2, $8, 0x00000F00, m, 0xEA;
+lop3.b32 $3, $8, 0x0000F000, m, 0xEA;
+lop3.b32 $4, $8, 0x000F0000, m, 0xEA;
+lop3.b32 $5, h, 0x00000F00, m, 0xEA;
+lop3.b32 $6, h, 0x0000F000, m, 0xEA;
+lop3.b32 $7, h, 0x000F0000, m, 0xEA;
 }""")
 
 
 @triton.jit
-def _chunk_products(words, x_row, k0, K, BLOCK_N: tl.constexpr, PTX: tl.constexpr):
+def _nibble_bits(words):
+    """``_NIBBLE_BITS`` of each word: eight int32 tensors shaped as ``words``."""
+    return tl.inline_asm_elementwise(_NIBBLE_BITS, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                     dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _nibble(words, bits, j: tl.constexpr, offset, PTX: tl.constexpr):
+    """Nibble j of each word less ``offset`` (a zero point, or 0), as fp32, and the power
+    of two that its input or scale is to be taken times: ``((q − offset) · 2^s, 2^-s)``
+    from ``_nibble_bits`` with ``PTX`` (one subtraction: the float reads 2^23 + q · 2^s),
+    else ``(q − offset, 1)`` by shift, mask and conversion (the interpreter runs no PTX)."""
+    if PTX:
+        if j <= 4:
+            scale = 0.0625 ** j
+        else:
+            scale = 0.0625 ** (j - 3)
+        return bits[j].to(tl.float32, bitcast=True) - (8388608.0 + offset / scale), scale
+    else:
+        return ((words >> (4 * j)) & 0xF).to(tl.float32) - offset, 1.0
+
+
+@triton.jit
+def _chunk_products(words, x_row, k0, K, PTX: tl.constexpr):
     """One packed chunk's products at one row: ``tile`` ``[BLOCK_N, 16]`` = Σ_j q_j · x
     over the chunk's eight nibbles, for each column and word (nibble j of word c is input
-    k0 + 16j + c), and ``x_sum`` ``[16]`` = Σ_j x, both in fp32, summed in order of j. With
-    ``PTX`` through ``_NIBBLE_DOTS``, else by shift, mask and conversion (the interpreter
-    runs no PTX); the same bits either way (inputs below 2^-110 aside)."""
+    k0 + 16j + c), and ``x_sum`` ``[16]`` = Σ_j x, both in fp32, summed in order of j; the
+    same bits with ``PTX`` or without (``_nibble``)."""
     rc = tl.arange(0, 16)
-    if PTX:
-        a0 = tl.load(x_row + k0 + rc, mask=(k0 + rc) < K, other=0.0).to(tl.float32)
-        a1 = tl.load(x_row + k0 + 16 + rc, mask=(k0 + 16 + rc) < K, other=0.0).to(tl.float32)
-        a2 = tl.load(x_row + k0 + 32 + rc, mask=(k0 + 32 + rc) < K, other=0.0).to(tl.float32)
-        a3 = tl.load(x_row + k0 + 48 + rc, mask=(k0 + 48 + rc) < K, other=0.0).to(tl.float32)
-        a4 = tl.load(x_row + k0 + 64 + rc, mask=(k0 + 64 + rc) < K, other=0.0).to(tl.float32)
-        a5 = tl.load(x_row + k0 + 80 + rc, mask=(k0 + 80 + rc) < K, other=0.0).to(tl.float32)
-        a6 = tl.load(x_row + k0 + 96 + rc, mask=(k0 + 96 + rc) < K, other=0.0).to(tl.float32)
-        a7 = tl.load(x_row + k0 + 112 + rc, mask=(k0 + 112 + rc) < K, other=0.0).to(tl.float32)
-        x_sum = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
-        tile = tl.inline_asm_elementwise(
-            _NIBBLE_DOTS, "=r,r,r,r,r,r,r,r,r,r",
-            [words, tl.broadcast_to(a0[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
-             tl.broadcast_to((a1 * 0.0625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),              # 2^-4
-             tl.broadcast_to((a2 * 0.00390625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),          # 2^-8
-             tl.broadcast_to((a3 * 0.000244140625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),      # 2^-12
-             tl.broadcast_to((a4 * 0.0000152587890625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),  # 2^-16
-             tl.broadcast_to((a5 * 0.00390625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
-             tl.broadcast_to((a6 * 0.000244140625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16)),
-             tl.broadcast_to((a7 * 0.0000152587890625)[None, :].to(tl.int32, bitcast=True), (BLOCK_N, 16))],
-            dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    else:
-        tile = tl.zeros(words.shape, dtype=tl.float32)
-        x_sum = tl.zeros([16], dtype=tl.float32)
-        for j in tl.static_range(8):
-            a = tl.load(x_row + k0 + 16 * j + rc, mask=(k0 + 16 * j + rc) < K, other=0.0).to(tl.float32)
-            tile += ((words >> (4 * j)) & 0xF).to(tl.float32) * a[None, :]
-            x_sum += a
+    bits = _nibble_bits(words) if PTX else words
+    tile = tl.zeros(words.shape, dtype=tl.float32)
+    x_sum = tl.zeros([16], dtype=tl.float32)
+    for j in tl.static_range(8):
+        a = tl.load(x_row + k0 + 16 * j + rc, mask=(k0 + 16 * j + rc) < K, other=0.0).to(tl.float32)
+        q, scale = _nibble(words, bits, j, 0.0, PTX)
+        tile += q * (a * scale)[None, :]
+        x_sum += a
     return tile, x_sum
 
 
@@ -311,7 +316,7 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
-            tile, x_sum = _chunk_products(words, x_row, k0, K, BLOCK_N, not UPCAST)
+            tile, x_sum = _chunk_products(words, x_row, k0, K, not UPCAST)
             acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
         else:
             for j in tl.static_range(8):

@@ -548,9 +548,10 @@ for x, a_fp8 in (("fp8e4nv", True), ("bf16", False)):
     compile(qm._fp8_kernel, dict(fp8, x_ptr="*" + x), dict(tiles, BLOCK_N=128, A_FP8=a_fp8))
 compile(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64))
 int4 = dict(split, x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16")
-for kernel in (qm._int4_kernel, qm._int4_row_kernel):
-    compiled = compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2)
-assert "lop3.b32" in compiled.asm["ptx"] and "cvt.rn.f32.u32" not in compiled.asm["ptx"]  # _NIBBLE_DOTS
+for kernel in (qm._int4_kernel, qm._int4_row_kernel):  # nibbles through _NIBBLE_BITS, none converted
+    ptx = compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2).asm["ptx"]
+    converts = ptx.count("cvt.rn.f32.u32") + ptx.count("cvt.rn.f32.s32")  # (the zero points' remain)
+    assert "lop3.b32" in ptx and converts <= 8, (kernel, converts)
 compile(qm._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", x_static="fp32"),
         dict(STATIC=False, BLOCK=128))
 compile(qm._sum_splits, dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
@@ -563,42 +564,45 @@ print("compiled")
 def test_the_quantized_gemms_compile_for_hopper():
     """Every Triton kernel of ``quant_matmul`` compiles for sm_90 (what the interpreter
     cannot tell), W8A8's few-row kernel multiplies with wgmma (the point of putting the
-    weights on the left), and the 4-bit one-row kernel takes its nibbles through
-    ``_NIBBLE_DOTS`` (no int-to-float conversions)."""
+    weights on the left), and the 4-bit kernels take their nibbles through
+    ``_NIBBLE_BITS`` (no int-to-float conversions)."""
     from sm90_compile import compiles_for_sm90
 
     compiles_for_sm90(COMPILE_FOR_SM90)
 
 
-def test_nibble_dots_give_the_products_of_shift_mask_and_convert_bit_for_bit():
-    """``_NIBBLE_DOTS`` (inline PTX, which only a GPU runs) read as written: each line's
-    mask and source word (w, or h = w >> 12) put nibble j into 2^23's mantissa at some
-    shift s; 2^23 subtracted, times its input scaled by 2^-s (as ``_chunk_products``
-    scales them), gives q · a bit for bit, for every nibble in order, and so the same sum."""
+def test_nibbles_from_ptx_give_the_bits_of_shift_mask_and_convert():
+    """``_NIBBLE_BITS`` (inline PTX, which only a GPU runs) read as written: each line's
+    mask and source word (w, or h = w >> 12) put nibble j, in output j, into 2^23's
+    mantissa at a shift p, the one ``_nibble`` undoes with 2^-p. Then both kernels' uses
+    give the bits of shift, mask and convert: the one-row kernel's product with an input,
+    q · 2^p − 2^23 times x · 2^-p, and the tiled kernel's weight, (q − z) · 2^p times s · 2^-p
+    (z up to 16, GPTQ's v1 zero points plus one)."""
     import re
 
     from specserve.kernels import quant_matmul
 
-    lines = re.findall(r"lop3\.b32 t, (\$1|h), (0x[0-9A-F]+), m, 0xEA; sub\.f32 t, t, 0f4B000000; "
-                       r"(?:mul\.f32 \$0, t, \$(\d)|fma\.rn\.f32 \$0, t, \$(\d), \$0);",
-                       quant_matmul._NIBBLE_DOTS.value)
-    assert len(lines) == 8
+    lines = re.findall(r"lop3\.b32 \$(\d), (\$8|h), (0x[0-9A-F]+), m, 0xEA;", quant_matmul._NIBBLE_BITS.value)
+    assert [int(out) for out, _, _ in lines] == list(range(8))
+    assert "shr.u32 h, $8, 12;" in quant_matmul._NIBBLE_BITS.value
     g = torch.Generator().manual_seed(11)
     words = torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=g)
-    a = torch.randn(8, 4096, generator=g) * torch.logspace(-30, 30, 4096)
-    scales = [1.0, 2.0 ** -4, 2.0 ** -8, 2.0 ** -12, 2.0 ** -16, 2.0 ** -8, 2.0 ** -12, 2.0 ** -16]  # as passed
-    got = want = None
-    for j, (source, mask, first, later) in enumerate(lines):
-        assert int(first or later) == j + 2  # operand $2 + j is input j
+    x = torch.randn(8, 4096, generator=g) * torch.logspace(-30, 30, 4096)
+    z = torch.randint(0, 17, (4096,), generator=g).to(torch.float32)
+    s = (torch.randn(4096, generator=g) * torch.logspace(-20, 20, 4096)).to(torch.bfloat16).float()
+    product = want = None
+    for j, (_, source, mask) in enumerate(lines):
+        p = 4 * j if j <= 4 else 4 * j - 12  # as _nibble's 0.0625 ** j, 0.0625 ** (j - 3)
+        assert int(mask, 16) == 0xF << p, j
         w = (words & 0xFFFFFFFF) >> (12 if source == "h" else 0)
-        bits = ((w & int(mask, 16)) | 0x4B000000).to(torch.int32)
-        q_shifted = bits.view(torch.float32) - 8388608.0
-        product = q_shifted * (a[j] * scales[j])
+        read = ((w & int(mask, 16)) | 0x4B000000).to(torch.int32).view(torch.float32)
         q = ((words >> (4 * j)) & 0xF).to(torch.float32)
-        assert torch.equal(product, q * a[j]), j
-        got = product if got is None else got + product
-        want = q * a[j] if want is None else want + q * a[j]
-    assert torch.equal(got, want)
+        one_row = (read - 8388608.0) * (x[j] * 2.0 ** -p)
+        assert torch.equal(one_row, q * x[j]), j
+        assert torch.equal((read - (8388608.0 + z * 2.0 ** p)) * (s * 2.0 ** -p), (q - z) * s), j
+        product = one_row if product is None else product + one_row
+        want = q * x[j] if want is None else want + q * x[j]
+    assert torch.equal(product, want)
 
 
 def _to_device(weight):
