@@ -205,7 +205,8 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
-        bits = _nibble_bits(words) if not UPCAST else words
+        if BLOCK_M <= 16:  # (see below)
+            bits = _nibble_bits(words, not UPCAST)
         for j in tl.static_range(8):
             kj = k0 + 16 * j
             if not TILE_IN_GROUP:
@@ -215,9 +216,11 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
                 z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.float32)
             a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (kj + rc)[None, :],
                         mask=m_valid[:, None] & ((kj + rc) < K)[None, :], other=0.0)  # [BLOCK_M, 16]
-            # (q − z) · s, exact in fp32 either way ((q − z) · 2^p, then times s · 2^-p)
-            q, scale = _nibble(words, bits, j, z[None, :], not UPCAST)
-            b = (q * (s * scale)[None, :]).to(a.dtype)
+            if BLOCK_M <= 16:  # (q − z) · s as (q − z) · 2^p times s · 2^-p, the same bits
+                q, scale = _nibble(bits, j, z[None, :])
+                b = (q * (s * scale)[None, :]).to(a.dtype)
+            else:  # a 64-row tile (prefill) has no registers to spare for eight nibbles held at once
+                b = ((((words >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]).to(a.dtype)
             if UPCAST:  # the interpreter cannot multiply bf16
                 acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
             elif IEEE:
@@ -252,41 +255,43 @@ lop3.b32 $7, h, 0x000F0000, m, 0xEA;
 
 
 @triton.jit
-def _nibble_bits(words):
-    """``_NIBBLE_BITS`` of each word: eight int32 tensors shaped as ``words``."""
-    return tl.inline_asm_elementwise(_NIBBLE_BITS, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-                                     dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-
-
-@triton.jit
-def _nibble(words, bits, j: tl.constexpr, offset, PTX: tl.constexpr):
-    """Nibble j of each word less ``offset`` (a zero point, or 0), as fp32, and the power
-    of two that its input or scale is to be taken times: ``((q − offset) · 2^s, 2^-s)``
-    from ``_nibble_bits`` with ``PTX`` (one subtraction: the float reads 2^23 + q · 2^s),
-    else ``(q − offset, 1)`` by shift, mask and conversion (the interpreter runs no PTX)."""
+def _nibble_bits(words, PTX: tl.constexpr):
+    """``_NIBBLE_BITS`` of each word: eight int32 tensors shaped as ``words``. Without
+    ``PTX`` (the interpreter, which runs none) the same bits by Triton's own operations."""
     if PTX:
-        if j <= 4:
-            scale = 0.0625 ** j
-        else:
-            scale = 0.0625 ** (j - 3)
-        return bits[j].to(tl.float32, bitcast=True) - (8388608.0 + offset / scale), scale
+        return tl.inline_asm_elementwise(_NIBBLE_BITS, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
     else:
-        return ((words >> (4 * j)) & 0xF).to(tl.float32) - offset, 1.0
+        h = words >> 12
+        return ((words & 0xF) | 0x4B000000, (words & 0xF0) | 0x4B000000, (words & 0xF00) | 0x4B000000,
+                (words & 0xF000) | 0x4B000000, (words & 0xF0000) | 0x4B000000, (h & 0xF00) | 0x4B000000,
+                (h & 0xF000) | 0x4B000000, (h & 0xF0000) | 0x4B000000)
 
 
 @triton.jit
-def _chunk_products(words, x_row, k0, K, PTX: tl.constexpr):
-    """One packed chunk's products at one row: ``tile`` ``[BLOCK_N, 16]`` = Σ_j q_j · x
-    over the chunk's eight nibbles, for each column and word (nibble j of word c is input
-    k0 + 16j + c), and ``x_sum`` ``[16]`` = Σ_j x, both in fp32, summed in order of j; the
-    same bits with ``PTX`` or without (``_nibble``)."""
+def _nibble(bits, j: tl.constexpr, offset):
+    """Nibble j of ``_nibble_bits`` less ``offset`` (a zero point, or 0), as fp32, and the
+    power of two its input or scale is to be taken times: ``((q − offset) · 2^p, 2^-p)``,
+    both exact (one subtraction: the float reads 2^23 + q · 2^p)."""
+    if j <= 4:
+        power = 16.0 ** j
+    else:
+        power = 16.0 ** (j - 3)
+    return bits[j].to(tl.float32, bitcast=True) - (8388608.0 + offset * power), 1.0 / power
+
+
+@triton.jit
+def _chunk_products(bits, x_row, k0, K):
+    """One packed chunk's products at one row from its words' ``_nibble_bits``: ``tile``
+    ``[BLOCK_N, 16]`` = Σ_j q_j · x over the chunk's eight nibbles, for each column and word
+    (nibble j of word c is input k0 + 16j + c), and ``x_sum`` ``[16]`` = Σ_j x, both in fp32,
+    summed in order of j: the bits of shift, mask and convert."""
     rc = tl.arange(0, 16)
-    bits = _nibble_bits(words) if PTX else words
-    tile = tl.zeros(words.shape, dtype=tl.float32)
+    tile = tl.zeros(bits[0].shape, dtype=tl.float32)
     x_sum = tl.zeros([16], dtype=tl.float32)
     for j in tl.static_range(8):
         a = tl.load(x_row + k0 + 16 * j + rc, mask=(k0 + 16 * j + rc) < K, other=0.0).to(tl.float32)
-        q, scale = _nibble(words, bits, j, 0.0, PTX)
+        q, scale = _nibble(bits, j, 0.0)
         tile += q * (a * scale)[None, :]
         x_sum += a
     return tile, x_sum
@@ -312,22 +317,23 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         words = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + rc)[None, :],
                         mask=n_valid[:, None], other=0)                      # [BLOCK_N, 16]; K padded
+        bits = _nibble_bits(words, not UPCAST)
         if TILE_IN_GROUP:
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
-            tile, x_sum = _chunk_products(words, x_row, k0, K, not UPCAST)
+            tile, x_sum = _chunk_products(bits, x_row, k0, K)
             acc += (tl.sum(tile, axis=1) - z * tl.sum(x_sum, axis=0)) * s
         else:
             for j in tl.static_range(8):
                 kj = k0 + 16 * j
                 a = tl.load(x_row + kj + rc, mask=(kj + rc) < K, other=0.0).to(tl.float32)
-                q = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                q, scale = _nibble(bits, j, 0.0)
                 group = rn.to(tl.int64) * stride_sn + kj // GROUP
                 g_valid = n_valid & ((kj + tl.zeros_like(rn)) < K)
                 s = tl.load(s_ptr + group, mask=g_valid, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + group, mask=g_valid, other=0).to(tl.float32)
-                acc += (tl.sum(q * a[None, :], axis=1) - z * tl.sum(a, axis=0)) * s
+                acc += (tl.sum(q * (a * scale)[None, :], axis=1) - z * tl.sum(a, axis=0)) * s
     _finish(acc, row * stride_om + rn, rn, n_valid, bias_ptr, out_ptr, part_ptr, count_ptr, stride_os, HAS_BIAS,
             SPLIT_SUM)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from specserve import LLM, SamplingParams
 from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
-from specserve.kernels import cpu_ops
+from specserve.kernels import cpu_ops, quant_matmul
 from specserve.loader import ModelFiles, _iter_checkpoint, build_model, load_hf_config, quant_scheme
 from specserve.models.checkpoint_quant import (FP8, Fp8Linear, Fp8Weight, Int4Linear, Int4Weight, parse_scheme,
                                                quantize_fp8, quantize_int4)
@@ -571,35 +573,58 @@ def test_the_quantized_gemms_compile_for_hopper():
     compiles_for_sm90(COMPILE_FOR_SM90)
 
 
-def test_nibbles_from_ptx_give_the_bits_of_shift_mask_and_convert():
-    """``_NIBBLE_BITS`` (inline PTX, which only a GPU runs) read as written: each line's
-    mask and source word (w, or h = w >> 12) put nibble j, in output j, into 2^23's
-    mantissa at a shift p, the one ``_nibble`` undoes with 2^-p. Then both kernels' uses
-    give the bits of shift, mask and convert: the one-row kernel's product with an input,
-    q · 2^p − 2^23 times x · 2^-p, and the tiled kernel's weight, (q − z) · 2^p times s · 2^-p
-    (z up to 16, GPTQ's v1 zero points plus one)."""
+@triton.jit
+def _nibbles_kernel(w_ptr, z_ptr, out_ptr, q_ptr, scale_ptr, N: tl.constexpr):
+    """``_nibble_bits`` without PTX, and ``_nibble`` with zero points, for N words."""
+    offs = tl.arange(0, N)
+    bits = quant_matmul._nibble_bits(tl.load(w_ptr + offs), False)
+    z = tl.load(z_ptr + offs)
+    for j in tl.static_range(8):
+        tl.store(out_ptr + j * N + offs, bits[j])
+        q, scale = quant_matmul._nibble(bits, j, z)
+        tl.store(q_ptr + j * N + offs, q)
+        tl.store(scale_ptr + j + 0 * offs, scale + 0.0 * q, mask=offs == 0)
+
+
+def _emulated_ptx(words: torch.Tensor) -> list[torch.Tensor]:
+    """``_NIBBLE_BITS`` carried out as its text says (masks, sources, the register m), on
+    int64 words holding int32 bit patterns: eight int32 tensors."""
     import re
 
-    from specserve.kernels import quant_matmul
-
-    lines = re.findall(r"lop3\.b32 \$(\d), (\$8|h), (0x[0-9A-F]+), m, 0xEA;", quant_matmul._NIBBLE_BITS.value)
+    text = quant_matmul._NIBBLE_BITS.value
+    m = int(re.search(r"mov\.b32 m, (0x[0-9A-F]+);", text).group(1), 16)
+    shift = int(re.search(r"shr\.u32 h, \$8, (\d+);", text).group(1))
+    lines = re.findall(r"lop3\.b32 \$(\d), (\$8|h), (0x[0-9A-F]+), m, 0xEA;", text)  # (a & b) | c
     assert [int(out) for out, _, _ in lines] == list(range(8))
-    assert "shr.u32 h, $8, 12;" in quant_matmul._NIBBLE_BITS.value
+    unsigned = words & 0xFFFFFFFF
+    sources = {"$8": unsigned, "h": unsigned >> shift}
+    return [((sources[src] & int(mask, 16)) | m).to(torch.int32) for _, src, mask in lines]
+
+
+def test_nibbles_from_ptx_give_the_bits_of_shift_mask_and_convert():
+    """``_NIBBLE_BITS`` (inline PTX, which only a GPU runs) carried out as written gives
+    the bits that ``_nibble_bits`` computes without it (the interpreter's path, which the
+    GEMM tests above run on a CPU), and with ``_nibble``'s powers those bits give what shift,
+    mask and int-to-float gave, bit for bit: the one-row kernel's products with an input
+    (q · 2^p − 2^23 times x · 2^-p) and their sum, and the tiled kernel's weights
+    ((q − z) · 2^p times s · 2^-p, z up to 16: GPTQ's v1 zero points plus one)."""
     g = torch.Generator().manual_seed(11)
-    words = torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=g)
-    x = torch.randn(8, 4096, generator=g) * torch.logspace(-30, 30, 4096)
-    z = torch.randint(0, 17, (4096,), generator=g).to(torch.float32)
-    s = (torch.randn(4096, generator=g) * torch.logspace(-20, 20, 4096)).to(torch.bfloat16).float()
+    n = 4096
+    words = torch.randint(-2**31, 2**31, (n,), dtype=torch.int64, generator=g)
+    z = torch.randint(0, 17, (n,), generator=g).to(torch.float32)
+    emulated = _emulated_ptx(words)
+    bits, q_got, scales = torch.empty(8, n, dtype=torch.int32), torch.empty(8, n), torch.empty(8)
+    _nibbles_kernel[(1,)](words.to(torch.int32), z, bits, q_got, scales, N=n)
+    x = torch.randn(8, n, generator=g) * torch.logspace(-30, 30, n)
+    s = (torch.randn(n, generator=g) * torch.logspace(-20, 20, n)).to(torch.bfloat16).float()
     product = want = None
-    for j, (_, source, mask) in enumerate(lines):
-        p = 4 * j if j <= 4 else 4 * j - 12  # as _nibble's 0.0625 ** j, 0.0625 ** (j - 3)
-        assert int(mask, 16) == 0xF << p, j
-        w = (words & 0xFFFFFFFF) >> (12 if source == "h" else 0)
-        read = ((w & int(mask, 16)) | 0x4B000000).to(torch.int32).view(torch.float32)
+    for j in range(8):
+        assert torch.equal(bits[j], emulated[j]), j
         q = ((words >> (4 * j)) & 0xF).to(torch.float32)
-        one_row = (read - 8388608.0) * (x[j] * 2.0 ** -p)
+        read = bits[j].view(torch.float32)
+        one_row = (read - 8388608.0) * (x[j] * scales[j])
         assert torch.equal(one_row, q * x[j]), j
-        assert torch.equal((read - (8388608.0 + z * 2.0 ** p)) * (s * 2.0 ** -p), (q - z) * s), j
+        assert torch.equal(q_got[j] * (s * scales[j]), (q - z) * s), j  # the tiled kernel's weights
         product = one_row if product is None else product + one_row
         want = q * x[j] if want is None else want + q * x[j]
     assert torch.equal(product, want)
