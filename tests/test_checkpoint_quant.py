@@ -613,8 +613,10 @@ def test_nibbles_from_ptx_give_the_bits_of_shift_mask_and_convert():
     words = torch.randint(-2**31, 2**31, (n,), dtype=torch.int64, generator=g)
     z = torch.randint(0, 17, (n,), generator=g).to(torch.float32)
     emulated = _emulated_ptx(words)
-    bits, q_got, scales = torch.empty(8, n, dtype=torch.int32), torch.empty(8, n), torch.empty(8)
-    _nibbles_kernel[(1,)](words.to(torch.int32), z, bits, q_got, scales, N=n)
+    bits, q_got, scales = (torch.empty(8, n, dtype=torch.int32, device=DEVICE), torch.empty(8, n, device=DEVICE),
+                           torch.empty(8, device=DEVICE))
+    _nibbles_kernel[(1,)](words.to(DEVICE, torch.int32), z.to(DEVICE), bits, q_got, scales, N=n)
+    bits, q_got, scales = bits.cpu(), q_got.cpu(), scales.cpu()
     x = torch.randn(8, n, generator=g) * torch.logspace(-30, 30, n)
     s = (torch.randn(n, generator=g) * torch.logspace(-20, 20, n)).to(torch.bfloat16).float()
     product = want = None
