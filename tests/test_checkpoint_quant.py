@@ -554,6 +554,7 @@ for kernel in (qm._int4_kernel, qm._int4_row_kernel):  # nibbles through _NIBBLE
     ptx = compile(kernel, int4, dict(tiles, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=2).asm["ptx"]
     converts = ptx.count("cvt.rn.f32.u32") + ptx.count("cvt.rn.f32.s32")  # (the zero points' remain)
     assert "lop3.b32" in ptx and converts <= 8, (kernel, converts)
+compile(qm._int4_kernel, int4, dict(tiles, SPLIT_SUM=0, BLOCK_M=64, BLOCK_N=128, TILE_IN_GROUP=True), num_stages=4)
 compile(qm._quantize_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", x_static="fp32"),
         dict(STATIC=False, BLOCK=128))
 compile(qm._sum_splits, dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
