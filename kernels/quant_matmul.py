@@ -205,7 +205,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
             group = rn.to(tl.int64) * stride_sn + k0 // GROUP
             s = tl.load(s_ptr + group, mask=n_valid, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + group, mask=n_valid, other=0).to(tl.float32)
-        if BLOCK_M <= 16:  # (see below)
+        if BLOCK_M <= 16:  # a decode or verify step's row tile (FEW_ROWS): nibbles by lop3 (``_nibble``)
             bits = _nibble_bits(words, not UPCAST)
         for j in tl.static_range(8):
             kj = k0 + 16 * j
