@@ -309,8 +309,6 @@ def test_the_fp8_gemm_computes_its_reference(block, activations, dtype, split, m
     given in their float dtype (``quantize``; here with a leading dimension and strided
     rows) give the same outputs bit for bit, rounded to float8 by a launch of their own
     (``quantize_rows``)."""
-    from specserve.kernels import quant_matmul
-
     one_row = Launches(quant_matmul._fp8_row_kernel)
     left = Launches(quant_matmul._fp8_left_kernel)
     quantizer = Launches(quant_matmul._quantize_kernel)
@@ -372,8 +370,6 @@ def test_the_int4_gemm_computes_its_reference(group, dtype, split, monkeypatch):
     sums added in the launch on the layer's counters (where there are enough for the
     tiles). One row goes through the one-row kernel (no tensor cores), more through the
     tiled one."""
-    from specserve.kernels import quant_matmul
-
     one_row = Launches(quant_matmul._int4_row_kernel)
     monkeypatch.setattr(quant_matmul, "_int4_row_kernel", one_row)
     g = torch.Generator().manual_seed(3)
@@ -404,8 +400,6 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     launch (``_sum_splits``) adds them: the same outputs bit for bit (in fp32, where a
     different order would show), through every kernel, with and without a bias, at one row
     and at a verify step's five; every counter is back at 0 after each launch."""
-    from specserve.kernels import quant_matmul
-
     g = torch.Generator().manual_seed(4)
     n, k = SHAPES[-1]
     fp8 = quantize_fp8(torch.randn(n, k, generator=g) * 0.05, (1, k))
@@ -486,8 +480,6 @@ def test_the_activation_quantizer_rounds_as_torch_does(group, static):
     """The one-launch float8 quantizer of the inputs (CUDA's path; the interpreter here)
     gives torch's values: the scales bit for bit, and every rounding, ties to even,
     subnormals and the clamp at 448 included (inputs over 4 decades of magnitude)."""
-    from specserve.kernels import quant_matmul
-
     g = torch.Generator().manual_seed(6)
     x = torch.randn(5, 192, generator=g) * torch.logspace(-3, 1, 192) * (50 if static else 1)
     x[0, :3] = torch.tensor([448 * 0.004 * 1.5, 2.0 ** -9 * 0.004 * 2.5, 0.0])  # clamp, a subnormal tie
