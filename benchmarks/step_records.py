@@ -12,10 +12,12 @@ settings take turns over the rounds, as in ``adaptive_check.py``.
     python benchmarks/step_records.py                                   # CPU, chat, 128 requests
     python benchmarks/step_records.py --device cuda --num-prompts 384 --num-kv-blocks 4096 --rounds 3
     python benchmarks/step_records.py --device cuda --method draft_model --num-prompts 192
+    python benchmarks/step_records.py --device cuda --method draft_model --request-rate 256
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method``)
@@ -27,20 +29,35 @@ SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method`
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    from specserve.bench.offline import (add_settings_flags, add_turns_flags, chosen_settings,
-                                         engine_flags, report, take_turns)
+    from specserve.bench.offline import (
+        add_settings_flags,
+        add_turns_flags,
+        chosen_settings,
+        engine_flags,
+        report,
+        take_turns,
+    )
     from specserve.bench.recorder import FIELDS, StepRecorder, summarise
 
     add_turns_flags(parser, num_prompts=128)
     parser.set_defaults(workloads="chat")
     add_settings_flags(parser, SETTINGS)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second (Poisson arrivals, as `bench offline`'s); default: all at once")
     parser.add_argument("--method", default="ngram", help="the speculation method of the fixed-k and "
                         "adaptive settings (ngram, draft_model: the default model's built-in draft, ...)")
     args = parser.parse_args(argv)
     chosen = chosen_settings(parser, args, SETTINGS)
 
     from specserve import LLMEngine
+    from specserve.bench.arrivals import arrival_times, check_rate
     from specserve.bench.cli import describe_machine
+
+    try:
+        check_rate(args.request_rate)
+    except ValueError as e:
+        parser.error(str(e))
+    arrivals = None if math.isinf(args.request_rate) else arrival_times(args.num_prompts, args.request_rate)
 
     common = engine_flags(args, speculative_method=args.method, num_speculative_tokens=args.k)
     engines = {name: LLMEngine(**{**common, **SETTINGS[name]}) for name in chosen}
@@ -50,15 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": describe_machine(), "args": vars(args), "fields": list(FIELDS), "runs": []}
     for workload, round_, name, run in take_turns(engines, args.workloads.split(","), args.num_prompts,
                                                   args.output_len, args.rounds, args.num_warmups,
-                                                  lambda name: recorders[name].recording()):
+                                                  lambda name: recorders[name].recording(), arrivals=arrivals):
         steps = recorders[name].steps
         results["runs"].append({"workload": workload, "setting": name, "round": round_,
-                                "output_throughput": run["output_throughput"],
-                                "summary": summarise(steps, full_batch), "steps": steps})
+                                "output_throughput": run["output_throughput"], "duration": run["duration"],
+                                "mean_ttft_ms": run.get("mean_ttft_ms"),
+                                "summary": summarise(steps, full_batch), "checks": checks(engines[name]),
+                                "steps": steps})
         print(f"{workload:9s} round {round_} {name:9s} {run['output_throughput']:9.1f} tok/s "
               f"{len(steps)} steps", flush=True)
     report(results, table(results["runs"]), args.json)
     return 0
+
+
+def checks(engine) -> dict:
+    """The goodput check of each kind of step (padded, with a prompt chunk, batch size's
+    bit length) as it stands after a run: its ratio, z, veto, steps per side and checks."""
+    controller = engine.speculator.controller
+    if controller is None:
+        return {}
+    return {str(kind): {"ratio": check.ratio, "z": check.z, "vetoed": check.vetoed,
+                        "steps": list(check.steps_seen), "checks": check.num_checks}
+            for kind, check in controller.checks.items()}
 
 
 def table(runs: list[dict]) -> str:

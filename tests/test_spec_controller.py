@@ -1547,8 +1547,10 @@ def test_the_check_benchmark_runs_every_setting(tiny_model_dir, tmp_path, capsys
 
 def test_the_step_records_benchmark_records_every_step(tiny_model_dir, tmp_path, capsys):
     """benchmarks/step_records.py on a tiny model: every setting's every step is
-    recorded (their emitted tokens add up to the run's output), steps are told apart by
-    kind, full plain steps get their host phases, and a wrong setting is refused."""
+    recorded (their emitted tokens add up to the run's output) with its start, steps are
+    told apart by kind, full plain steps get their host phases, the adaptive engine's
+    goodput checks are reported, a request rate spreads the arrivals, and a wrong setting
+    or rate is refused."""
     import importlib.util
     import json
     from pathlib import Path
@@ -1576,9 +1578,26 @@ def test_the_step_records_benchmark_records_every_step(tiny_model_dir, tmp_path,
         if r["setting"] == "fixed k":
             assert sum(s[col["drafts"]] for s in r["steps"]) > 0
     assert "full_plain_us" in runs[0]["summary"]  # four requests decoding without drafts
+    for r in runs:  # each step's start, in order, within the run's wall time
+        starts = [s[col["start_s"]] for s in r["steps"]]
+        assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] < r["duration"]
+        # the goodput checks of the kinds the adaptive engine ran (none without a controller)
+        assert bool(r["checks"]) == (r["setting"] == "adaptive")
+        assert all(set(c) == {"ratio", "z", "vetoed", "steps", "checks"} for c in r["checks"].values())
     assert "| off |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        module.main(["--settings", "of"])
+    # At a request rate the requests arrive over time: the run lasts at least until the last one.
+    out = tmp_path / "rate.json"
+    assert module.main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--workloads",
+                        str(workload), "--num-prompts", "6", "--output-len", "4", "--rounds", "1",
+                        "--num-warmups", "1", "--num-kv-blocks", "256", "--settings", "off",
+                        "--request-rate", "20", "--json", str(out)]) == 0
+    from specserve.bench.arrivals import arrival_times
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["duration"] >= arrival_times(6, 20.0)[-1]
+    for bad in (["--settings", "of"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            module.main(bad)
+        assert exc.value.code == 2
 
 
 def test_the_plan_on_simulated_gpu_steps_stays_near_the_best_fixed_k():

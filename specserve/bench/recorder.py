@@ -1,5 +1,6 @@
 """Per-step records of an engine while a benchmark runs it: what each step fed, drafted
-and emitted, its wall time and its drafting and verify passes', and the host phases
+and emitted, when it started (seconds into the recording), its wall time and its drafting
+and verify passes', and the host phases
 around them (choosing k, scheduling, update, postprocess, the controller's bookkeeping,
 garbage collection). ``StepRecorder`` wraps the engine's methods on the instance, only
 while a run is recorded; ``summarise`` groups a run's records by kind of step."""
@@ -11,7 +12,7 @@ import time
 from contextlib import contextmanager
 
 FIELDS = ("requests", "prefill_tokens", "drafts", "emitted", "step_s", "verify_s",
-          "choose_s", "schedule_s", "update_s", "postprocess_s", "controller_s", "gc_s")
+          "choose_s", "schedule_s", "update_s", "postprocess_s", "controller_s", "gc_s", "start_s")
 PHASES = ("choose_s", "schedule_s", "update_s", "postprocess_s", "controller_s", "gc_s")
 
 
@@ -68,13 +69,16 @@ class StepRecorder:
             cur["drafts"] = sum(len(p.draft_token_ids) for p in planned)
             return result
 
+        began = time.perf_counter()
+
         def recorded_step():
             cur.clear()
             start = time.perf_counter()
             outputs = step()
             elapsed = time.perf_counter() - start
             if "requests" in cur:  # a step that ran a pass
-                cur.update(step_s=elapsed, emitted=sum(len(o.delta_token_ids) for o in outputs))
+                cur.update(step_s=elapsed, emitted=sum(len(o.delta_token_ids) for o in outputs),
+                           start_s=start - began)
                 self.steps.append([cur.get(name, 0.0) for name in FIELDS])
             return outputs
 

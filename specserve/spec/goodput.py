@@ -79,6 +79,11 @@ class GoodputCheck:
         self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
 
     @property
+    def steps_seen(self) -> tuple[int, int]:
+        """Steps seen per side (drafted, plain), undecayed."""
+        return self._counts[0], self._counts[1]
+
+    @property
     def ratio(self) -> float:
         """Goodput of the steps with drafts over that of the steps without (1: unknown)."""
         (_, drafted_tokens, drafted_s, *_), (_, plain_tokens, plain_s, *_) = self._sums
