@@ -18,8 +18,13 @@ def kind(step: dict) -> str:
     return ("prefill+drafted" if drafted else "prefill") if prefill else ("drafted" if drafted else "plain")
 
 
+def _rate(b: list) -> str:
+    return f"{b[2] / b[1]:6.0f}" if b[1] else "     -"
+
+
 def analyse(path: str) -> None:
-    data = json.load(open(path))
+    with open(path) as f:
+        data = json.load(f)
     fields = data["fields"]
     print(f"# {path}: {data['args']['num_prompts']} prompts")
     for run in data["runs"]:
@@ -58,8 +63,8 @@ def analyse(path: str) -> None:
         line = []
         for size in sorted(bins):
             plain, drafted = bins[size]
-            rate = lambda b: f"{b[2] / b[1]:6.0f}" if b[1] else "     -"  # noqa: E731
-            line.append(f"{1 << (size - 1)}+: plain {plain[0]} {rate(plain)}, drafted {drafted[0]} {rate(drafted)}")
+            rate = lambda b: f"{b[2] / b[1]:6.0f}" if b[1] else "     -"
+            line.append(f"{1 << (size - 1)}+: plain {plain[0]} {_rate(plain)}, drafted {drafted[0]} {_rate(drafted)}")
         print("  by batch (tok/s, no chunk): " + "; ".join(line))
         if run.get("checks"):
             print("  checks: " + "; ".join(f"{k} r={v['ratio']:.2f} z={v['z']:.1f} veto={int(v['vetoed'])} "

@@ -7,7 +7,8 @@ tail): steps, seconds and tokens of each, and goodput (tokens per ms).
 import json
 import sys
 
-data = json.load(open(sys.argv[1] if len(sys.argv) > 1 else "sweep_records.json"))
+with open(sys.argv[1] if len(sys.argv) > 1 else "sweep_records.json") as f:
+    data = json.load(f)
 fields = data["fields"]
 print("| round | setting | tok/s | wall s | prompt steps | 16+ requests: steps, s, tokens, tok/ms "
       "| 8-15: steps, s, tokens, tok/ms | < 8: steps, s, tokens, tok/ms |")

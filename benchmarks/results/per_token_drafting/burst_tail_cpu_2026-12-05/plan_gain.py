@@ -1,10 +1,17 @@
-import math, json, sys
+"""Logs, per plan of the CPU default, the goodput it promises over the plan without drafts
+(chat, 24 prompts, 2 requests/s then all at once, two rounds).
+
+    python plan_gain.py chat
+"""
+import sys
+
 import numpy as np
+
+import specserve.spec.controller as C
 from specserve import LLMEngine
 from specserve.bench.arrivals import arrival_times
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
 from specserve.bench.workloads import load_workload
-import specserve.spec.controller as C
 
 log = []
 inner = C.plan_draft_lengths
@@ -27,7 +34,7 @@ for rnd in range(2):
     PHASE[0] = f"r{rnd} inf"
     r = run_offline(e, reqs, token_ids=ids, progress=False)
     print(rnd, r["output_throughput"])
-for ph in sorted(set(p for *_, p in log)):
+for ph in sorted({p for *_, p in log}):
     rows = [l for l in log if l[4] == ph]
     for lo, hi in ((1, 4), (4, 8), (8, 16), (16, 64)):
         sel = [l for l in rows if lo <= l[0] < hi]

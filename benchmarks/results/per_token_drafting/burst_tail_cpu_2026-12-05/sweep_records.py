@@ -19,7 +19,7 @@ from specserve.bench.offline import prompt_ids, run_offline, warm_up
 from specserve.bench.recorder import FIELDS, StepRecorder, summarise
 from specserve.bench.workloads import load_workload
 
-SETTINGS = {"off": dict(speculative_method="none"), "adaptive": dict(speculative_method="draft_model")}
+SETTINGS = {"off": {"speculative_method": "none"}, "adaptive": {"speculative_method": "draft_model"}}
 
 
 def main() -> None:
