@@ -51,10 +51,13 @@ def main() -> None:
                 steps = recorders[name].steps
                 out["runs"].append({"workload": args.workload, "rate": rate, "round": round_, "setting": name,
                                     "output_throughput": run["output_throughput"], "duration": run["duration"],
-                                    "mean_ttft_ms": run.get("mean_ttft_ms"), "summary": summarise(steps, 20),
+                                    **{key: run.get(key) for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
+                                                                     "median_e2el_ms", "p99_e2el_ms")},
+                                    "summary": summarise(steps, 20),
                                     "steps": steps})
                 print(f"round {round_} rate {rate} {name:9s} {run['output_throughput']:7.1f} tok/s, "
-                      f"{len(steps)} steps, drafted {sum(1 for s in steps if s[2])}", flush=True)
+                      f"{len(steps)} steps, drafted {sum(1 for s in steps if s[2])}, mean latency "
+                      f"{run.get('mean_e2el_ms') or 0:.0f} ms", flush=True)
     with open(args.json, "w") as f:
         json.dump(out, f)
 

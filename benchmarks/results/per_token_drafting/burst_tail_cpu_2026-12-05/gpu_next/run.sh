@@ -16,6 +16,7 @@ for rate in inf 256; do
     > $OUT/records_chat_$rate.log 2>&1
   echo "== $rate at $(( $(date +%s) - T0 )) s"; grep "round" $OUT/records_chat_$rate.log | head -12
   python $D/analyse.py $OUT/records_chat_$rate.json > $OUT/analysis_chat_$rate.txt 2>&1
+  python $D/phases.py $OUT/records_chat_$rate.json | tee $OUT/phases_chat_$rate.txt
 done
 PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=/root/ext timeout 150 python benchmarks/adaptive_host_time.py --device cuda \
   --prompts 6 --k 4 > $OUT/host_time_batch1.log 2>&1
