@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 from specserve import LLMEngine
 from specserve.bench.arrivals import arrival_times, parse_rates
@@ -18,6 +20,9 @@ from specserve.bench.cli import describe_machine
 from specserve.bench.offline import prompt_ids, run_offline, warm_up
 from specserve.bench.recorder import FIELDS, StepRecorder, summarise
 from specserve.bench.workloads import load_workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
+from step_records import checks
 
 SETTINGS = {"off": {"speculative_method": "none"}, "adaptive": {"speculative_method": "draft_model"}}
 
@@ -53,7 +58,7 @@ def main() -> None:
                                     "output_throughput": run["output_throughput"], "duration": run["duration"],
                                     **{key: run.get(key) for key in ("mean_ttft_ms", "mean_tpot_ms", "mean_e2el_ms",
                                                                      "median_e2el_ms", "p99_e2el_ms")},
-                                    "summary": summarise(steps, 20),
+                                    "summary": summarise(steps, 20), "checks": checks(engines[name]),
                                     "steps": steps})
                 print(f"round {round_} rate {rate} {name:9s} {run['output_throughput']:7.1f} tok/s, "
                       f"{len(steps)} steps, drafted {sum(1 for s in steps if s[2])}, mean latency "
