@@ -10,7 +10,8 @@ tokens/s, speed-up over speculation off, how many verify steps kept a further dr
 path's tokens (``draft_model:paths=N``), and how many outputs equal speculation off's
 (all in float32; bf16 batched numerics may differ). A method's options
 (``workloads.drafter_settings``): ``:paths=N``, ``:tree=N`` (a dynamic draft tree), ``:k=N``
-(its own k instead of ``--k``). ``--adaptive`` lets each engine choose k (up to ``--k``)
+(its own k instead of ``--k``), ``:q=KIND`` (a draft checkpoint's layers quantized as KIND
+on a CPU). ``--adaptive`` lets each engine choose k (up to ``--k``)
 and whether to verify further paths, as it does by default. Works on CPU and CUDA.
 
     python benchmarks/draft_acceptance.py [--prompts 8] [--batch 1,8] [--adaptive] [--json out.json]

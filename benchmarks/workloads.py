@@ -28,17 +28,19 @@ def drafter_settings(spec: str) -> dict:
     it, each after a ``:`` — ``paths=N`` verifies N draft paths per request
     (``num_draft_paths``), ``tree=N`` a draft tree of N further nodes (``draft_tree_nodes``),
     ``k=N`` drafts N tokens where the benchmark's own k would be used
-    (``num_speculative_tokens``)."""
+    (``num_speculative_tokens``), ``q=KIND`` quantizes a draft checkpoint's layers on a CPU
+    as KIND (``draft_quantization``: none, Q8_0, Q4_1, Q4_0)."""
     spec, *options = spec.split(":")
     method, _, path = spec.partition("@")
     settings = {"speculative_method": method, **({"draft_model": path} if path else {})}
-    names = {"paths": "num_draft_paths", "tree": "draft_tree_nodes", "k": "num_speculative_tokens"}
+    names = {"paths": "num_draft_paths", "tree": "draft_tree_nodes", "k": "num_speculative_tokens",
+             "q": "draft_quantization"}
     for text in options:
         name, _, value = text.partition("=")
         option = names.get(name)
-        if option is None or not value.isdigit() or option in settings:
-            raise SystemExit(f"unknown or repeated drafter option {text!r} (expected paths=N, tree=N or k=N)")
-        settings[option] = int(value)
+        if option is None or not value or not (value.isdigit() or name == "q") or option in settings:
+            raise SystemExit(f"unknown or repeated drafter option {text!r} (expected paths=N, tree=N, k=N or q=KIND)")
+        settings[option] = value if name == "q" else int(value)
     return settings
 
 
