@@ -2,13 +2,14 @@
 off, HF transformers ``generate`` (float32, its default, and bfloat16, specserve's dtype
 here) and HF prompt-lookup ``generate``, all in one run.
 
-Greedy, EOS ignored, a fixed number of new tokens per prompt. Batch 1 runs the prompts of
-a workload one after another; batch 8 runs 8 prompts of it at once. Outputs with
+Greedy, EOS ignored, a fixed number of new tokens per prompt, prompt processing included
+(each run starts with the engine's prefix cache emptied). Batch 1 runs the prompts of a
+workload one after another; batch 8 runs 8 prompts of it at once. Outputs with
 speculation are compared with speculation off (token-identical in float32; in bfloat16
 batched numerics may differ, and the count of identical outputs is printed). One engine
 per drafter is loaded once; k varies per request (``SamplingParams.num_speculative_tokens``).
 
-    python benchmarks/speculation_cpu.py [--max-tokens 64] [--ks 1,2,3,4,5,6,7,8]
+    python benchmarks/speculation_cpu.py [--max-tokens 64] [--ks 1,2,3,4,5,6,7,8] [--adaptive]
 """
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def run_engine(llm, prompts, batch: int, max_tokens: int, k: int):
+def run_engine(llm, prompts, batch: int, max_tokens: int, k: int | None):
     from specserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                             num_speculative_tokens=k)
+    # Every run pays its prompts' processing: a k of the sweep would otherwise find them in
+    # the prefix cache from the k before it, and speculation off and the default would not.
+    llm.engine.kv.reset_prefix_cache()
     stats0 = _snapshot(llm)
     outs, seconds = [], 0.0
     for start in range(0, len(prompts), batch):
@@ -79,6 +83,8 @@ def main() -> None:
     parser.add_argument("--prompts-per-workload", type=int, default=4,
                         help="prompts run one at a time for batch 1")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also each drafter as the engine runs it by default (k chosen every step)")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -86,18 +92,29 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from specserve import LLM
+    from specserve.bench.prompt_sets import held_out_prompts
     from specserve.loader import resolve_model
 
     engines = {"off": LLM(dtype=args.dtype)}
     for name in args.drafters.split(","):
         engines[name] = LLM(dtype=args.dtype, num_speculative_tokens=max(ks), speculative_adaptive=False,
                             **drafter_settings(name))  # k per request: the sweep
+        if args.adaptive:  # the engine's default: k chosen every step
+            engines[f"{name}, adaptive"] = LLM(dtype=args.dtype, **drafter_settings(name))
     llm = engines["off"]
     tok = llm.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(resolve_model(None).path, dtype=torch.bfloat16).eval()
     for model in (hf, hf16):  # warm-up: the first generate pays one-off costs
         run_hf(model, tok, chat_prompts(tok, WORKLOADS["chat"])[:1], 1, 4)
+    # Every engine warmed up on other prompts of each kind, alone and 8 at once, as a served
+    # engine has run before it is measured: one-off costs paid, and an adaptive engine's
+    # cost models and acceptance seen (not the measured prompts: their prefixes would be cached).
+    for kind in ("code", "chat"):
+        others = chat_prompts(tok, held_out_prompts(kind, 24)[16:])
+        for engine in engines.values():
+            run_engine(engine, others[:2], 1, 32, None)
+            run_engine(engine, others, args.batch, 32, None)
     dtype = str(llm.engine.dtype).removeprefix("torch.")
     cpu = machine_name(torch.device("cpu"))
 
@@ -105,7 +122,6 @@ def main() -> None:
     for workload, messages in WORKLOADS.items():
         prompts = chat_prompts(tok, messages)
         for batch, chosen in ((1, prompts[:args.prompts_per_workload]), (args.batch, prompts[:args.batch])):
-            llm.generate(chosen[:1], use_tqdm=False)  # warm-up
             base = run_engine(llm, chosen, batch, args.max_tokens, 0)
             hf_plain = run_hf(hf, tok, chosen, batch, args.max_tokens)
             hf_bf16 = run_hf(hf16, tok, chosen, batch, args.max_tokens)
@@ -121,6 +137,10 @@ def main() -> None:
                     same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
                     label = name if "@" not in name else f"{name.split('@')[0]}@{Path(name.split('@')[1]).name}"
                     entries.append((f"specserve {label}", k, r, same))
+                if args.adaptive:
+                    r = run_engine(engines[f"{name}, adaptive"], chosen, batch, args.max_tokens, None)
+                    same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
+                    entries.append((f"specserve {label}, adaptive (default)", "", r, same))
             for label, k, r, same in entries:
                 row = {"workload": workload, "batch": batch, "method": label, "k": k,
                        "tokens_per_s": round(r["tokens_per_s"], 1),
@@ -139,11 +159,12 @@ def main() -> None:
     for workload, batch, entries, hf_plain, hf_bf16 in rows:
         best = {}
         for label, k, r, _ in entries:
-            if label.startswith("specserve ") and "off" not in label:
+            if label.startswith("specserve ") and "off" not in label and "adaptive" not in label:
                 if label not in best or r["tokens_per_s"] > best[label][1]["tokens_per_s"]:
                     best[label] = (k, r)
         shown = [(label, k, r) for label, k, r, _ in entries if not label.startswith("specserve ")
-                 or "off" in label] + [(f"{label} (best k)", k, r) for label, (k, r) in best.items()]
+                 or "off" in label] + [(f"{label} (best k)", k, r) for label, (k, r) in best.items()] + \
+            [(label, k, r) for label, k, r, _ in entries if "adaptive" in label]
         for label, k, r in shown:
             al = r.get("acceptance_length")
             print(f"| {workload} | {batch} | {label} | {k} | {r['tokens_per_s']:.1f} | "
