@@ -80,7 +80,8 @@ class GoodputCheck:
 
     @property
     def steps_seen(self) -> tuple[int, int]:
-        """Steps seen per side (drafted, plain), undecayed."""
+        """Steps counted per side (drafted, plain), undecayed; where the kind started from a
+        neighbour's evidence (``inherit``), its share of the neighbour's count included."""
         return self._counts[0], self._counts[1]
 
     @property
