@@ -1,9 +1,9 @@
 """Per-step records of an engine while a benchmark runs it: what each step fed, drafted
 and emitted, when it started (seconds into the recording), its wall time and its drafting
-and verify passes', and the host phases
-around them (choosing k, scheduling, update, postprocess, the controller's bookkeeping,
-garbage collection). ``StepRecorder`` wraps the engine's methods on the instance, only
-while a run is recorded; ``summarise`` groups a run's records by kind of step."""
+and verify passes', and the host phases around them (choosing k, scheduling, update,
+postprocess, the controller's bookkeeping, garbage collection). ``StepRecorder`` wraps the
+engine's methods on the instance, only while a run is recorded; ``summarise`` groups a
+run's records by kind of step."""
 from __future__ import annotations
 
 import gc
