@@ -31,10 +31,11 @@ SETTINGS = {  # name -> (engine kwargs, controller attributes)
 }
 
 
-def eager_plan(caps: dict[str, int], *_args) -> tuple[np.ndarray, set[str], None]:
+def eager_plan(caps: dict[str, int], *_args) -> tuple[np.ndarray, set[str], None, float]:
     """Every request drafts its cap (and verifies every draft path it may): the plan of a
-    cost model that takes drafts for free (and knows no prices: n-gram drafts need none)."""
-    return np.fromiter(caps.values(), dtype=int, count=len(caps)), set(), None
+    cost model that takes drafts for free (and knows no prices: n-gram drafts need none,
+    and it promises nothing)."""
+    return np.fromiter(caps.values(), dtype=int, count=len(caps)), set(), None, 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

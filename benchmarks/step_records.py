@@ -24,6 +24,10 @@ SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method`
     "off": dict(speculative_method="none"),
     "fixed k": dict(speculative_adaptive=False),
     "adaptive": dict(),
+    "adaptive, promises ignored": dict(),
+}
+CONTROLLER = {  # name -> controller attributes set after the engine is made
+    "adaptive, promises ignored": dict(keep_promises=False),  # the plan's bar as measured (GoodputCheck.promise)
 }
 
 
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     add_turns_flags(parser, num_prompts=128)
     parser.set_defaults(workloads="chat")
     add_settings_flags(parser, SETTINGS)
+    parser.set_defaults(settings="off;fixed k;adaptive")  # the others when named
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals, as `bench offline`'s); default: all at once")
     parser.add_argument("--method", default="ngram", help="the speculation method of the fixed-k and "
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     common = engine_flags(args, speculative_method=args.method, num_speculative_tokens=args.k)
     engines = {name: LLMEngine(**{**common, **SETTINGS[name]}) for name in chosen}
+    for name, attributes in CONTROLLER.items():
+        for attribute, value in attributes.items() if name in engines else ():
+            setattr(engines[name].speculator.controller, attribute, value)
     recorders = {name: StepRecorder(engine) for name, engine in engines.items()}
     full_batch = int(0.9 * args.max_num_seqs)
 
@@ -82,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def checks(engine) -> dict:
     """The goodput check of each kind of step (padded, with a prompt chunk, batch size's
-    bit length) as it stands after a run: its ratio, z, veto, steps per side and checks."""
+    bit length) as it stands after a run: its ratio, z, veto, steps per side, checks and
+    promise factor."""
     controller = engine.speculator.controller
     if controller is None:
         return {}
     return {str(kind): {"ratio": check.ratio, "z": check.z, "vetoed": check.vetoed,
-                        "steps": list(check.steps_seen), "checks": check.num_checks}
+                        "steps": list(check.steps_seen), "checks": check.num_checks, "promise": check.promise}
             for kind, check in controller.checks.items()}
 
 

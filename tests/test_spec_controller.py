@@ -1182,6 +1182,75 @@ def test_a_plan_must_beat_what_its_kinds_steps_without_drafts_were_seen_to_cost(
     assert ctl.last.planned and any(chosen.values()) != measured
 
 
+def test_a_kinds_promise_factor_is_what_its_drafts_delivered_beyond_what_was_promised():
+    """``GoodputCheck.promise``: 1 until drafted steps with a promise are seen, and where
+    they deliver no more than promised; where they deliver more, that factor, shrunk
+    towards 1 as if ``PROMISE_PRIOR_STEPS`` steps had kept their promise, and at most
+    ``PROMISE_MAX``. Plain steps and drafted steps without a promise (a check's) tell
+    nothing of it; a kind new to the check takes its neighbour's at ``INHERIT`` weight."""
+    from specserve.spec.goodput import INHERIT, PROMISE_MAX, PROMISE_PRIOR_STEPS, GoodputCheck
+
+    check = GoodputCheck(max_k=4, batch=32)
+    assert check.promise == 1.0
+    check.observe(False, False, 32, 0.010)
+    check.observe(True, True, 100, 0.010)  # promised nothing
+    assert check.promise == 1.0
+    short = GoodputCheck(max_k=4, batch=32)
+    for _ in range(20):
+        short.observe(True, False, 80, 0.010, promised=10000.0)  # 8000 tokens/s delivered
+    assert short.promise == 1.0
+    over = GoodputCheck(max_k=4, batch=32)
+    for _ in range(200):
+        over.observe(True, False, 150, 0.010, promised=10000.0)  # 1.5x
+    steps = over._promises[0]
+    assert over.promise == pytest.approx((1.5 * steps + PROMISE_PRIOR_STEPS) / (steps + PROMISE_PRIOR_STEPS))
+    assert 1.4 < over.promise < 1.5
+    for _ in range(200):
+        over.observe(True, False, 500, 0.010, promised=10000.0)  # 5x
+    assert over.promise == PROMISE_MAX
+    new = GoodputCheck(max_k=4, batch=64)
+    new.inherit(over)
+    assert new._promises == pytest.approx([INHERIT * v for v in over._promises]) and new.promise == PROMISE_MAX
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_drafts_that_delivered_more_than_promised_lower_the_bar_not_the_plan(keep):
+    """The plan prices drafts by the fit (always accepted, 494 tokens/s at 16 requests)
+    and the step without drafts as its kind's plain steps took (20 ms: 800 tokens/s), so
+    it drafts nothing. Its drafted steps have been seen to deliver twice what their plans
+    promised: the bar is lowered that much (shrunk by the prior), drafts pay again, and
+    the plan is the one the fit's own bar gives. Ignoring promises, it stays without."""
+    from specserve.spec.goodput import CHECK_MIN
+
+    ctl = controller(a=0.002, b=0.002)
+    ctl.keep_promises = keep
+    caps = {f"r{i}": 4 for i in range(16)}
+    for req_id in caps:
+        train_acceptance(ctl, req_id, 4)
+    first = ctl.choose(caps)
+    assert sum(first.values()) > 48 and ctl.last.promised == pytest.approx(494, rel=0.01)
+    check = next(iter(ctl.checks.values()))
+    for _ in range(CHECK_MIN):
+        check.observe(False, False, 16, 0.020)
+    for _ in range(3):
+        chosen = ctl.choose(caps)
+        if ctl.last.planned:
+            break
+    assert ctl.last.planned and not any(chosen.values())
+    for _ in range(40):
+        check.observe(True, False, 80, 0.081, promised=494.0)  # 988 tokens/s
+    assert check.promise > 1.62  # 800 / 494: where drafts pay again
+    for _ in range(40):  # the plan without drafts serves its steps (16, and 0.2 s of them)
+        chosen = ctl.choose(caps)
+        if ctl.last.planned:
+            break
+        ctl.observe_goodput(16, 0.020)
+    assert ctl.last.planned and any(chosen.values()) == keep
+    if keep:  # the plan the fit's bar alone gives at the same estimates
+        ctl.measured_plain = False
+        assert ctl._plan(caps, 0, 0, False, 0, (), check)[0].tolist() == list(chosen.values())
+
+
 def test_a_kinds_plain_step_is_a_line_through_the_batch_sizes_it_saw():
     """A kind spans a factor of two in batch size. Where a plain step costs about the same
     at every batch of it (a CPU, 17 to 24 requests), the bar at 24 is that step, not its
@@ -1583,7 +1652,8 @@ def test_the_step_records_benchmark_records_every_step(tiny_model_dir, tmp_path,
         assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] < r["duration"]
         # the goodput checks of the kinds the adaptive engine ran (none without a controller)
         assert bool(r["checks"]) == (r["setting"] == "adaptive")
-        assert all(set(c) == {"ratio", "z", "vetoed", "steps", "checks"} for c in r["checks"].values())
+        assert all(set(c) == {"ratio", "z", "vetoed", "steps", "checks", "promise"} and c["promise"] >= 1
+                   for c in r["checks"].values())
     assert "| off |" in capsys.readouterr().out
     # At a request rate the requests arrive over time: the run lasts at least until the last one.
     out = tmp_path / "rate.json"

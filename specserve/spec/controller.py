@@ -57,6 +57,7 @@ class StandingPlan:
     served: int = 1                 # choices it served
     stands: int = DRAFT_REPLAN      # choices it serves, with drafts
     joined: int = 0                 # requests joined (``choose``'s count) when it was made
+    promised: float = 0.0           # the goodput it expected, with drafts (tokens per second)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Choice:
     check: GoodputCheck | None = None
     drafted: bool = False
     checked: bool = False
+    promised: float = 0.0  # the goodput its plan expected of its drafts (0: none)
     planned: bool = False
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
     regime: tuple | None = None            # a fresh plan's kind of step,
@@ -106,6 +108,7 @@ class DraftLengthController:
         self.min_gain = MIN_GAIN if min_gain is None else min_gain
         self.measured_plain = True  # the plan without drafts priced as its kind's steps showed; False: by the fit
         self.check_goodput = check_goodput  # False: the plan stands unchecked (benchmarks, tests)
+        self.keep_promises = True  # the bar lowered where drafts deliver more than promised (``GoodputCheck.promise``)
         self.checks: dict[tuple, GoodputCheck] = {}  # per kind of step
         self._plans: dict[tuple, StandingPlan] = {}  # per kind of step
         self._steps_since_plan = 0   # choices since the last full plan (the rest repeated it)
@@ -148,7 +151,7 @@ class DraftLengthController:
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
-            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s)
+            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s, choice.promised)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:
@@ -232,8 +235,8 @@ class DraftLengthController:
             self.unforked = standing.unforked
         else:
             began = self.timer()
-            planned, self.unforked, prices = self._plan(caps, num_other_tokens, num_other_spans, padded, context,
-                                                        forkable, check)
+            planned, self.unforked, prices, promised = self._plan(caps, num_other_tokens, num_other_spans, padded,
+                                                                  context, forkable, check)
             k = planned.tolist()
             spent, first = self.timer() - began, not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
@@ -243,7 +246,7 @@ class DraftLengthController:
                                                           self.unforked, self._choices, self._clock, prices,
                                                           stands=self._stands(self._plans.get(regime), joined,
                                                                               len(caps)),
-                                                          joined=joined)
+                                                          joined=joined, promised=promised)
         drafted = any(k)
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         choice.check, choice.checked = check, checked
@@ -252,6 +255,7 @@ class DraftLengthController:
         if checked and not check.vetoed:
             return dict.fromkeys(caps, 0)  # the check: this step runs without the plan's drafts
         choice.drafted = drafted
+        choice.promised = standing.promised if drafted else 0.0
         if drafted and self.calibration is not None and standing.prices is not None:
             self.stop = StopRule(self.calibration, standing.prices, len(caps), caps, padded)
         return dict(zip(caps, k))
@@ -311,13 +315,15 @@ class DraftLengthController:
     def _plan(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int,
               padded: bool, context: int | Callable[[], int],
               forkable: Container[str] = (), check: GoodputCheck | None = None
-              ) -> tuple[np.ndarray, set[str], Prices]:
+              ) -> tuple[np.ndarray, set[str], Prices, float]:
         """The goodput-maximising k per request (in ``caps``' order), from the estimates
         (with a calibration map: its best case, ``forkable`` telling greedy requests),
-        the forkable requests that should verify their own draft path only, and the
-        step's prices. Without prefill chunks, the plan without drafts is priced as the
-        kind's ``check`` saw its steps without drafts (``GoodputCheck.plain_step``); with
-        them, a step's cost follows its chunks' sizes, which the fit prices."""
+        the forkable requests that should verify their own draft path only, the step's
+        prices and the goodput the plan expects. Without prefill chunks, the plan without
+        drafts is priced as the kind's ``check`` saw its steps without drafts
+        (``GoodputCheck.plain_step``); with them, a step's cost follows its chunks' sizes,
+        which the fit prices. Either bar is lowered by what the kind's drafts delivered
+        beyond their plans' promises (``GoodputCheck.promise``)."""
         if callable(context):
             context = context()
         steps, self._steps_since_plan = self._steps_since_plan, 0
@@ -335,7 +341,8 @@ class DraftLengthController:
             padded_token=theta[5] if padded else 0.0,
             draft_pass=d, draft_token=e, draft_fixed=o, draft_request=g,
             plain=(check.plain_step(num_reqs) if self.measured_plain and check is not None and not num_other_tokens
-                   else None) or 0.0)
+                   else None) or 0.0,
+            promise=check.promise if self.keep_promises and check is not None else 1.0)
         can_fork = np.fromiter((r in forkable for r in req_ids), dtype=bool, count=num_reqs) \
             if forkable and self._paths[-1] > 1 else None
         estimates = self.estimates
@@ -365,10 +372,10 @@ class DraftLengthController:
             k_over, chain_over, over = plan_draft_lengths(alpha, rate, cap, crossing, passes, self.min_gain,
                                                           self._paths, path_gain, can_fork)
             if over > goodput and step_rows + int(k_over.sum()) >= switch:
-                k, chain_only, prices = k_over, chain_over, crossing
+                k, chain_only, prices, goodput = k_over, chain_over, crossing, over
         if estimates is not None:
             estimates.idle[rows] = (k == 0) & (cap > 0)
         if chain_only is None:
-            return k, set(), prices
-        return k, {req_ids[i] for i in np.flatnonzero(chain_only)}, prices
+            return k, set(), prices, goodput
+        return k, {req_ids[i] for i in np.flatnonzero(chain_only)}, prices, goodput
 

@@ -5,7 +5,9 @@ hundred requests, what drafting adds around the pass is hard to tell from what t
 costs anyway. So the plan answers to what it delivers: for each kind of step, the
 realised goodput (emitted tokens per second of whole step) of the steps that ran drafts
 is compared with that of the steps that ran none, and drafts are vetoed where they
-deliver less, by more than twice the comparison's standard error.
+deliver less, by more than twice the comparison's standard error. The same steps tell
+how far the plan's promises fall short of what its drafts deliver, or beyond it
+(``promise``): where they deliver more than promised, the plan's bar is lowered as much.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ LARGE_BATCH = 8             # from this batch a step's cost is the machine's (``
 CHECK_SHARE = 0.01          # there, what a veto's checks add: at most this share of the kind's time
 INHERIT = 0.5               # what a kind new to the check takes of its neighbour's evidence
 PLAIN_SLOPE_PRIOR = 0.01    # a plain step's slope taken as proportional, weighed as steps this spread (x batch^2)
+PROMISE_PRIOR_STEPS = 4     # drafts delivering what their plans promised, as if seen over this many steps,
+PROMISE_MAX = 2.0           # and at most this many times it
 
 
 class GoodputCheck:
@@ -77,6 +81,7 @@ class GoodputCheck:
         self._joined: int | None = None            # requests joined by the last step, while vetoed
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
         self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
+        self._promises = [0.0, 0.0, 0.0]           # drafted steps with a promise: decayed steps, tokens, tokens promised
 
     @property
     def steps_seen(self) -> tuple[int, int]:
@@ -114,6 +119,26 @@ class GoodputCheck:
             per_step = (CHECK_PRIOR_STEPS * self.prior_cv ** 2 + steps * observed) / (CHECK_PRIOR_STEPS + steps)
             variance += per_step / steps
         return math.log(self.ratio) / max(math.sqrt(variance), 1e-3)
+
+    @property
+    def promise(self) -> float:
+        """How many times the tokens their plans promised the kind's drafted steps delivered
+        (in the seconds they took), where that is more than 1: the factor by which the bar a
+        plan with drafts must clear is lowered (``Prices.promise``). Shrunk towards 1 as if
+        ``PROMISE_PRIOR_STEPS`` steps had kept their promise, and at most ``PROMISE_MAX``.
+
+        The plan prices a step without drafts as the kind's own plain steps showed, but a
+        step with drafts by the cost fit and the acceptance estimates. Where those are
+        pessimistic (on a GPU under load a batch's drafted steps delivered more than its plain
+        ones, while the plan chose no drafts for most of its steps), nothing else corrects
+        them: the veto acts only against drafts. Where they are optimistic (a plan whose
+        drafter stops by its confidence promises its best case) the veto stays the safety
+        net, and the bar is left as it is."""
+        steps, tokens, promised = self._promises
+        if promised <= 0:
+            return 1.0
+        prior = PROMISE_PRIOR_STEPS * promised / steps
+        return min(max((tokens + prior) / (promised + prior), 1.0), PROMISE_MAX)
 
     @property
     def interval(self) -> int:
@@ -210,6 +235,7 @@ class GoodputCheck:
         self._sums = [[INHERIT * value for value in side] for side in other._sums]
         self._z = None
         self._counts = [int(INHERIT * count) for count in other._counts]
+        self._promises = [INHERIT * value for value in other._promises]
         self.vetoed = other.vetoed
 
     def saw(self, joined: int, batch: int) -> None:
@@ -227,11 +253,14 @@ class GoodputCheck:
             self._z = None
         self._joined = joined
 
-    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float, backlog_s: float = 0.0) -> None:
+    def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float, backlog_s: float = 0.0,
+                promised: float = 0.0) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
         whether the check chose so (against the plan, or against the veto). ``backlog_s``:
         what it spent besides ``seconds`` on earlier steps' tokens (a lazily fed draft's
-        catch-up): not the drafts' goodput, but what a check under a veto costs."""
+        catch-up): not the drafts' goodput, but what a check under a veto costs.
+        ``promised``: the goodput (tokens per second) the plan behind its drafts expected
+        (0: none known), for ``promise``."""
         side = 0 if drafted else 1
         self._observed += 1
         if checked:
@@ -249,6 +278,9 @@ class GoodputCheck:
                 extra = min(extra, CHECK_STALL * sums[2] / sums[0])
             self._check_extra_s = max(extra, 0.0)
         self._counts[side] += 1
+        if drafted and promised > 0:
+            self._promises = [CHECK_DECAY * old + value
+                              for old, value in zip(self._promises, (1.0, tokens, promised * seconds))]
         new = (1.0, tokens, seconds, tokens * tokens, tokens * seconds, seconds * seconds)
         self._sums[side] = [CHECK_DECAY * old + value for old, value in zip(sums, new)]
         self._z = None

