@@ -475,13 +475,16 @@ def test_split_k_sums_in_the_launch_in_graphs_and_beside_another_stream():
     assert not layers[0].tile_counters.any() and not layers[1].tile_counters.any()
 
 
-@pytest.mark.parametrize("group, static", [(48, None), (64, None), (10_000, None), (10_000, 0.004)])
-def test_the_activation_quantizer_rounds_as_torch_does(group, static):
+@pytest.mark.parametrize("group, static, width", [(48, None, 192), (64, None, 192), (10_000, None, 192),
+                                                  (10_000, 0.004, 192), (10_000, None, 2500), (10_000, 0.004, 2500)])
+def test_the_activation_quantizer_rounds_as_torch_does(group, static, width, monkeypatch):
     """The one-launch float8 quantizer of the inputs (CUDA's path; the interpreter here)
     gives torch's values: the scales bit for bit, and every rounding, ties to even,
-    subnormals and the clamp at 448 included (inputs over 4 decades of magnitude)."""
+    subnormals and the clamp at 448 included (inputs over 4 decades of magnitude); a
+    group read once (up to ``ONE_PASS_MAX`` inputs) or in steps."""
+    monkeypatch.setattr(quant_matmul, "ONE_PASS_MAX", 2048)  # 2,500 inputs: three steps of 1,024
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(5, 192, generator=g) * torch.logspace(-3, 1, 192) * (50 if static else 1)
+    x = torch.randn(5, width, generator=g) * torch.logspace(-3, 1, width) * (50 if static else 1)
     x[0, :3] = torch.tensor([448 * 0.004 * 1.5, 2.0 ** -9 * 0.004 * 2.5, 0.0])  # clamp, a subnormal tie
     q, scales = quant_matmul.quantize_rows(x.to(DEVICE), group, static)
     if static is not None:
@@ -489,7 +492,7 @@ def test_the_activation_quantizer_rounds_as_torch_does(group, static):
         assert scales.cpu().item() == torch.tensor(static).item()
     else:
         want_q, want_s = [], []
-        for start in range(0, 192, min(group, 192)):
+        for start in range(0, width, min(group, width)):
             part = x[:, start:start + group]
             s = (part.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
             want_q.append((part / s).clamp(-448, 448).to(FP8))

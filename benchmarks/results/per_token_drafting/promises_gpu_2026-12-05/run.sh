@@ -26,5 +26,12 @@ run chat_inf --workloads chat --num-prompts 192 --num-warmups 64 --num-kv-blocks
 run chat_256 --workloads chat --num-prompts 192 --num-warmups 64 --num-kv-blocks 4096 --rounds 3 --request-rate 256
 run code_inf --workloads code-edit --num-prompts 192 --num-warmups 64 --num-kv-blocks 4096 --rounds 3
 run batch1 --workloads chat,code-edit --num-prompts 12 --num-warmups 4 --num-kv-blocks 1024 --rounds 2 --max-num-seqs 1
+# Besides (#32), if the lease has time: the one-pass float8 input quantizer against the
+# two-pass loop, alone and in the 8B shape's FP8 W8A8 decode step.
+if [ $(( $(date +%s) - T0 )) -lt 300 ]; then
+  timeout 180 python benchmarks/results/quant_gpu/step_anatomy_2026-12-05/quantizer_ab.py $OUT/quantizer_ab.json \
+    > /root/logs/quantizer_ab.log 2>&1; grep -v Warn /root/logs/quantizer_ab.log | tail -14
+  timeout 40 python -m pytest -q -x tests/test_checkpoint_quant.py -k "activation_quantizer" 2>&1 | tail -2
+fi
 tar czf $OUT/plans_and_logs.tgz -C /root plans logs
 grep -il "Traceback" /root/logs/*.log; true
