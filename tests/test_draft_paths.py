@@ -253,7 +253,7 @@ def test_the_controller_learns_what_paths_add_and_chooses_who_forks(tiny_model_d
     engine = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                    num_speculative_tokens=4, num_draft_paths=4, **ENGINE).engine
     ctl = engine.speculator.controller
-    ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps), None)
+    ctl._plan = lambda caps, *args: (np.fromiter(caps.values(), dtype=int, count=len(caps)), {"0"} & set(caps), None, 0.0)
     seen, observe = [], ctl.observe_acceptance
     ctl.observe_acceptance = lambda req_id, outcome: seen.append((req_id, *outcome)) or observe(req_id, outcome)
     steps, schedule = [], engine.scheduler.schedule
