@@ -27,7 +27,7 @@ SETTINGS = {  # name -> (engine kwargs, controller attributes)
     "off": (dict(speculative_method="none"), {}),
     "fixed k": (dict(speculative_adaptive=False), {}),
     "adaptive": (dict(), {}),
-    "adaptive, promises ignored": (dict(), dict(keep_promises=False)),  # the bar as measured (GoodputCheck.promise)
+    "adaptive, promises ignored": ({}, {"keep_promises": False}),  # the bar as measured (GoodputCheck.promise)
     "eager plan, unchecked": (dict(), dict(check_goodput=False)),
     "eager plan, checked": (dict(), dict(check_goodput=True)),
 }

@@ -24,10 +24,10 @@ SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method`
     "off": dict(speculative_method="none"),
     "fixed k": dict(speculative_adaptive=False),
     "adaptive": dict(),
-    "adaptive, promises ignored": dict(),
+    "adaptive, promises ignored": {},
 }
 CONTROLLER = {  # name -> controller attributes set after the engine is made
-    "adaptive, promises ignored": dict(keep_promises=False),  # the plan's bar as measured (GoodputCheck.promise)
+    "adaptive, promises ignored": {"keep_promises": False},  # the plan's bar as measured (GoodputCheck.promise)
 }
 
 

@@ -6,14 +6,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from tiny_models import LLM32
 
 from specserve import SamplingParams
+from specserve.models.quantized import QuantLinear, switch_rows
 from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.controller import DraftLengthController
-from specserve.models.quantized import QuantLinear, switch_rows
 from specserve.spec.cost_model import CostModel, StepCosts, StepSample, target_features
 from specserve.spec.planner import Prices, plan_draft_lengths
-from tiny_models import LLM32
 
 MEMORY_BOUND = dict(a=0.030, b=0.0001, c=0.0)   # a step costs the same for 1 or 64 tokens
 COMPUTE_BOUND = dict(a=0.001, b=0.002, c=0.0)   # every token costs more than the fixed part
@@ -550,7 +550,7 @@ def test_long_contexts_make_requests_dear_not_tokens():
     context's keys, not because of its query tokens; drafting adds tokens, not context, so
     good drafts still pay (a fit on tokens alone made each token look 2-3x dearer)."""
     ctl = DraftLengthController(4)
-    cost = lambda tokens, reqs, context: 0.027 + 0.0008 * tokens + 0.003 * context / 1000  # noqa: E731
+    cost = lambda tokens, reqs, context: 0.027 + 0.0008 * tokens + 0.003 * context / 1000
     for reqs in (1, 8, 16, 24):
         for per_req in (64, 300, 600):
             for k in (0, 4):
@@ -568,7 +568,7 @@ def test_the_start_up_profile_still_tells_costs_apart_in_a_steady_state():
     """A batch that never drafts has as many tokens as requests: online steps alone cannot
     tell a token's cost from a request's. The anchored profile still can."""
     ctl = DraftLengthController(4)
-    cost = lambda tokens, reqs: 0.02 + 0.0005 * tokens + 0.002 * reqs  # noqa: E731
+    cost = lambda tokens, reqs: 0.02 + 0.0005 * tokens + 0.002 * reqs
     for reqs in (1, 8, 32):  # the engine's profile: none or one drafts 4, all draft 1
         for drafting, each in ((0, 4), (1, 4), (reqs, 1)):
             tokens = reqs + each * drafting
@@ -1001,8 +1001,13 @@ def test_a_plan_to_draft_nothing_stands_longer_where_steps_are_short(batch, step
     4 ms), at most IDLE_REPLAN_MAX steps; for fewer (a request that joins is much of the
     step) IDLE_REPLAN steps. One with drafts stands DRAFT_REPLAN steps where a plan costs
     little next to a step."""
-    from specserve.spec.controller import (DRAFT_REPLAN, IDLE_REPLAN, IDLE_REPLAN_BATCH, IDLE_REPLAN_MAX,
-                                           IDLE_REPLAN_S)
+    from specserve.spec.controller import (
+        DRAFT_REPLAN,
+        IDLE_REPLAN,
+        IDLE_REPLAN_BATCH,
+        IDLE_REPLAN_MAX,
+        IDLE_REPLAN_S,
+    )
 
     assert (IDLE_REPLAN, IDLE_REPLAN_S, IDLE_REPLAN_MAX, IDLE_REPLAN_BATCH) == (16, 0.2, 128, 16)
     ctl = controller(a=0.001, b=1.0)  # every token dear: no plan drafts, whatever the batch
@@ -1188,7 +1193,12 @@ def test_a_kinds_promise_factor_is_what_its_drafts_delivered_beyond_what_was_pro
     towards 1 as if ``PROMISE_PRIOR_STEPS`` steps had kept their promise, and at most
     ``PROMISE_MAX``. Plain steps and drafted steps without a promise (a check's) tell
     nothing of it; a kind new to the check takes its neighbour's at ``INHERIT`` weight."""
-    from specserve.spec.goodput import INHERIT, PROMISE_MAX, PROMISE_PRIOR_STEPS, GoodputCheck
+    from specserve.spec.goodput import (
+        INHERIT,
+        PROMISE_MAX,
+        PROMISE_PRIOR_STEPS,
+        GoodputCheck,
+    )
 
     check = GoodputCheck(max_k=4, batch=32)
     assert check.promise == 1.0

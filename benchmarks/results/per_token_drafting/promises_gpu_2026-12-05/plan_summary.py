@@ -9,8 +9,10 @@ import json
 import sys
 from collections import defaultdict
 
-plans = json.load(open(sys.argv[1]))["log"]
-runs = [r for r in json.load(open(sys.argv[2]))["runs"]]
+with open(sys.argv[1]) as f:
+    plans = json.load(f)["log"]
+with open(sys.argv[2]) as f:
+    runs = json.load(f)["runs"]
 segments, current = [], None
 for row in plans:
     if row[0] == "run":
@@ -36,6 +38,6 @@ for run, (_, rows) in zip(runs, segments):
             if drafts:
                 over.append(goodput / (n / (plain or fixed)))
     cells = " / ".join(f"{buckets[b][0]} of {buckets[b][1]}" for b in ("1-7", "8-31", "32+"))
-    mean = lambda xs: f"{sum(xs) / len(xs):.3f}" if xs else "-"  # noqa: E731
+    mean = lambda xs: f"{sum(xs) / len(xs):.3f}" if xs else "-"
     print(f"| {run['workload']} | {run['round']} | {run['setting']} | {run['output_throughput']:.0f} | {cells} "
           f"| {mean(promise)} | {mean(over)} |")

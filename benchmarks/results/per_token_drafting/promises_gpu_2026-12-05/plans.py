@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from specserve.bench import recorder  # noqa: E402
-from specserve.spec import controller as ctl  # noqa: E402
+from specserve.bench import recorder
+from specserve.spec import controller as ctl
 
 LOG: list = []
 _plan, _recording = ctl.DraftLengthController._plan, recorder.StepRecorder.recording
@@ -38,7 +38,7 @@ def recording(self):
 ctl.DraftLengthController._plan = logged
 recorder.StepRecorder.recording = recording
 
-import step_records  # noqa: E402
+import step_records
 
 out = sys.argv[1]
 code = step_records.main(sys.argv[2:])

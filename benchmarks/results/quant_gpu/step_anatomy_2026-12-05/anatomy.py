@@ -23,8 +23,15 @@ BENCH = HERE.parents[2]
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests"))
 
-from gpu_bench import _copy_bandwidth, decode_step, kv_read_bytes, llama_8b_config, median_ms, random_llama  # noqa: E402
-from quant_gpu import SCHEMES, layer_bytes, quantized_layer  # noqa: E402
+from gpu_bench import (
+    _copy_bandwidth,
+    decode_step,
+    kv_read_bytes,
+    llama_8b_config,
+    median_ms,
+    random_llama,
+)
+from quant_gpu import SCHEMES, layer_bytes, quantized_layer
 
 
 def classify(name: str) -> str:
@@ -59,7 +66,8 @@ def replay_ms(runner, step, reps: int):
 
 def profile(run, reps: int = 5) -> dict:
     """Kernel name -> (launches, µs) per call of ``run``."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
     with prof(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(reps):
             run()
@@ -96,13 +104,13 @@ def main() -> None:
         runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=512)
         runner.enable_graphs(5, 512)
         step = decode_step(1, 0, context)
-        execute = median_ms(lambda: runner.execute(step), 50, device)
+        execute = median_ms(lambda r=runner, s=step: r.execute(s), 50, device)
         replay, graph = replay_ms(runner, step, 50)
         kernels, profiled = profile(graph.replay), "graph"
         if not kernels:  # no kernel seen inside the graph: the same step run eagerly
             graphs, runner.graphs = runner.graphs, None
             runner.execute(step)
-            kernels, profiled = profile(lambda: runner.execute(step)), "eager"
+            kernels, profiled = profile(lambda r=runner, s=step: r.execute(s)), "eager"
             runner.graphs = graphs
         groups = defaultdict(lambda: [0.0, 0.0])
         for name, (n, us) in kernels.items():

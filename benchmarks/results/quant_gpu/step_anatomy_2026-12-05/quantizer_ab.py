@@ -18,10 +18,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE.parents[3] / "tests"))
 
-from gpu_bench import _copy_bandwidth, decode_step, llama_8b_config, median_ms, random_llama  # noqa: E402
-from quant_gpu import SCHEMES, quantized_layer  # noqa: E402
-
-from specserve.kernels import quant_matmul  # noqa: E402
+from gpu_bench import (
+    _copy_bandwidth,
+    decode_step,
+    llama_8b_config,
+    median_ms,
+    random_llama,
+)
+from quant_gpu import SCHEMES, quantized_layer
+from specserve.kernels import quant_matmul
 
 
 def quantizer_us(k: int, reps: int = 30) -> float:
@@ -67,8 +72,8 @@ def main() -> None:
         quant_matmul.ONE_PASS_MAX = limit
         runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=512)
         runner.enable_graphs(5, 512)
-        execute = median_ms(lambda: runner.execute(step), 50, device)
-        verify = median_ms(lambda: runner.execute(decode_step(1, 4, 512)), 50, device)
+        execute = median_ms(lambda r=runner: r.execute(step), 50, device)
+        verify = median_ms(lambda r=runner: r.execute(decode_step(1, 4, 512)), 50, device)
         rows.append({"what": "decode step, fp8 W8A8 per channel", "variant": name, "execute_ms": round(execute, 3),
                      "verify_1_plus_4_ms": round(verify, 3)})
         print(json.dumps(rows[-1]), flush=True)
