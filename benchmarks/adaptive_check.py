@@ -7,9 +7,9 @@ machine, and worse: its "eager plan" stands in a planner that always drafts the 
 may (a model that takes drafts for free), and runs it with the check and without — the
 check alone then decides between drafting k and nothing. Beside them: speculation off,
 fixed k, adaptive as shipped, and adaptive with the plan's bar left as measured where its
-drafts delivered more than promised (``GoodputCheck.promise``). All requests arrive at once, so most steps run the full batch; the
-settings take turns, each round starting with the next, and every engine is warmed up on
-the workload first.
+drafts delivered more than promised (``GoodputCheck.promise``). All requests arrive at
+once, so most steps run the full batch; the settings take turns, each round starting with
+the next, and every engine is warmed up on the workload first.
 
     python benchmarks/adaptive_check.py                          # chat and code-edit, 128 requests
     python benchmarks/adaptive_check.py --device cuda --num-prompts 384 --num-kv-blocks 4096

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     add_turns_flags(parser, num_prompts=128)
     parser.set_defaults(workloads="chat")
-    add_settings_flags(parser, SETTINGS)
-    parser.set_defaults(settings="off;fixed k;adaptive")  # the others when named
+    add_settings_flags(parser, SETTINGS, note=" but 'adaptive, promises ignored'")
+    parser.set_defaults(settings="off;fixed k;adaptive")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals, as `bench offline`'s); default: all at once")
     parser.add_argument("--method", default="ngram", help="the speculation method of the fixed-k and "
