@@ -1085,11 +1085,14 @@ def test_where_the_drafter_stops_by_confidence_a_lone_requests_plan_stands_longe
 
     ctl = controller(confidence=True, **MEMORY_BOUND)
     ctl.check_goodput = False
+    # Plans that cost nothing, from the first: a batch's then stand DRAFT_REPLAN (2) steps.
+    # Timed by the host's clock, the lone request's plans (smoothed into every later plan's
+    # host time) made a batch's stand 4 on a slow host.
+    ctl.timer = FakeClock(0.0)
     assert ctl.calibration is not None and ctl.estimates is None
     assert planned_steps(ctl, ["r"], 1, 40, 0.01) == list(range(0, 40, DRAFT_REPLAN_MAX))
     ctl.free("r")
     assert planned_steps(ctl, ["next"], 2, 3, 0.01) == [0]
-    ctl.timer = FakeClock(0.0)  # plans that cost nothing: a batch's stand DRAFT_REPLAN (2) steps
     assert planned_steps(ctl, ["a", "b"], 4, 6, 0.01) == [0, 2, 4]
 
 
