@@ -226,6 +226,7 @@ def tiles_section(args, rows: list, bandwidth: float) -> None:
 def decode_section(args, rows: list, bandwidth: float) -> None:
     from specserve.config import EngineConfig
     from specserve.model_runner import ModelRunner
+    from specserve.models.packed_linear import linears_replaced
 
     device = torch.device("cuda")
     model = random_llama(llama_8b_config(), device)
@@ -238,6 +239,7 @@ def decode_section(args, rows: list, bandwidth: float) -> None:
         if scheme is not None:
             for name, linear in linears.items():
                 model.set_submodule(name, quantized_layer(linear, scheme))
+            linears_replaced(model)  # as the loader does: norms hand float8 layers their inputs rounded
         read = layer_bytes(model) - layer_bytes(model.model.embed_tokens) + kv_read_bytes(model, context)
         runner = ModelRunner(model, cfg, device, torch.bfloat16, num_blocks=512)
         runner.enable_graphs(5, 512)
@@ -251,6 +253,7 @@ def decode_section(args, rows: list, bandwidth: float) -> None:
         runner = None  # (its KV cache and graphs freed before the next)
         for name, linear in linears.items():
             model.set_submodule(name, linear)
+        linears_replaced(model)
         torch.cuda.empty_cache()
 
 

@@ -5,6 +5,10 @@ Same semantics as ``reference.silu_and_mul``: row t of ``gate_up`` ``[num_tokens
 ``silu(gate) · up`` ``[num_tokens, intermediate]``. As torch does for bf16/fp16, silu is
 computed in fp32 and rounded before the product, which is rounded once. The grid is
 (token, column block), so a decode step of one token still spreads over several programs.
+
+``fp8_group`` hands the down projection its input rounded to float8 as its own quantizer
+would (``fused_norm``'s reasons): in groups, each column block rounds its own; per row,
+one program holds the row, as the quantizer's does.
 """
 from __future__ import annotations
 
@@ -12,13 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.fused_norm import fp8_block, fp8_fusable, fp8_rows
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, gate_up_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
-                         GELU_TANH: tl.constexpr):
-    """One row, one block of ``BLOCK`` columns. GELU_TANH: ``gelu_tanh(gate)`` (GeGLU) for silu."""
+def _silu_and_mul_kernel(out_ptr, gate_up_ptr, size, stride_in, stride_out, scales_ptr, stride_s,
+                         BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, FP8_GROUP: tl.constexpr = 0):
+    """One row, one block of ``BLOCK`` columns. GELU_TANH: ``gelu_tanh(gate)`` (GeGLU) for silu.
+    FP8_GROUP: ``out`` (float8) gets the block as ``fused_norm.fp8_rows`` rounds it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -29,32 +36,51 @@ def _silu_and_mul_kernel(out_ptr, gate_up_ptr, size, stride_in, stride_out, BLOC
         act = gate / (1.0 + tl.exp(-2.0 * inner))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_GROUP:
+        act = act.to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        fp8_rows(out_ptr + row * stride_out, scales_ptr + row * stride_s,
+                 (act * up).to(gate_up_ptr.dtype.element_ty), tl.program_id(1) * BLOCK, size, BLOCK, FP8_GROUP)
+    else:
+        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, fp8_group: int = 0):
     """``silu(gate) · up`` of gate_up ``[..., 2 · intermediate]``; a new tensor
-    ``[..., intermediate]``."""
-    return _act_and_mul(gate_up, gelu_tanh=False)
+    ``[..., intermediate]``. ``fp8_group``: instead, those values rounded to float8 per
+    row and group of that many inputs (≥ intermediate: per row) ``[rows, intermediate]``,
+    and their scales ``[rows, ⌈intermediate / group⌉]`` (``quant_matmul.quantize_rows``'
+    values; ``fused_norm.fp8_fusable``)."""
+    return _act_and_mul(gate_up, gelu_tanh=False, fp8_group=fp8_group)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) · up`` (``reference.gelu_tanh_and_mul``: GeGLU)."""
-    return _act_and_mul(gate_up, gelu_tanh=True)
+def gelu_tanh_and_mul(gate_up: torch.Tensor, fp8_group: int = 0):
+    """``gelu_tanh(gate) · up`` (``reference.gelu_tanh_and_mul``: GeGLU); ``fp8_group``
+    as ``silu_and_mul``'s."""
+    return _act_and_mul(gate_up, gelu_tanh=True, fp8_group=fp8_group)
 
 
-def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool, fp8_group: int = 0):
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even, got {gate_up.shape[-1]}")
     size = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, 2 * size)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    out = torch.empty(*gate_up.shape[:-1], size, dtype=gate_up.dtype, device=gate_up.device)
-    if rows.shape[0] == 0 or size == 0:
-        return out
+    scales = None
     block = min(_BLOCK, triton.next_power_of_2(size))
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
-        out, rows, size, rows.stride(0), size, BLOCK=block, GELU_TANH=gelu_tanh,
-        num_warps=4 if block >= 512 else 1)
-    return out
+    if fp8_group:
+        if not fp8_fusable(size, fp8_group):
+            raise ValueError(f"float8 rows of {size} inputs in groups of {fp8_group}: per row or in groups of "
+                             "a power of two")
+        block, fp8_group = fp8_block(size, fp8_group, _BLOCK)
+        out = torch.empty(rows.shape[0], size, dtype=torch.float8_e4m3fn, device=gate_up.device)
+        scales = torch.empty(rows.shape[0], triton.cdiv(size, fp8_group), dtype=torch.float32,
+                             device=gate_up.device)
+    else:
+        out = torch.empty(*gate_up.shape[:-1], size, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and size:
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
+            out, rows, size, rows.stride(0), size, out if scales is None else scales,
+            0 if scales is None else scales.stride(0), BLOCK=block, GELU_TANH=gelu_tanh, FP8_GROUP=fp8_group,
+            num_warps=min(16, max(4, block // 1024)) if block >= 512 else 1)
+    return out if scales is None else (out, scales)

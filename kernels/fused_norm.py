@@ -9,6 +9,12 @@ two paths differ only by the fp32 reduction order inside the norm.
 Fusing the add into the next norm is the usual decoder-layer pattern: a layer hands back
 ``(hidden, residual)`` un-added and the next norm reads both, which saves the add's launch
 and one round trip of the hidden states through memory.
+
+Where the norm's one consumer is a float8 layer that rounds its input at run time (W8A8
+with dynamic scales), the norm can hand it the rounded rows instead (``fp8_group``): the
+values it would have written, rounded to float8 per row and group as the layer's own
+quantizer would (``quant_matmul.quantize_rows``), bit for bit, in the same launch. On a
+GPU's decode step that saves the quantizer's launch and the row's trip through memory.
 """
 from __future__ import annotations
 
@@ -16,15 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.fp8 import round_e4m3
+
 
 @triton.jit
 def _rms_norm_kernel(
     out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr, eps,
-    stride_x, stride_r, stride_o, stride_n,
+    stride_x, stride_r, stride_o, stride_n, scales_ptr, stride_s,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
+    FP8_GROUP: tl.constexpr = 0,
 ):
     """One row: ``out = weight · norm(x [+ residual])``, and the sum to ``new_residual``.
-    GEMMA: ``(1 + weight) · norm(x)`` in fp32, rounded once (Gemma's norm)."""
+    GEMMA: ``(1 + weight) · norm(x)`` in fp32, rounded once (Gemma's norm). FP8_GROUP
+    (a power of two dividing BLOCK): ``out`` (float8) gets the row as ``fp8_rows`` rounds it."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -41,33 +51,77 @@ def _rms_norm_kernel(
         weight = weight + 1.0
     else:
         normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if FP8_GROUP:
+        fp8_rows(out_ptr + row * stride_o, scales_ptr + row * stride_s, (normed * weight).to(x_ptr.dtype.element_ty),
+                 0, HIDDEN, BLOCK, FP8_GROUP)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · x / rms(x)`` over the last dim of x ``[..., hidden]``; a new tensor."""
-    return _launch(x, None, weight, eps)[0]
+@triton.jit
+def fp8_rows(q_ptr, s_ptr, v, start, size, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """``v``, a row's ``BLOCK`` values from column ``start`` on (those from ``size`` on
+    are padding, 0), to float8 at ``q_ptr`` + column, in groups of ``GROUP`` (a power of
+    two dividing BLOCK and ``start``), each scaled so that its largest magnitude is 448,
+    the scales at ``s_ptr`` + group: ``quant_matmul._quantize_kernel``'s values, bit for bit."""
+    cols = start + tl.arange(0, BLOCK)
+    v = tl.reshape(v.to(tl.float32), (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), 1e-12)
+    q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0))
+    tl.store(q_ptr + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < size)
+    groups = tl.arange(0, BLOCK // GROUP)
+    tl.store(s_ptr + start // GROUP + groups, scale, mask=start + groups * GROUP < size)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_group: int = 0):
+    """``weight · x / rms(x)`` over the last dim of x ``[..., hidden]``; a new tensor.
+    ``fp8_group``: instead, those values rounded to float8 per row and group of that many
+    inputs (≥ hidden: per row), and their scales ``[rows, ⌈hidden / group⌉]``
+    (``quant_matmul.quantize_rows``' values; ``fp8_fusable``)."""
+    out, _, scales = _launch(x, None, weight, eps, fp8_group=fp8_group)
+    return (out, scales) if fp8_group else out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, fp8_group: int = 0):
     """``(rms_norm(x + residual), x + residual)`` in one launch; x and residual
-    ``[num_tokens, hidden]`` of one dtype. Both results are new tensors."""
+    ``[num_tokens, hidden]`` of one dtype. Both results are new tensors. ``fp8_group``:
+    the first is ``rms_norm``'s (float8 values, scales)."""
     _check_residual(x, residual)
-    return _launch(x, residual, weight, eps)
+    out, new_residual, scales = _launch(x, residual, weight, eps, fp8_group=fp8_group)
+    return ((out, scales) if fp8_group else out), new_residual
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_group: int = 0):
     """``reference.gemma_rms_norm``: ``(1 + weight) · x / rms(x)`` in fp32, rounded once."""
-    return _launch(x, None, weight, eps, gemma=True)[0]
+    out, _, scales = _launch(x, None, weight, eps, gemma=True, fp8_group=fp8_group)
+    return (out, scales) if fp8_group else out
 
 
 def gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, fp8_group: int = 0):
     """``(gemma_rms_norm(x + residual), x + residual)`` in one launch."""
     _check_residual(x, residual)
-    return _launch(x, residual, weight, eps, gemma=True)
+    out, new_residual, scales = _launch(x, residual, weight, eps, gemma=True, fp8_group=fp8_group)
+    return ((out, scales) if fp8_group else out), new_residual
+
+
+def fp8_fusable(width: int, group: int) -> bool:
+    """Whether a norm or activation can hand float8 rows of ``width`` in groups of
+    ``group`` inputs: per row, or in groups of a power of two (``fp8_rows``)."""
+    return group >= width or (group > 0 and group & (group - 1) == 0)
+
+
+def fp8_block(width: int, group: int, cap: int | None = None) -> tuple[int, int]:
+    """The columns a program holds of float8 rows of ``width`` in groups of ``group``
+    (``fp8_fusable``), and the group as ``fp8_rows`` sees it: per row, the whole row in
+    one block (its padding is 0, which moves no largest magnitude); else up to ``cap``
+    columns (None: the whole row) and at least a group."""
+    block = triton.next_power_of_2(width)
+    if group >= width:
+        return block, block
+    return (block if cap is None else max(group, min(cap, block))), group
 
 
 def _check_residual(x, residual) -> None:
@@ -76,23 +130,33 @@ def _check_residual(x, residual) -> None:
                          f"x {tuple(x.shape)} {x.dtype}")
 
 
-def _launch(x, residual, weight, eps, gemma: bool = False):
+def _launch(x, residual, weight, eps, gemma: bool = False, fp8_group: int = 0):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden}")
     rows = _rows(x)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    scales = None
+    block = triton.next_power_of_2(hidden)
+    if fp8_group:
+        if not fp8_fusable(hidden, fp8_group) or weight.dtype != x.dtype:
+            raise ValueError(f"float8 rows of {hidden} inputs in groups of {fp8_group} ({x.dtype} input, "
+                             f"{weight.dtype} weight): per row or in groups of a power of two, in one dtype")
+        block, fp8_group = fp8_block(hidden, fp8_group)
+        out = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(rows.shape[0], triton.cdiv(hidden, fp8_group), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
-        return out, new_residual
+        return out, new_residual, scales
     residual_rows = _rows(residual) if residual is not None else rows
-    block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(rows.shape[0],)](
         out, new_residual, rows, residual_rows, weight.contiguous(), eps,
-        rows.stride(0), residual_rows.stride(0), hidden, hidden,
-        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None, GEMMA=gemma,
+        rows.stride(0), residual_rows.stride(0), hidden, hidden, out if scales is None else scales,
+        0 if scales is None else scales.stride(0),
+        HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None, GEMMA=gemma, FP8_GROUP=fp8_group,
         num_warps=min(max(block // 256, 1), 8))
-    return out, new_residual
+    return out, new_residual, scales
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

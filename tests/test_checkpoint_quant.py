@@ -673,6 +673,37 @@ def test_the_engine_decodes_a_quantized_checkpoint(layout, checkpoints):
         assert torch.equal(got.argmax(-1), hf.argmax(-1))
 
 
+@pytest.mark.parametrize("layout", ["ct_fp8_dynamic", "fbgemm_fp8"] + (["fp8_block"] if CUDA else []))
+def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout, checkpoints, monkeypatch):
+    """With the Triton ops (interpreted on a CPU), a layer's norms and its activation hand
+    the float8 projections that they alone feed (q/k/v, gate/up, down) their inputs
+    rounded, so that only the attention's output projection rounds its own: the logits
+    are bit for bit those of the same model with every projection rounding its own."""
+    path, _ = checkpoints(layout)
+    files = ModelFiles("q", path)
+    model = build_model(files, load_hf_config(files), torch.float32, DEVICE, _gpu_backend(DEVICE))
+    handing = [m for m in model.modules() if getattr(m, "fp8_group", 0)]
+    layers = model.config.num_hidden_layers
+    assert len(handing) == 3 * layers  # two norms and the MLP a layer
+    rounding = []
+    matmul = Fp8Linear._matmul
+
+    def counted(self, xq, x_scale, dtype, start, stop, quantize=False):
+        rounding.append(quantize)
+        return matmul(self, xq, x_scale, dtype, start, stop, quantize)
+
+    monkeypatch.setattr(Fp8Linear, "_matmul", counted)
+    prompt = [(7 * i) % 500 + 3 for i in range(9)]
+    fused = ragged_logits(model, [prompt], chunk=5, device=DEVICE)[0]
+    assert sum(rounding) == 2 * layers and len(rounding) == 4 * 2 * layers  # two passes (chunks of 5)
+    for module in handing:
+        module.fp8_group = 0
+    rounding.clear()
+    own = ragged_logits(model, [prompt], chunk=5, device=DEVICE)[0]
+    assert sum(rounding) == 4 * 2 * layers
+    assert torch.equal(fused, own)
+
+
 def test_quantized_moe_experts_run_as_stored(tiny_model_dir, tmp_path, monkeypatch):
     """Mixtral's experts in 4-bit (AWQ), with the attention: every expert is a quantized
     layer, and teacher-forced logits equal the engine's on the dequantised float
@@ -722,11 +753,16 @@ ENGINE_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj"
 
 class recorded_fp8_inputs:
     """While open: each float8 layer's inputs that it rounds at run time, by transformers'
-    projection name (a merged layer's under each of its parts), rows in call order."""
+    projection name (a merged layer's under each of its parts), rows in call order. The
+    norms and activations hand on their outputs as they are meanwhile (not rounded:
+    ``hand_fp8``), which gives the same logits bit for bit (the test above)."""
 
     def __init__(self, model) -> None:
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.hooks = []
+        self.handing = {module: module.fp8_group for module in model.modules() if getattr(module, "fp8_group", 0)}
+        for module in self.handing:
+            module.fp8_group = 0
         for name, module in model.named_modules():
             if isinstance(module, Fp8Linear) and module.activations is not None:
                 parent, leaf = name.rsplit(".", 1)
@@ -746,6 +782,8 @@ class recorded_fp8_inputs:
     def __exit__(self, *exc) -> None:
         for hook in self.hooks:
             hook.remove()
+        for module, group in self.handing.items():
+            module.fp8_group = group
 
 
 def follow_engine_roundings(reference, path, scheme, inputs: dict[str, list[torch.Tensor]]) -> list:

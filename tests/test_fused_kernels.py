@@ -172,6 +172,45 @@ def test_silu_and_mul_extremes_and_strided_rows():
         fused_act.silu_and_mul(randn(2, 7))
 
 
+# ---------------------------------------------------------------------------- float8 rows
+# (width, group): per row, a power of two of it, groups with a short last one; on a GPU
+# also the 8B shape's rows, whose activation is one program (per row) or 14 (in groups).
+FP8_ROWS = [(96, 10_000), (96, 32), (200, 64), (2500, 128), (2500, 2500)] + \
+    ([(4096, 4096), (4096, 128), (14336, 14336), (14336, 128)] if CUDA else [])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("width, group", FP8_ROWS)
+def test_norms_and_activations_hand_float8_rows_as_the_quantizer_rounds_them(width, group, dtype):
+    """A norm's or activation's output handed on as float8 rows (``fp8_group``) is, bit
+    for bit, what the float8 layer's own quantizer makes of the output it would have
+    written (``quant_matmul.quantize_rows``): values and scales, whatever the group."""
+    from specserve.kernels import quant_matmul
+
+    x = randn(5, width, dtype=dtype, seed=8) * torch.logspace(-3, 1, width, device=DEVICE).to(dtype)
+    residual, weight = randn(5, width, dtype=dtype, seed=9), randn(width, dtype=dtype, seed=10).abs() + 0.5
+    for norm, add in ((fused_norm.rms_norm, fused_norm.add_rms_norm),
+                      (fused_norm.gemma_rms_norm, fused_norm.gemma_add_rms_norm)):
+        q, scales = norm(x, weight, 1e-6, fp8_group=group)
+        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(norm(x, weight, 1e-6), group)))
+        (q, scales), summed = add(x, residual, weight, 1e-6, fp8_group=group)
+        out, want_summed = add(x, residual, weight, 1e-6)
+        assert same_bits(summed, want_summed)
+        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(out, group)))
+    gate_up = randn(3, 2 * width, dtype=dtype, seed=11, scale=3.0)
+    for act in (fused_act.silu_and_mul, fused_act.gelu_tanh_and_mul):
+        q, scales = act(gate_up, fp8_group=group)
+        assert scales.shape == (3, -(-width // min(group, width)))
+        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(act(gate_up), group)))
+    with pytest.raises(ValueError, match="groups of a power of two"):
+        fused_act.silu_and_mul(gate_up, fp8_group=48)
+
+
 # ---------------------------------------------------------------------------- rotary
 def rotary_config(variant: str):
     from transformers import LlamaConfig
@@ -408,11 +447,17 @@ def compile(fn, pointers, constants, num_warps, i64=()):
 for dtype in ("bf16", "fp16", "fp32"):
     for hidden, add in ((576, True), (4096, False), (64, True)):
         block = triton.next_power_of_2(hidden)
-        compile(fused_norm._rms_norm_kernel, dict(out_ptr="*" + dtype, new_residual_ptr="*" + dtype,
-                x_ptr="*" + dtype, residual_ptr="*" + dtype, weight_ptr="*" + dtype, eps="fp32"),
-                dict(HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add), num_warps=min(max(block // 256, 1), 8))
-    compile(fused_act._silu_and_mul_kernel, dict(out_ptr="*" + dtype, gate_up_ptr="*" + dtype),
-            dict(BLOCK=1024), num_warps=4)
+        for fp8_group in (0, block, 128):  # as it is; to float8 per row, in groups
+            out = "*fp8e4nv" if fp8_group else "*" + dtype
+            compile(fused_norm._rms_norm_kernel, dict(out_ptr=out, new_residual_ptr="*" + dtype,
+                    x_ptr="*" + dtype, residual_ptr="*" + dtype, weight_ptr="*" + dtype, eps="fp32",
+                    scales_ptr="*fp32" if fp8_group else out),
+                    dict(HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add, FP8_GROUP=min(fp8_group, block)),
+                    num_warps=min(max(block // 256, 1), 8))
+    for block, fp8_group, warps in ((1024, 0, 4), (1024, 128, 4), (16384, 16384, 16)):
+        out = "*fp8e4nv" if fp8_group else "*" + dtype
+        compile(fused_act._silu_and_mul_kernel, dict(out_ptr=out, gate_up_ptr="*" + dtype,
+                scales_ptr="*fp32" if fp8_group else out), dict(BLOCK=block, FP8_GROUP=fp8_group), num_warps=warps)
     for heads, kv_heads, half, store, fp8 in ((9, 3, 32, True, False), (32, 8, 64, False, False),
                                               (5, 1, 40, True, False), (32, 8, 64, True, True)):
         block_half = triton.next_power_of_2(half)

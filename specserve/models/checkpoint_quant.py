@@ -40,6 +40,7 @@ the Triton W4A16 GEMM on CUDA, and on the CPU through the GGUF kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -391,15 +392,30 @@ def _merge_fp8(parts: list[Fp8Weight], where: str) -> tuple[Fp8Weight, list | No
     return merged, [(p.shape[0], p.input_scale) for p in parts] if len(inputs) > 1 else None
 
 
+class Fp8Rows(NamedTuple):
+    """A layer's input already rounded to float8 by the op before it (a norm, an
+    activation: ``Fp8Linear.input_group``), so that the layer does not launch its own
+    quantizer: ``values`` float8 ``[rows, K]``, ``scales`` fp32 ``[rows, ⌈K / group⌉]``,
+    each group scaled so that its largest magnitude is 448, exactly as the layer would
+    have rounded the op's output in ``dtype``, the dtype it hands on."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+
 class Fp8Linear(nn.Module):
     """A linear layer over float8 weights and their scales, as the checkpoint holds them.
 
     ``activations``: "token" or "group" quantize the input to float8 at run time with a
     scale per token (and per group of the weight block's width); "static" with the
     checkpoint's scale (per part of a merged projection, each its own); None multiplies
-    the input as it is (W8A16). ``deterministic``: every call through the Triton kernel,
-    whose result for a row does not depend on the batch. On CUDA the layer holds its own
-    tile counters for the Triton GEMM (``Int4Linear``'s reasons)."""
+    the input as it is (W8A16). With dynamic scales the input may come rounded already
+    (``Fp8Rows``, from the op before it: ``input_group``). ``deterministic``: every call
+    through the Triton kernel, whose result for a row does not depend on the batch. On
+    CUDA the layer holds its own tile counters for the Triton GEMM (``Int4Linear``'s
+    reasons)."""
 
     def __init__(self, weight: Fp8Weight, segments, activations: str | None, bias: torch.Tensor | None,
                  deterministic: bool, dtype: torch.dtype | None = None) -> None:
@@ -422,7 +438,16 @@ class Fp8Linear(nn.Module):
         if weight.values.device.type == "cpu" and dtype is not None and self.block[0] == 1:
             self.widened = _widened(weight.values, [rows for rows, _ in self.segments], dtype)
 
-    def _scaled_mm(self, x: torch.Tensor, rows: int) -> bool:
+    @property
+    def input_group(self) -> int | None:
+        """The inputs its run-time scales cover (the whole row: ``in_features``), where it
+        rounds its input to float8 with dynamic scales; the op before it may then hand it
+        ``Fp8Rows`` so rounded. None where it does not (static scales, W8A16)."""
+        if self.activations == "token":
+            return self.in_features
+        return self.block[1] if self.activations == "group" else None
+
+    def _scaled_mm(self, x: torch.Tensor, dtype: torch.dtype, rows: int) -> bool:
         """torch's scaled GEMM (cuBLASLt on CUDA) for per-row weight scales and one
         activation scale per row: on CUDA in bf16 (its row-wise output type), unless
         deterministic or for a decode or verify step's few rows (where the Triton kernel
@@ -433,35 +458,42 @@ class Fp8Linear(nn.Module):
             return True
         from specserve.kernels.quant_matmul import FEW_ROWS  # lazy: Triton, on CUDA only
 
-        return (x.dtype == torch.bfloat16 and not self.deterministic and x.shape[0] > FEW_ROWS
+        return (dtype == torch.bfloat16 and not self.deterministic and x.shape[0] > FEW_ROWS
                 and rows % 16 == 0 and self.in_features % 16 == 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):
+            if x.group != self.input_group or x.values.shape[-1] != self.in_features:
+                raise ValueError(f"float8 rows of {x.values.shape[-1]} inputs in groups of {x.group} for a layer "
+                                 f"of {self.in_features} inputs rounded in groups of {self.input_group}")
+            return self._matmul(x.values, x.scales, x.dtype, 0, self.out_features)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.activations == "static":
             outs, row = [], 0
             for rows, scale in self.segments:
-                outs.append(self._matmul(x2, *_quantize_static(x2, scale), row, row + rows))
+                outs.append(self._matmul(*_quantize_static(x2, scale), x.dtype, row, row + rows))
                 row += rows
             y = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
         elif self.activations in ("token", "group"):
-            y = self._matmul(x2, x2, None, 0, self.out_features, quantize=True)
+            y = self._matmul(x2, None, x.dtype, 0, self.out_features, quantize=True)
         else:
-            y = self._matmul(x2, x2, None, 0, self.out_features)
+            y = self._matmul(x2, None, x.dtype, 0, self.out_features)
         return y.view(*shape[:-1], self.out_features)
 
-    def _matmul(self, x, xq, x_scale, start: int, stop: int, quantize: bool = False) -> torch.Tensor:
-        """``quantize``: ``xq`` is ``x``, to be rounded to float8 per token (and group) here,
-        or on CUDA by ``quant_matmul.fp8_linear`` (a Triton launch before its product)."""
+    def _matmul(self, xq, x_scale, dtype: torch.dtype, start: int, stop: int, quantize: bool = False) -> torch.Tensor:
+        """Output rows ``start:stop`` in ``dtype``, of ``xq`` (float8, with ``x_scale``; or
+        in ``dtype`` without). ``quantize``: ``xq`` is to be rounded to float8 per token
+        (and group) here, or on CUDA by ``quant_matmul.fp8_linear`` (a Triton launch
+        before its product)."""
         bias = None if self.bias is None else self.bias[start:stop]
         weight, scale = self.weight, self.weight_scale
         if (start, stop) != (0, self.out_features):  # a part's rows (static scales: scales per row)
             weight, scale = weight[start:stop], scale[start:stop]
         act_group = self.in_features if self.activations != "group" else self.block[1]
-        scaled_mm = self._scaled_mm(x, stop - start)
-        if quantize and (not x.is_cuda or scaled_mm):
-            xq, x_scale = _quantize_rows(x, act_group)
+        scaled_mm = self._scaled_mm(xq, dtype, stop - start)
+        if quantize and (not xq.is_cuda or scaled_mm):
+            xq, x_scale = _quantize_rows(xq, act_group)
             quantize = False
         if self.widened is not None:
             w = self.widened[start]
@@ -469,16 +501,16 @@ class Fp8Linear(nn.Module):
                 y = torch.ops.mkldnn._linear_pointwise(xq.to(torch.bfloat16), w, None, "none", [], "")
             else:
                 y = torch.nn.functional.linear(xq.to(w.dtype), w)
-            y = (y.float() * x_scale.expand(xq.shape[0], 1) * scale.reshape(1, -1)).to(x.dtype)
+            y = (y.float() * x_scale.expand(xq.shape[0], 1) * scale.reshape(1, -1)).to(dtype)
             return y if bias is None else y + bias
         if scaled_mm:
             y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.expand(xq.shape[0], 1).contiguous(),
-                                 scale_b=scale.reshape(1, -1).contiguous(), out_dtype=x.dtype)
+                                 scale_b=scale.reshape(1, -1).contiguous(), out_dtype=dtype)
             return y if bias is None else y + bias
         from specserve.kernels import quant_matmul  # lazy: Triton, on CUDA only
 
         return quant_matmul.fp8_linear(xq, None if x_scale is None else x_scale.expand(xq.shape[0], -1),
-                                       act_group, weight, scale, self.block, bias, x.dtype, self.deterministic,
+                                       act_group, weight, scale, self.block, bias, dtype, self.deterministic,
                                        quantize=quantize, counters=self.tile_counters)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,9 @@ it does in their arithmetic. ``TritonLayerOps`` (with the Triton backend, i.e. o
 kernels instead — one launch per norm, one for the activation, one for rotary + KV store —
 where the torch ops launch about 25 tiny kernels per layer and a small model's decode step
 is bound by those launches, not by its weights. Both take and give the same tensors.
+
+The Triton norms and activations can also hand their one consumer, a float8 layer that
+rounds its input at run time, that input rounded (``fp8_fusable``; ``Fp8Rows``).
 """
 from __future__ import annotations
 
@@ -37,6 +40,12 @@ class TorchLayerOps:
 
     def __init__(self, backend) -> None:
         self.backend = backend
+
+    @staticmethod
+    def fp8_fusable(width: int, group: int) -> bool:
+        """Whether a norm or activation of ``width`` outputs can hand them rounded to float8
+        in groups of ``group`` (their functions' ``fp8_group``): the Triton ones only."""
+        return False
 
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What ``rotary_store_kv`` needs for this step's positions, made once per step."""
@@ -94,6 +103,7 @@ class TritonLayerOps:
         self.gemma_rms_norm = fused_norm.gemma_rms_norm
         self.gemma_add_rms_norm = fused_norm.gemma_add_rms_norm
         self.gelu_tanh_and_mul = fused_act.gelu_tanh_and_mul
+        self.fp8_fusable = fused_norm.fp8_fusable
         self._rotary_store_kv = fused_rotary.rotary_store_kv
 
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):

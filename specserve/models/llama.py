@@ -29,6 +29,7 @@ from specserve.attention import AttentionBackend
 from specserve.batch import ForwardBatch
 from specserve.distributed import SINGLE, TPGroup
 from specserve.errors import ModelLoadError
+from specserve.models.checkpoint_quant import Fp8Rows
 from specserve.models.layer_ops import LayerOps, layer_ops_for
 from specserve.models.mlp import MLP
 from specserve.models.moe import SparseMoE, is_sparse_layer
@@ -64,11 +65,25 @@ class RMSNorm(nn.Module):
         self._norm = ops.gemma_rms_norm if gemma else ops.rms_norm
         self._add_norm = ops.gemma_add_rms_norm if gemma else ops.add_rms_norm
 
+        self.fp8_group = 0  # its output rounded to float8 in groups of this many for its consumer (``hand_fp8``)
+
+    def hand_fp8(self, consumer: nn.Module) -> None:
+        """Hand ``consumer``, this norm's only reader, its output rounded to float8
+        (``Fp8Rows``) where it takes it so (``Fp8Linear.input_group``) and the ops can."""
+        group = getattr(consumer, "input_group", None)
+        self.fp8_group = group if group and self.ops.fp8_fusable(self.weight.shape[0], group) else 0
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``. With
+        ``fp8_group``, ``norm(…)`` comes as ``Fp8Rows``."""
+        if not self.fp8_group:
+            if residual is None:
+                return self._norm(x, self.weight, self.eps)
+            return self._add_norm(x, residual, self.weight, self.eps)
         if residual is None:
-            return self._norm(x, self.weight, self.eps)
-        return self._add_norm(x, residual, self.weight, self.eps)
+            return Fp8Rows(*self._norm(x, self.weight, self.eps, fp8_group=self.fp8_group), self.fp8_group, x.dtype)
+        (q, scales), residual = self._add_norm(x, residual, self.weight, self.eps, fp8_group=self.fp8_group)
+        return Fp8Rows(q, scales, self.fp8_group, x.dtype), residual
 
 
 class Attention(nn.Module):
@@ -155,6 +170,14 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+
+    def linears_replaced(self) -> None:
+        """Its projections may now be float8 layers that round their inputs at run time:
+        the norm before each, its only reader, hands it its input rounded (``hand_fp8``),
+        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s)."""
+        self.input_layernorm.hand_fp8(self.self_attn.qkv_proj)
+        if not self.sandwich and isinstance(self.mlp, MLP):
+            self.post_attention_layernorm.hand_fp8(self.mlp.gate_up_proj)
 
     def forward(self, hidden, residual, rotary_tables, kv_cache, batch):
         """The residual stream is ``hidden + residual`` (``residual`` None: just ``hidden``,

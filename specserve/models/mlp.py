@@ -7,6 +7,7 @@ from torch import nn
 
 from specserve.distributed import TPGroup
 from specserve.errors import ModelLoadError
+from specserve.models.checkpoint_quant import Fp8Rows
 from specserve.models.layer_ops import LayerOps
 
 
@@ -29,6 +30,19 @@ class MLP(nn.Module):
             self.act_and_mul = ops.gelu_tanh_and_mul
         else:
             raise ModelLoadError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        self.fp8_group = 0  # the activation's output rounded to float8 in groups of this many (``linears_replaced``)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
+    def linears_replaced(self) -> None:
+        """Where the down projection now rounds its input to float8 at run time
+        (``Fp8Linear.input_group``), the activation hands it its output so rounded
+        (``Fp8Rows``), where the ops can: one launch less."""
+        group = getattr(self.down_proj, "input_group", None)
+        self.fp8_group = group if group and self.ops.fp8_fusable(self.intermediate_size, group) else 0
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fp8_group:
+            act = Fp8Rows(*self.act_and_mul(gate_up, fp8_group=self.fp8_group), self.fp8_group, gate_up.dtype)
+        else:
+            act = self.act_and_mul(gate_up)
+        return self.tp.all_reduce(self.down_proj(act))
