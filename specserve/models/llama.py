@@ -64,7 +64,6 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self._norm = ops.gemma_rms_norm if gemma else ops.rms_norm
         self._add_norm = ops.gemma_add_rms_norm if gemma else ops.add_rms_norm
-
         self.fp8_group = 0  # its output rounded to float8 in groups of this many for its consumer (``hand_fp8``)
 
     def hand_fp8(self, consumer: nn.Module) -> None:
