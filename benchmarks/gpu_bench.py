@@ -304,6 +304,26 @@ def median_ms(fn, reps: int, device: torch.device, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 20, reps: int = 30) -> float:
+    """µs one call of ``fn`` takes inside a CUDA graph of ``calls`` calls (median over
+    ``reps`` replays): a kernel's time with its launch gaps as a step's graph has them."""
+    for _ in range(3):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(1000 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -8,7 +8,6 @@ the two taking turns in one process (new, old, old, new).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(HERE.parents[3] / "tests"))
 from gpu_bench import (
     _copy_bandwidth,
     decode_step,
+    graph_us,
     llama_8b_config,
     median_ms,
     random_llama,
@@ -31,21 +31,7 @@ from specserve.kernels import quant_matmul
 
 def quantizer_us(k: int, reps: int = 30) -> float:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        quant_matmul.quantize_rows(x, k)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            quant_matmul.quantize_rows(x, k)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1000 * start.elapsed_time(end) / 20)
-    return statistics.median(times)
+    return graph_us(lambda: quant_matmul.quantize_rows(x, k), reps=reps)
 
 
 def main() -> None:
