@@ -12,9 +12,12 @@ and one round trip of the hidden states through memory.
 
 Where the norm's one consumer is a float8 layer that rounds its input at run time (W8A8
 with dynamic scales), the norm can hand it the rounded rows instead (``fp8_group``): the
-values it would have written, rounded to float8 per row and group as the layer's own
-quantizer would (``quant_matmul.quantize_rows``), bit for bit, in the same launch. On a
-GPU's decode step that saves the quantizer's launch and the row's trip through memory.
+values it would have written, rounded to float8 per row and group by the layer's own
+quantizer's arithmetic (``quant_matmul.quantize_rows``), in the same launch. The two
+variants are compiled apart, so a GPU may sum a row's squares in another order in each
+(fp32 at the 8B widths on an H100: a value at a float8 midpoint then rounds the other
+way); under the interpreter they agree bit for bit. On a GPU's decode step this saves
+the quantizer's launch and the row's trip through memory.
 """
 from __future__ import annotations
 

@@ -183,25 +183,42 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def rounds_alike(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A norm's float8 rows against the quantizer's rounding of the norm's output: bit for
+    bit under the interpreter. A GPU compiles the two norms apart and may sum a row's
+    squares in another order (seen in fp32 at widths of 4,096 and 14,336 on an H100), so
+    there the scales agree to fp32 rounding, and a value that lay at a midpoint may take
+    the neighbouring float8 value (at most 1 % of them)."""
+    (q, scales), (want_q, want_scales) = got, want
+    if not CUDA:
+        assert same_bits(q, want_q) and same_bits(scales, want_scales)
+        return
+    torch.testing.assert_close(scales, want_scales, rtol=2**-20, atol=0)
+    q, want_q = q.float(), want_q.float()
+    step = 2**-3 * torch.maximum(q.abs(), want_q.abs()) + 2**-9  # float8's spacing there, or below
+    assert ((q - want_q).abs() <= step).all() and (q != want_q).float().mean() <= 0.01
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("width, group", FP8_ROWS)
 def test_norms_and_activations_hand_float8_rows_as_the_quantizer_rounds_them(width, group, dtype):
-    """A norm's or activation's output handed on as float8 rows (``fp8_group``) is, bit
-    for bit, what the float8 layer's own quantizer makes of the output it would have
-    written (``quant_matmul.quantize_rows``): values and scales, whatever the group."""
+    """A norm's or activation's output handed on as float8 rows (``fp8_group``) is what
+    the float8 layer's own quantizer makes of the output it would have written
+    (``quant_matmul.quantize_rows``): values and scales, whatever the group; bit for bit
+    for the activations, and for the norms up to the order of their sums on a GPU
+    (``rounds_alike``)."""
     from specserve.kernels import quant_matmul
 
     x = randn(5, width, dtype=dtype, seed=8) * torch.logspace(-3, 1, width, device=DEVICE).to(dtype)
     residual, weight = randn(5, width, dtype=dtype, seed=9), randn(width, dtype=dtype, seed=10).abs() + 0.5
     for norm, add in ((fused_norm.rms_norm, fused_norm.add_rms_norm),
                       (fused_norm.gemma_rms_norm, fused_norm.gemma_add_rms_norm)):
-        q, scales = norm(x, weight, 1e-6, fp8_group=group)
-        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(norm(x, weight, 1e-6), group)))
-        (q, scales), summed = add(x, residual, weight, 1e-6, fp8_group=group)
+        rounds_alike(norm(x, weight, 1e-6, fp8_group=group), quant_matmul.quantize_rows(norm(x, weight, 1e-6), group))
+        handed, summed = add(x, residual, weight, 1e-6, fp8_group=group)
         out, want_summed = add(x, residual, weight, 1e-6)
         assert same_bits(summed, want_summed)
-        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(out, group)))
+        rounds_alike(handed, quant_matmul.quantize_rows(out, group))
     gate_up = randn(3, 2 * width, dtype=dtype, seed=11, scale=3.0)
     for act in (fused_act.silu_and_mul, fused_act.gelu_tanh_and_mul):
         q, scales = act(gate_up, fp8_group=group)

@@ -396,8 +396,8 @@ class Fp8Rows(NamedTuple):
     """A layer's input already rounded to float8 by the op before it (a norm, an
     activation: ``Fp8Linear.input_group``), so that the layer does not launch its own
     quantizer: ``values`` float8 ``[rows, K]``, ``scales`` fp32 ``[rows, ⌈K / group⌉]``,
-    each group scaled so that its largest magnitude is 448, exactly as the layer would
-    have rounded the op's output in ``dtype``, the dtype it hands on."""
+    each group scaled so that its largest magnitude is 448, by the layer's own
+    quantizer's arithmetic on the op's output in ``dtype``, the dtype it hands on."""
 
     values: torch.Tensor
     scales: torch.Tensor
