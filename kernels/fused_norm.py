@@ -33,11 +33,14 @@ def _rms_norm_kernel(
     out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr, eps,
     stride_x, stride_r, stride_o, stride_n, scales_ptr, stride_s,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-    FP8_GROUP: tl.constexpr = 0,
+    FP8_GROUP: tl.constexpr = 0, SLICE: tl.constexpr = 0,
 ):
     """One row: ``out = weight · norm(x [+ residual])``, and the sum to ``new_residual``.
     GEMMA: ``(1 + weight) · norm(x)`` in fp32, rounded once (Gemma's norm). FP8_GROUP
-    (a power of two dividing BLOCK): ``out`` (float8) gets the row as ``fp8_rows`` rounds it."""
+    (a power of two dividing SLICE, or ≥ HIDDEN: per row): ``out`` (float8) gets the
+    row's ``program_id(1)``-th slice of SLICE columns as ``fp8_rows`` rounds it, each
+    program reading the whole row for its sum (and per row, its largest magnitude), and
+    its slice's values again, so that the rounding, the costly part, spreads over the row."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -45,36 +48,70 @@ def _rms_norm_kernel(
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(new_residual_ptr + row * stride_n + cols, x, mask=mask)
+        if not FP8_GROUP:
+            tl.store(new_residual_ptr + row * stride_n + cols, x, mask=mask)
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        normed = x * rstd
-        weight = weight + 1.0
-    else:
-        normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if FP8_GROUP:
-        fp8_rows(out_ptr + row * stride_o, scales_ptr + row * stride_s, (normed * weight).to(x_ptr.dtype.element_ty),
-                 0, HIDDEN, BLOCK, FP8_GROUP)
+        start = tl.program_id(1) * SLICE
+        part = start + tl.arange(0, SLICE)
+        inside = part < HIDDEN
+        xs = tl.load(x_ptr + row * stride_x + part, mask=inside, other=0.0)
+        if ADD_RESIDUAL:
+            rs = tl.load(residual_ptr + row * stride_r + part, mask=inside, other=0.0)
+            xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(new_residual_ptr + row * stride_n + part, xs, mask=inside)
+        vs = _weighted(xs.to(tl.float32), rstd, tl.load(weight_ptr + part, mask=inside, other=0.0), GEMMA,
+                       x_ptr.dtype.element_ty)
+        if FP8_GROUP >= HIDDEN:
+            amax = tl.max(tl.abs(_weighted(x, rstd, weight, GEMMA, x_ptr.dtype.element_ty).to(tl.float32)), axis=0)
+            fp8_rows(out_ptr + row * stride_o, scales_ptr + row * stride_s, vs, start, HIDDEN, SLICE, SLICE, True,
+                     amax)
+        else:
+            fp8_rows(out_ptr + row * stride_o, scales_ptr + row * stride_s, vs, start, HIDDEN, SLICE, FP8_GROUP,
+                     False, 0.0)
     else:
-        tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + row * stride_o + cols, _weighted(x, rstd, weight, GEMMA, out_ptr.dtype.element_ty),
                  mask=mask)
 
 
 @triton.jit
-def fp8_rows(q_ptr, s_ptr, v, start, size, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _weighted(x, rstd, weight, GEMMA: tl.constexpr, dtype: tl.constexpr):
+    """``weight · x · rstd`` in ``dtype``: ``x · rstd`` rounded to it first, but for Gemma
+    (``(1 + weight) · x · rstd`` in fp32, rounded once)."""
+    weight = weight.to(tl.float32)
+    if GEMMA:
+        normed = x * rstd
+        weight = weight + 1.0
+    else:
+        normed = (x * rstd).to(dtype).to(tl.float32)
+    return (normed * weight).to(dtype)
+
+
+@triton.jit
+def fp8_rows(q_ptr, s_ptr, v, start, size, BLOCK: tl.constexpr, GROUP: tl.constexpr, ROW_AMAX: tl.constexpr,
+             amax):
     """``v``, a row's ``BLOCK`` values from column ``start`` on (those from ``size`` on
     are padding, 0), to float8 at ``q_ptr`` + column, in groups of ``GROUP`` (a power of
     two dividing BLOCK and ``start``), each scaled so that its largest magnitude is 448,
-    the scales at ``s_ptr`` + group: ``quant_matmul._quantize_kernel``'s values, bit for bit."""
+    the scales at ``s_ptr`` + group: ``quant_matmul._quantize_kernel``'s values, bit for
+    bit. ``ROW_AMAX``: ``v`` is a block of one group, the row, whose largest magnitude is
+    ``amax`` (its scale stored by the row's first block)."""
     cols = start + tl.arange(0, BLOCK)
-    v = tl.reshape(v.to(tl.float32), (BLOCK // GROUP, GROUP))
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), 1e-12)
-    q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0))
-    tl.store(q_ptr + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < size)
-    groups = tl.arange(0, BLOCK // GROUP)
-    tl.store(s_ptr + start // GROUP + groups, scale, mask=start + groups * GROUP < size)
+    if ROW_AMAX:
+        scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+        q = round_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), scale), -448.0, 448.0))
+        tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=cols < size)
+        first = tl.arange(0, 1)
+        tl.store(s_ptr + first, scale + tl.zeros([1], dtype=tl.float32), mask=start + first == 0)
+    else:
+        v = tl.reshape(v.to(tl.float32), (BLOCK // GROUP, GROUP))
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), 1e-12)
+        q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0))
+        tl.store(q_ptr + cols, tl.reshape(q, (BLOCK,)).to(q_ptr.dtype.element_ty), mask=cols < size)
+        groups = tl.arange(0, BLOCK // GROUP)
+        tl.store(s_ptr + start // GROUP + groups, scale, mask=start + groups * GROUP < size)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_group: int = 0):
@@ -108,6 +145,9 @@ def gemma_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check_residual(x, residual)
     out, new_residual, scales = _launch(x, residual, weight, eps, gemma=True, fp8_group=fp8_group)
     return ((out, scales) if fp8_group else out), new_residual
+
+
+FP8_SLICE = 1024  # columns a program rounds to float8 (a group's, where larger)
 
 
 def fp8_fusable(width: int, group: int) -> bool:
@@ -144,21 +184,24 @@ def _launch(x, residual, weight, eps, gemma: bool = False, fp8_group: int = 0):
         if not fp8_fusable(hidden, fp8_group) or weight.dtype != x.dtype:
             raise ValueError(f"float8 rows of {hidden} inputs in groups of {fp8_group} ({x.dtype} input, "
                              f"{weight.dtype} weight): per row or in groups of a power of two, in one dtype")
+        scales = torch.empty(rows.shape[0], triton.cdiv(hidden, min(fp8_group, hidden)), dtype=torch.float32,
+                             device=x.device)
         block, fp8_group = fp8_block(hidden, fp8_group)
         out = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(rows.shape[0], triton.cdiv(hidden, fp8_group), dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return out, new_residual, scales
     residual_rows = _rows(residual) if residual is not None else rows
-    _rms_norm_kernel[(rows.shape[0],)](
+    # Rounding to float8, a row's programs take a slice each (of whole groups).
+    part = block if not fp8_group else min(block, max(FP8_SLICE, fp8_group if fp8_group < hidden else 0))
+    _rms_norm_kernel[(rows.shape[0], triton.cdiv(hidden, part))](
         out, new_residual, rows, residual_rows, weight.contiguous(), eps,
         rows.stride(0), residual_rows.stride(0), hidden, hidden, out if scales is None else scales,
         0 if scales is None else scales.stride(0),
         HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None, GEMMA=gemma, FP8_GROUP=fp8_group,
-        num_warps=min(max(block // 256, 1), 8))
+        SLICE=part, num_warps=min(max(block // 256, 1), 8))
     return out, new_residual, scales
 
 
