@@ -7,9 +7,9 @@ replay of 20 launches: the norm and the activation with and without the quantize
 W8A16 per channel's decode step with its one-row kernel's K splits added by a second
 launch (as shipped) or by each tile's last program (``sum_in_launch``, as 4-bit does).
 
-    python handed_ab.py out.json [per-channel]
+    python handed_ab.py out.json [per-channel | kernels]
 
-(``per-channel``: the kernels and W8A8 per channel only.)
+(``per-channel``: the kernels and W8A8 per channel only; ``kernels``: the kernels only.)
 """
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ def main() -> None:
     bandwidth = _copy_bandwidth()
     print(f"{torch.cuda.get_device_name()} copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     kernels(rows)
+    if sys.argv[2:] == ["kernels"]:
+        out.write_text(json.dumps({"card": torch.cuda.get_device_name(), "copy_tb_s": round(bandwidth / 1e12, 2),
+                                   "rows": rows}, indent=1) + "\n")
+        return
     device = torch.device("cuda")
     model = random_llama(llama_8b_config(), device)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
