@@ -472,11 +472,10 @@ for dtype in ("bf16", "fp16", "fp32"):
                     dict(HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=add, FP8_GROUP=min(fp8_group, block),
                          SLICE=min(block, 1024) if fp8_group else block),
                     num_warps=min(max(block // 256, 1), 8))
-    for block, fp8_group, row_amax in ((1024, 0, False), (1024, 128, False), (1024, 1024, True)):
+    for block, fp8_group, warps in ((1024, 0, 4), (1024, 128, 4), (16384, 16384, 16)):
         out = "*fp8e4nv" if fp8_group else "*" + dtype
         compile(fused_act._silu_and_mul_kernel, dict(out_ptr=out, gate_up_ptr="*" + dtype,
-                scales_ptr="*fp32" if fp8_group else out),
-                dict(BLOCK=block, FP8_GROUP=fp8_group, ROW_AMAX=row_amax), num_warps=4)
+                scales_ptr="*fp32" if fp8_group else out), dict(BLOCK=block, FP8_GROUP=fp8_group), num_warps=warps)
     for heads, kv_heads, half, store, fp8 in ((9, 3, 32, True, False), (32, 8, 64, False, False),
                                               (5, 1, 40, True, False), (32, 8, 64, True, True)):
         block_half = triton.next_power_of_2(half)
