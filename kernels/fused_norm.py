@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add (Triton), one program per row.
+"""RMSNorm with an optional fused residual add (Triton), one program per row (handing
+float8: one per slice of a row).
 
 Same semantics as ``reference.rms_norm`` / ``reference.add_rms_norm``, rounding where
 they round: the residual sum is rounded to the input dtype before it is normalised, the
@@ -17,7 +18,9 @@ quantizer's arithmetic (``quant_matmul.quantize_rows``), in the same launch. The
 variants are compiled apart, so a GPU may sum a row's squares in another order in each
 (fp32 at the 8B widths on an H100: a value at a float8 midpoint then rounds the other
 way); under the interpreter they agree bit for bit. On a GPU's decode step this saves
-the quantizer's launch and the row's trip through memory.
+the quantizer's launch and the row's trip through memory. The rounding, not the bytes,
+is what costs there (one program rounding a row of 4,096 took 1.3 µs over the plain
+norm on an H100), so each program sums the whole row and rounds a slice of it.
 """
 from __future__ import annotations
 
