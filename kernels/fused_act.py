@@ -8,9 +8,9 @@ computed in fp32 and rounded before the product, which is rounded once. The grid
 
 ``fp8_group`` hands the down projection its input rounded to float8 as its own quantizer
 would (``fused_norm``'s reasons), bit for bit: in groups, each column block rounds its
-own; per row, one program holds the row, as the quantizer's does. (On an H100 that takes
-as long as the activation and the quantizer, 6.7 µs at 14,336; each block finding the
-row's largest magnitude itself, from the row's values computed again, took 7.6.)
+own; per row, one program holds the row, as the quantizer's does (each block finding the
+row's largest magnitude itself, from the row's activations computed again, was slower:
+``benchmarks/results/quant_gpu/handed_fp8_2026-12-06/``).
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ variants are compiled apart, so a GPU may sum a row's squares in another order i
 (fp32 at the 8B widths on an H100: a value at a float8 midpoint then rounds the other
 way); under the interpreter they agree bit for bit. On a GPU's decode step this saves
 the quantizer's launch and the row's trip through memory. The rounding, not the bytes,
-is what costs there (one program rounding a row of 4,096 took 1.3 µs over the plain
-norm on an H100), so each program sums the whole row and rounds a slice of it.
+is what costs there, so each program sums the whole row and rounds a slice of it
+(``benchmarks/results/quant_gpu/handed_fp8_2026-12-06/``).
 """
 from __future__ import annotations
 
