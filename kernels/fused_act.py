@@ -18,9 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.fused_norm import fp8_block, fp8_fusable, fp8_rows
+from specserve.kernels import fused_norm
+from specserve.kernels.fused_norm import fp8_block, fp8_rows
 
 _BLOCK = 1024
+FP8_ROW_MOST = 16384  # the widest row one program rounds to float8 (``quant_matmul.ONE_PASS_MAX``'s)
+
+
+def fp8_fusable(width: int, group: int) -> bool:
+    """Whether the activation can hand ``width`` outputs rounded to float8 in groups of
+    ``group`` (``fused_norm.fp8_fusable``): per row, a row of up to ``FP8_ROW_MOST``
+    (one program holds it in registers; wider rows were never timed)."""
+    return fused_norm.fp8_fusable(width, group) and (group < width or width <= FP8_ROW_MOST)
 
 
 @triton.jit
@@ -81,8 +90,8 @@ def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool, fp8_group: int = 0):
     block = min(_BLOCK, triton.next_power_of_2(size))
     if fp8_group:
         if not fp8_fusable(size, fp8_group):
-            raise ValueError(f"float8 rows of {size} inputs in groups of {fp8_group}: per row or in groups of "
-                             "a power of two")
+            raise ValueError(f"float8 rows of {size} inputs in groups of {fp8_group}: per row (up to "
+                             f"{FP8_ROW_MOST}) or in groups of a power of two")
         scales = torch.empty(rows.shape[0], triton.cdiv(size, min(fp8_group, size)), dtype=torch.float32,
                              device=gate_up.device)
         block, fp8_group = fp8_block(size, fp8_group, _BLOCK)

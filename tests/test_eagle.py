@@ -393,6 +393,21 @@ def test_a_head_made_from_a_layers_draft_starts_as_that_draft(tmp_path, tiny_mod
 
 
 # ---------------------------------------------------------------------------- published EAGLE-1/2 heads
+def test_an_eagle1_heads_first_layer_takes_linears_replaced(tiny_model_dir, tmp_path):
+    """EAGLE-1's first layer adds the residual where a decoder layer has its first norm
+    (``ResidualAdd``): telling the head that its linears were replaced (as packing them
+    for a bf16 CPU does, or quantizing them) leaves it as it is, and it drafts as before."""
+    from specserve.models.packed_linear import linears_replaced
+
+    target_dir = tiny_model_dir("llama")
+    head_dir, _ = make_eagle1_head(target_dir, tmp_path)
+    llm = eagle_llm(target_dir, head_dir, k=4, max_num_batched_tokens=64)
+    want = llm.generate(PROMPTS[:2], greedy(4, max_tokens=8), use_tqdm=False)
+    linears_replaced(llm.engine.speculator.drafter.model)
+    got = llm.generate(PROMPTS[:2], greedy(4, max_tokens=8), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def make_eagle1_head(target_dir, path: Path, num_layers: int = 1, fc_bias: bool = True, seed: int = 0):
     """A head in the layout the EAGLE repository saves (eagle/model/cnets.py: ``fc`` over
     [embedding; feature], ``layers.N.*`` with no ``model.`` prefix, no input norm in layer 0,

@@ -173,9 +173,10 @@ def test_silu_and_mul_extremes_and_strided_rows():
 
 
 # ---------------------------------------------------------------------------- float8 rows
-# (width, group): per row, a power of two of it, groups with a short last one; on a GPU
-# also the 8B shape's rows, whose activation is one program (per row) or 14 (in groups).
-FP8_ROWS = [(96, 10_000), (96, 32), (200, 64), (2500, 128), (2500, 2500)] + \
+# (width, group): per row, a power of two of it, groups with a short last one, groups
+# wider than a norm's slice; on a GPU also the 8B shape's rows, whose activation is one
+# program (per row) or 14 (in groups).
+FP8_ROWS = [(96, 10_000), (96, 32), (200, 64), (2500, 128), (2500, 2500), (2500, 2048)] + \
     ([(4096, 4096), (4096, 128), (14336, 14336), (14336, 128)] if CUDA else [])
 
 

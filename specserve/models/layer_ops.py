@@ -43,9 +43,11 @@ class TorchLayerOps:
 
     @staticmethod
     def fp8_fusable(width: int, group: int) -> bool:
-        """Whether a norm or activation of ``width`` outputs can hand them rounded to float8
-        in groups of ``group`` (their functions' ``fp8_group``): the Triton ones only."""
+        """Whether a norm of ``width`` outputs can hand them rounded to float8 in groups of
+        ``group`` (its functions' ``fp8_group``): the Triton ones only."""
         return False
+
+    fp8_act_fusable = fp8_fusable  # the same for the activation (``fused_act.fp8_fusable``)
 
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):
         """What ``rotary_store_kv`` needs for this step's positions, made once per step."""
@@ -104,6 +106,7 @@ class TritonLayerOps:
         self.gemma_add_rms_norm = fused_norm.gemma_add_rms_norm
         self.gelu_tanh_and_mul = fused_act.gelu_tanh_and_mul
         self.fp8_fusable = fused_norm.fp8_fusable
+        self.fp8_act_fusable = fused_act.fp8_fusable
         self._rotary_store_kv = fused_rotary.rotary_store_kv
 
     def rotary_tables(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype):

@@ -68,9 +68,13 @@ class RMSNorm(nn.Module):
 
     def hand_fp8(self, consumer: nn.Module) -> None:
         """Hand ``consumer``, this norm's only reader, its output rounded to float8
-        (``Fp8Rows``) where it takes it so (``Fp8Linear.input_group``) and the ops can."""
+        (``Fp8Rows``) where it takes it so (``Fp8Linear.input_group``), reads exactly this
+        norm's output (not, as EAGLE-3's first layer, the norm's output beside another),
+        and the ops can."""
         group = getattr(consumer, "input_group", None)
-        self.fp8_group = group if group and self.ops.fp8_fusable(self.weight.shape[0], group) else 0
+        width = self.weight.shape[0]
+        takes = group and getattr(consumer, "in_features", None) == width
+        self.fp8_group = group if takes and self.ops.fp8_fusable(width, group) else 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``. With
@@ -173,8 +177,12 @@ class DecoderLayer(nn.Module):
     def linears_replaced(self) -> None:
         """Its projections may now be float8 layers that round their inputs at run time:
         the norm before each, its only reader, hands it its input rounded (``hand_fp8``),
-        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s)."""
-        self.input_layernorm.hand_fp8(self.self_attn.qkv_proj)
+        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s). Not
+        where the layer's first norm is not one (EAGLE-1's first layer adds the residual
+        instead), nor for Gemma 2/3's MLP (its input comes through a second norm; not done
+        yet)."""
+        if isinstance(self.input_layernorm, RMSNorm):
+            self.input_layernorm.hand_fp8(self.self_attn.qkv_proj)
         if not self.sandwich and isinstance(self.mlp, MLP):
             self.post_attention_layernorm.hand_fp8(self.mlp.gate_up_proj)
 

@@ -37,7 +37,7 @@ class MLP(nn.Module):
         (``Fp8Linear.input_group``), the activation hands it its output so rounded
         (``Fp8Rows``), where the ops can: one launch less."""
         group = getattr(self.down_proj, "input_group", None)
-        self.fp8_group = group if group and self.ops.fp8_fusable(self.intermediate_size, group) else 0
+        self.fp8_group = group if group and self.ops.fp8_act_fusable(self.intermediate_size, group) else 0
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
