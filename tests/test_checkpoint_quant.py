@@ -15,10 +15,12 @@ import triton.language as tl
 from specserve import LLM, SamplingParams
 from specserve.attention import TorchAttentionBackend
 from specserve.errors import ModelLoadError
-from specserve.kernels import cpu_ops, quant_matmul
+from specserve.kernels import cpu_ops, fused_act, quant_matmul
 from specserve.loader import ModelFiles, _iter_checkpoint, build_model, load_hf_config, quant_scheme
 from specserve.models.checkpoint_quant import (FP8, Fp8Linear, Fp8Weight, Int4Linear, Int4Weight, parse_scheme,
                                                quantize_fp8, quantize_int4)
+from specserve.models.layer_ops import TritonLayerOps
+from specserve.models.llama import RMSNorm
 from specserve.models.quantized import QuantLinear
 from test_model import ragged_logits
 from tiny_models import QUANT_LAYOUTS, QUANTIZED_PROJECTIONS, write_quantized_checkpoint
@@ -714,10 +716,6 @@ def test_a_norm_hands_float8_only_to_a_layer_that_reads_just_its_output():
     """A float8 layer reading the norm's output beside another (EAGLE-3's first layer: the
     embeddings' norm and the features, 2 x hidden) is not handed float8 rows; one reading
     it alone is; nor does an activation hand a row wider than one program rounds."""
-    from specserve.kernels import fused_act
-    from specserve.models.layer_ops import TritonLayerOps
-    from specserve.models.llama import RMSNorm
-
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(64, 1e-6, TritonLayerOps())
     for width, handed in ((128, 0), (64, 64)):
