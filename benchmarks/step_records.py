@@ -29,6 +29,7 @@ SETTINGS = {  # name -> engine kwargs beside the speculation method (``--method`
 CONTROLLER = {  # name -> controller attributes set after the engine is made
     "adaptive, promises ignored": {"keep_promises": False},  # the plan's bar as measured (GoodputCheck.promise)
 }
+SETUP: dict = {}  # name -> a function of the engine, called once it is made (a study's own settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, attributes in CONTROLLER.items():
         for attribute, value in attributes.items() if name in engines else ():
             setattr(engines[name].speculator.controller, attribute, value)
+    for name, setup in SETUP.items():
+        if name in engines:
+            setup(engines[name])
     recorders = {name: StepRecorder(engine) for name, engine in engines.items()}
     full_batch = int(0.9 * args.max_num_seqs)
 

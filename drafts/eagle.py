@@ -63,14 +63,12 @@ class EagleDrafter(ModelDrafter):
         self.feature_layers = feature_layers
         self.feature_width = getattr(model, "feature_width", model.config.hidden_size)
         self.draft_cache = "features"  # its entries need the target's hidden states
-        self.target_runner: ModelRunner | None = None
         self._seen: list | None = None  # the scheduled list of the last step proposed for
         # req_id -> (first position, [n, hidden] target hidden states of positions first …)
         self._features: dict[str, tuple[int, torch.Tensor]] = {}
 
     def bind(self, target_runner: ModelRunner) -> None:
         super().bind(target_runner)
-        self.target_runner = target_runner
         target_runner.keep_hidden = True
         target_runner.model.feature_layers = self.feature_layers  # before any graph captures them
         self.runner.keep_hidden = True

@@ -81,6 +81,10 @@ class ModelDrafter:
         self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
         # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
+        # A catch-up that feeds exactly the target's step replays on the target's inputs
+        # (``_catch_up_pass``); False builds its own (kept for A/B runs).
+        self.shares_target_inputs = True
+        self.target_runner: ModelRunner | None = None
         self._stream: torch.cuda.Stream | None = None
         self._behind = False
 
@@ -91,6 +95,7 @@ class ModelDrafter:
         return kv_bytes_per_block(self.model, self.config.block_size, self.dtype)
 
     def bind(self, target_runner: ModelRunner) -> None:
+        self.target_runner = target_runner
         if self.shares_target_cache:
             self.runner = target_runner
         else:
@@ -104,6 +109,8 @@ class ModelDrafter:
         layer-skip draft runs a prefix of the target's layers and stays eager."""
         if not self.shares_target_cache:
             self.runner.enable_graphs(2, max_model_len, capture)
+            if self.target_runner.graphs is not None:  # (``_catch_up_pass``)
+                self.target_runner.graphs.share_inputs = True
 
     @property
     def max_positions(self) -> int | None:
@@ -237,7 +244,7 @@ class ModelDrafter:
         self.last_backlog_s = 0.0
         if not drafting:
             if entries:
-                self._forward([e for _, e in entries])
+                self._catch_up_pass(scheduled, [e for _, e in entries])
             self.last_catch_up_s = time.perf_counter() - began
             return DraftProposal([[] for _ in scheduled])
         # Longest k first, so the requests still drafting at step j are always a prefix
@@ -438,6 +445,21 @@ class ModelDrafter:
                 self.propose(scheduled, requests)
         finally:
             self._behind = True
+
+    def _catch_up_pass(self, scheduled: list[ScheduledRequest], entries: list[ScheduledRequest]) -> None:
+        """The draft pass of a step in which nobody drafts. Where it feeds exactly the
+        target's step (each request its pending tokens, from where the target's pass
+        starts, through the same block ids), the draft's graph replays on the target's
+        inputs (``GraphRunner.replay_inputs_of``), which the host then built once for both."""
+        graphs = self.runner.graphs
+        if (self.shares_target_inputs and graphs is not None and self.target_runner.graphs is not None
+                and len(entries) == len(scheduled)
+                and all(e.start_pos == p.start_pos and len(e.token_ids) == len(p.token_ids)
+                        and not p.draft_token_ids and not p.long_rope for e, p in zip(entries, scheduled))):
+            self._join()
+            if graphs.replay_inputs_of(self.target_runner.graphs, scheduled):
+                return
+        self._forward(entries)
 
     def _join(self) -> None:
         """The current stream waits for what ``feed`` left running on its own."""

@@ -29,6 +29,12 @@ than the largest bucket (``EngineConfig.cuda_graph_max_tokens``, 2048 by default
 layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's launches are
 a small part of its time.
 
+**Inputs shared.** A draft model that caches the same block ids and is fed exactly the
+target's step (a step without drafts: each request's pending token at the same position)
+replays its own graph of that shape on the target's inputs (``replay_inputs_of``),
+copied from the target's static buffers on the device, instead of building them again on
+the host: beside the target's pass, its host work is then a few launches.
+
 A draft head that reads its target's features (``models/eagle.py``) gets them through a
 static buffer too: ``run`` copies each pass's feature rows where its tokens are (request
 i's at i * q when padded), and the graphs read ``batch.features`` from there.
@@ -143,6 +149,12 @@ class GraphRunner:
         # schedule order (as ``ModelRunner.keep_hidden``).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # With ``share_inputs`` (a draft model replays on them, ``replay_inputs_of``), each
+        # replay leaves its inputs in ``last_inputs``: (key, the step's scheduled list, its
+        # query and sequence lengths, the stream they were written on, an event recorded on
+        # it once written; the last two None when not captured).
+        self.share_inputs = False
+        self.last_inputs: tuple | None = None
 
     # ------------------------------------------------------------------ eligibility
     def fits(self, output: SchedulerOutput) -> bool:
@@ -283,19 +295,71 @@ class GraphRunner:
                 self._features[:features.shape[0]].copy_(features)
             else:
                 self._features.index_copy_(0, real, features)
-        if self.capture:
-            graph.replay()
-        else:  # eager: the torch backend needs the real lengths; Triton plans as captured
-            if self.model.attention_backend.exact_lengths:
-                batch.query_lens_host, batch.seq_lens_host = query_lens, seq_lens
-                batch.attn_plans.clear()
-            outputs = graph()
-        logits, hidden = outputs
+        if self.share_inputs:
+            self.last_inputs = (key, planned, query_lens, seq_lens, *self._written())
+        logits, hidden = self._replay(graph, outputs, batch, query_lens, seq_lens)
         if self.keep_hidden:  # copied, as the next replay overwrites them
             self.last_hidden = hidden[:sum(lengths)].clone() if real is None else hidden.index_select(0, real)
         if key[0] == 0:  # ragged: the graph computed the sampled rows' logits, then padding
             return logits[:self._num_logits(planned)]
         return logits if rows is None else logits.index_select(0, rows)
+
+    def _replay(self, graph, outputs, batch: ForwardBatch, query_lens: list[int], seq_lens: list[int]):
+        """Replay a graph over the inputs in its buffers; its outputs (logits, hidden)."""
+        if self.capture:
+            graph.replay()
+            return outputs
+        # eager: the torch backend needs the real lengths; Triton plans as captured
+        if self.model.attention_backend.exact_lengths:
+            batch.query_lens_host, batch.seq_lens_host = query_lens, seq_lens
+            batch.attn_plans.clear()
+        return graph()
+
+    def _written(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Event | None]:
+        """The current stream and an event recorded on it (None, None when not captured)."""
+        if not self.capture:
+            return None, None
+        stream = torch.cuda.current_stream(self.device)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return stream, event
+
+    @torch.inference_mode()
+    def replay_inputs_of(self, other: GraphRunner, planned) -> bool:
+        """Replay this runner's graph for the step ``other`` last replayed, on that step's
+        inputs, copied from ``other``'s static buffers on the device (on the current
+        stream, once they are written; ``other``'s stream waits for the copy before it
+        writes the next step's). For a draft model fed exactly the target's step
+        ``planned``: the same tokens at the same positions through the same block ids.
+        False, nothing run, unless ``other`` shares its inputs and last replayed
+        ``planned`` (the same list) in a padded graph whose shape this runner has."""
+        last = other.last_inputs
+        if last is None or last[1] is not planned:
+            return False
+        key, _, query_lens, seq_lens, stream, written = last
+        bucket, q = key[:2]
+        if (not bucket or bucket not in self.buckets or q > self.max_query_len
+                or self.capture and key not in self._graphs):  # (never captured mid-run)
+            return False
+        graph, outputs, batch = self._get(key)
+        if written is not None:
+            torch.cuda.current_stream(self.device).wait_event(written)
+        n, ints = bucket * q, 2 * bucket + 1  # tokens, positions, slots; cu_query_lens, seq_lens
+        self._long[:3 * n].copy_(other._long[:3 * n])
+        width = min(self.max_blocks_per_seq, other.max_blocks_per_seq)
+        if width == self.max_blocks_per_seq == other.max_blocks_per_seq:
+            self._int[:ints + bucket * width].copy_(other._int[:ints + bucket * width])
+        else:
+            self._int[:ints].copy_(other._int[:ints])
+            tables = self._int[ints:ints + bucket * self.max_blocks_per_seq].view(bucket, -1)
+            tables[:, :width].copy_(other._int[ints:ints + bucket * other.max_blocks_per_seq]
+                                    .view(bucket, -1)[:, :width])
+        if stream is not None:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(copied)
+        self._replay(graph, outputs, batch, query_lens, seq_lens)
+        return True
 
     def _real_rows(self, key: tuple[int, ...], lengths: list[int]) -> torch.Tensor | None:
         """The rows of graph ``key`` that hold the requests' tokens (``lengths`` each), on

@@ -231,13 +231,51 @@ def test_a_draft_model_is_fed_after_the_targets_pass_only_in_steps_without_draft
             assert stats[True][2] > 0.5 * stats[True][1]
 
 
+def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(tiny_model_dir, near_draft):
+    """A step without drafts fed after the target's pass, through the graphs' paths
+    (eagerly here), whose catch-up feeds each request its pending token where the target's
+    pass starts: the draft's padded graph replays on the target's inputs, copied from its
+    static buffers (``GraphRunner.replay_inputs_of``), not built again. What the draft's
+    cache then holds is what building its own inputs writes (the whole cache, bit for
+    bit, with ``shares_target_inputs`` off), the drafts and their acceptance are the same,
+    and greedy output is speculation off's. A prompt chunk's step (ragged) builds its own."""
+    prompts = PROMPTS + ["one two three four five six"]
+    params = [greedy(k, max_tokens=30 if k else 45) for k in KS + (0,)]
+    want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **ENGINE).generate(prompts, params,
+                                                                                       use_tqdm=False)]
+    caches, stats = {}, {}
+    for shared in (True, False):
+        llm = draft_engine(tiny_model_dir, near_draft, graphs=True, draft_stopping="plan")  # fed in lockstep
+        speculator = llm.engine.speculator
+        speculator.feed_after_target = True
+        drafter, replays = speculator.drafter, []
+        drafter.shares_target_inputs = shared
+        graphs = drafter.runner.graphs
+        graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of: replays.append(
+            (len(planned), _replay(other, planned))) or replays[-1][1]
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        if shared:  # both k = 0 requests, once the drafting ones are done, and the last alone
+            assert {n for n, replayed in replays if replayed} >= {1, 2}
+            assert not all(replayed for _, replayed in replays)  # the prompt chunks' steps
+        else:
+            assert not replays
+        caches[shared] = drafter.runner.kv_storage.clone()
+        s = llm.engine.spec_stats
+        stats[shared] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert stats[True] == stats[False] and stats[True][2] > 0
+    assert torch.equal(caches[True], caches[False])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream of the drafter's own")
 def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens_on_cuda(tiny_model_dir,
                                                                                           near_draft):
     """On a GPU with captured graphs, steps without drafts (prompt chunks; a request with
     k = 0 alone) feed the draft on a stream of its own, beside the target's pass, and the
     passes after them wait for it: greedy float32 tokens equal speculation off's, and the
-    drafts and their acceptance equal those of the draft fed on the target's stream."""
+    drafts and their acceptance equal those of the draft fed on the target's stream, and
+    of the draft building its own inputs where it could replay on the target's (the
+    copy from the target's buffers waits for them, and their next writes for the copy)."""
     kwargs = {"device": "cuda", "block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 4,
               "max_num_batched_tokens": 32}
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]
@@ -245,18 +283,20 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
     want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **kwargs).generate(prompts, params,
                                                                                        use_tqdm=False)]
     stats = {}
-    for own in (True, False):
+    for own, shared in ((True, True), (False, True), (True, False)):
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                     num_speculative_tokens=4, **kwargs)
-        drafter, fed = llm.engine.speculator.drafter, []
-        drafter.own_stream = own
+        drafter, fed, replays = llm.engine.speculator.drafter, [], []
+        drafter.own_stream, drafter.shares_target_inputs = own, shared
         drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
+        graphs = drafter.runner.graphs
+        graphs.replay_inputs_of = lambda *a, _replay=graphs.replay_inputs_of: replays.append(_replay(*a)) or replays[-1]
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        assert fed and (drafter._stream is not None) == own
+        assert fed and (drafter._stream is not None) == own and any(replays) == shared
         s = llm.engine.spec_stats
-        stats[own] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        stats[own, shared] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
-    assert stats[True] == stats[False] and stats[True][2] > 0
+    assert len(set(stats.values())) == 1 and stats[True, True][2] > 0
 
 
 
