@@ -268,15 +268,16 @@ class Speculator:
         self._choice = self.controller.last
         return chosen
 
-    def _choose(self, scheduler: Scheduler) -> dict[str, int]:
-        """The controller's choice for the running requests as they are now."""
+    def _choose(self, scheduler: Scheduler, ahead: bool = False) -> dict[str, int]:
+        """The controller's choice for the running requests as they are now (``ahead``:
+        for the next step, while this one's pass runs)."""
         decoding = self._decoding
         other_tokens, admitted = scheduler.prefill_estimate(decoding.refresh(scheduler))
         running = scheduler.running
         chosen = self.controller.choose(decoding.free, other_tokens, decoding.num_prefilling + admitted,
                                         self.runner.pads_short_spans(with_prefill=other_tokens > 0),
                                         lambda: sum([len(r.all_token_ids) for r in running]),
-                                        decoding.greedy, decoding.joined)
+                                        decoding.greedy, decoding.joined, ahead)
         if decoding.pinned:
             chosen.update(decoding.pinned)
         return chosen
@@ -514,7 +515,7 @@ class Speculator:
             return
         self._decoding.refresh(scheduler)  # the requests this step admitted, in prefill
         if not self._decoding.num_prefilling and self._admits_none(scheduler):
-            chosen = self._choose(scheduler)
+            chosen = self._choose(scheduler, ahead=True)
             self._next = (scheduler.running_version, chosen, self.controller.last)
 
     @staticmethod
