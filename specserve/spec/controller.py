@@ -125,6 +125,7 @@ class DraftLengthController:
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
         self._step_s = 0.0                  # a step's wall time, smoothed
         self.last = Choice()                # the last choice, what its step will teach
+        self.plans_apart = True             # False: a step teaches its fresh plan's host time too (A/B runs)
 
     # ------------------------------------------------------------------ learning
     @property
@@ -141,7 +142,7 @@ class DraftLengthController:
         ``choice``: the step's (None: the last)."""
         choice = choice or self.last
         began = self.timer()
-        if choice.plan_s and sample.target_s is not None:
+        if choice.plan_s and self.plans_apart and sample.target_s is not None:
             sample = replace(sample, target_s=max(sample.target_s - choice.plan_s, 0.0))
         self.costs.observe(sample)
         self._plan_s += choice.fit_weight * (self.timer() - began)
@@ -161,7 +162,8 @@ class DraftLengthController:
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
-            check.observe(choice.drafted, choice.checked, num_tokens, max(seconds - choice.plan_s, 0.0), backlog_s,
+            plan_s = choice.plan_s if self.plans_apart else 0.0
+            check.observe(choice.drafted, choice.checked, num_tokens, max(seconds - plan_s, 0.0), backlog_s,
                           choice.promised)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
