@@ -128,14 +128,11 @@ def simulate(policy: int | str, max_k: int = 4, acceptance: tuple[float, float] 
             jitter = math.exp(noise_rng.gauss(0.0, costs.noise))
             target_s, draft_s = costs.target(k) * jitter, costs.draft(k) * jitter
             if ctl is not None:
-                # The controller reads the step as the engine times it, its fresh plan's host
-                # time in it (``Choice.plan_s``); the simulated goodput leaves plans out.
-                waited = target_s + ctl.last.plan_s
                 if k:
                     ctl.observe_acceptance(req_id, DraftOutcome(k, k, accepted))
-                ctl.observe_goodput(emitted, waited + draft_s)
+                ctl.observe_goodput(emitted, target_s + draft_s)
                 if ctl.wants_step_cost:
-                    ctl.observe_step(StepSample(waited, num_tokens=1 + k, num_spans=1 if k else 0,
+                    ctl.observe_step(StepSample(target_s, num_tokens=1 + k, num_spans=1 if k else 0,
                                                 num_padded=1 + k, num_reqs=1, context=CONTEXT, depth=k,
                                                 num_drafting=1 if k else 0, draft_s=draft_s))
             left -= emitted

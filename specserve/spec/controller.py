@@ -76,9 +76,6 @@ class Choice:
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
     regime: tuple | None = None            # a fresh plan's kind of step,
     replaced: StandingPlan | None = None   # and the plan it replaced there (``withdraw``)
-    # A fresh plan's host seconds where its own step waited for them (made before its pass,
-    # not ahead of it during the last one's, ``choose``): left out of what the step teaches.
-    plan_s: float = 0.0
 
 
 class DraftLengthController:
@@ -125,7 +122,6 @@ class DraftLengthController:
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
         self._step_s = 0.0                  # a step's wall time, smoothed
         self.last = Choice()                # the last choice, what its step will teach
-        self.plans_apart = True             # False: a step teaches its fresh plan's host time too (A/B runs)
 
     # ------------------------------------------------------------------ learning
     @property
@@ -135,15 +131,11 @@ class DraftLengthController:
         return self.last.planned
 
     def observe_step(self, sample: StepSample, choice: Choice | None = None) -> None:
-        """One step's measured cost: the verify pass and, if any drafting ran, the drafter;
-        not its plan's host time (``Choice.plan_s``), which the fit would otherwise read as
-        what every step of that shape costs (it learns from planned steps only). The fit
-        is host time the plan that asked for it costs: it counts in the plan's.
+        """One step's measured cost: the verify pass and, if any drafting ran, the drafter.
+        The fit is host time the plan that asked for it costs: it counts in the plan's.
         ``choice``: the step's (None: the last)."""
         choice = choice or self.last
         began = self.timer()
-        if choice.plan_s and self.plans_apart and sample.target_s is not None:
-            sample = replace(sample, target_s=max(sample.target_s - choice.plan_s, 0.0))
         self.costs.observe(sample)
         self._plan_s += choice.fit_weight * (self.timer() - began)
         choice.fit_weight = 0.0  # one fit a plan
@@ -151,20 +143,15 @@ class DraftLengthController:
     def observe_goodput(self, num_tokens: int, seconds: float, choice: Choice | None = None,
                         backlog_s: float = 0.0) -> None:
         """A step emitted ``num_tokens`` in ``seconds`` of wall time (the whole step,
-        drafting included): its kind's goodput check learns from it, less the step's plan
-        (``Choice.plan_s``): a check of the plain side is chosen with a fresh plan more often
-        than not (its side goes stale between plans), and a plan of a large batch takes as
-        long as a step's pass, so counted in, the plain side read slower than its steps are.
-        ``choice``: the step's (None: the last). ``backlog_s``: what the step spent besides,
-        on earlier steps' tokens (``GoodputCheck.observe``)."""
+        drafting included): its kind's goodput check learns from it. ``choice``: the
+        step's (None: the last). ``backlog_s``: what the step spent besides, on earlier
+        steps' tokens (``GoodputCheck.observe``)."""
         choice = choice or self.last
         self._clock += seconds
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
-            plan_s = choice.plan_s if self.plans_apart else 0.0
-            check.observe(choice.drafted, choice.checked, num_tokens, max(seconds - plan_s, 0.0), backlog_s,
-                          choice.promised)
+            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s, choice.promised)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:
@@ -191,7 +178,7 @@ class DraftLengthController:
     def choose(self, caps: dict[str, int], num_other_tokens: int = 0,
                num_other_spans: int = 0, padded: bool = False,
                context: int | Callable[[], int] = 0, forkable: Container[str] = (),
-               joined: int = 0, ahead: bool = False) -> dict[str, int]:
+               joined: int = 0) -> dict[str, int]:
         """k_i for each decoding request (``caps``: req_id -> most drafts it may take), and
         in ``unforked`` those of ``forkable`` (requests that may verify further draft
         paths: greedy ones) whose drafts pay more without them.
@@ -203,9 +190,7 @@ class DraftLengthController:
         replay; the CPU attention), so a draft depth D costs every request D tokens.
         ``joined``: how many requests ever joined ``caps`` (a running count,
         ``DecodingRequests.joined``): when more than half the batch joined since a plan or
-        a veto was made, they are about other requests (at batch 1, the next one).
-        ``ahead``: the choice is made while the last step's pass runs (``Speculator.learn``),
-        not before its own step's: a fresh plan's host time is not its step's then."""
+        a veto was made, they are about other requests (at batch 1, the next one)."""
         self.last = choice = Choice()
         self.unforked = set()
         self.stop = None
@@ -256,7 +241,6 @@ class DraftLengthController:
             spent, first = self.timer() - began, not self._plan_s
             self._plan_s = spent if first else self._plan_s + PLAN_SMOOTHING * (spent - self._plan_s)
             choice.fit_weight = 1.0 if first else PLAN_SMOOTHING  # its step's fit joins it (observe_step)
-            choice.plan_s = 0.0 if ahead else spent
             choice.planned, choice.regime, choice.replaced = True, regime, self._plans.get(regime)
             standing = self._plans[regime] = StandingPlan({r: kr for r, kr in zip(caps, k) if kr},
                                                           self.unforked, self._choices, self._clock, prices,

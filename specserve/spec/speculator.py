@@ -268,16 +268,15 @@ class Speculator:
         self._choice = self.controller.last
         return chosen
 
-    def _choose(self, scheduler: Scheduler, ahead: bool = False) -> dict[str, int]:
-        """The controller's choice for the running requests as they are now (``ahead``:
-        for the next step, while this one's pass runs)."""
+    def _choose(self, scheduler: Scheduler) -> dict[str, int]:
+        """The controller's choice for the running requests as they are now."""
         decoding = self._decoding
         other_tokens, admitted = scheduler.prefill_estimate(decoding.refresh(scheduler))
         running = scheduler.running
         chosen = self.controller.choose(decoding.free, other_tokens, decoding.num_prefilling + admitted,
                                         self.runner.pads_short_spans(with_prefill=other_tokens > 0),
                                         lambda: sum([len(r.all_token_ids) for r in running]),
-                                        decoding.greedy, decoding.joined, ahead)
+                                        decoding.greedy, decoding.joined)
         if decoding.pinned:
             chosen.update(decoding.pinned)
         return chosen
@@ -515,7 +514,7 @@ class Speculator:
             return
         self._decoding.refresh(scheduler)  # the requests this step admitted, in prefill
         if not self._decoding.num_prefilling and self._admits_none(scheduler):
-            chosen = self._choose(scheduler, ahead=True)
+            chosen = self._choose(scheduler)
             self._next = (scheduler.running_version, chosen, self.controller.last)
 
     @staticmethod

@@ -8,7 +8,8 @@ and the default (adaptive):
 - the default building its own inputs, teaching its steps with their fresh plans' host
   time in (``DraftLengthController.plans_apart`` False), or both (the engine before this
   study); and a second engine of the default, to see how far two alike engines' verdicts
-  differ.
+  differ. ``plans_apart`` (a step taught without its fresh plan's host time) was tried at
+  7aa0fed and taken out after: the settings that set it run only there.
 
     python plain_ab.py [step_records.py's arguments] --settings "off;adaptive;..."
 """
@@ -29,8 +30,11 @@ def setup(k_zero: bool = False, shared: bool = True, fed: bool = True, plans_apa
         speculator.drafter.shares_target_inputs = shared
         if not fed:
             speculator.drafter.feed = lambda *args: None  # (it never drafts: its cache is never read)
-        if speculator.controller is not None:
-            speculator.controller.plans_apart = plans_apart
+        controller = speculator.controller
+        if controller is not None and not plans_apart:
+            if not hasattr(controller, "plans_apart"):
+                raise SystemExit("the plans_apart settings run at commit 7aa0fed, where the controller has it")
+            controller.plans_apart = False
     return apply
 
 
