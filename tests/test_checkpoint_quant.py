@@ -675,15 +675,23 @@ def test_the_engine_decodes_a_quantized_checkpoint(layout, checkpoints):
         assert torch.equal(got.argmax(-1), hf.argmax(-1))
 
 
-@pytest.mark.parametrize("layout", ["ct_fp8_dynamic", "fbgemm_fp8"] + (["fp8_block"] if CUDA else []))
-def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout, checkpoints, monkeypatch):
+@pytest.mark.parametrize("layout, variant", [("ct_fp8_dynamic", "llama"), ("fbgemm_fp8", "llama"),
+                                             ("ct_fp8_dynamic", "gemma3")]
+                         + ([("fp8_block", "llama")] if CUDA else []))
+def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout, variant, checkpoints,
+                                                                          tiny_model_dir, tmp_path, monkeypatch):
     """With the Triton ops (interpreted on a CPU), a layer's norms and its activation hand
     the float8 projections that they alone feed (q/k/v, gate/up, down) their inputs
     rounded, so that only the attention's output projection rounds its own: the logits
     are those of the same model with every projection rounding its own, bit for bit
     under the interpreter (on a GPU the two norms are compiled apart and may sum a row
-    in another order: there to float8 tensor-core rounding, the same tokens)."""
-    path, _ = checkpoints(layout)
+    in another order: there to float8 tensor-core rounding, the same tokens). Gemma 3's
+    MLP is handed its rows by its pre-feedforward norm, its GeGLU's by the activation."""
+    if variant == "llama":
+        path, _ = checkpoints(layout)
+    else:
+        path = tmp_path / variant
+        write_quantized_checkpoint(tiny_model_dir(variant), path, layout)
     files = ModelFiles("q", path)
     model = build_model(files, load_hf_config(files), torch.float32, DEVICE, _gpu_backend(DEVICE))
     handing = [m for m in model.modules() if getattr(m, "fp8_group", 0)]

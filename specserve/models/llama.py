@@ -177,14 +177,15 @@ class DecoderLayer(nn.Module):
     def linears_replaced(self) -> None:
         """Its projections may now be float8 layers that round their inputs at run time:
         the norm before each, its only reader, hands it its input rounded (``hand_fp8``),
-        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s). Not
-        where the layer's first norm is not one (EAGLE-1's first layer adds the residual
-        instead), nor for Gemma 2/3's MLP (its input comes through a second norm; not done
-        yet)."""
+        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s); Gemma
+        2/3's MLP reads the second of its two norms (pre-feedforward). Not where the layer's
+        first norm is not one (EAGLE-1's first layer adds the residual instead), nor before
+        a mixture of experts (its router reads the norm's output too)."""
         if isinstance(self.input_layernorm, RMSNorm):
             self.input_layernorm.hand_fp8(self.self_attn.qkv_proj)
-        if not self.sandwich and isinstance(self.mlp, MLP):
-            self.post_attention_layernorm.hand_fp8(self.mlp.gate_up_proj)
+        if isinstance(self.mlp, MLP):
+            norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+            norm.hand_fp8(self.mlp.gate_up_proj)
 
     def forward(self, hidden, residual, rotary_tables, kv_cache, batch):
         """The residual stream is ``hidden + residual`` (``residual`` None: just ``hidden``,
