@@ -251,8 +251,8 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         drafter, replays = speculator.drafter, []
         drafter.shares_target_inputs = shared
         graphs = drafter.runner.graphs
-        graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of: replays.append(
-            (len(planned), _replay(other, planned))) or replays[-1][1]
+        graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of, _replays=replays: \
+            _replays.append((len(planned), _replay(other, planned))) or _replays[-1][1]
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         if shared:  # both k = 0 requests, once the drafting ones are done, and the last alone
             assert {n for n, replayed in replays if replayed} >= {1, 2}
@@ -290,7 +290,8 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
         drafter.own_stream, drafter.shares_target_inputs = own, shared
         drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
         graphs = drafter.runner.graphs
-        graphs.replay_inputs_of = lambda *a, _replay=graphs.replay_inputs_of: replays.append(_replay(*a)) or replays[-1]
+        graphs.replay_inputs_of = lambda *a, _replay=graphs.replay_inputs_of, _replays=replays: \
+            _replays.append(_replay(*a)) or _replays[-1]
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         assert fed and (drafter._stream is not None) == own and any(replays) == shared
         s = llm.engine.spec_stats

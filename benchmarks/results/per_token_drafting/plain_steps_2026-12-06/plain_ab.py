@@ -38,7 +38,7 @@ def setup(k_zero: bool = False, shared: bool = True, fed: bool = True, plans_apa
     return apply
 
 
-FIXED = dict(speculative_adaptive=False)
+FIXED = {"speculative_adaptive": False}
 for name, kwargs, apply in (("k = 0, own inputs", FIXED, setup(True, shared=False)),
                             ("k = 0, shared inputs", FIXED, setup(True)),
                             ("k = 0, unfed", FIXED, setup(True, fed=False)),

@@ -11,7 +11,8 @@ import json
 import sys
 
 for path in sys.argv[1:]:
-    data = json.load(gzip.open(path) if path.endswith(".gz") else open(path))
+    with (gzip.open(path) if path.endswith(".gz") else open(path)) as f:
+        data = json.load(f)
     fields = data["fields"]
     runs = data["runs"]
     off = {(r["workload"], r["round"]): r["output_throughput"] for r in runs if r["setting"] == "off"}
