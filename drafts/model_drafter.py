@@ -82,8 +82,11 @@ class ModelDrafter:
         # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
         # A catch-up that feeds exactly the target's step replays on the target's inputs
-        # (``_catch_up_pass``); False builds its own (kept for A/B runs).
-        self.shares_target_inputs = True
+        # (``_catch_up_pass``). Off by default: its steps without drafts cost what unfed
+        # ones do, but the cost fit then prices a pass without the feed it had counted, and
+        # under load on chat the plan drafted more, where drafts lose to speculation off
+        # (benchmarks/results/per_token_drafting/plain_steps_2026-12-06/).
+        self.shares_target_inputs = False
         self.target_runner: ModelRunner | None = None
         self._stream: torch.cuda.Stream | None = None
         self._behind = False
@@ -109,8 +112,6 @@ class ModelDrafter:
         layer-skip draft runs a prefix of the target's layers and stays eager."""
         if not self.shares_target_cache:
             self.runner.enable_graphs(2, max_model_len, capture)
-            if self.target_runner.graphs is not None:  # (``_catch_up_pass``)
-                self.target_runner.graphs.share_inputs = True
 
     @property
     def max_positions(self) -> int | None:
@@ -126,6 +127,9 @@ class ModelDrafter:
             self._behind = False
         if self.runner is not None and not self.shares_target_cache:
             self.runner.close()  # its own cache (the shared one is the target runner's)
+        target_graphs = self.target_runner.graphs if self.target_runner is not None else None
+        if target_graphs is not None:  # the target no longer keeps its inputs for it
+            target_graphs.share_inputs, target_graphs.last_inputs = 0, None
         self.runner = self.model = None
 
     def follow_settled(self, verified: list, settled: list) -> None:
@@ -450,14 +454,18 @@ class ModelDrafter:
         """The draft pass of a step in which nobody drafts. Where it feeds exactly the
         target's step (each request its pending tokens, from where the target's pass
         starts, through the same block ids), the draft's graph replays on the target's
-        inputs (``GraphRunner.replay_inputs_of``), which the host then built once for both."""
+        inputs (``GraphRunner.replay_inputs_of``), which the host then built once for both
+        (``shares_target_inputs``; the target keeps them from the first such step on)."""
         graphs = self.runner.graphs
-        if (self.shares_target_inputs and graphs is not None and self.target_runner.graphs is not None
+        target = self.target_runner.graphs
+        if (self.shares_target_inputs and graphs is not None and target is not None
                 and len(entries) == len(scheduled)
                 and all(e.start_pos == p.start_pos and len(e.token_ids) == len(p.token_ids)
                         and not p.draft_token_ids and not p.long_rope for e, p in zip(entries, scheduled))):
+            if not target.share_inputs:
+                target.share_inputs = graphs.max_query_len
             self._join()
-            if graphs.replay_inputs_of(self.target_runner.graphs, scheduled):
+            if graphs.replay_inputs_of(target, scheduled):
                 return
         self._forward(entries)
 

@@ -149,11 +149,12 @@ class GraphRunner:
         # schedule order (as ``ModelRunner.keep_hidden``).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
-        # With ``share_inputs`` (a draft model replays on them, ``replay_inputs_of``), each
-        # replay leaves its inputs in ``last_inputs``: (key, the step's scheduled list, its
-        # query and sequence lengths, the stream they were written on, an event recorded on
-        # it once written; the last two None when not captured).
-        self.share_inputs = False
+        # ``share_inputs``: the longest query of the padded steps whose inputs a draft model
+        # replays on (``replay_inputs_of``; 0: none). Each such replay leaves them in
+        # ``last_inputs``: (key, the step's scheduled list, its query and sequence lengths,
+        # the stream they were written on and an event recorded on it once written, both
+        # None off a GPU); any other step, None.
+        self.share_inputs = 0
         self.last_inputs: tuple | None = None
 
     # ------------------------------------------------------------------ eligibility
@@ -296,7 +297,8 @@ class GraphRunner:
             else:
                 self._features.index_copy_(0, real, features)
         if self.share_inputs:
-            self.last_inputs = (key, planned, query_lens, seq_lens, *self._written())
+            shared = key[0] and key[1] <= self.share_inputs
+            self.last_inputs = (key, planned, query_lens, seq_lens, *self._written()) if shared else None
         logits, hidden = self._replay(graph, outputs, batch, query_lens, seq_lens)
         if self.keep_hidden:  # copied, as the next replay overwrites them
             self.last_hidden = hidden[:sum(lengths)].clone() if real is None else hidden.index_select(0, real)
@@ -316,8 +318,9 @@ class GraphRunner:
         return graph()
 
     def _written(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Event | None]:
-        """The current stream and an event recorded on it (None, None when not captured)."""
-        if not self.capture:
+        """The current stream and an event recorded on it (None, None off a GPU: captured
+        or not, a draft fed on a stream of its own reads the buffers there)."""
+        if self.device.type != "cuda":
             return None, None
         stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
@@ -331,8 +334,8 @@ class GraphRunner:
         stream, once they are written; ``other``'s stream waits for the copy before it
         writes the next step's). For a draft model fed exactly the target's step
         ``planned``: the same tokens at the same positions through the same block ids.
-        False, nothing run, unless ``other`` shares its inputs and last replayed
-        ``planned`` (the same list) in a padded graph whose shape this runner has."""
+        False, nothing run, unless ``other`` shares its inputs (``share_inputs``) and last
+        replayed ``planned`` (the same list) in a padded graph whose shape this runner has."""
         last = other.last_inputs
         if last is None or last[1] is not planned:
             return False

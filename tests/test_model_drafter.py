@@ -234,15 +234,33 @@ def test_a_draft_model_is_fed_after_the_targets_pass_only_in_steps_without_draft
 def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(tiny_model_dir, near_draft):
     """A step without drafts fed after the target's pass, through the graphs' paths
     (eagerly here), whose catch-up feeds each request its pending token where the target's
-    pass starts: the draft's padded graph replays on the target's inputs, copied from its
-    static buffers (``GraphRunner.replay_inputs_of``), not built again. What the draft's
-    cache then holds is what building its own inputs writes (the whole cache, bit for
-    bit, with ``shares_target_inputs`` off), the drafts and their acceptance are the same,
-    and greedy output is speculation off's. A prompt chunk's step (ragged) builds its own."""
+    pass starts: with ``shares_target_inputs`` the draft's padded graph replays on the
+    target's inputs, copied from its static buffers (``GraphRunner.replay_inputs_of``),
+    not built again. What the draft's cache then holds is what building its own inputs
+    writes (the whole cache, bit for bit, sharing off, as by default), the drafts and
+    their acceptance are the same, and greedy output is speculation off's. Where the
+    catch-up is not the target's step it builds its own: a prompt chunk's step (ragged);
+    one right after drafts were accepted (every third step drafts nothing here), whose
+    catch-up also feeds the last draft (two tokens where the target's pass has one); and
+    one whose prompt logits are asked for (a request added once only requests without
+    drafts run): the target runs it eagerly, and its buffers hold the step before."""
+    long_prompt = " ".join(f"w{i % 37}" for i in range(90))
     prompts = PROMPTS + ["one two three four five six"]
-    params = [greedy(k, max_tokens=30 if k else 45) for k in KS + (0,)]
-    want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **ENGINE).generate(prompts, params,
-                                                                                       use_tqdm=False)]
+    params = [greedy(k, max_tokens=30 if k else 60) for k in KS + (0,)]
+    late = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, num_speculative_tokens=0, prompt_logprobs=1)
+
+    def run(engine) -> dict[str, list[int]]:
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        tokens, added = {}, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.req_id] = out.token_ids
+            if added is None and all(i in tokens for i, p in zip(ids, params) if p.num_speculative_tokens):
+                added = engine.add_request(long_prompt, late)  # only k = 0 requests run now
+        return [tokens[i] for i in ids + [added]]
+
+    want = run(LLM32(str(tiny_model_dir("llama")), **ENGINE).engine)
     caches, stats = {}, {}
     for shared in (True, False):
         llm = draft_engine(tiny_model_dir, near_draft, graphs=True, draft_stopping="plan")  # fed in lockstep
@@ -253,7 +271,26 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         graphs = drafter.runner.graphs
         graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of, _replays=replays: \
             _replays.append((len(planned), _replay(other, planned))) or _replays[-1][1]
-        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        lagging, eager = [], []  # steps without drafts: the catch-up feeds more than the target's pass; eager
+        propose = drafter.propose
+
+        def noted(scheduled, requests, *a, _propose=propose, _drafter=drafter, _lagging=lagging, _eager=eager):
+            if not any(p.num_lookahead for p in scheduled):
+                _lagging.append(any(_drafter._fed.get(p.req_id, 0) < p.start_pos for p in scheduled))
+                _eager.append(any(p.prompt_logits for p in scheduled))
+            return _propose(scheduled, requests, *a)
+
+        drafter.propose = noted
+        plan, planned = speculator.plan, []
+
+        def every_third_plain(scheduler, _plan=plan, _planned=planned):
+            chosen = _plan(scheduler)
+            _planned.append(1)
+            return dict.fromkeys(chosen, 0) if chosen and len(_planned) % 3 == 0 else chosen
+
+        speculator.plan = every_third_plain
+        assert run(llm.engine) == want
+        assert any(lagging) and any(eager)
         if shared:  # both k = 0 requests, once the drafting ones are done, and the last alone
             assert {n for n, replayed in replays if replayed} >= {1, 2}
             assert not all(replayed for _, replayed in replays)  # the prompt chunks' steps
@@ -274,8 +311,8 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
     k = 0 alone) feed the draft on a stream of its own, beside the target's pass, and the
     passes after them wait for it: greedy float32 tokens equal speculation off's, and the
     drafts and their acceptance equal those of the draft fed on the target's stream, and
-    of the draft building its own inputs where it could replay on the target's (the
-    copy from the target's buffers waits for them, and their next writes for the copy)."""
+    of the draft building its own inputs where it could replay on the target's (events
+    order that copy both ways; tokens would rarely show a race)."""
     kwargs = {"device": "cuda", "block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 4,
               "max_num_batched_tokens": 32}
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]

@@ -9,7 +9,9 @@ and the default (adaptive):
   time in (``DraftLengthController.plans_apart`` False), or both (the engine before this
   study); and a second engine of the default, to see how far two alike engines' verdicts
   differ. ``plans_apart`` (a step taught without its fresh plan's host time) was tried at
-  7aa0fed and taken out after: the settings that set it run only there.
+  7aa0fed and taken out after: the settings that set it run only there. The draft shares
+  the target's inputs in every setting but the "own inputs" ones, as it did by default
+  when the study ran (it is off by default since).
 
     python plain_ab.py [step_records.py's arguments] --settings "off;adaptive;..."
 """
@@ -45,8 +47,9 @@ for name, kwargs, apply in (("k = 0, own inputs", FIXED, setup(True, shared=Fals
                             ("adaptive, own inputs", {}, setup(shared=False)),
                             ("adaptive, plans counted", {}, setup(plans_apart=False)),
                             ("adaptive, as before", {}, setup(shared=False, plans_apart=False)),
-                            ("adaptive b", {}, setup())):
-    step_records.SETTINGS[name] = kwargs
+                            ("adaptive b", {}, setup()),
+                            ("adaptive", {}, setup())):
+    step_records.SETTINGS.setdefault(name, kwargs)
     step_records.SETUP[name] = apply
 
 sys.exit(step_records.main(sys.argv[1:]))
