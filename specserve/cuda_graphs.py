@@ -31,9 +31,10 @@ a small part of its time.
 
 **Inputs shared.** A draft model that caches the same block ids and is fed exactly the
 target's step (a step without drafts: each request's pending token at the same position)
-replays its own graph of that shape on the target's inputs (``replay_inputs_of``),
-copied from the target's static buffers on the device, instead of building them again on
-the host: beside the target's pass, its host work is then a few launches.
+can replay its own graph of that shape on the target's inputs (``replay_inputs_of``;
+``ModelDrafter.shares_target_inputs``), copied from the target's static buffers on the
+device, instead of building them again on the host: beside the target's pass, its host
+work is then a few launches.
 
 A draft head that reads its target's features (``models/eagle.py``) gets them through a
 static buffer too: ``run`` copies each pass's feature rows where its tokens are (request
