@@ -83,9 +83,9 @@ class ModelDrafter:
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
         # A catch-up that feeds exactly the target's step replays on the target's inputs
         # (``_catch_up_pass``). Off by default: its steps without drafts cost what unfed
-        # ones do, but the cost fit then prices a pass without the feed it had counted, and
-        # under load on chat the plan drafted more, where drafts lose to speculation off
-        # (benchmarks/results/per_token_drafting/plain_steps_2026-12-06/).
+        # ones do, but with it the default drafted more under load on chat, where drafts
+        # lose to speculation off (likely, not tested: the cost fit no longer counted the
+        # feed in every pass; benchmarks/results/per_token_drafting/plain_steps_2026-12-06/).
         self.shares_target_inputs = False
         self.target_runner: ModelRunner | None = None
         self._stream: torch.cuda.Stream | None = None
