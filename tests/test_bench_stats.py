@@ -12,6 +12,7 @@ import pytest
 from specserve.bench.arrivals import arrival_times, parse_rates
 from specserve.bench.client import RequestResult, SpecCounters, parse_spec_counters
 from specserve.bench.serve_bench import Speculation, parse_speculation
+from specserve.config import EngineConfig
 from specserve.bench.stats import (
     calculate_metrics,
     count_good,
@@ -178,8 +179,13 @@ def test_parse_speculation():
     assert parse_speculation("draft_model:4:adaptive:tree=10,draft_model:adaptive") == [
         Speculation("draft_model", 4, True, 10), Speculation("draft_model", adaptive=True)]
     assert parse_speculation("draft_model:4:tree=5")[0].label == "draft_model k=4 tree=5"
+    plan = parse_speculation("ngram:4:adaptive:stop=plan")[0]
+    assert plan == Speculation("ngram", 4, True, stop="plan") and plan.label == "ngram k=4 adaptive stop=plan"
+    assert plan.apply(EngineConfig()).draft_stopping == "plan"
+    assert parse_speculation("ngram:4:adaptive")[0].apply(EngineConfig()).draft_stopping == "auto"
     for bad in ("eagle", "ngram:0", "ngram:x", "none:2", "none:adaptive", "draft_model:4:tree=0",
-                "draft_model:4:tree", "draft_model:4:wide", "draft_model:4:adaptive:adaptive"):
+                "draft_model:4:tree", "draft_model:4:wide", "draft_model:4:adaptive:adaptive",
+                "ngram:4:adaptive:stop=never", "ngram:4:stop=plan:stop=plan", "none:stop=plan"):
         with pytest.raises(ValueError, match="--speculation"):
             parse_speculation(bad)
 

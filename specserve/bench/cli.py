@@ -68,7 +68,7 @@ def add_bench_parser(sub) -> None:
                         help="bearer key for the server (default: $SPECSERVE_API_KEY)")
     target.add_argument("--speculation", default=None, metavar="LIST",
                         help="without --base-url: comma-separated settings, each 'none' or "
-                             "METHOD[:K][:adaptive][:tree=N] (e.g. none,ngram:4,ngram:4:adaptive), one server "
+                             "METHOD[:K][:adaptive][:tree=N][:stop=MODE] (e.g. none,ngram:4,ngram:4:adaptive), one server "
                              "each; default: the engine flags")
     target.add_argument("--server-mode", default="process", choices=("process", "thread"),
                         help="without --base-url: run the server as a child process (default; "
@@ -95,7 +95,7 @@ def add_bench_parser(sub) -> None:
                     "fastapi/uvicorn are not installed.")
     _load_flags(offline)
     offline.add_argument("--speculation", default=None, metavar="LIST",
-                         help="comma-separated settings, each 'none' or METHOD[:K][:adaptive][:tree=N] (e.g. "
+                         help="comma-separated settings, each 'none' or METHOD[:K][:adaptive][:tree=N][:stop=MODE] (e.g. "
                               "none,ngram:4,ngram:4:adaptive; without :adaptive k is fixed): one "
                               "engine each, all loaded at once and run in turn at every rate, each "
                               "rate starting with the next, so drift and one-off costs hit them "

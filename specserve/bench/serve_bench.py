@@ -45,7 +45,7 @@ from specserve.bench.stats import (
     spec_decode_metrics,
 )
 from specserve.bench.workloads import BenchRequest
-from specserve.config import SPECULATIVE_METHODS
+from specserve.config import DRAFT_STOPPING, SPECULATIVE_METHODS
 from specserve.engine import LLMEngine
 from specserve.engine_flags import ENGINE_FLAGS
 from specserve.server import ThreadedServer
@@ -283,20 +283,23 @@ SERVER_MODES = {"process": ServerProcess, "thread": InProcessServer}
 @dataclass(frozen=True)
 class Speculation:
     """One speculation setting for a server started here: ``none`` or
-    ``METHOD[:K][:adaptive][:tree=N]`` (adaptive: the engine chooses each request's k up to
-    K every step; tree: a dynamic draft tree of up to N further nodes)."""
+    ``METHOD[:K][:adaptive][:tree=N][:stop=MODE]`` (adaptive: the engine chooses each
+    request's k up to K every step; tree: a dynamic draft tree of up to N further nodes;
+    stop: ``draft_stopping``, how an adaptive engine's drafting stops)."""
 
     method: str
     k: int | None = None
     adaptive: bool = False
     tree: int = 0
+    stop: str | None = None
 
     @property
     def label(self) -> str:
         if self.method == "none":
             return "spec off"
         return (self.method + (f" k={self.k}" if self.k is not None else "")
-                + (" adaptive" if self.adaptive else "") + (f" tree={self.tree}" if self.tree else ""))
+                + (" adaptive" if self.adaptive else "") + (f" tree={self.tree}" if self.tree else "")
+                + (f" stop={self.stop}" if self.stop else ""))
 
     def apply(self, config):
         if self.method == "none":
@@ -304,16 +307,18 @@ class Speculation:
         k = self.k if self.k is not None else config.num_speculative_tokens
         return dataclasses.replace(config, speculative_method=self.method, num_speculative_tokens=k,
                                    speculative_adaptive=self.adaptive,
-                                   draft_tree_nodes=self.tree or config.draft_tree_nodes)
+                                   draft_tree_nodes=self.tree or config.draft_tree_nodes,
+                                   draft_stopping=self.stop or config.draft_stopping)
 
 
 def parse_speculation(text: str) -> list[Speculation]:
-    """``"none,ngram:4,ngram:4:adaptive,draft_model:4:adaptive:tree=10,layerskip:2"`` ->
-    settings; ValueError on an unknown method, a bad k or a bad option."""
+    """``"none,ngram:4,ngram:4:adaptive,draft_model:4:adaptive:tree=10,layerskip:2,
+    ngram:4:adaptive:stop=plan"`` -> settings; ValueError on an unknown method, a bad k or
+    a bad option."""
     out = []
     for part in text.split(","):
         method, *rest = part.strip().split(":")
-        k, adaptive, tree = None, False, 0
+        k, adaptive, tree, stop = None, False, 0, None
         if rest and rest[0].isdigit():
             k = int(rest.pop(0))
             if k < 1 or method == "none":
@@ -324,15 +329,18 @@ def parse_speculation(text: str) -> list[Speculation]:
                 adaptive = True
             elif name == "tree" and eq and value.isdigit() and int(value) > 0 and not tree:
                 tree = int(value)
+            elif name == "stop" and value in DRAFT_STOPPING and stop is None:
+                stop = value
             else:
                 raise ValueError(f"--speculation {part.strip()!r}: unknown option {option!r} "
-                                 "(expected METHOD[:K][:adaptive][:tree=N], K and N positive integers)")
-        if method == "none" and (adaptive or tree):
+                                 "(expected METHOD[:K][:adaptive][:tree=N][:stop=MODE], K and N positive "
+                                 f"integers, MODE one of {', '.join(DRAFT_STOPPING)})")
+        if method == "none" and (adaptive or tree or stop):
             raise ValueError(f"--speculation {part.strip()!r}: speculation off has nothing to adapt or grow")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculation {part.strip()!r}: the method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
-        out.append(Speculation(method, k, adaptive, tree))
+        out.append(Speculation(method, k, adaptive, tree, stop))
     return out
 
 
