@@ -1,4 +1,13 @@
-"""Prompt-lookup (n-gram) drafting: no model, proposals copied from the request's context."""
+"""Prompt-lookup (n-gram) drafting: no model, proposals copied from the request's context.
+
+Its confidence in a proposal is the match's length: the request's last tokens and the
+earlier span the proposal follows agree over that many tokens, counted past ``max_n`` up to
+``MATCH_CAP``. A proposal after a long match continues a span being copied (code an edit
+repeats) and is nearly always accepted; one after two tokens in common often is not
+(held-out traces: ``benchmarks/results/per_token_drafting/ngram_match_2026-12-06/``). It is
+given as ``1 - 1 / length`` (0.5 for two tokens, 0.75 for four, 0.95 for twenty), which the
+controller's calibration map learns to read like a draft model's top probability.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -7,6 +16,10 @@ from collections.abc import Mapping
 from specserve.request import Request
 from specserve.scheduler import ScheduledRequest
 from specserve.spec.drafter import DraftProposal
+from specserve.spec.stopping import StopRule
+
+
+MATCH_CAP = 64  # a match's length is counted up to this many tokens (its confidence, ``confidence``)
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -23,8 +36,37 @@ def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
+def match_length(tokens: list[int], end: int, cap: int = MATCH_CAP) -> int:
+    """How many last tokens of ``tokens`` the span ending at ``end`` (an earlier position)
+    repeats, at most ``cap``: whole slices compared first, doubling, then token by token
+    in the last one that differs."""
+    length = len(tokens)
+    cap = min(cap, end + 1)
+    n = 0
+    step = 8
+    while n < cap:
+        m = min(n + step, cap)
+        if tokens[end - m + 1:end - n + 1] != tokens[length - m:length - n]:
+            while tokens[end - n] == tokens[length - 1 - n]:
+                n += 1
+            return n
+        n, step = m, 2 * step
+    return n
+
+
+def confidence(length: int) -> float:
+    """The confidence a match of ``length`` tokens gives its proposals (module docstring)."""
+    return 1.0 - 1.0 / length
+
+
 def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """``lookup``'s answer without an index, its search run in C: the context reversed
+    """``lookup``'s answer (``find_scan``'s match's continuation)."""
+    end = find_scan(tokens, max_n, min_n)
+    return [] if end < 0 else tokens[end + 1:end + 1 + k]
+
+
+def find_scan(tokens: list[int], max_n: int, min_n: int) -> int:
+    """Where ``lookup``'s match ends (-1: none), without an index, its search run in C: the context reversed
     once, then ``list.index`` jumps from one earlier occurrence of the last token to the
     next, newest first; each is extended to its match length (at most ``max_n``). The
     longest match wins, the most recent among equals — what ``lookup`` returns by trying
@@ -33,7 +75,7 @@ def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     length = len(tokens)
     max_n = min(max_n, length - 1)
     if max_n < min_n:
-        return []
+        return -1
     rev = tokens[::-1]  # rev[i] is tokens[length - 1 - i]
     find, last = rev.index, rev[0]
     best_i, best_n, i = 0, min_n - 1, 0
@@ -49,10 +91,7 @@ def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
             best_i, best_n = i, n
             if n == max_n:
                 break
-    if not best_i:
-        return []
-    end = length - 1 - best_i
-    return tokens[end + 1:end + 1 + k]
+    return length - 1 - best_i if best_i else -1
 
 
 CATCH_UP_TOKENS = 32  # positions an index learns per lookup while it is behind
@@ -83,6 +122,11 @@ class NgramIndex:
     def lookup(self, tokens: list[int], k: int, max_n: int) -> list[int]:
         """``lookup(tokens, k, max_n, min_n)``, for ``tokens`` that only grew since the
         last call (fewer tokens start the index over)."""
+        end = self.find(tokens, max_n)
+        return [] if end < 0 else tokens[end + 1:end + 1 + k]
+
+    def find(self, tokens: list[int], max_n: int) -> int:
+        """Where ``lookup``'s match ends (-1: none)."""
         length, min_n = len(tokens), self.min_n
         if length < self._length:
             self._reset()
@@ -94,16 +138,16 @@ class NgramIndex:
             ends[tuple(tokens[end - min_n + 1:end + 1])].append(end)
         self._indexed = max(self._indexed, stop)
         if stop < length - 1:  # still behind: the scan answers this time
-            return scan(tokens, k, max_n, min_n)
+            return find_scan(tokens, max_n, min_n)
         if length <= min_n:
-            return []
+            return -1
         candidates = self._ends.get(tuple(tokens[length - min_n:]), ())
         for n in range(min(max_n, length - 1), min_n - 1, -1):
             suffix = tokens[length - n:]
             for end in reversed(candidates):
                 if end >= n - 1 and tokens[end - n + 1:end + 1] == suffix:
-                    return tokens[end + 1:end + 1 + k]
-        return []
+                    return end
+        return -1
 
 
 class NgramDrafter:
@@ -115,7 +159,7 @@ class NgramDrafter:
     last_catch_up_s = 0.0  # no cache to keep up
     last_backlog_s = 0.0
     draft_cache = None  # no KV cache of its own
-    confidence = False  # a match proposes with certainty: its k is the controller's
+    confidence = True  # a match's length (``confidence``): drafting may stop by it (``spec.stopping``)
 
     def cached_tokens(self, req_id: str) -> int:
         return 0
@@ -139,16 +183,39 @@ class NgramDrafter:
     def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> None:
         return None  # a lookup, not a pass
 
-    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
-                stop=None) -> DraftProposal:
-        return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)
-                              if p.num_lookahead else [] for p in scheduled])
+    def catch_up_lazily(self) -> bool:
+        return True  # no cache: each request's index catches up at its next lookup anyway
 
-    def _lookup(self, req_id: str, tokens: list[int], k: int) -> list[int]:
+    def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
+                stop: StopRule | None = None) -> DraftProposal:
+        """Each request's continuation of its match, up to its k; with ``stop``, the drafts
+        the stopping rule keeps, judged depth by depth by their match's length."""
+        if stop is None:
+            return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)[0]
+                                  if p.num_lookahead else [] for p in scheduled])
+        found = [self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead, measure=True)
+                 if p.num_lookahead else ([], 0) for p in scheduled]
+        session = stop.begin(scheduled, caps=[len(tokens) for tokens, _ in found])
+        sure = [confidence(length) if length else 0.0 for _, length in found]
+        depth = 0
+        while session.after(depth, sure):
+            depth += 1
+        dropped = [None if miss is None else (miss[0], tokens[miss[0]], miss[1])
+                   for (tokens, _), miss in zip(found, session.dropped)]
+        return DraftProposal([tokens[:kept] for (tokens, _), kept in zip(found, session.kept)],
+                             confidence=session.confidence, pass_rows=session.pass_rows, dropped=dropped,
+                             goodput=session.gain / session.time)
+
+    def _lookup(self, req_id: str, tokens: list[int], k: int, measure: bool = False) -> tuple[list[int], int]:
+        """The request's proposal and, with ``measure``, its match's length (0: none
+        found, or not measured)."""
         index = self._indexes.get(req_id)
         if index is None:
             index = self._indexes[req_id] = NgramIndex(self.min_n)
-        return index.lookup(tokens, k, self.max_n)
+        end = index.find(tokens, self.max_n)
+        if end < 0:
+            return [], 0
+        return tokens[end + 1:end + 1 + k], match_length(tokens, end) if measure else 0
 
     def close(self) -> None:
         """Nothing to let go of: n-gram lookup has no model."""

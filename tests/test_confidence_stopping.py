@@ -1,11 +1,14 @@
 """Per-token drafting: the calibration map (draft confidence -> acceptance) learned from
-synthetic outcomes, the stopping rule's choices at its extremes, and in the engine a draft
-model and an EAGLE head whose drafts the rule cuts by confidence stay lossless: greedy
-tokens equal plain greedy (float32) and sampling keeps the target's distribution."""
+synthetic outcomes, the stopping rule's choices at its extremes, n-gram lookup's
+confidence from its match's length, and in the engine a draft model, an EAGLE head and
+n-gram lookup whose drafts the rule cuts by confidence stay lossless: greedy tokens equal
+plain greedy (float32) and sampling keeps the target's distribution."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -187,6 +190,43 @@ def test_a_batch_stops_row_by_row():
     assert stop.dropped == [None, (1, 0.2), None]  # the draft row 1 did not keep; the others reached their caps
 
 
+# ------------------------------------------------------------------ n-gram lookup
+def test_a_match_length_counts_the_tokens_a_span_repeats():
+    from specserve.drafts.ngram import match_length
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(3) for _ in range(rng.randint(2, 150))]
+        end, cap = rng.randrange(len(tokens) - 1), rng.randint(1, 80)
+        n = 0
+        while n < min(cap, end + 1) and tokens[end - n] == tokens[len(tokens) - 1 - n]:
+            n += 1
+        assert match_length(tokens, end, cap) == n, (tokens, end, cap)
+
+
+def test_an_ngram_draft_stops_by_its_matchs_length():
+    """Three requests, each proposing its match's continuation: a 25-token span copied
+    (confidence 0.96), a period of three tokens repeating (its match 6 tokens long, 0.83;
+    only three tokens follow it) and two tokens in common (0.5). The map says matches of
+    five tokens or more are accepted, shorter ones seldom: the first two draft what they
+    have, the third nothing, its first draft kept for the map as dropped."""
+    from specserve.drafts.ngram import NgramDrafter, confidence
+
+    copied = list(range(100, 130)) + list(range(100, 125))
+    requests = {"r0": SimpleNamespace(all_token_ids=copied),
+                "r1": SimpleNamespace(all_token_ids=[1, 2, 3] * 3),
+                "r2": SimpleNamespace(all_token_ids=[1, 2, 9, 4, 1, 2])}
+    plain = NgramDrafter(4, 2).propose(rows(4, 4, 4), requests)
+    assert plain.draft_token_ids == [[125, 126, 127, 128], [1, 2, 3], [9, 4, 1, 2]] and plain.confidence is None
+    cal = learned_everywhere(lambda c: np.where(c > 0.8, 0.97, 0.2))
+    prices = Prices(fixed=1.0, token=0.1, span=0.0, padded_token=0.0, draft_pass=0.0, draft_token=0.0)
+    proposal = NgramDrafter(4, 2).propose(rows(4, 4, 4), requests, StopRule(cal, prices, 3, Everyone()))
+    assert proposal.draft_token_ids == [[125, 126, 127, 128], [1, 2, 3], []]
+    assert proposal.confidence == [[confidence(25)] * 4, [confidence(6)] * 3, []]
+    assert proposal.dropped == [None, None, (0, 9, 0.5)]
+    assert proposal.goodput is not None and proposal.pass_rows[0] == 3
+
+
 # ------------------------------------------------------------------ in the engine
 PROMPTS = [[5, 17, 99, 230, 17, 99], [7, 8, 9, 7, 8, 9, 10], list(range(3, 40)), [11, 12], [40, 41, 40, 41, 40]]
 SMALL = {"max_num_batched_tokens": 32, "max_num_seqs": 8, "block_size": 4, "num_kv_blocks": 256}
@@ -240,6 +280,44 @@ def test_cut_drafts_keep_greedy_decoding_exact(drafter, tiny_model_dir, near, tm
     lengths = {k for step in kept for k in step}
     assert 0 in lengths and 5 in lengths and lengths & {1, 2, 3, 4}  # the rule cut, and not always
     assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_ngram_drafts_cut_by_their_match_keep_greedy_decoding_exact(tiny_model_dir):
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="ngram", num_speculative_tokens=5, speculative_adaptive=False, **SMALL)
+    kept = force_rule(llm.engine, StopRule(ConfidenceCalibration(), HALF, 1, Everyone()))
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    lengths = {k for step in kept for k in step}
+    assert 0 in lengths and lengths & {1, 2, 3, 4, 5}
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_ngram_stops_by_its_matches_by_default_on_a_cpu(tiny_model_dir):
+    """Adaptive n-gram lookup with the default ``draft_stopping``: on a CPU the controller
+    keeps a calibration map and drafting stops by the matches' lengths, the map learning
+    from the verified drafts; greedy output is plain greedy's. Asked to, it plans k from
+    each request's acceptance instead."""
+    target = str(tiny_model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    repeating = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22] * 6, [7, 8, 9, 7, 8, 9, 10]]
+    want = LLM32(target, **SMALL).generate(repeating, params, use_tqdm=False)
+    llm = LLM32(target, speculative_method="ngram", num_speculative_tokens=4, **SMALL)
+    controller = llm.engine.speculator.controller
+    on_cpu = not torch.cuda.is_available()
+    assert (controller.calibration is not None) == on_cpu
+    stops = []
+    choose = controller.choose
+    controller.choose = lambda *a, **kw: (choose(*a, **kw), stops.append(controller.stop))[0]
+    got = llm.generate(repeating, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if on_cpu and llm.engine.spec_stats.num_drafts:  # drafting paid on this machine's step times
+        assert any(stops) and controller.calibration.num_observed > 0
+    assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    planned = LLM32(target, speculative_method="ngram", draft_stopping="plan", **SMALL)
+    assert planned.engine.speculator.controller.calibration is None
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
@@ -472,21 +550,27 @@ def test_draft_stopping_is_chosen_or_refused(tiny_model_dir, near):
         EngineConfig(draft_stopping="sometimes")
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle", "ngram"])
 def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(drafter, tiny_model_dir, unsure,
                                                                            tmp_path):
     """4-token continuations (top_k = 2: 16 outcomes, exact from transformers) with drafts a
     confidence rule cuts at varied depths: chi-square within its 15 degrees of freedom.
     The rule reads q's top probability, never the drawn token's: with the drawn token's
     probability instead, chi-square is in the hundreds (checked). A draft model and an EAGLE
-    head alike: their further passes run only the rows still drafting."""
+    head alike: their further passes run only the rows still drafting. And n-gram lookup,
+    its proposals one-hot, cut by its matches' lengths."""
     target = str(tiny_model_dir("llama"))
-    draft = unsure if drafter == "draft_model" else sharpened(make_eagle_head(target, [1], tmp_path)[0], 12.0)
-    prompt, length, sp = [5, 17, 99, 230, 17, 99], 4, dict(temperature=1.0, top_k=2)
+    drafting = {"speculative_method": "ngram"} if drafter == "ngram" else {
+        "speculative_method": "draft_model",
+        "draft_model": unsure if drafter == "draft_model" else sharpened(make_eagle_head(target, [1], tmp_path)[0],
+                                                                         12.0)}
+    prompt = [5, 17, 99, 230, 17, 99]
+    if drafter == "ngram":  # the target's own greedy tokens after it: sampled ones repeat some of their pairs
+        prompt += [316, 316, 2, 469, 2, 469, 268, 440, 238, 308, 207, 372]
+    length, sp = 4, dict(temperature=1.0, top_k=2)
     exact = exact_continuations(target, prompt, length, sp)
     n = 3000
-    engine = LLMEngine(dtype="float32", model=target, speculative_method="draft_model", draft_model=draft,
-                       num_speculative_tokens=3, speculative_adaptive=False,
+    engine = LLMEngine(dtype="float32", model=target, **drafting, num_speculative_tokens=3, speculative_adaptive=False,
                        max_num_batched_tokens=4096, max_num_seqs=512, block_size=16, num_kv_blocks=2000)
     # Keep while the chance of acceptance is over about half, in steps of up to 512 requests.
     kept = force_rule(engine, StopRule(ConfidenceCalibration(), dataclasses.replace(HALF, fixed=512.0), 512,
@@ -494,7 +578,8 @@ def test_sampling_with_drafts_cut_by_confidence_has_the_target_distribution(draf
     chi2 = continuation_chi_square(engine, prompt, sp, exact, n)
     assert len(exact) == 16 and chi2 < 37.7, chi2  # p = 0.001 for 15 degrees of freedom
     lengths = [k for step in kept for k in step]
-    assert {0, 1, 2} <= set(lengths)  # cut at every depth
+    # Cut at every depth (n-gram: matches of two or three tokens kept one draft of their three)
+    assert ({0, 1} if drafter == "ngram" else {0, 1, 2}) <= set(lengths)
 
 
 def test_metrics_show_the_calibration_map(chat_model_dir):

@@ -728,8 +728,8 @@ def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(
     the check of the step it came from. The next step's k is chosen there too, and taken
     while no request joins or leaves; outputs stay plain greedy decoding's."""
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
-                block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
-    engine = llm.engine
+                draft_stopping="plan", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)
+    engine = llm.engine  # (k planned from per-request estimates, forgotten as requests finish: checked below)
     speculator, controller = engine.speculator, engine.speculator.controller
     events, steps_choices, ahead = [], [], set()
     execute, sample, observe = engine.runner.execute, engine.sampler.sample, controller.observe_goodput
@@ -781,7 +781,7 @@ def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny
     chooses afresh otherwise (a request arrived with a seat free, one finished). A
     request waiting behind a full batch changes nothing."""
     llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
-                block_size=4, num_kv_blocks=256)
+                draft_stopping="plan", block_size=4, num_kv_blocks=256)  # (per-request estimates: checked below)
     engine, speculator = llm.engine, llm.engine.speculator
     choose, plan, planning, chosen = speculator._choose, speculator.plan, [False], []
     speculator._choose = lambda scheduler: (chosen.append(planning[0]), choose(scheduler))[1]

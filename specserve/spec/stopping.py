@@ -43,21 +43,25 @@ class StopRule:
     free: Container[str]     # requests whose k the controller chose
     padded: bool = False     # the verify pass pads every request to the longest query
 
-    def begin(self, rows: list[ScheduledRequest], compact: bool = False) -> "DraftStop":
+    def begin(self, rows: list[ScheduledRequest], compact: bool = False,
+              caps: list[int] | None = None) -> "DraftStop":
         """The step's drafting rows, in the drafter's order. ``compact``: the drafter's
         further passes run only the rows still drafting (``DraftStop.running``), else the
-        first rows up to the last of them."""
-        return DraftStop(self, rows, compact)
+        first rows up to the last of them. ``caps``: the most drafts each row has (a
+        lookup's proposals, fewer than planned where its match's continuation ends; None:
+        each row's k)."""
+        return DraftStop(self, rows, compact, caps)
 
 
 class DraftStop:
     """Per row: how many drafts it keeps, and the confidences of those it drafted."""
 
-    def __init__(self, rule: StopRule, rows: list[ScheduledRequest], compact: bool = False) -> None:
+    def __init__(self, rule: StopRule, rows: list[ScheduledRequest], compact: bool = False,
+                 caps: list[int] | None = None) -> None:
         self.rule = rule
         self.compact = compact  # (``StopRule.begin``): what a further pass is charged for
         self.greedy = [p.params.greedy for p in rows]
-        self.caps = [p.num_lookahead for p in rows]
+        self.caps = [p.num_lookahead for p in rows] if caps is None else caps
         self.free = [p.req_id in rule.free and getattr(p, "fork", None) is None for p in rows]
         self.kept = [0] * len(rows)
         self.going = [cap > 0 for cap in self.caps]
