@@ -18,7 +18,6 @@ from specserve.scheduler import ScheduledRequest
 from specserve.spec.drafter import DraftProposal
 from specserve.spec.stopping import StopRule
 
-
 MATCH_CAP = 64  # a match's length is counted up to this many tokens (its confidence, ``confidence``)
 
 
