@@ -188,7 +188,10 @@ class NgramDrafter:
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
                 stop: StopRule | None = None) -> DraftProposal:
         """Each request's continuation of its match, up to its k; with ``stop``, the drafts
-        the stopping rule keeps, judged depth by depth by their match's length."""
+        the stopping rule keeps, judged depth by depth by their match's length. The first
+        token of a continuation not kept is reported as dropped whether the rule dropped it
+        or did not go on to it (it is looked up already): the calibration map learns from
+        it where every kept draft is accepted (``Speculator._calibrate``)."""
         if stop is None:
             return DraftProposal([self._lookup(p.req_id, requests[p.req_id].all_token_ids, p.num_lookahead)[0]
                                   if p.num_lookahead else [] for p in scheduled])
@@ -199,8 +202,8 @@ class NgramDrafter:
         depth = 0
         while session.after(depth, sure):
             depth += 1
-        dropped = [None if miss is None else (miss[0], tokens[miss[0]], miss[1])
-                   for (tokens, _), miss in zip(found, session.dropped)]
+        dropped = [(kept, tokens[kept], sure[r]) if kept < len(tokens) else None
+                   for r, ((tokens, _), kept) in enumerate(zip(found, session.kept))]
         return DraftProposal([tokens[:kept] for (tokens, _), kept in zip(found, session.kept)],
                              confidence=session.confidence, pass_rows=session.pass_rows, dropped=dropped,
                              goodput=session.gain / session.time)

@@ -185,7 +185,8 @@ def test_parse_speculation():
     assert parse_speculation("ngram:4:adaptive")[0].apply(EngineConfig()).draft_stopping == "auto"
     for bad in ("eagle", "ngram:0", "ngram:x", "none:2", "none:adaptive", "draft_model:4:tree=0",
                 "draft_model:4:tree", "draft_model:4:wide", "draft_model:4:adaptive:adaptive",
-                "ngram:4:adaptive:stop=never", "ngram:4:stop=plan:stop=plan", "none:stop=plan"):
+                "ngram:4:adaptive:stop=never", "ngram:4:adaptive:stop=plan:stop=plan", "none:stop=plan",
+                "ngram:4:stop=plan"):
         with pytest.raises(ValueError, match="--speculation"):
             parse_speculation(bad)
 

@@ -209,7 +209,8 @@ def test_an_ngram_draft_stops_by_its_matchs_length():
     (confidence 0.96), a period of three tokens repeating (its match 6 tokens long, 0.83;
     only three tokens follow it) and two tokens in common (0.5). The map says matches of
     five tokens or more are accepted, shorter ones seldom: the first two draft what they
-    have, the third nothing, its first draft kept for the map as dropped."""
+    have, the third nothing, its first draft kept for the map as dropped. Then depth by
+    depth, with requests whose k is not the controller's."""
     from specserve.drafts.ngram import NgramDrafter, confidence
 
     copied = list(range(100, 130)) + list(range(100, 125))
@@ -225,6 +226,17 @@ def test_an_ngram_draft_stops_by_its_matchs_length():
     assert proposal.confidence == [[confidence(25)] * 4, [confidence(6)] * 3, []]
     assert proposal.dropped == [None, None, (0, 9, 0.5)]
     assert proposal.goodput is not None and proposal.pass_rows[0] == 3
+    # Second drafts less sure (60 %) and later ones seldom accepted: the two requests whose
+    # k is the controller's keep two drafts, the rule not going on to a third, which each
+    # reports as dropped (looked up already, it teaches the map); the third request's k is
+    # its own, and it keeps its whole proposal.
+    cal = learned(lambda c: np.full_like(c, 0.97), n=4000)
+    cal = learned(lambda c: np.full_like(c, 0.6), n=4000, depth=1, calibration=cal, seed=1)
+    for depth in (2, 3):
+        cal = learned(lambda c: np.full_like(c, 0.05), n=4000, depth=depth, calibration=cal, seed=depth)
+    proposal = NgramDrafter(4, 2).propose(rows(4, 4, 4), requests, StopRule(cal, prices, 3, {"r0", "r1"}))
+    assert proposal.draft_token_ids == [[125, 126], [1, 2], [9, 4, 1, 2]]
+    assert proposal.dropped == [(2, 127, confidence(25)), (2, 3, confidence(6)), None]
 
 
 # ------------------------------------------------------------------ in the engine

@@ -337,6 +337,9 @@ def parse_speculation(text: str) -> list[Speculation]:
                                  f"integers, MODE one of {', '.join(DRAFT_STOPPING)})")
         if method == "none" and (adaptive or tree or stop):
             raise ValueError(f"--speculation {part.strip()!r}: speculation off has nothing to adapt or grow")
+        if stop and not adaptive:
+            raise ValueError(f"--speculation {part.strip()!r}: stop=MODE says how an adaptive engine's drafting "
+                             "stops; add :adaptive")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculation {part.strip()!r}: the method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
