@@ -54,7 +54,7 @@ def main() -> None:
                              "'k=N, tree=T' where --settings names them")
     parser.add_argument("--paths", type=int, default=0,
                         help="add fixed-k settings verifying this many draft paths ('k=N, paths=P')")
-    parser.add_argument("--method", default="draft_model", help="draft_model, draft_model@PATH, layerskip")
+    parser.add_argument("--method", default="draft_model", help="draft_model, draft_model@PATH, layerskip, ngram")
     parser.add_argument("--settings", default=None,
                         help="';'-separated subset of: off; k=1..k=6; k=N, paths=P; k=N, tree=T; adaptive; "
                              "adaptive, no stopping; adaptive, tree; adaptive, no stopping, tree")

@@ -77,8 +77,9 @@ class EngineConfig:
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized | mtp
     num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
-    # Adaptive with a draft model or EAGLE head: "confidence" stops each request's drafting
-    # token by token by the draft's calibrated confidence (spec/stopping.py); "plan" drafts
+    # Adaptive with a draft model, EAGLE head or n-gram lookup: "confidence" stops each request's
+    # drafting token by token by the draft's calibrated confidence (n-gram: its match's
+    # length; spec/stopping.py); "plan" drafts
     # what the controller planned; "auto": confidence on a CPU, plan on a GPU (DRAFT_STOPPING).
     draft_stopping: str = "auto"
     draft_model: str | None = None       # draft_model: checkpoint (same vocabulary as the target)

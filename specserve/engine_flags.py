@@ -90,8 +90,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "its measured acceptance and the measured step cost (default: on; "
                         "--no-speculative-adaptive drafts k for every request every step)")
     s.add_argument("--draft-stopping", default="auto", choices=DRAFT_STOPPING,
-                   help="adaptive, with a draft model or EAGLE head: confidence (each request stops "
-                        "drafting token by token by the draft's calibrated confidence), plan (drafts "
+                   help="adaptive, with a draft model, EAGLE head or n-gram lookup: confidence (each "
+                        "request stops drafting token by token by the draft's calibrated confidence; "
+                        "n-gram: its match's length), plan (drafts "
                         "the k chosen before drafting), auto (confidence on a CPU, plan on a GPU; default)")
     s.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative-method draft_model (same vocabulary)")

@@ -3,7 +3,8 @@ online calibration map (``ConfidenceCalibration``).
 
 A draft model or EAGLE head computes its distribution q at every depth. Its confidence,
 the top probability of q, predicts acceptance far better than a request's past: a
-confident draft is accepted, an unsure one mostly is not. The map learns
+confident draft is accepted, an unsure one mostly is not. N-gram lookup's confidence is
+its match's length, as ``1 - 1/length`` (``drafts/ngram.py``). The map learns
 P(accepted | the tokens before it were accepted, confidence, depth) from every verified
 draft token (each is an outcome, so what it learns does not depend on which steps chose
 to draft), in bins of confidence per depth, separately for greedy and sampling requests

@@ -69,8 +69,8 @@ class Drafter(Protocol):
     # fed the target's features of that pass, does not): on a GPU its host work then runs
     # while the device computes the target's pass, not before it (``Speculator.catch_up``).
     feeds_after_target: bool
-    # Whether it knows its confidence in each proposal (its q) and can stop drafting by it
-    # (``spec.stopping``): a model drafter does, n-gram lookup does not.
+    # Whether it knows its confidence in each proposal and can stop drafting by it
+    # (``spec.stopping``): a model drafter by its q, n-gram lookup by its match's length.
     confidence: bool
     # The most draft paths it proposes per request: 1, or more for a drafter that ranks
     # candidates and follows a further path's fork (``spec.paths.PathEntry``).

@@ -1,9 +1,10 @@
 """Where a request's drafting stops, token by token (``StopRule``, ``DraftStop``).
 
 The controller plans each request's k as the most it may draft this step (slots and
-budget reserved). A drafter that knows its confidence (a draft model, an EAGLE head)
-then decides depth by depth, after each pass, with the step's prices from the cost
-model and the calibration map:
+budget reserved). A drafter that knows its confidence (a draft model, an EAGLE head, by
+q; n-gram lookup, by its match's length) then decides depth by depth, after each pass
+(a lookup's proposals are judged the same way, all found at once), with the step's prices
+from the cost model and the calibration map:
 
 * **Keep a drafted token** if its chance of being emitted, P = the product of the
   calibrated acceptance of it and every kept token before it, pays for what verifying
