@@ -6,7 +6,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for path in sorted(HERE.glob("*/batch1*.json")):
+for path in sorted(HERE.glob("*/*batch1*.json")):
     data = json.loads(path.read_text())
     print(f"\n{path.relative_to(HERE)} ({data['machine']})")
     for workload in ("chat", "code"):
@@ -18,7 +18,7 @@ for path in sorted(HERE.glob("*/batch1*.json")):
                           for s, r in rows.items() if s.startswith("adaptive")))
 
 for path in sorted(HERE.glob("*/*.json")):
-    if path.name.startswith("batch1"):
+    if "batch1" in path.name:
         continue
     data = json.loads(path.read_text())
     by = {}
