@@ -65,12 +65,12 @@ def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
 
 
 def find_scan(tokens: list[int], max_n: int, min_n: int) -> int:
-    """Where ``lookup``'s match ends (-1: none), without an index, its search run in C: the context reversed
-    once, then ``list.index`` jumps from one earlier occurrence of the last token to the
-    next, newest first; each is extended to its match length (at most ``max_n``). The
-    longest match wins, the most recent among equals — what ``lookup`` returns by trying
-    n from ``max_n`` down. Cheaper, once, than building an ``NgramIndex`` for a context
-    of a few hundred tokens."""
+    """Where ``lookup``'s match ends (-1: none), without an index, its search run in C: the
+    context reversed once, then ``list.index`` jumps from one earlier occurrence of the
+    last token to the next, newest first; each is extended to its match length (at most
+    ``max_n``). The longest match wins, the most recent among equals — what ``lookup``
+    returns by trying n from ``max_n`` down. Cheaper, once, than building an
+    ``NgramIndex`` for a context of a few hundred tokens."""
     length = len(tokens)
     max_n = min(max_n, length - 1)
     if max_n < min_n:
