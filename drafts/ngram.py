@@ -58,9 +58,9 @@ def confidence(length: int) -> float:
     return 1.0 - 1.0 / length
 
 
-def scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """``lookup``'s answer (``find_scan``'s match's continuation)."""
-    end = find_scan(tokens, max_n, min_n)
+def continuation(tokens: list[int], end: int, k: int) -> list[int]:
+    """Up to ``k`` tokens after the match ending at ``end`` (none where ``end`` is -1):
+    ``lookup``'s answer, given where ``find_scan`` or ``NgramIndex.find`` found its match."""
     return [] if end < 0 else tokens[end + 1:end + 1 + k]
 
 
@@ -105,7 +105,7 @@ class NgramIndex:
     Building an index costs time per token, so one that is far behind (a new request's
     prompt, or a request that drafted nothing for a while, which adaptive speculation
     makes common under load) catches up by at most ``CATCH_UP_TOKENS`` a lookup, and
-    ``scan`` answers until it is current: a request that drafts once after a long pause
+    ``find_scan`` answers until it is current: a request that drafts once after a long pause
     does not pay for indexing its whole context inside one step. Under a steady draft the
     index stays current at a small cost a lookup."""
 
@@ -118,14 +118,9 @@ class NgramIndex:
         self._indexed = 0  # end positions below this one are in _ends
         self._length = 0
 
-    def lookup(self, tokens: list[int], k: int, max_n: int) -> list[int]:
-        """``lookup(tokens, k, max_n, min_n)``, for ``tokens`` that only grew since the
-        last call (fewer tokens start the index over)."""
-        end = self.find(tokens, max_n)
-        return [] if end < 0 else tokens[end + 1:end + 1 + k]
-
     def find(self, tokens: list[int], max_n: int) -> int:
-        """Where ``lookup``'s match ends (-1: none)."""
+        """Where ``lookup(tokens, k, max_n, min_n)``'s match ends (-1: none), for ``tokens``
+        that only grew since the last call (fewer tokens start the index over)."""
         length, min_n = len(tokens), self.min_n
         if length < self._length:
             self._reset()
@@ -217,7 +212,7 @@ class NgramDrafter:
         end = index.find(tokens, self.max_n)
         if end < 0:
             return [], 0
-        return tokens[end + 1:end + 1 + k], match_length(tokens, end) if measure else 0
+        return continuation(tokens, end, k), match_length(tokens, end) if measure else 0
 
     def close(self) -> None:
         """Nothing to let go of: n-gram lookup has no model."""

@@ -218,8 +218,8 @@ def test_ngram_index_finds_what_the_scan_finds(seed):
     """The drafter's incremental index against the plain scan, on token lists that grow
     by runs of random length (and once shrink), over small alphabets full of repeats.
     Some runs are long pauses (more than the index catches up in one lookup), so the
-    index also answers while it is behind (by ``scan``) and while it catches up."""
-    from specserve.drafts.ngram import CATCH_UP_TOKENS, NgramIndex
+    index also answers while it is behind (by ``find_scan``) and while it catches up."""
+    from specserve.drafts.ngram import CATCH_UP_TOKENS, NgramIndex, continuation
 
     rng = random.Random(seed)
     for max_n, min_n in ((4, 2), (3, 1), (2, 2), (5, 3)):
@@ -230,21 +230,23 @@ def test_ngram_index_finds_what_the_scan_finds(seed):
             run = rng.randint(1, 5) if rng.random() < 0.9 else rng.randint(CATCH_UP_TOKENS, 3 * CATCH_UP_TOKENS)
             tokens += [rng.randrange(4 if seed % 2 else 9) for _ in range(run)]
             k = rng.randint(1, 6)
-            assert index.lookup(tokens, k, max_n) == lookup(tokens, k, max_n, min_n), (step, tokens)
+            got = continuation(tokens, index.find(tokens, max_n), k)
+            assert got == lookup(tokens, k, max_n, min_n), (step, tokens)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_ngram_fast_scan_finds_what_the_plain_scan_finds(seed):
-    """``scan`` (reversed list, ``list.index`` jumps, longest match wins) against
+    """``find_scan`` (reversed list, ``list.index`` jumps, longest match wins) against
     ``lookup`` (n from max_n down, newest first), on random lists with many repeats."""
-    from specserve.drafts.ngram import scan
+    from specserve.drafts.ngram import continuation, find_scan
 
     rng = random.Random(seed)
     for _ in range(400):
         tokens = [rng.randrange(rng.choice((3, 6, 20))) for _ in range(rng.randint(0, 80))]
         min_n = rng.randint(1, 4)
         max_n, k = rng.randint(min_n, 6), rng.randint(1, 6)
-        assert scan(tokens, k, max_n, min_n) == lookup(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
+        got = continuation(tokens, find_scan(tokens, max_n, min_n), k)
+        assert got == lookup(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
 
 
 def test_ngram_prefers_longer_matches():
