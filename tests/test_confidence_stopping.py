@@ -70,7 +70,7 @@ def test_the_map_learns_acceptance_from_confidence_per_depth_and_kind():
     assert cal.predict(True, 5, [0.99])[0] == table[0, 3, -1]  # deeper depths share the last row
     # Unobserved: the prior, a calibrated draft (acceptance = confidence).
     fresh = ConfidenceCalibration()
-    assert fresh.predict(True, 0, [0.05, 0.55, 0.99]).tolist() == pytest.approx([0.05, 0.55, 0.99])
+    assert fresh.predict(True, 0, [0.05, 0.55, 0.99]) == pytest.approx([0.05, 0.55, 0.99])
 
 
 def test_the_map_forgets_a_workload_that_changed():

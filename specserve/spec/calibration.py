@@ -49,17 +49,36 @@ class ConfidenceCalibration:
     """P(a draft token is accepted | all before it were, its confidence, its depth).
 
     It runs at every step of a drafting engine with a handful of tokens, so it works in
-    plain Python per token and keeps its monotone map, remaking only the rows (a kind of
-    request at a depth) that a step's tokens changed."""
+    plain Python per token (numpy's per-call cost is most of the work at these sizes) and
+    keeps its monotone map, remaking a row (a kind of request at a depth) that a step's
+    tokens changed only when it is next read."""
 
     def __init__(self) -> None:
-        centres = (EDGES[:-1] + EDGES[1:]) / 2
-        self.prior = np.broadcast_to(centres, (2, DEPTHS, NUM_BINS)).copy()
-        self.accepted = np.zeros((2, DEPTHS, NUM_BINS))  # [greedy?, depth, bin], forgetting weights
-        self.seen = np.zeros((2, DEPTHS, NUM_BINS))
+        centres = ((EDGES[:-1] + EDGES[1:]) / 2).tolist()
+        self._prior = centres  # a calibrated draft: acceptance = the bin's mid confidence
+        # [greedy?][depth][bin], forgetting weights
+        self._seen = [[[0.0] * NUM_BINS for _ in range(DEPTHS)] for _ in range(2)]
+        self._accepted = [[[0.0] * NUM_BINS for _ in range(DEPTHS)] for _ in range(2)]
         self.num_observed = 0
-        self._table = self._made()  # the monotone map (the engine's thread only)
-        self._changed: set[tuple[int, int]] = set()  # its rows to make again before it is read
+        # The monotone map, row by row (the engine's thread only), and its rows to make
+        # again before they are read.
+        self._rows = [[self._row(k, d) for d in range(DEPTHS)] for k in range(2)]
+        self._changed: set[tuple[int, int]] = set()
+
+    @property
+    def prior(self) -> np.ndarray:
+        """``[2, DEPTHS, NUM_BINS]`` the acceptance each bin starts from."""
+        return np.broadcast_to(np.array(self._prior), (2, DEPTHS, NUM_BINS)).copy()
+
+    @property
+    def seen(self) -> np.ndarray:
+        """``[2, DEPTHS, NUM_BINS]`` the (forgetting-weighted) observations per bin."""
+        return np.array(self._seen)
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """``[2, DEPTHS, NUM_BINS]`` the (forgetting-weighted) accepted tokens per bin."""
+        return np.array(self._accepted)
 
     def observe(self, greedy, depth, confidence, accepted) -> None:
         """Verified draft tokens, flat (a step's, all requests together): whether each
@@ -70,68 +89,65 @@ class ConfidenceCalibration:
         for g, d, c, a in zip(greedy, depth, confidence, accepted):
             rows.setdefault((0 if g else 1, min(int(d), DEPTHS - 1)), []).append((_bin(float(c)), float(a)))
         for (kind, d), tokens in rows.items():
-            seen, hits = self.seen[kind, d], self.accepted[kind, d]  # views
             decay = FORGET ** float(len(tokens))  # each row forgets by its own tokens
-            seen *= decay
-            hits *= decay
+            seen = self._seen[kind][d] = [s * decay for s in self._seen[kind][d]]
+            hits = self._accepted[kind][d] = [h * decay for h in self._accepted[kind][d]]
             for b, a in tokens:
                 seen[b] += 1.0
                 hits[b] += a
             self.num_observed += len(tokens)
         self._changed.update(rows)
 
-    def _row(self, kind: int, depth: int) -> np.ndarray:
+    def _row(self, kind: int, depth: int) -> list[float]:
         """One row of the map (a kind of request at a depth), made from its observations."""
-        weight = self.seen[kind, depth] + PRIOR_WEIGHT
-        return _monotone((self.accepted[kind, depth] + PRIOR_WEIGHT * self.prior[kind, depth]) / weight, weight)
+        weight = [s + PRIOR_WEIGHT for s in self._seen[kind][depth]]
+        values = [(h + PRIOR_WEIGHT * p) / w for h, p, w in zip(self._accepted[kind][depth], self._prior, weight)]
+        return _monotone(values, weight)
 
-    def _made(self, rows=None) -> np.ndarray:
-        """The monotone map made from the observations: every row, or ``rows`` of the
-        current map (a new array either way)."""
-        if rows is None:
-            return np.array([[self._row(k, d) for d in range(DEPTHS)] for k in range(2)])
-        table = self._table.copy()
-        for k, d in rows:
-            table[k, d] = self._row(k, d)
-        return table
+    def _current(self, kind: int, depth: int) -> list[float]:
+        """A row of the map as its observations so far make it."""
+        if (kind, depth) in self._changed:
+            self._changed.discard((kind, depth))
+            self._rows[kind][depth] = self._row(kind, depth)
+        return self._rows[kind][depth]
 
     @property
     def table(self) -> np.ndarray:
         """``[2, DEPTHS, NUM_BINS]`` the acceptance predicted per bin (greedy, sampling),
         monotone in confidence."""
-        if self._changed:
-            self._table = self._made(self._changed)
-            self._changed = set()
-        return self._table
+        return np.array([[self._current(k, d) for d in range(DEPTHS)] for k in range(2)])
 
-    def predict(self, greedy: bool, depth: int, confidence) -> np.ndarray:
+    def predict(self, greedy: bool, depth: int, confidence) -> list[float]:
         """The acceptance of tokens drafted at ``depth`` with these confidences."""
-        row = self.table[0 if greedy else 1, min(depth, DEPTHS - 1)]
-        return row[[_bin(c) for c in confidence]]
+        row = self._current(0 if greedy else 1, min(depth, DEPTHS - 1))
+        return [row[_bin(c)] for c in confidence]
 
     def best_case(self, greedy: bool, max_k: int) -> np.ndarray:
         """``[max_k]`` per depth, the acceptance of the most confident drafts: what a plan
         may hope for at best (the drafter then stops where its tokens are less sure)."""
-        top = self.table[0 if greedy else 1, :, -1]
-        return top[np.minimum(np.arange(max_k), DEPTHS - 1)]
+        kind = 0 if greedy else 1
+        return np.array([self._current(kind, min(d, DEPTHS - 1))[-1] for d in range(max_k)])
 
     def describe(self) -> dict:
         """The map for ``/metrics`` and benchmark output: bin edges, and per kind and
         depth the predicted acceptance and the (forgetting-weighted) observations per bin.
         Made afresh (the server's metrics read it from another thread than the engine's)."""
-        table, seen = self._made(), self.seen.copy()
+        seen = self.seen
+        table = np.array([[self._row(k, d) for d in range(DEPTHS)] for k in range(2)])
         return {"edges": EDGES.tolist(), "observed_tokens": self.num_observed,
                 **{kind: {"acceptance": table[i].round(4).tolist(), "observations": seen[i].round(1).tolist()}
                    for i, kind in enumerate(("greedy", "sampling"))}}
 
 
-def _monotone(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def _monotone(values, weights) -> list[float]:
     """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators)."""
+    if all(a <= b for a, b in zip(values, values[1:])):
+        return list(values)  # (what the pooling would give: nothing to pool)
     blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values.tolist(), weights.tolist()):
+    for v, w in zip(values, weights):
         blocks.append([v, w, 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             m2, w2, c2 = blocks.pop()
             m1, w1, c1 = blocks[-1]
             blocks[-1] = [(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
-    return np.array([m for m, _, c in blocks for _ in range(c)])
+    return [m for m, _, c in blocks for _ in range(c)]

@@ -99,7 +99,7 @@ class DraftStop:
         for greedy in (True, False):  # one lookup per kind of request, not per row
             of_kind = [r for r in rows if self.greedy[r] == greedy]
             if of_kind:
-                predicted = cal.predict(greedy, depth, [confidence[r] for r in of_kind]).tolist()
+                predicted = cal.predict(greedy, depth, [confidence[r] for r in of_kind])
                 acceptance.update(zip(of_kind, predicted))
         for r in rows:
             chances[r] = self.chance[r] * acceptance[r]
