@@ -252,6 +252,8 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir, monkeyp
     for name in ("model.safetensors", "config.json", "MODEL_CARD.md", "training_log.json"):
         assert (tmp_path / "a" / name).is_file()
     assert "specserve_draft" in json.loads((tmp_path / "a" / "config.json").read_text())
+    # Validation says how many answers it replayed: every validation prompt's.
+    assert sum(v for key, v in record["training"]["final_val"].items() if key.startswith("answers_")) == 2
     forbid_generating(monkeypatch)  # the responses come from the cache from here on
     again = main(argv + ["--out", str(tmp_path / "b"), "--eval-prompts", "0", "--draft-vocab", "64"])
     assert again["evaluation"] is None
@@ -545,3 +547,42 @@ def test_training_batches_are_padded_to_few_shapes_within_the_budget():
         shapes.add(tuple(ids.shape))
     widths = {w for _, w in shapes}
     assert len(shapes) <= 2 * len(widths) <= 2 * (704 // PAD_TO)
+
+
+def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prompts():
+    """Responses are generated held-out and validation prompts first, then the training
+    prompts in their order (kinds alternating), greedy before sampled: cut after any batch,
+    what was generated holds every held-out and validation answer and keeps the kinds'
+    mix, where sorting by length dropped the long (code) prompts first. The HF generator's
+    batches sort by length only within windows of that order, one mode a batch, and come
+    in a shuffled order within a window."""
+    import random
+
+    from specserve.training import data
+
+    rng = random.Random(0)
+    prompts = {"train": [("chat" if i % 2 else "code", "", [1] * (rng.randint(20, 60) if i % 2 else
+                                                                rng.randint(100, 500))) for i in range(2000)],
+               "val": [("chat", "", [1] * 40), ("code", "", [1] * 400)] * 8,
+               "test": [("chat", "", [1] * 45), ("code", "", [1] * 450)] * 8}
+    jobs = [(split, kind, ids, "greedy") for split in ("val", "train", "test") for kind, _, ids in prompts[split]]
+    jobs += [("train", kind, ids, "sampled") for kind, _, ids in prompts["train"]]
+    order = data.generation_order(jobs)
+    assert sorted(map(id, order)) == sorted(map(id, jobs))
+    assert {j[0] for j in order[:32]} == {"val", "test"} and order[32][0] == "train"
+    assert [j for j in order if j[0] == "train" and j[3] == "greedy"] == jobs[16:2016]  # their own order
+    batches = list(data._batches_by_length(order, budget=40_000, max_new=64, max_batch=64))
+    assert sorted(map(id, (j for b in batches for j in b))) == sorted(map(id, jobs))
+    done = []
+    for batch in batches:
+        assert len({j[3] for j in batch}) == 1 and len(batch) <= 64
+        assert len(batch) * (max(len(j[2]) for j in batch) + 64) <= 40_000
+        done += batch
+        if len(done) >= 900:  # a budget ends generation here
+            break
+    assert sum(j[0] != "train" for j in done) == 32  # every held-out and validation prompt
+    kinds = [j[1] for j in done if j[0] == "train"]
+    assert 0.3 < kinds.count("code") / len(kinds) < 0.7
+    # Sorted by length within windows, the HF batches pad little (~140 % unsorted).
+    padding = sum(len(b) * max(len(j[2]) for j in b) - sum(len(j[2]) for j in b) for b in batches)
+    assert padding < 0.1 * sum(len(j[2]) + 64 for j in jobs)

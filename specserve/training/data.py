@@ -168,7 +168,7 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
     for round_ in range(args.samples):  # "sampled", "sampled2", ...: one round after another
         mode = "sampled" + (str(round_ + 1) if round_ else "")
         jobs += [("train", kind, ids, mode) for kind, _, ids in prompts["train"]]
-    todo = [j for j in jobs if ResponseCache.key(j[2], j[3]) not in cache.data]
+    todo = [j for j in generation_order(jobs) if ResponseCache.key(j[2], j[3]) not in cache.data]
     log(f"generation: {len(jobs)} responses wanted, {len(jobs) - len(todo)} cached, "
         f"{len(todo)} to generate with {generator} on {device_name(device)}"
         + (f" and {group.size - 1} more like it" if group.size > 1 else ""))
@@ -191,9 +191,29 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
         if response:
             full = (ids + response)[:args.max_seq_len]
             examples.append(Example(full, len(ids), kind, split, mode != "greedy"))
-    log(f"generation: {len(examples)} examples, "
+    counts: dict[str, int] = {}
+    for e in examples:
+        key = f"{e.split} {e.kind}"
+        counts[key] = counts.get(key, 0) + 1
+    log(f"generation: {len(examples)} examples ({', '.join(f'{k} {n}' for k, n in sorted(counts.items()))}), "
         f"{sum(len(e.token_ids) - e.num_prompt for e in examples)} response tokens")
     return examples
+
+
+def generation_order(jobs: list[tuple]) -> list[tuple]:
+    """The order responses are generated in, which is the order a time budget cuts from
+    the end: the validation and held-out prompts' answers first (what validation and the
+    held-out replay read: all of them, or the figures would be of the prompts left), then
+    the training prompts' greedy answers, then each round of sampled ones, each in
+    ``select_prompts``' order, where the kinds alternate so that any prefix keeps their mix.
+    Sorted by length instead, a budget cut dropped the longest prompts, mostly code, from
+    training and validation alike."""
+    return sorted(jobs, key=_generation_group)  # (stable: the prompts' order within a group)
+
+
+def _generation_group(job: tuple) -> tuple[bool, bool, str]:
+    """(a training prompt's, sampled, the sampling round): ``generation_order``'s groups."""
+    return job[0] == "train", job[3] != "greedy", job[3]
 
 
 def generator_for(args, device: torch.device) -> str:
@@ -206,19 +226,32 @@ def eos_ids(files, tokenizer) -> list[int]:
     return sorted(eos_token_ids(files, load_hf_config(files), tokenizer))
 
 
+HF_WINDOW_BATCHES = 16  # HF batches made from one length-sorted window (``_batches_by_length``)
+
+
 def _batches_by_length(jobs, budget: int, max_new: int, max_batch: int):
-    """Jobs sorted by prompt length, cut into batches of at most ``budget`` padded tokens."""
-    order = sorted(jobs, key=lambda j: (j[3] != "greedy", j[3], len(j[2])))
-    batch: list = []
-    for job in order:
-        longest = max([len(job[2])] + [len(j[2]) for j in batch])
-        if batch and ((len(batch) + 1) * (longest + max_new) > budget or len(batch) >= max_batch
-                      or job[3] != batch[0][3]):
-            yield batch
-            batch = []
-        batch.append(job)
-    if batch:
-        yield batch
+    """Batches of at most ``budget`` padded tokens and ``max_batch`` jobs of one mode, in the
+    order of ``jobs`` (``generation_order``) window by window: each window
+    (``HF_WINDOW_BATCHES`` batches' worth of jobs of one ``generation_order`` group) is
+    sorted by prompt length, so that a batch pads little, and its batches come in a seeded
+    shuffled order, so that a budget that ends generation early within a window drops
+    batches of every length alike, not the longest prompts."""
+    rng = random.Random(0)
+    for _, group in itertools.groupby(jobs, key=_generation_group):
+        group = list(group)
+        window = HF_WINDOW_BATCHES * max_batch
+        for start in range(0, len(group), window):
+            batches, batch = [], []
+            for job in sorted(group[start:start + window], key=lambda j: len(j[2])):
+                longest = max([len(job[2])] + [len(j[2]) for j in batch])
+                if batch and ((len(batch) + 1) * (longest + max_new) > budget or len(batch) >= max_batch):
+                    batches.append(batch)
+                    batch = []
+                batch.append(job)
+            if batch:
+                batches.append(batch)
+            rng.shuffle(batches)
+            yield from batches
 
 
 def _cut_response(tokens: list[int], eos: list[int], pad: int | None) -> list[int]:

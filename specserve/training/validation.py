@@ -31,7 +31,7 @@ def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
 @torch.no_grad()
 def validate(model, batches, device, pad, autocast, score, k: int = 4) -> dict:
     """Mean KL, pass 0's top-1 agreement and the acceptance length of greedy chain drafting
-    at ``k`` replayed on each greedy answer (``chain_acceptance``), per kind.
+    at ``k`` replayed on each greedy answer (``chain_acceptance``), and the answers replayed, per kind.
     ``score(ids, rows, cols)`` gives the batch's (mean KL, agreement ``[passes, rows]``)."""
     model.eval()
     kl_sum = n = 0.0
@@ -48,15 +48,17 @@ def validate(model, batches, device, pad, autocast, score, k: int = 4) -> dict:
             length = len(e.token_ids) - e.num_prompt
             if not e.sampled:
                 steps, accepted = chain_acceptance([a[start:start + length] for a in agree], k)
-                c = counts.setdefault(e.kind, [0, 0, 0, 0])
+                c = counts.setdefault(e.kind, [0, 0, 0, 0, 0])
                 c[0] += steps
                 c[1] += accepted
                 c[2] += sum(agree[0][start:start + length])
                 c[3] += length
+                c[4] += 1
             start += length
     model.train()
     result = {"kl": round(kl_sum / max(n, 1), 4)}
-    for kind, (steps, accepted, top1, length) in sorted(counts.items()):
+    for kind, (steps, accepted, top1, length, answers) in sorted(counts.items()):
         result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
         result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
+        result[f"answers_{kind}"] = answers  # replayed (a budget may have left some prompts unanswered)
     return result
