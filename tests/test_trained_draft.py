@@ -252,6 +252,7 @@ def test_the_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir, monkeyp
     for name in ("model.safetensors", "config.json", "MODEL_CARD.md", "training_log.json"):
         assert (tmp_path / "a" / name).is_file()
     assert "specserve_draft" in json.loads((tmp_path / "a" / "config.json").read_text())
+    assert f"--draft-model {tmp_path / 'a'}" in (tmp_path / "a" / "MODEL_CARD.md").read_text()
     # Validation says how many answers it replayed: every validation prompt's.
     assert sum(v for key, v in record["training"]["final_val"].items() if key.startswith("answers_")) == 2
     forbid_generating(monkeypatch)  # the responses come from the cache from here on

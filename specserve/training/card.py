@@ -78,12 +78,12 @@ def write_model_card(out: Path, record: dict) -> None:
            "those tokens): a smaller LM head, the rest get probability 0 in q — verification stays exact."
            if vocab else ""),
         "",
-        *(["It is the built-in draft of the embedded default model, used when no other is named:",
-           "", "```bash", "specserve generate --speculative-method draft_model \"Why is the sky blue?\"",
-           "```"] if record["args"]["target"] is None else [
-            "Use it with its target:", "", "```bash",
-            f"specserve generate --model {record['target']} --speculative-method draft_model "
-            f"--draft-model {record['args']['out']} \"Why is the sky blue?\"", "```"]),
+        # (A draft trained for the default model becomes its built-in draft only once shipped
+        # in ``drafts/``: until then it is named, as any other.)
+        "Use it with its target:", "", "```bash",
+        "specserve generate " + (f"--model {record['target']} " if record["args"]["target"] is not None else "")
+        + f"--speculative-method draft_model --draft-model {record['args']['out']} \"Why is the sky blue?\"",
+        "```",
         "",
         "## How it was trained",
         "",
