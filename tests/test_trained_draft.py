@@ -552,38 +552,50 @@ def test_training_batches_are_padded_to_few_shapes_within_the_budget():
 
 def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prompts():
     """Responses are generated held-out and validation prompts first, then the training
-    prompts in their order (kinds alternating), greedy before sampled: cut after any batch,
-    what was generated holds every held-out and validation answer and keeps the kinds'
-    mix, where sorting by length dropped the long (code) prompts first. The HF generator's
-    batches sort by length only within windows of that order, one mode a batch, and come
-    in a shuffled order within a window."""
+    prompts greedy before sampled, the kinds interleaved by their share: cut anywhere, what
+    was generated holds every held-out and validation answer and keeps the kinds' mix and
+    their prompts' lengths, where sorting by length dropped the long (code) prompts first
+    and ``select_prompts``' order the self-written chat prompts (last). The HF generator's
+    batches sort by length within a kind, one mode a batch, in a shuffled order."""
     import random
 
     from specserve.training import data
 
     rng = random.Random(0)
-    prompts = {"train": [("chat" if i % 2 else "code", "", [1] * (rng.randint(20, 60) if i % 2 else
-                                                                rng.randint(100, 500))) for i in range(2000)],
-               "val": [("chat", "", [1] * 40), ("code", "", [1] * 400)] * 8,
-               "test": [("chat", "", [1] * 45), ("code", "", [1] * 450)] * 8}
+
+    def prompt(kind):
+        return kind, "", [1] * (rng.randint(20, 60) if kind == "chat" else rng.randint(100, 500))
+
+    # Alternating kinds, then self-written chat prompts (as ``select_prompts`` lists them).
+    train = [prompt("chat" if i % 2 else "code") for i in range(1600)] + [prompt("chat") for _ in range(900)]
+    prompts = {"train": train, "val": [prompt("chat"), prompt("code")] * 8, "test": [prompt("chat"), prompt("code")] * 8}
     jobs = [(split, kind, ids, "greedy") for split in ("val", "train", "test") for kind, _, ids in prompts[split]]
-    jobs += [("train", kind, ids, "sampled") for kind, _, ids in prompts["train"]]
+    jobs += [("train", kind, ids, "sampled") for kind, _, ids in train]
+    code_share = sum(kind == "code" for kind, _, _ in train) / len(train)
+    code_length = sum(len(ids) for kind, _, ids in train if kind == "code") / sum(kind == "code" for kind, _, _ in train)
+
+    def check(done, cut):
+        assert sum(j[0] != "train" for j in done) == 32, cut  # every held-out and validation prompt
+        kept = [j for j in done if j[0] == "train"]
+        code = [len(j[2]) for j in kept if j[1] == "code"]
+        assert abs(len(code) / len(kept) - code_share) < 0.06, cut
+        assert abs(sum(code) / len(code) / code_length - 1) < 0.15, cut
+
     order = data.generation_order(jobs)
     assert sorted(map(id, order)) == sorted(map(id, jobs))
-    assert {j[0] for j in order[:32]} == {"val", "test"} and order[32][0] == "train"
-    assert [j for j in order if j[0] == "train" and j[3] == "greedy"] == jobs[16:2016]  # their own order
+    assert {j[0] for j in order[:32]} == {"val", "test"}
+    for kind in ("chat", "code"):  # each kind's training prompts in their own order
+        assert [j for j in order if j[3] == "greedy" and j[0] == "train" and j[1] == kind] == \
+            [j for j in jobs if j[3] == "greedy" and j[0] == "train" and j[1] == kind]
+    for cut in (400, 1200, 2000):  # the engine generator: chunks of the order
+        check(order[:cut], cut)
     batches = list(data._batches_by_length(order, budget=40_000, max_new=64, max_batch=64))
     assert sorted(map(id, (j for b in batches for j in b))) == sorted(map(id, jobs))
-    done = []
     for batch in batches:
-        assert len({j[3] for j in batch}) == 1 and len(batch) <= 64
+        assert len({j[3] for j in batch}) == 1 and len({j[1] for j in batch}) == 1 and len(batch) <= 64
         assert len(batch) * (max(len(j[2]) for j in batch) + 64) <= 40_000
-        done += batch
-        if len(done) >= 900:  # a budget ends generation here
-            break
-    assert sum(j[0] != "train" for j in done) == 32  # every held-out and validation prompt
-    kinds = [j[1] for j in done if j[0] == "train"]
-    assert 0.3 < kinds.count("code") / len(kinds) < 0.7
-    # Sorted by length within windows, the HF batches pad little (~140 % unsorted).
+    for cut in (15, 25, 35):  # the HF generator: whole batches
+        check([j for b in batches[:cut] for j in b], cut)
+    # Sorted by length within a kind, the HF batches pad little (~140 % unsorted).
     padding = sum(len(b) * max(len(j[2]) for j in b) - sum(len(j[2]) for j in b) for b in batches)
     assert padding < 0.1 * sum(len(j[2]) + 64 for j in jobs)

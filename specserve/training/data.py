@@ -204,16 +204,40 @@ def generation_order(jobs: list[tuple]) -> list[tuple]:
     """The order responses are generated in, which is the order a time budget cuts from
     the end: the validation and held-out prompts' answers first (what validation and the
     held-out replay read: all of them, or the figures would be of the prompts left), then
-    the training prompts' greedy answers, then each round of sampled ones, each in
-    ``select_prompts``' order, where the kinds alternate so that any prefix keeps their mix.
-    Sorted by length instead, a budget cut dropped the longest prompts, mostly code, from
-    training and validation alike."""
-    return sorted(jobs, key=_generation_group)  # (stable: the prompts' order within a group)
+    the training prompts' greedy answers, then each round of sampled ones; within each,
+    every kind's prompts in ``select_prompts``' (seeded, shuffled) order, the kinds
+    interleaved so that any prefix holds each kind's share (``_by_share``). Sorted by length
+    instead, a budget cut dropped the longest prompts, mostly code, from training and
+    validation alike; in ``select_prompts``' order, the self-written chat prompts last."""
+    ordered = []
+    for _, group in itertools.groupby(sorted(jobs, key=_generation_group), key=_generation_group):
+        ordered += _by_share(list(_by_kind(group).values()))
+    return ordered
 
 
 def _generation_group(job: tuple) -> tuple[bool, bool, str]:
     """(a training prompt's, sampled, the sampling round): ``generation_order``'s groups."""
     return job[0] == "train", job[3] != "greedy", job[3]
+
+
+def _by_kind(jobs) -> dict[str, list[tuple]]:
+    by_kind: dict[str, list[tuple]] = {}
+    for job in jobs:
+        by_kind.setdefault(job[1], []).append(job)
+    return by_kind
+
+
+def _by_share(streams: list[list], size=lambda item: 1) -> list:
+    """The items of every stream, each stream in its order, merged so that every prefix holds
+    about each stream's share of the whole (by ``size``): each item comes at the middle of its
+    own part of its stream."""
+    keyed = []
+    for index, items in enumerate(streams):
+        total, done = sum(size(x) for x in items) or 1, 0
+        for item in items:
+            keyed.append(((done + size(item) / 2) / total, index, len(keyed), item))
+            done += size(item)
+    return [item for *_, item in sorted(keyed, key=lambda k: k[:3])]
 
 
 def generator_for(args, device: torch.device) -> str:
@@ -226,23 +250,19 @@ def eos_ids(files, tokenizer) -> list[int]:
     return sorted(eos_token_ids(files, load_hf_config(files), tokenizer))
 
 
-HF_WINDOW_BATCHES = 16  # HF batches made from one length-sorted window (``_batches_by_length``)
-
-
 def _batches_by_length(jobs, budget: int, max_new: int, max_batch: int):
-    """Batches of at most ``budget`` padded tokens and ``max_batch`` jobs of one mode, in the
-    order of ``jobs`` (``generation_order``) window by window: each window
-    (``HF_WINDOW_BATCHES`` batches' worth of jobs of one ``generation_order`` group) is
-    sorted by prompt length, so that a batch pads little, and its batches come in a seeded
-    shuffled order, so that a budget that ends generation early within a window drops
-    batches of every length alike, not the longest prompts."""
+    """HF ``generate`` batches of at most ``budget`` padded tokens and ``max_batch`` jobs, for
+    ``jobs`` in ``generation_order``: per group of that order and per kind, the jobs sorted
+    by prompt length (so a batch pads little) and cut into batches, those in a seeded
+    shuffled order (so that a budget that ends generation early drops batches of every
+    length alike, not the longest), and the kinds' batches interleaved by their share of the
+    jobs (``_by_share``: any prefix keeps the kinds' mix)."""
     rng = random.Random(0)
     for _, group in itertools.groupby(jobs, key=_generation_group):
-        group = list(group)
-        window = HF_WINDOW_BATCHES * max_batch
-        for start in range(0, len(group), window):
+        streams = []
+        for kind_jobs in _by_kind(group).values():
             batches, batch = [], []
-            for job in sorted(group[start:start + window], key=lambda j: len(j[2])):
+            for job in sorted(kind_jobs, key=lambda j: len(j[2])):
                 longest = max([len(job[2])] + [len(j[2]) for j in batch])
                 if batch and ((len(batch) + 1) * (longest + max_new) > budget or len(batch) >= max_batch):
                     batches.append(batch)
@@ -251,7 +271,8 @@ def _batches_by_length(jobs, budget: int, max_new: int, max_batch: int):
             if batch:
                 batches.append(batch)
             rng.shuffle(batches)
-            yield from batches
+            streams.append(batches)
+        yield from _by_share(streams, size=len)
 
 
 def _cut_response(tokens: list[int], eos: list[int], pad: int | None) -> list[int]:
