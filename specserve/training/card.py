@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -81,8 +82,10 @@ def write_model_card(out: Path, record: dict) -> None:
         # (A draft trained for the default model becomes its built-in draft only once shipped
         # in ``drafts/``: until then it is named, as any other.)
         "Use it with its target:", "", "```bash",
-        "specserve generate " + (f"--model {record['target']} " if record["args"]["target"] is not None else "")
-        + f"--speculative-method draft_model --draft-model {record['args']['out']} \"Why is the sky blue?\"",
+        "specserve generate " + (f"--model {shlex.quote(str(record['args']['target']))} "
+                                 if record["args"]["target"] is not None else "")
+        + f"--speculative-method draft_model --draft-model {shlex.quote(str(record['args']['out']))} "
+        "\"Why is the sky blue?\"",
         "```",
         "",
         "## How it was trained",
