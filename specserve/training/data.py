@@ -259,20 +259,28 @@ def _batches_by_length(jobs, budget: int, max_new: int, max_batch: int):
     jobs (``_by_share``: any prefix keeps the kinds' mix)."""
     rng = random.Random(0)
     for _, group in itertools.groupby(jobs, key=_generation_group):
-        streams = []
-        for kind_jobs in _by_kind(group).values():
-            batches, batch = [], []
-            for job in sorted(kind_jobs, key=lambda j: len(j[2])):
-                longest = max([len(job[2])] + [len(j[2]) for j in batch])
-                if batch and ((len(batch) + 1) * (longest + max_new) > budget or len(batch) >= max_batch):
-                    batches.append(batch)
-                    batch = []
-                batch.append(job)
-            if batch:
-                batches.append(batch)
-            rng.shuffle(batches)
-            streams.append(batches)
+        def full(batch, job):  # (the jobs come by length: ``job`` is the longest)
+            return (len(batch) + 1) * (len(job[2]) + max_new) > budget or len(batch) >= max_batch
+
+        streams = [_length_batches(kind_jobs, lambda j: len(j[2]), full, rng)
+                   for kind_jobs in _by_kind(group).values()]
         yield from _by_share(streams, size=len)
+
+
+def _length_batches(items: list, length, full, rng: random.Random) -> list[list]:
+    """``items`` sorted by ``length`` and cut into batches where ``full(batch, item)`` says
+    the next one would not fit, the batches in ``rng``'s shuffled order (so that they come
+    in no order of length, while each pads little)."""
+    batches, batch = [], []
+    for item in sorted(items, key=length):
+        if batch and full(batch, item):
+            batches.append(batch)
+            batch = []
+        batch.append(item)
+    if batch:
+        batches.append(batch)
+    rng.shuffle(batches)
+    return batches
 
 
 def _cut_response(tokens: list[int], eos: list[int], pad: int | None) -> list[int]:
@@ -373,17 +381,8 @@ def padded_length(length: int) -> int:
 def make_batches(examples: list[Example], budget: int, rng: random.Random) -> list[list[Example]]:
     """Examples of similar length together, at most ``budget`` padded tokens a batch (as
     ``collate`` pads them: so the batches of one padded length have one shape)."""
-    order = sorted(examples, key=lambda e: len(e.token_ids))
-    batches, batch = [], []
-    for example in order:
-        if batch and (len(batch) + 1) * padded_length(len(example.token_ids)) > budget:
-            batches.append(batch)
-            batch = []
-        batch.append(example)
-    if batch:
-        batches.append(batch)
-    rng.shuffle(batches)
-    return batches
+    return _length_batches(examples, lambda e: len(e.token_ids),
+                           lambda batch, e: (len(batch) + 1) * padded_length(len(e.token_ids)) > budget, rng)
 
 
 def collate(batch: list[Example], device: torch.device, pad: int):
