@@ -41,7 +41,7 @@ def main() -> None:
                       (2, layers // 2, layers - 3), vocab)
     load_eagle3_weights(head, weights)
     head.eval()
-    common = dict(dtype="float32", gguf_weights="dequantized", max_num_seqs=1, max_model_len=1280)
+    common = {"dtype": "float32", "gguf_weights": "dequantized", "max_num_seqs": 1, "max_model_len": 1280}
     plain = LLM(**common)
     eagle = LLM(speculative_method="draft_model", draft_model=args.head, num_speculative_tokens=4,
                 speculative_adaptive=False, **common)

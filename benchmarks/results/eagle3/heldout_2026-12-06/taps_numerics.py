@@ -8,6 +8,7 @@ without the taps set on the target; the prefix cache emptied between.
 from specserve import LLM, SamplingParams
 from specserve.bench.prompt_sets import held_out_prompts
 from specserve.training.data import encode_prompt
+
 llm = LLM(max_num_seqs=1, max_model_len=1280)
 tok = llm.engine.tokenizer
 params = SamplingParams(temperature=0, max_tokens=128)
