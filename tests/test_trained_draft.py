@@ -556,7 +556,8 @@ def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prom
     was generated holds every held-out and validation answer and keeps the kinds' mix and
     their prompts' lengths, where sorting by length dropped the long (code) prompts first
     and ``select_prompts``' order the self-written chat prompts (last). The HF generator's
-    batches sort by length within a kind, one mode a batch, in a shuffled order."""
+    batches sort by length within a kind, one mode a batch, in a shuffled order; ranks that
+    share the work each take a strided share of each kind, merged again."""
     import random
 
     from specserve.training import data
@@ -570,7 +571,8 @@ def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prom
     train = [prompt("chat" if i % 2 else "code") for i in range(1600)] + [prompt("chat") for _ in range(900)]
     prompts = {"train": train, "val": [prompt("chat"), prompt("code")] * 8, "test": [prompt("chat"), prompt("code")] * 8}
     jobs = [(split, kind, ids, "greedy") for split in ("val", "train", "test") for kind, _, ids in prompts[split]]
-    jobs += [("train", kind, ids, "sampled") for kind, _, ids in train]
+    for mode in ("sampled", "sampled2", "sampled10"):
+        jobs += [("train", kind, ids, mode) for kind, _, ids in train[:300]]
     code_share = sum(kind == "code" for kind, _, _ in train) / len(train)
     code_length = sum(len(ids) for kind, _, ids in train if kind == "code") / sum(kind == "code" for kind, _, _ in train)
 
@@ -579,7 +581,7 @@ def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prom
         kept = [j for j in done if j[0] == "train"]
         code = [len(j[2]) for j in kept if j[1] == "code"]
         assert abs(len(code) / len(kept) - code_share) < 0.06, cut
-        assert abs(sum(code) / len(code) / code_length - 1) < 0.15, cut
+        assert abs(sum(code) / len(code) / code_length - 1) < 0.25, cut
 
     order = data.generation_order(jobs)
     assert sorted(map(id, order)) == sorted(map(id, jobs))
@@ -587,13 +589,27 @@ def test_a_generation_budget_cuts_the_tail_of_a_mixed_order_not_the_longest_prom
     for kind in ("chat", "code"):  # each kind's training prompts in their own order
         assert [j for j in order if j[3] == "greedy" and j[0] == "train" and j[1] == kind] == \
             [j for j in jobs if j[3] == "greedy" and j[0] == "train" and j[1] == kind]
+    assert [j[3] for j in order[32:]] == ["greedy"] * 2500 + ["sampled"] * 300 + ["sampled2"] * 300 + \
+        ["sampled10"] * 300  # greedy, then one round after another
     for cut in (400, 1200, 2000):  # the engine generator: chunks of the order
         check(order[:cut], cut)
-    batches = list(data._batches_by_length(order, budget=40_000, max_new=64, max_batch=64))
+    for size in (2, 3):  # each rank a strided share of each kind, merged again
+        for rank in range(size):
+            share = data.rank_share(order, rank, size)
+            evaluated = [j[1] for j in share if j[0] != "train"]  # half chat, half code
+            assert abs(evaluated.count("code") - len(evaluated) / 2) <= 1
+            kinds = [j[1] for j in share[:600] if j[0] == "train"]
+            assert abs(kinds.count("code") / len(kinds) - code_share) < 0.06
+        assert sorted(map(id, (j for r in range(size) for j in data.rank_share(order, r, size)))) == \
+            sorted(map(id, jobs))
+    batches = list(data._batches_by_length(order, budget=20_000, max_new=64, max_batch=64))
     assert sorted(map(id, (j for b in batches for j in b))) == sorted(map(id, jobs))
+    modes = [b[0][3] for b in batches]
+    assert modes == sorted(modes, key=lambda m: ("greedy", "sampled", "sampled2", "sampled10").index(m))
     for batch in batches:
         assert len({j[3] for j in batch}) == 1 and len({j[1] for j in batch}) == 1 and len(batch) <= 64
-        assert len(batch) * (max(len(j[2]) for j in batch) + 64) <= 40_000
+        assert len(batch) * (max(len(j[2]) for j in batch) + 64) <= 20_000
+    assert any(len(b) < 64 and (len(b) + 1) * (max(len(j[2]) for j in b) + 64) > 20_000 for b in batches)  # it binds
     for cut in (15, 25, 35):  # the HF generator: whole batches
         check([j for b in batches[:cut] for j in b], cut)
     # Sorted by length within a kind, the HF batches pad little (~140 % unsorted).

@@ -173,7 +173,7 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
         f"{len(todo)} to generate with {generator} on {device_name(device)}"
         + (f" and {group.size - 1} more like it" if group.size > 1 else ""))
     group.barrier()  # every rank has read the cache (and its leftover shares) before any writes a share
-    mine = todo[group.rank::group.size]
+    mine = rank_share(todo, group.rank, group.size)
     share = cache if group.size == 1 else cache.share(group.rank)
     if mine:
         run = _generate_engine if generator == "engine" else _generate_hf
@@ -215,9 +215,22 @@ def generation_order(jobs: list[tuple]) -> list[tuple]:
     return ordered
 
 
-def _generation_group(job: tuple) -> tuple[bool, bool, str]:
-    """(a training prompt's, sampled, the sampling round): ``generation_order``'s groups."""
-    return job[0] == "train", job[3] != "greedy", job[3]
+def _generation_group(job: tuple) -> tuple[bool, int]:
+    """(a training prompt's, its round: 0 greedy, 1 "sampled", 2 "sampled2", ...):
+    ``generation_order``'s groups."""
+    mode = job[3]
+    return job[0] == "train", 0 if mode == "greedy" else int(mode.removeprefix("sampled") or 1)
+
+
+def rank_share(order: list[tuple], rank: int, size: int) -> list[tuple]:
+    """The jobs rank ``rank`` of ``size`` generates, of an order as ``generation_order``
+    makes it: every ``size``-th job of each group's each kind, merged by share again. (Every
+    ``size``-th job of the merged order could give a rank one kind only: chat, code, chat,
+    code over two ranks.)"""
+    mine = []
+    for _, group in itertools.groupby(order, key=_generation_group):
+        mine += _by_share([jobs[rank::size] for jobs in _by_kind(group).values()])
+    return mine
 
 
 def _by_kind(jobs) -> dict[str, list[tuple]]:
