@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels import fused_norm
+from specserve.kernels import fused_norm, pdl
 from specserve.kernels.fused_norm import fp8_block, fp8_rows
 
 _BLOCK = 1024
@@ -51,9 +51,11 @@ def _act_mul(row_ptr, cols, size, GELU_TANH: tl.constexpr):
 
 @triton.jit
 def _silu_and_mul_kernel(out_ptr, gate_up_ptr, size, stride_in, stride_out, scales_ptr, stride_s,
-                         BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, FP8_GROUP: tl.constexpr = 0):
+                         BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, FP8_GROUP: tl.constexpr = 0,
+                         PDL: tl.constexpr = 0):
     """One row, one block of ``BLOCK`` columns. GELU_TANH: ``gelu_tanh(gate)`` (GeGLU) for silu.
     FP8_GROUP: ``out`` (float8) gets the block as ``fused_norm.fp8_rows`` rounds it."""
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
     v = _act_mul(gate_up_ptr + row * stride_in, start + tl.arange(0, BLOCK), size, GELU_TANH)
@@ -102,5 +104,5 @@ def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool, fp8_group: int = 0):
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
             out, rows, size, rows.stride(0), size, out if scales is None else scales,
             0 if scales is None else scales.stride(0), BLOCK=block, GELU_TANH=gelu_tanh, FP8_GROUP=fp8_group,
-            num_warps=min(16, max(4, block // 1024)) if block >= 512 else 1)
+            num_warps=min(16, max(4, block // 1024)) if block >= 512 else 1, **pdl.launch(gate_up.device))
     return out if scales is None else (out, scales)

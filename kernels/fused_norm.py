@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl
 from specserve.kernels.fp8 import round_e4m3
 
 
@@ -36,7 +37,7 @@ def _rms_norm_kernel(
     out_ptr, new_residual_ptr, x_ptr, residual_ptr, weight_ptr, eps,
     stride_x, stride_r, stride_o, stride_n, scales_ptr, stride_s,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
-    FP8_GROUP: tl.constexpr = 0, SLICE: tl.constexpr = 0,
+    FP8_GROUP: tl.constexpr = 0, SLICE: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """One row: ``out = weight · norm(x [+ residual])``, and the sum to ``new_residual``.
     GEMMA: ``(1 + weight) · norm(x)`` in fp32, rounded once (Gemma's norm). FP8_GROUP
@@ -44,6 +45,7 @@ def _rms_norm_kernel(
     row's ``program_id(1)``-th slice of SLICE columns as ``fp8_rows`` rounds it, each
     program reading the whole row for its sum (and per row, its largest magnitude), and
     its slice's values again, so that the rounding, the costly part, spreads over the row."""
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -204,7 +206,7 @@ def _launch(x, residual, weight, eps, gemma: bool = False, fp8_group: int = 0):
         rows.stride(0), residual_rows.stride(0), hidden, hidden, out if scales is None else scales,
         0 if scales is None else scales.stride(0),
         HIDDEN=hidden, BLOCK=block, ADD_RESIDUAL=residual is not None, GEMMA=gemma, FP8_GROUP=fp8_group,
-        SLICE=part, num_warps=min(max(block // 256, 1), 8))
+        SLICE=part, num_warps=min(max(block // 256, 1), 8), **pdl.launch(x.device))
     return out, new_residual, scales
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl
 from specserve.kernels.fp8 import to_e4m3
 
 
@@ -28,10 +29,11 @@ def _rotary_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One token: rotate its q heads in place; its k heads in place, or (STORE_KV) into
     the cache with its v heads."""
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.minimum(tl.load(positions_ptr + token), max_position - 1)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -130,4 +132,4 @@ def _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_
         BLOCK_H=block_h, BLOCK_KV=block_kv, BLOCK_HALF=block_half,
         BLOCK_SIZE=k_cache.shape[1] if store else 1, STORE_KV=store,
         KV_FP8=store and k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=max(1, min(4, block_h * block_half // 256)))
+        num_warps=max(1, min(4, block_h * block_half // 256)), **pdl.launch(query.device))

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels import reference
+from specserve.kernels import pdl, reference
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
@@ -97,7 +97,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_TOKENS: tl.constexpr, USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, FP16_DOT: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
     Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
@@ -106,6 +106,7 @@ def _paged_attention_kernel(
     cache under bf16 queries; its tiles widen to fp16 (one instruction for two values,
     where bf16 takes several) and the queries round to fp16 once, exactly where they lie
     in fp16's normal range. ``TREE``: rows carry visibility masks (``reference.TREE_SPAN``)."""
+    pdl.wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,10 +202,11 @@ def _paged_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
     split in order, so splits a row does not reach (weight 0) change nothing, bit for bit."""
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(cu_query_lens_ptr + num_reqs):  # padding row past every request
@@ -351,14 +353,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_N=plan.block_n, SPLIT_KV=split_kv, SPLIT_TOKENS=plan.split_tokens, USE_WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
-        TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl.launch(query.device))
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4)
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4,
+            **pdl.launch(query.device))
     return out
 
 
@@ -384,6 +388,8 @@ def _num_sms(device: torch.device) -> int:
 def interpreted() -> bool:
     """Whether these kernels run under the Triton interpreter (TRITON_INTERPRET=1 was set
     when this module was imported): then they take CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction  # lazy: only under the interpreter
+    from triton.runtime.interpreter import (
+        InterpretedFunction,  # lazy: only under the interpreter
+    )
 
     return isinstance(_paged_attention_kernel, InterpretedFunction)

@@ -26,6 +26,9 @@ a fixed order, bias last, and rounded, by the last of the tile's programs to fin
 (``_finish``, 4-bit weights, with the layer's tile counters) or by a second launch
 (``_sum_splits``). With ``invariant`` K is never split and the row tile is fixed, so a
 row's result is the same alone or in any batch (``--deterministic``).
+
+On Hopper the launches use programmatic dependent launch (``kernels/pdl.py``) where the
+kind's tiles allow it, and W8A8 GEMMs prefetch their first weights before their wait.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl
 from specserve.kernels.fp8 import round_e4m3
 
 @triton.jit
@@ -81,7 +85,8 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count
                 AK, BN, BK,
                 A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,6 +95,10 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count
     m_valid = rm < M
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    if PREFETCH:  # (the weights: no kernel of the step writes them)
+        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
+                          (2 * BLOCK_K + 127) // 128)
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         k_valid = (k0 + rk) < K
@@ -119,7 +128,8 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, 
                      stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                      AK, BN, BK,
                      HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """W8A8 at a decode or verify step's few rows: ``_fp8_kernel``'s sums, the weights on
     the product's left (outᵀ = W · xᵀ, a ``[BLOCK_N, BLOCK_M]`` tile). With x on the left
     a product has the rows' 16 as its M, which Hopper runs as mma.sync with the weights
@@ -135,6 +145,10 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, 
     m_valid = rm < M
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    if PREFETCH:  # (the weights: no kernel of the step writes them)
+        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
+                          (2 * BLOCK_K + 127) // 128)
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         k_valid = (k0 + rk) < K
@@ -158,7 +172,8 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
                     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
                     AK, BN, BK,
                     HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
     widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
     sums along K, a K tile at a time, scaled by the weights' block. (Float8 inputs go to the
@@ -168,6 +183,10 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
     rk = tl.arange(0, BLOCK_K)
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    if PREFETCH:  # (the weights: no kernel of the step writes them)
+        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
+                          (2 * BLOCK_K + 127) // 128)
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         k_valid = (k0 + rk) < K
@@ -184,7 +203,8 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
 def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                  stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
                  HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """A K tile is one chunk of 128 inputs, 16 words a row (``INT4_CHUNK``): nibble j of
     word c holds input 16j + c, so each nibble is its own product with 16 contiguous
     inputs and the tile is never reshuffled. 16 inputs share one scale group (groups are
@@ -197,6 +217,10 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
     m_valid = rm < M
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    if PREFETCH:  # (the weights: no kernel of the step writes them)
+        pdl.prefetch_rows(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
+                          BLOCK_K // 128)
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
         words = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k0 // 8 + rc)[:, None],
@@ -301,7 +325,8 @@ def _chunk_products(bits, x_row, k0, K):
 def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                      stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
                      HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """One row (a decode step's) without tensor cores: a product of 1 × 16 × N pads the
     tensor cores' 16 rows and routes the weights through shared memory for each nibble;
     here each program multiplies its ``[BLOCK_N, 16]`` words nibble by nibble in fp32 and
@@ -312,6 +337,10 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     rc = tl.arange(0, 16)
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
+    if PREFETCH:  # (the weights: no kernel of the step writes them)
+        pdl.prefetch_rows(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
+                          BLOCK_K // 128)
+    pdl.wait(PDL)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -340,8 +369,9 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
 
 @triton.jit
 def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """``out`` = the SPLIT partial sums ``[SPLIT, M, N]``, added in order, + the bias."""
+    pdl.wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < MN
     acc = tl.load(part_ptr + offs, mask=valid, other=0.0)
@@ -354,11 +384,12 @@ def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIA
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, GROUP, x_static,
-                     STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                     STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = 0):
     """Row ``program_id(0)``'s group ``program_id(1)`` of GROUP inputs to float8: scaled so
     its largest magnitude is 448 (or by ``x_static``), the scale stored beside. With
     ``ONE_PASS`` the group (BLOCK ≥ GROUP) is read once and held in registers; else in
     BLOCK-wide steps, twice."""
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * GROUP
     stop = tl.minimum(start + GROUP, K)
@@ -414,7 +445,8 @@ def quantize_rows(x2: torch.Tensor, group: int, static: float | None = None) -> 
         block = triton.next_power_of_2(group) if one_pass else 1024
         _quantize_kernel[(m, groups)](x2, q, scales, k, x2.stride(0), q.stride(0), scales.stride(0), group,
                                       1.0 if static is None else float(static), STATIC=static is not None,
-                                      BLOCK=block, ONE_PASS=one_pass, num_warps=min(16, max(4, block // 512)))
+                                      BLOCK=block, ONE_PASS=one_pass, num_warps=min(16, max(4, block // 512)),
+                                      **pdl.launch(x2.device))
     return q, scales
 
 
@@ -429,6 +461,8 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     sum_in_launch: bool = False
+    pdl: bool = True        # launched with PDL where the GPU has it (``kernels/pdl.py``)
+    prefetch: bool = False  # ... and its first weights asked for before its wait
 
 
 FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row tile, K split
@@ -444,6 +478,8 @@ class FewRowTiles(NamedTuple):
     fewest_k: int      # K tiles a program at least
     num_warps: int
     sum_in_launch: bool = False  # K split: partial sums added by the tile's last program
+    pdl: bool = True             # launched with programmatic dependent launch (``kernels/pdl.py``)
+    prefetch: bool = False       # with PDL: the first two K tiles of weights asked of L2 first
 
 
 # Per kind of weight, from sweeps on an H200 (benchmarks/quant_gpu.py --sections tiles; the
@@ -453,8 +489,11 @@ class FewRowTiles(NamedTuple):
 # narrow ones; 4-bit tiles want many programs, and one row's most of all. Summing the K
 # splits in the launch saved 3.6 % of a 4-bit decode step and 2 % of a verify step on an
 # H100, and nothing measurable for FP8 (a per-channel W8A8 step took 2 % longer):
-# one_launch_split_2026-12-05/.
-FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4), "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4),
+# one_launch_split_2026-12-05/. With PDL (H100, pdl_2026-12-06/) the 8B decode step took
+# 5-7 % less for every kind, W8A8's 3 % less again where its GEMMs prefetch (4-bit's 2 %
+# more); W8A16's verify step took 6-9 % more, so its few-row GEMM launches without it.
+FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4, prefetch=True),
+                 "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4, pdl=False),
                  "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),
                  "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4, sum_in_launch=True),
                  "w8a16_row": FewRowTiles(64, 128, 3, 14, 16, 2, 4)}
@@ -481,7 +520,8 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     else:  # the interpreter
         sms, smem = 4, 1 << 30
     bytes_per_weight = 0.5 if kind.startswith("w4a16") else 1
-    block_n, deepest, stages, per_sm, most, fewest, warps, sum_in_launch = FEW_ROW_TILES[kind] if few else MANY_ROW_TILES
+    block_n, deepest, stages, per_sm, most, fewest, warps, sum_in_launch, use_pdl, prefetch = \
+        FEW_ROW_TILES[kind] if few else MANY_ROW_TILES
     if not few:
         while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
             block_n //= 2
@@ -495,7 +535,7 @@ def plan(few: bool, kind: str, n: int, k: int, step: int, device: torch.device) 
     while (split < most and triton.cdiv(n, block_n) * split * 2 <= per_sm * sms
            and triton.cdiv(k, block_k * split * 2) >= fewest):
         split *= 2
-    return Tiles(block_m, block_n, block_k, split, warps, stages, sum_in_launch and split > 1)
+    return Tiles(block_m, block_n, block_k, split, warps, stages, sum_in_launch and split > 1, use_pdl, prefetch)
 
 
 def _k_step(k: int, *groups: int) -> int:
@@ -532,13 +572,15 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
         part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         if not (split > 1 and t.sum_in_launch and counters is not None and counters.numel() >= grid[0] * grid[1]):
             counters = None
+        launch = pdl.launch(x.device, t.pdl)
         kernel[grid](x2, *args(x2, out, part, out if counters is None else counters, k_split, n, m * n),
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
-                     IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages, **constants(t))
+                     IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages,
+                     PREFETCH=t.pdl and pdl.prefetch(x.device, t.prefetch), **launch, **constants(t))
         if split > 1 and counters is None:
             _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
-                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)
+                                                     SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **launch)
     return out.view(*x.shape[:-1], n)
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl
 from specserve.kernels.fp8 import to_e4m3
 
 
@@ -22,9 +23,10 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One token: key/value ``[num_kv_heads, head_dim]`` -> its cache slot."""
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding row
@@ -69,4 +71,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if num_kv_heads * head_dim >= 1024 else 1)
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl.launch(key.device))

@@ -440,8 +440,12 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     assert sums.count == len(two_launches) + 1
     # The plan sums in the launch where it measured faster on a GPU: 4-bit weights' K splits.
     cpu = torch.device("cpu")
-    assert [quant_matmul.plan(True, kind, 128, 4096, 128, cpu)[3:] for kind in ("w4a16_row", "w4a16", "w8a8")] == [
+    assert [quant_matmul.plan(True, kind, 128, 4096, 128, cpu)[3:7] for kind in ("w4a16_row", "w4a16", "w8a8")] == [
         (16, 4, 3, True), (8, 4, 2, True), (4, 4, 4, False)]
+    # And where each launches with PDL, prefetching its first weights (kernels/pdl.py).
+    assert [quant_matmul.plan(few, kind, 128, 4096, 128, cpu)[7:] for few, kind in (
+        (True, "w8a8"), (True, "w8a16"), (True, "w8a16_row"), (True, "w4a16_row"), (False, "w8a16"))] == [
+        (True, True), (False, False), (True, False), (True, False), (True, False)]
     assert not quant_matmul.plan(True, "w4a16_row", 128, 256, 128, cpu).sum_in_launch  # (K whole)
 
 
