@@ -388,8 +388,6 @@ def _num_sms(device: torch.device) -> int:
 def interpreted() -> bool:
     """Whether these kernels run under the Triton interpreter (TRITON_INTERPRET=1 was set
     when this module was imported): then they take CPU tensors."""
-    from triton.runtime.interpreter import (
-        InterpretedFunction,  # lazy: only under the interpreter
-    )
+    from triton.runtime.interpreter import InterpretedFunction  # lazy: only under the interpreter
 
     return isinstance(_paged_attention_kernel, InterpretedFunction)

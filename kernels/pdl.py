@@ -6,7 +6,7 @@ spreads it over its SMs, and the second's loads only start after that. Launched 
 a kernel's programs may start while the kernel before it finishes; each waits
 (``griddepcontrol.wait``, in ``wait``) until that kernel has completed and its writes are
 visible, before it reads anything an earlier kernel wrote or writes anything at all. What
-it does before the wait (nothing, or a weight prefetch: ``prefetch_rows``) overlaps the
+it does before the wait (nothing, or a weight prefetch: ``prefetch_l2``) overlaps the
 kernel before it. Each kernel here then lets the next one launch (in ``wait`` as well):
 by then every program of its grid has started, so the next kernel's programs take no place
 one of this kernel's still needs.
@@ -39,12 +39,14 @@ GEMM_PREFETCH: bool | None = None
 
 @functools.cache
 def _supported(index: int) -> bool:
-    try:  # the instructions, and the launch option (Triton 3.3 on)
+    try:
+        # lazy: the instructions and the launch option, read once a GPU asks (Triton 3.3 on)
         from triton.backends.nvidia.compiler import CUDAOptions
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError:
         return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(index)[0] >= 9
+    return (torch.version.hip is None  # (a ROCm GPU answers as "cuda" too, with its own versions)
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def active(device: torch.device) -> bool:
@@ -87,10 +89,10 @@ def prefetch_l2(addresses):
 
 
 @triton.jit
-def prefetch_rows(base, rows, row_bytes, start, last_row, last_byte, LINES: tl.constexpr):
-    """``prefetch_l2`` of LINES lines of each row in ``rows`` of the matrix at ``base``
-    (``row_bytes`` apart), from byte ``start`` of the row; rows and bytes clamped to the
-    last ones, so that no address leaves the matrix."""
+def row_lines(base, rows, row_bytes, start, last_row, last_byte, LINES: tl.constexpr):
+    """The addresses (int64 ``[rows, LINES]``) of LINES 128-byte steps along each row in
+    ``rows`` of the matrix at ``base`` (``row_bytes`` apart), from byte ``start`` of the
+    row; rows and bytes clamped to the last ones, so that no address leaves the matrix."""
     r = tl.minimum(rows, last_row).to(tl.int64)
     b = tl.minimum(start + 128 * tl.arange(0, LINES), last_byte).to(tl.int64)
-    prefetch_l2(base.to(tl.int64) + r[:, None] * row_bytes + b[None, :])
+    return base.to(tl.int64) + r[:, None] * row_bytes + b[None, :]

@@ -79,6 +79,23 @@ def _finish(acc, offs, cols, mask, bias_ptr, out_ptr, part_ptr, count_ptr, MN,
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K: tl.constexpr):
+    """What a float8 GEMM's program prefetches before its PDL wait, in its columns' rows of
+    the weights ``[N, K]`` (a byte each): lines 128 bytes apart from the first byte of its
+    share of K, as many as two K tiles take, none past its share's last byte."""
+    return pdl.row_lines(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
+                         (2 * BLOCK_K + 127) // 128)
+
+
+@triton.jit
+def _int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K: tl.constexpr):
+    """``_fp8_lines`` for packed 4-bit weights (``stride_wn`` int32 words a row, two
+    inputs a byte): the line at its first K tile (64 bytes)."""
+    return pdl.row_lines(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
+                         BLOCK_K // 128)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                 stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om, stride_os,
@@ -96,8 +113,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
-                          (2 * BLOCK_K + 127) // 128)
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -146,8 +162,7 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, 
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
-                          (2 * BLOCK_K + 127) // 128)
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -184,8 +199,7 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_rows(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
-                          (2 * BLOCK_K + 127) // 128)
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -218,8 +232,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_rows(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
-                          BLOCK_K // 128)
+        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -338,8 +351,7 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_rows(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
-                          BLOCK_K // 128)
+        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
     pdl.wait(PDL)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -489,9 +501,10 @@ class FewRowTiles(NamedTuple):
 # narrow ones; 4-bit tiles want many programs, and one row's most of all. Summing the K
 # splits in the launch saved 3.6 % of a 4-bit decode step and 2 % of a verify step on an
 # H100, and nothing measurable for FP8 (a per-channel W8A8 step took 2 % longer):
-# one_launch_split_2026-12-05/. With PDL (H100, pdl_2026-12-06/) the 8B decode step took
-# 5-7 % less for every kind, W8A8's 3 % less again where its GEMMs prefetch (4-bit's 2 %
-# more); W8A16's verify step took 6-9 % more, so its few-row GEMM launches without it.
+# one_launch_split_2026-12-05/. With PDL (pdl_2026-12-06/) every kind's decode step was
+# shorter; the weight prefetch helped W8A8 per channel (blocks, the same kind, level) and
+# cost 4-bit, so W8A8 alone prefetches; W8A16's verify step was slower with PDL, so its
+# few-row GEMM launches without it.
 FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4, prefetch=True),
                  "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4, pdl=False),
                  "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),

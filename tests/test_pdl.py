@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from sm90_compile import compiles_for_sm90
-from specserve.kernels import pdl
+from specserve.kernels import pdl, quant_matmul
 
 CUDA = torch.cuda.is_available()
 
@@ -18,6 +20,66 @@ def test_pdl_is_never_used_off_a_gpu_or_when_turned_off(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}  # (no GPU asked: off first)
     assert pdl.launch(torch.device("cpu"), allowed=False) == {"PDL": 0}
+
+
+def test_pdl_needs_hopper_and_cuda_not_rocm(monkeypatch):
+    """The launch option goes to NVIDIA GPUs of compute capability 9 on (Hopper) only: an
+    older GPU has no ``griddepcontrol``, and a ROCm GPU answers as "cuda" with versions of
+    its own (an MI300 says 9.4)."""
+    for hip, capability, expected in ((None, (9, 0), True), (None, (10, 0), True), (None, (8, 9), False),
+                                      ("6.2", (9, 4), False)):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        pdl._supported.cache_clear()
+        assert pdl._supported(0) is expected, (hip, capability)
+    pdl._supported.cache_clear()
+
+
+@triton.jit
+def _lines_kernel(w_ptr, out_ptr, N, K, K_SPLIT, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, LINES: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * K_SPLIT
+    if INT4:
+        lines = quant_matmul._int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K)
+    else:
+        lines = quant_matmul._fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K)
+    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    offs = tl.arange(0, BLOCK_N)[:, None] * LINES + tl.arange(0, LINES)[None, :]
+    tl.store(out_ptr + program * BLOCK_N * LINES + offs, lines - w_ptr.to(tl.int64))
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("n, k, block_n, block_k, split", [
+    (100, 4096, 64, 256, 4),   # ragged N
+    (64, 576, 32, 64, 3),      # K not a multiple of 128 or of the split
+    (33, 200, 32, 32, 2),      # a tile shorter than a line
+])
+def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4, n, k, block_n, block_k, split):
+    """Every address a GEMM's program prefetches lies in its weight, in one of its own
+    columns' rows, at or after its share of K's first byte and before its share's end (the
+    last byte it reads) where the share holds more than one line."""
+    device = torch.device("cuda" if CUDA else "cpu")
+    block_k = 128 if int4 else block_k
+    k_pad = triton.cdiv(k, 128) * 128 if int4 else k
+    row_bytes = k_pad // 2 if int4 else k
+    w = torch.zeros(n, row_bytes, dtype=torch.uint8, device=device)
+    stride = row_bytes // 4 if int4 else row_bytes  # (int32 words a row, for 4-bit)
+    k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_split))
+    lines = 1 if int4 else (2 * block_k + 127) // 128
+    out = torch.full((grid[0] * grid[1] * block_n * lines,), -1, dtype=torch.int64, device=device)
+    _lines_kernel[grid](w, out, n, k, k_split, stride, INT4=int4, BLOCK_N=block_n, BLOCK_K=block_k, LINES=lines)
+    out = out.view(grid[0], grid[1], block_n, lines).cpu()
+    for pn in range(grid[0]):
+        for pk in range(grid[1]):
+            first, end = pk * k_split, min(k, (pk + 1) * k_split)  # the program's inputs
+            lo, hi = (first // 2, (end - 1) // 2) if int4 else (first, end - 1)
+            for c in range(block_n):
+                row = min(pn * block_n + c, n - 1)
+                for offset in out[pn, pk, c].tolist():
+                    assert 0 <= offset < w.numel()
+                    assert offset // row_bytes == row and lo <= offset % row_bytes <= hi, (pn, pk, c, offset)
 
 
 COMPILE_WITH_PDL = r"""
@@ -31,7 +93,10 @@ from specserve.kernels import (fused_act, fused_norm, fused_rotary, paged_attent
 # Global memory touched: loads, stores, atomics and async copies (not ld.param, not prefetch).
 TOUCH = re.compile(r"^\s*(@!?%\w+\s+)?(ld|st|atom|red|cp\.async)(\.[\w:]+)*?\.global", re.M)
 
+checked = set()
+
 def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False):
+    checked.add(fn)
     constants = dict(constants, PDL=1, **({"PREFETCH": prefetch} if "PREFETCH" in fn.arg_names else {}))
     constants.update({p.name: p.default for p in fn.params  # (constexprs left at their defaults)
                       if p.is_constexpr and p.has_default and p.name not in constants})
@@ -83,10 +148,16 @@ check(pa._paged_attention_kernel, dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_p
            USE_WINDOW=False, SOFTCAP=False, UPCAST_DOT=False, IEEE_DOT=False, FP16_DOT=False, TREE=False))
 check(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
       cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32))
+# Every kernel that takes PDL (and so may be launched with it) is among those checked.
+import importlib, pkgutil, specserve.kernels as package
+takes_pdl = {fn for info in pkgutil.iter_modules(package.__path__)
+             for fn in vars(importlib.import_module("specserve.kernels." + info.name)).values()
+             if isinstance(fn, triton.runtime.jit.JITFunction) and "PDL" in fn.arg_names and fn.__name__ != "wait"}
+assert takes_pdl == checked, sorted(f.__name__ for f in takes_pdl ^ checked)
 print("compiled")
 """
 
 
-@pytest.mark.skipif(CUDA, reason="compiled offline; a GPU runs the kernels in the other tests")
 def test_pdl_kernels_touch_no_global_memory_before_their_wait():
+    """(Compiled offline on any machine: the GPU tests run the kernels, not this check.)"""
     compiles_for_sm90(COMPILE_WITH_PDL)
