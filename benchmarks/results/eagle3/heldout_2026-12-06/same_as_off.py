@@ -9,6 +9,9 @@ took from its cache.
     python same_as_off.py HEAD_DIR
 """
 import sys
+from collections import Counter
+
+import torch
 
 from specserve import LLM, SamplingParams
 from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
@@ -21,9 +24,10 @@ def first_difference(a, b):
 def main() -> None:
     head = sys.argv[1]
     params = SamplingParams(temperature=0, max_tokens=128)
+    print(f"head {head}; CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, bf16")
     for caching in (True, False):
-        common = dict(device="cpu", max_num_seqs=64, max_model_len=4096, speculative_adaptive=False,
-                      enable_prefix_caching=caching)
+        common = {"device": "cpu", "dtype": "bfloat16", "max_num_seqs": 64, "max_model_len": 4096,
+                  "speculative_adaptive": False, "enable_prefix_caching": caching}
         engines = {"off": LLM(**common),
                    "eagle3": LLM(speculative_method="draft_model", draft_model=head, num_speculative_tokens=4,
                                  **common),
@@ -31,9 +35,12 @@ def main() -> None:
         tok = engines["off"].engine.tokenizer
         for kind in ("chat", "code"):
             same = {"eagle3": 0, "built-in": 0}
+            hits = {name: Counter() for name in engines}  # cached prompt tokens -> prompts
             prompts = chat_prompts(tok, held_out_prompts(kind, 16))
             for i, prompt in enumerate(prompts):
                 outs = {name: llm.generate([prompt], params, use_tqdm=False)[0] for name, llm in engines.items()}
+                for name, out in outs.items():
+                    hits[name][out.num_cached_tokens] += 1
                 for name in same:
                     at = first_difference(outs["off"].token_ids, outs[name].token_ids)
                     same[name] += at is None
@@ -42,7 +49,9 @@ def main() -> None:
                               f"differs from token {at}; cached prompt tokens: off "
                               f"{outs['off'].num_cached_tokens}, {name} {outs[name].num_cached_tokens}")
             print(f"prefix caching {'on' if caching else 'off'}, {kind}: same as off: "
-                  + ", ".join(f"{name} {n}/{len(prompts)}" for name, n in same.items()), flush=True)
+                  + ", ".join(f"{name} {n}/{len(prompts)}" for name, n in same.items())
+                  + "; cached prompt tokens (tokens: prompts): "
+                  + "; ".join(f"{name} {dict(sorted(c.items()))}" for name, c in hits.items()), flush=True)
 
 
 if __name__ == "__main__":
