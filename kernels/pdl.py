@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the Triton kernels of a step, on Hopper and later.
+"""Programmatic dependent launch (PDL) for the Triton kernels of a step, on NVIDIA Hopper and later.
 
 A decode step at batch 1 is a chain of hundreds of short kernels, each waiting for the one
 before it. Between two of them the GPU drains the first, then launches the second and
@@ -17,7 +17,7 @@ launched without PDL (cuBLAS, a torch op) keeps the stream's order, and a PDL la
 one waits for it to finish, as any launch would.
 
 ``SPECSERVE_PDL=0`` (or ``ENABLED = False`` before a kernel is launched, or a graph is
-captured) turns it off; the interpreter and GPUs before Hopper never use it. Measured in
+captured) turns it off; the interpreter, GPUs before Hopper and ROCm GPUs never use it. Measured in
 ``benchmarks/results/quant_gpu/pdl_2026-12-06/``.
 """
 from __future__ import annotations
