@@ -57,8 +57,8 @@ def _lines_kernel(w_ptr, out_ptr, N, K, K_SPLIT, stride_wn, INT4: tl.constexpr, 
 ])
 def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4, n, k, block_n, block_k, split):
     """Every address a GEMM's program prefetches lies in its weight, in one of its own
-    columns' rows, at or after its share of K's first byte and before its share's end (the
-    last byte it reads) where the share holds more than one line."""
+    columns' rows (the last row for columns past N), between the first and the last byte of
+    its share of K."""
     device = torch.device("cuda" if CUDA else "cpu")
     block_k = 128 if int4 else block_k
     k_pad = triton.cdiv(k, 128) * 128 if int4 else k
