@@ -65,10 +65,11 @@ def launch(device: torch.device, allowed: bool = True) -> dict:
     return {"PDL": 1 if TRIGGER else 2, "launch_pdl": True}
 
 
-def prefetch(device: torch.device, wanted: bool) -> bool:
-    """Whether a weight GEMM launched now prefetches its first weights before its wait:
-    where its kind's tiles ask (``wanted``), unless ``GEMM_PREFETCH`` says otherwise."""
-    return (wanted if GEMM_PREFETCH is None else GEMM_PREFETCH) and active(device)
+def prefetch(launched: dict, wanted: bool) -> bool:
+    """Whether a weight GEMM with ``launch``'s arguments ``launched`` prefetches its first
+    weights before its wait: where it waits at all, and its kind's tiles ask (``wanted``),
+    unless ``GEMM_PREFETCH`` says otherwise."""
+    return bool(launched["PDL"]) and (wanted if GEMM_PREFETCH is None else GEMM_PREFETCH)
 
 
 @triton.jit

@@ -590,7 +590,7 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
                      IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages,
-                     PREFETCH=t.pdl and pdl.prefetch(x.device, t.prefetch), **launch, **constants(t))
+                     PREFETCH=pdl.prefetch(launch, t.prefetch), **launch, **constants(t))
         if split > 1 and counters is None:
             _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
                                                      SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **launch)

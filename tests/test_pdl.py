@@ -16,7 +16,9 @@ CUDA = torch.cuda.is_available()
 
 def test_pdl_is_never_used_off_a_gpu_or_when_turned_off(monkeypatch):
     assert pdl.launch(torch.device("cpu")) == {"PDL": 0}
-    assert not pdl.prefetch(torch.device("cpu"), True)
+    assert not pdl.prefetch(pdl.launch(torch.device("cpu")), True)
+    assert pdl.prefetch({"PDL": 1, "launch_pdl": True}, True)
+    assert not pdl.prefetch({"PDL": 1, "launch_pdl": True}, False)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}  # (no GPU asked: off first)
     assert pdl.launch(torch.device("cpu"), allowed=False) == {"PDL": 0}

@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,10 +192,7 @@ def generate_responses(args, files, tokenizer, prompts, device, deadline: float 
         if response:
             full = (ids + response)[:args.max_seq_len]
             examples.append(Example(full, len(ids), kind, split, mode != "greedy"))
-    counts: dict[str, int] = {}
-    for e in examples:
-        key = f"{e.split} {e.kind}"
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(f"{e.split} {e.kind}" for e in examples)
     log(f"generation: {len(examples)} examples ({', '.join(f'{k} {n}' for k, n in sorted(counts.items()))}), "
         f"{sum(len(e.token_ids) - e.num_prompt for e in examples)} response tokens")
     return examples
