@@ -5,16 +5,19 @@ before it. Between two of them the GPU drains the first, then launches the secon
 spreads it over its SMs, and the second's loads only start after that. Launched with PDL,
 a kernel's programs may start while the kernel before it finishes; each waits
 (``griddepcontrol.wait``, in ``wait``) until that kernel has completed and its writes are
-visible, before it reads anything an earlier kernel wrote or writes anything at all. What
-it does before the wait (nothing, or a weight prefetch: ``prefetch_l2``) overlaps the
-kernel before it. Each kernel here then lets the next one launch (in ``wait`` as well):
+visible, before it reads what that kernel wrote or writes anything at all. What it does
+before the wait (a prefetch, ``prefetch_l2``, or reads of what is already there)
+overlaps the kernel before it. Each kernel here then lets the next one launch (in ``wait`` as well):
 by then every program of its grid has started, so the next kernel's programs take no place
 one of this kernel's still needs.
 
 The wait covers the whole chain: a kernel passes it only once the kernel before it has
-completed, which itself passed its wait only once the one before that had. A kernel
-launched without PDL (cuBLAS, a torch op) keeps the stream's order, and a PDL launch after
-one waits for it to finish, as any launch would.
+completed, which itself passed its wait only once the one before that had. So when a
+kernel starts, every kernel but the one just before it has completed, and it may read
+before its wait what that one does not write (the paged attention reads the batch's
+layout there, and prefetches cached keys and values). A kernel launched without PDL
+(cuBLAS, a torch op) keeps the stream's order, and a PDL launch after one waits for it to
+finish, as any launch would.
 
 ``SPECSERVE_PDL=0`` (or ``ENABLED = False`` before a kernel is launched, or a graph is
 captured) turns it off; the interpreter, GPUs before Hopper and ROCm GPUs never use it. Measured in

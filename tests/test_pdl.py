@@ -1,6 +1,7 @@
 """Programmatic dependent launch (``kernels/pdl.py``): a kernel launched with it may start
 while the kernel before it still runs, so it must not read or write global memory before
-its ``griddepcontrol.wait`` (a weight prefetch aside). Checked in the PTX of every kernel
+its ``griddepcontrol.wait`` (a prefetch aside, and the paged attention's reads of the batch's
+layout, which the kernel before it never writes). Checked in the PTX of every kernel
 that takes ``PDL``, compiled for Hopper without a GPU; and where PDL is never used."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from sm90_compile import compiles_for_sm90
-from specserve.kernels import pdl, quant_matmul
+from specserve.kernels import paged_attention, pdl, quant_matmul
 
 CUDA = torch.cuda.is_available()
 
@@ -84,6 +85,43 @@ def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4
                     assert offset // row_bytes == row and lo <= offset % row_bytes <= hi, (pn, pk, c, offset)
 
 
+@triton.jit
+def _kv_lines_kernel(cache_ptr, table_ptr, out_ptr, start, end, kv_head, stride_b, stride_s, stride_h,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
+                     LINES: tl.constexpr):
+    lines = paged_attention._kv_lines(cache_ptr, table_ptr, start, end, kv_head, stride_b, stride_s, stride_h,
+                                      HEAD_DIM, BLOCK_D, BLOCK_SIZE, KEYS)
+    offs = tl.arange(0, KEYS)[:, None] * LINES + tl.arange(0, LINES)[None, :]
+    tl.store(out_ptr + offs, lines - cache_ptr.to(tl.int64))
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float8_e4m3fn, 64), (torch.float32, 80),
+                                             (torch.bfloat16, 32)])
+@pytest.mark.parametrize("start, end", [(0, 128), (64, 100), (130, 131), (5, 700)])
+def test_attention_prefetches_only_its_own_heads_rows_at_its_keys(dtype, head_dim, start, end):
+    """Every address the paged attention prefetches lies in the row of its KV head at one of
+    the first 128 keys of its range, found through the block table (keys past the range's
+    end repeat the last), and together they cover each of those rows."""
+    device = torch.device("cuda" if CUDA else "cpu")
+    num_blocks, block_size, kv_heads, keys = 64, 16, 3, 128
+    cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).to(torch.int32).to(device)
+    size, row_bytes = cache.element_size(), head_dim * cache.element_size()
+    block_d = triton.next_power_of_2(head_dim)
+    lines = triton.cdiv(block_d * size, 128)
+    out = torch.full((keys, lines), -1, dtype=torch.int64, device=device)
+    _kv_lines_kernel[(1,)](cache, table, out, start, end, 2, *cache.stride()[:3], HEAD_DIM=head_dim,
+                           BLOCK_D=block_d, BLOCK_SIZE=block_size, KEYS=keys, LINES=lines)
+    table, out = table.cpu(), out.cpu()
+    for i in range(keys):
+        pos = min(start + i, end - 1)
+        row = size * (int(table[pos // block_size]) * cache.stride(0) + pos % block_size * cache.stride(1)
+                      + 2 * cache.stride(2))
+        got = out[i].tolist()
+        assert all(row <= a < row + row_bytes for a in got), (i, got, row)
+        assert {(a - row) // 128 for a in got} == set(range(triton.cdiv(row_bytes, 128))), (i, got)
+
+
 COMPILE_WITH_PDL = r"""
 import re
 import triton
@@ -97,7 +135,10 @@ TOUCH = re.compile(r"^\s*(@!?%\w+\s+)?(ld|st|atom|red|cp\.async)(\.[\w:]+)*?\.gl
 
 checked = set()
 
-def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False):
+# Written by the step's kernels: all but the batch's layout, which a kernel may read before its wait.
+WRITES = re.compile(r"^\s*(@!?%\w+\s+)?(st|atom|red)(\.[\w:]+)*?\.global", re.M)
+
+def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False, reads_layout=False):
     checked.add(fn)
     constants = dict(constants, PDL=1, **({"PREFETCH": prefetch} if "PREFETCH" in fn.arg_names else {}))
     constants.update({p.name: p.default for p in fn.params  # (constexprs left at their defaults)
@@ -109,8 +150,9 @@ def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False):
                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn
-    early = TOUCH.search(ptx[:wait])
+    early = (WRITES if reads_layout else TOUCH).search(ptx[:wait])
     assert early is None, (fn, early and early.group(0))
+    assert bool(TOUCH.search(ptx[:wait])) == reads_layout, fn
     assert TOUCH.search(ptx[wait:]), fn  # (the pattern finds what the kernel does touch)
     assert ("prefetch.global.L2" in ptx[:wait]) == prefetch, fn
 
@@ -143,13 +185,17 @@ check(fused_rotary._rotary_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf
 check(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
       slot_mapping_ptr="*i64", k_scale="fp32", v_scale="fp32"),
       dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=False))
-check(pa._paged_attention_kernel, dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
-      part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", cu_query_lens_ptr="*i32",
-      seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32", v_scale="fp32"),
-      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, SPLIT_KV=True,
-           USE_WINDOW=False, SOFTCAP=False, UPCAST_DOT=False, IEEE_DOT=False, FP16_DOT=False, TREE=False))
+for prefetch in (False, True):
+    for split_kv in (0, 1, 2):
+        check(pa._paged_attention_kernel, dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*bf16",
+              v_cache_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32",
+              block_tables_ptr="*i32", cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64",
+              qk_scale="fp32", v_scale="fp32"),
+              dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
+                   SPLIT_KV=split_kv, USE_WINDOW=False, SOFTCAP=False, UPCAST_DOT=False, IEEE_DOT=False,
+                   FP16_DOT=False, TREE=True), prefetch=prefetch, reads_layout=True)
 check(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-      cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32))
+      cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128))
 # Every kernel that takes PDL (and so may be launched with it) is among those checked.
 import importlib, pkgutil, specserve.kernels as package
 takes_pdl = {fn for info in pkgutil.iter_modules(package.__path__)
