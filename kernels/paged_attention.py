@@ -19,9 +19,7 @@ How the work is split. The grid is ``(query tile, kv head, kv split)``:
   into ``num_splits`` chunks of whole ``BLOCK_N`` tiles (flash-decoding), so a small decode
   batch still fills the GPU. Each program runs an online softmax in fp32 over its chunk.
   With one split it writes the output directly; otherwise it writes a normalised partial
-  output and its log-sum-exp, and the splits are combined in order: by the last of the
-  tile's splits to finish (a counter per tile and KV head), or by a second launch
-  (``_reduce_splits_kernel``) where the caller has no counters.
+  output and its log-sum-exp, and ``_reduce_splits_kernel`` combines the splits in order.
   The deterministic plan instead splits at absolute multiples of
   ``DETERMINISTIC_SPLIT_TOKENS`` with fixed tiles, so a row's result does not depend on its
   batch.
@@ -43,10 +41,7 @@ LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
 _MAX_SPLITS = 32
 DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
-# KV splits combined by each tile's last split where counters are given (else by a second
-# launch); under PDL, the first keys and values asked of L2 before the wait (``_kv_lines``).
-PREFETCH_KV = True
-REDUCE_IN_LAUNCH = True
+PREFETCH_KV = True  # under PDL: the first keys and values asked of L2 before the wait (for A/B runs)
 TREE_SPAN = tl.constexpr(reference.TREE_SPAN)
 
 
@@ -93,7 +88,7 @@ _VARYING = ["num_reqs", "num_splits", "window", "stride_lt", "stride_lh", "strid
 
 @triton.jit(do_not_specialize=_VARYING)
 def _paged_attention_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, tree_masks_ptr,
     num_reqs, num_splits, qk_scale, softcap_log2, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -117,10 +112,7 @@ def _paged_attention_kernel(
     block tables) before its wait: the kernel before it (the KV store) writes none of it,
     and every kernel before that has completed (``kernels/pdl.py``). ``PREFETCH``: it also
     asks L2 for its first keys and values there (``_kv_lines``), cached by earlier steps;
-    a line the KV store is writing is only fetched early, never read early. ``SPLIT_KV``
-    1: the splits' partial outputs are combined by a second launch
-    (``_reduce_splits_kernel``); 2: by the tile's last split to finish, which its counter
-    in ``counters`` names."""
+    a line the KV store is writing is only fetched early, never read early."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -215,15 +207,6 @@ def _paged_attention_kernel(
         tl.store(part[:, None] + d[None, :], result, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no key seen
         tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
-        if SPLIT_KV == 2:  # each split counts itself once stored (release); the last (acquire) sums
-            counter = counters_ptr + tile * tl.num_programs(1) + kv_head
-            tl.debug_barrier()  # every thread's stores come before the count
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                out = out_ptr + token * stride_ot + head * stride_oh
-                _combine_splits(out[:, None] + d[None, :], part_out_ptr + token * stride_pt + head * stride_ph,
-                                part_lse_ptr + token * stride_lt + head * stride_lh, num_splits, stride_ps,
-                                store_mask, row_valid, d[None, :], CACHED=False)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         out = out_ptr + token * stride_ot + head * stride_oh
         tl.store(out[:, None] + d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -233,43 +216,30 @@ def _paged_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    """One (token, head): its splits combined (``_combine_splits``)."""
+    """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
+    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit."""
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if token >= tl.load(cu_query_lens_ptr + num_reqs):  # padding row past every request
         return
-    d = tl.arange(0, BLOCK_D)[None, :]
-    one = tl.full([1], True, tl.int1)
-    _combine_splits(out_ptr + token * stride_ot + head * stride_oh + d,
-                    part_out_ptr + token * stride_pt + head * stride_ph + tl.zeros([1], tl.int64),
-                    part_lse_ptr + token * stride_lt + head * stride_lh + tl.zeros([1], tl.int64),
-                    num_splits, stride_ps, one[:, None] & (d < HEAD_DIM), one, d, CACHED=True)
-
-
-@triton.jit
-def _combine_splits(out, part, lse_row, num_splits, stride_ps, mask, row_valid, d, CACHED: tl.constexpr):
-    """Rows' outputs ``out`` (``[rows, BLOCK_D]`` addresses) from their splits' partial
-    outputs (``part`` + split · stride_ps + d) and log-sum-exps (``lse_row`` + split): Σ_s
-    exp2(lse_s − max) · part_s / Σ_s exp2(lse_s − max), split by split in order, so splits
-    a row does not reach (weight 0) change nothing, bit for bit, and both ways of
-    combining give the same bits. ``CACHED`` False: the partials are read from L2 (other
-    programs of the launch wrote them)."""
-    modifier: tl.constexpr = "" if CACHED else ".cg"
-    top = tl.load(lse_row, mask=row_valid, other=float("-inf"), cache_modifier=modifier)
-    for split in range(1, num_splits):
-        top = tl.maximum(top, tl.load(lse_row + split, mask=row_valid, other=float("-inf"), cache_modifier=modifier))
-    acc = tl.zeros(mask.shape, dtype=tl.float32)
-    total = tl.zeros(top.shape, dtype=tl.float32)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    lse_row = part_lse_ptr + token * stride_lt + head * stride_lh
+    top = tl.max(tl.load(lse_row + s, mask=s < num_splits, other=float("-inf")), 0)
+    part = part_out_ptr + token * stride_pt + head * stride_ph
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
     for split in range(num_splits):
-        weight = tl.exp2(tl.load(lse_row + split, mask=row_valid, other=0.0, cache_modifier=modifier) - top)
-        acc += weight[:, None] * tl.load(part[:, None] + split * stride_ps + d, mask=mask, other=0.0,
-                                         cache_modifier=modifier)
+        weight = tl.exp2(tl.load(lse_row + split) - top)
+        acc += weight * tl.load(part + split * stride_ps + d, mask=d_valid, other=0.0)
         total += weight
-    result = acc / total[:, None]
-    tl.store(out, result.to(out.dtype.element_ty), mask=mask)
+    result = acc / total
+    out = out_ptr + token * stride_ot + head * stride_oh + d
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 @triton.jit
@@ -361,10 +331,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     *, softcap: float | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, num_splits: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
-                    tree_masks: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache, in one launch (two with
-    KV splits, unless ``counters`` are given); returns ``[num_tokens, num_heads,
-    head_dim]`` in ``query``'s dtype.
+    KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
 
     query ``[num_tokens, num_heads, head_dim]``; k_cache / v_cache ``[num_blocks,
     block_size, num_kv_heads, head_dim]``; block_tables ``[num_reqs, max_blocks]`` int32;
@@ -374,12 +343,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     forces the split count. Rows past ``cu_query_lens[-1]`` (padding) are left unwritten.
     ``k_scale`` / ``v_scale``: what the cache's K and V values stand for a unit of (a
     float8 cache's per-layer scales). ``tree_masks`` ``[num_tokens]`` int64: the rows'
-    visibility masks (``reference.TREE_SPAN``; None: every row causal). ``counters``
-    (``split_counters``, the caller's own for this cache, int32 zeros that each launch
-    leaves zero): with KV splits, each tile's last split combines them in the launch, where
-    there are enough counters for the plan's tiles (always, for a plan of ``plan_launch``'s
-    own splits; a deterministic plan keeps the second launch). The output is the same bits
-    either way.
+    visibility masks (``reference.TREE_SPAN``; None: every row causal).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -394,8 +358,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split_kv = plan.num_splits > 1
-    in_launch = (split_kv and REDUCE_IN_LAUNCH and not plan.split_tokens and counters is not None
-                 and counters.numel() >= plan.num_tiles * num_kv_heads)
     if split_kv:
         part_out = torch.empty(num_tokens, num_heads, plan.num_splits, head_dim,
                                dtype=torch.float32, device=query.device)
@@ -407,7 +369,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     upcast = interpreted() and query.dtype == torch.bfloat16
     launch = pdl.launch(query.device)
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
-        out, part_out, part_lse, counters if in_launch else seq_lens,  # (unread unless in_launch)
+        out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
         tree_masks if tree_masks is not None else seq_lens,  # (unread without masks)
         block_tables.shape[0], plan.num_splits, scale * k_scale / softcap if softcap else scale * k_scale * LOG2E,
@@ -419,25 +381,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, SPLIT_KV=2 if in_launch else int(split_kv), SPLIT_TOKENS=plan.split_tokens,
-        USE_WINDOW=sliding_window is not None,
+        BLOCK_N=plan.block_n, SPLIT_KV=split_kv, SPLIT_TOKENS=plan.split_tokens, USE_WINDOW=sliding_window is not None,
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
         TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
         PREFETCH=pdl.prefetch(launch, PREFETCH_KV), **launch)
-    if split_kv and not in_launch:
+    if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl.launch(query.device))
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4,
+            **pdl.launch(query.device))
     return out
-
-
-def split_counters(device: torch.device) -> torch.Tensor:
-    """Zeros for ``paged_attention``'s ``counters``: one per (query tile, KV head) of any
-    step the plan splits (fewer than two programs an SM before splitting)."""
-    return torch.zeros(2 * _num_sms(device), dtype=torch.int32, device=device)
 
 
 def _check_shapes(query, k_cache, v_cache, num_heads, num_kv_heads, head_dim) -> None:

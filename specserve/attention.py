@@ -98,8 +98,8 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """Triton kernels: one KV-store launch and one ragged paged-attention launch per layer
-    (KV splits combined in it). Tile sizes and split counts are planned once per step from
+    """Triton kernels: one KV-store launch and one ragged paged-attention launch (plus a
+    split reduce) per layer. Tile sizes and split counts are planned once per step from
     the batch's host-side lengths, so no layer syncs with the device."""
 
     name = "triton"
@@ -114,9 +114,6 @@ class TritonAttentionBackend:
 
         self._attention = paged_attention
         self._store_kv = store_kv.store_kv
-        # Each KV cache's (a layer's) counters for combining KV splits in the attention's
-        # launch: a model drafting on its own stream beside another never shares them.
-        self._counters: dict[int, torch.Tensor] = {}
 
     def store_kv(self, key, value, k_cache, v_cache, batch, kv_scales=(1.0, 1.0)):
         self._store_kv(key, value, k_cache, v_cache, batch.slot_mapping, *kv_scales)
@@ -132,13 +129,10 @@ class TritonAttentionBackend:
                                                max(batch.query_lens_host), max(batch.seq_lens_host),
                                                deterministic=self.deterministic)
             batch.attn_plans[key] = plan
-        counters = self._counters.get(k_cache.data_ptr())
-        if counters is None:  # (first met in a step run before any graph is captured)
-            counters = self._counters[k_cache.data_ptr()] = self._attention.split_counters(k_cache.device)
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
             scale, sliding_window, plan=plan, softcap=softcap, k_scale=kv_scales[0], v_scale=kv_scales[1],
-            tree_masks=batch.tree_masks, counters=counters)
+            tree_masks=batch.tree_masks)
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -51,12 +51,11 @@ def make_batch(spans, num_heads, num_kv_heads, head_dim, block_size, dtype, num_
                                     DEVICE, num_blocks, seed)
 
 
-def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None, softcap=None, counters=None):
+def triton_attention(b: Batch, scale, window=None, num_splits=None, query=None, softcap=None):
     query = b.query if query is None else query
     return pa.paged_attention(query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
                               b.seq_lens, scale, window, max_query_len=max(b.query_lens_host),
-                              max_seq_len=max(b.seq_lens_host), num_splits=num_splits, softcap=softcap,
-                              counters=counters)
+                              max_seq_len=max(b.seq_lens_host), num_splits=num_splits, softcap=softcap)
 
 
 def reference_attention(b: Batch, scale, window=None, softcap=None):
@@ -211,46 +210,23 @@ def test_spans_of_any_length_share_a_few_kernel_variants(heads):
     assert len(variants) <= 5, sorted(variants)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_kv_splits_combined_in_the_launch_or_by_a_second_one_give_the_same_bits(monkeypatch, dtype):
-    """With counters each tile's last KV split combines the tile's splits in the attention's
-    launch; without, a second launch does. The same bits at every split count, the counters
-    back at zero after each launch, and no constexpr that depends on the count (one compiled
-    variant each way)."""
-    launches = []
+def test_kv_splits_of_any_count_share_one_reduce_variant(monkeypatch):
+    """The sum of KV splits compiles one variant for every split count (its split axis is
+    as wide as the most splits, masked), and is still exact at each count."""
+    reduce, widths = pa._reduce_splits_kernel, set()
 
     class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append((self.kernel.fn.__name__, tuple(sorted(kwargs.items()))))
-                return self.kernel[grid](*args, **kwargs)
+                widths.add(kwargs["BLOCK_S"])
+                return reduce[grid](*args, **kwargs)
             return launch
 
-    interpreted = pa.interpreted()
-    monkeypatch.setattr(pa, "interpreted", lambda: interpreted)  # (it asks the kernel's type)
-    monkeypatch.setattr(pa, "_reduce_splits_kernel", Spy(pa._reduce_splits_kernel))
-    monkeypatch.setattr(pa, "_paged_attention_kernel", Spy(pa._paged_attention_kernel))
-    b = make_batch(MIXED_SPANS, 4, 2, 64, 16, dtype)
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    want, variants = reference_attention(b, 0.125), None
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", Spy())
+    b = make_batch(MIXED_SPANS, 4, 2, 64, 16, F32)
     for num_splits in (2, 3, 5, 9):
-        launches.clear()
-        second = triton_attention(b, 0.125, num_splits=num_splits)
-        assert [name for name, _ in launches] == ["_paged_attention_kernel", "_reduce_splits_kernel"]
-        in_launch = triton_attention(b, 0.125, num_splits=num_splits, counters=counters)
-        assert [name for name, _ in launches][2:] == ["_paged_attention_kernel"]
-        assert torch.equal(in_launch, second), num_splits
-        assert_close(in_launch, want, dtype)
-        assert not counters.any()
-        assert len(set(launches)) == 3 and set(launches) == (variants or set(launches)), num_splits
-        variants = set(launches)
-    monkeypatch.setattr(pa, "REDUCE_IN_LAUNCH", False)  # (the switch for A/B runs)
-    launches.clear()
-    triton_attention(b, 0.125, num_splits=2, counters=counters)
-    assert len(launches) == 2
+        assert_close(triton_attention(b, 0.125, num_splits=num_splits), reference_attention(b, 0.125), F32)
+    assert len(widths) == 1, widths
 
 
 def _variant(plan, tree: bool) -> tuple:
@@ -386,13 +362,13 @@ def compile(fn, pointers, constants, num_warps, num_stages=2, i64=()):
                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split, window in (
-        ("bf16", "bf16", 4, 128, 16, 1, 16, 64, 2, False),         # decode, KV splits combined in the launch
-        ("fp32", "fp32", 5, 64, 32, 25, 128, 32, 0, True),         # prefill tile, window, IEEE dot
-        ("fp16", "fp16", 2, 80, 16, 16, 32, 64, 1, True),          # padded head_dim, a second launch
-        ("bf16", "fp8e4nv", 4, 128, 16, 5, 32, 64, 2, False)):     # verify, a float8 cache (fp16 dots)
+        ("bf16", "bf16", 4, 128, 16, 1, 16, 64, True, False),      # decode, split KV
+        ("fp32", "fp32", 5, 64, 32, 25, 128, 32, False, True),     # prefill tile, window, IEEE dot
+        ("fp16", "fp16", 2, 80, 16, 16, 32, 64, True, True),       # padded head_dim
+        ("bf16", "fp8e4nv", 4, 128, 16, 5, 32, 64, True, False)):  # verify, a float8 cache (fp16 dots)
     pointers = {n: "*" + dtype for n in ("out_ptr", "q_ptr")}
     pointers.update(k_cache_ptr="*" + cache, v_cache_ptr="*" + cache)
-    pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", block_tables_ptr="*i32",
+    pointers.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
                     cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32",
                     v_scale="fp32")
     compile(pa._paged_attention_kernel, pointers, dict(
@@ -402,7 +378,7 @@ for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split,
         TREE=block_q == 5),  # (the verify tile: a draft tree's visibility masks)
         num_warps=8 if block_m >= 128 else 4, i64=("stride_kb", "stride_vb"))
 compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-        cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128), num_warps=4)
+        cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)
 for cache in ("bf16", "fp8e4nv"):
     compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*" + cache,
             v_cache_ptr="*" + cache, slot_mapping_ptr="*i64", k_scale="fp32", v_scale="fp32"),

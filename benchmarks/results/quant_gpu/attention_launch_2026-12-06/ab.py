@@ -7,6 +7,9 @@ Llama-3.1-8B shape, random weights, CUDA-graph replay, modes taking turns in one
 (``../pdl_2026-12-06/pdl_ab.py``'s ``measure``); logits must be the same bits in every mode.
 
     python ab.py out.json [schemes: bf16,w8a8,blocks,w8a16,int4,small] [modes]
+
+Run at 9141c32: the next commit took ``REDUCE_IN_LAUNCH`` out (measured slower), so only the
+modes without it (``before``, ``prefetch``) run after that.
 """
 from __future__ import annotations
 
@@ -28,7 +31,10 @@ MODES = {"before": (False, False, 128, False), "prefetch": (True, False, 128, Fa
 
 def set_mode(mode: str) -> None:
     pdl.ENABLED, pdl.TRIGGER, pdl.GEMM_PREFETCH = True, True, None
-    paged_attention.PREFETCH_KV, paged_attention.REDUCE_IN_LAUNCH, paged_attention._MIN_SPLIT_TOKENS, w8a8_sum = MODES[mode]
+    prefetch, reduce, paged_attention._MIN_SPLIT_TOKENS, w8a8_sum = MODES[mode]
+    paged_attention.PREFETCH_KV = prefetch
+    if hasattr(paged_attention, "REDUCE_IN_LAUNCH") or reduce:
+        paged_attention.REDUCE_IN_LAUNCH = reduce
     quant_matmul.FEW_ROW_TILES["w8a8"] = SHIPPED["w8a8"]._replace(sum_in_launch=w8a8_sum)
     quant_matmul.plan.cache_clear()
 
