@@ -120,8 +120,9 @@ def _paged_attention_kernel(
     q_begin = tl.load(cu_query_lens_ptr + req)
     q_len = tl.load(cu_query_lens_ptr + req + 1) - q_begin
     q_first = (tile - _tile_start(cu_query_lens_ptr, req, BLOCK_Q)) * BLOCK_Q
-    if q_first >= q_len:  # a spare tile
-        return
+    # A spare tile ends after its wait, not before: were every program of a grid to end
+    # before its wait, the next kernel could start before the one before this had ended.
+    spare = q_first >= q_len
     kv_len = tl.load(seq_lens_ptr + req)
 
     # Row r of the tile is query token q_first + r // GROUP, head kv_head * GROUP + r % GROUP.
@@ -149,14 +150,16 @@ def _paged_attention_kernel(
         start = kv_lo + split * chunk
         end = tl.minimum(start + chunk, kv_hi)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    if PREFETCH:  # (the cache's earlier rows: the KV store writes this step's only)
-        if start < end:
+    if PREFETCH:  # (a line the KV store is writing, this step's keys, is only fetched early)
+        if (start < end) & (not spare):
             pdl.prefetch_l2(_kv_lines(k_cache_ptr, table, start, end, kv_head, stride_kb, stride_ks, stride_kh,
                                       HEAD_DIM, BLOCK_D, BLOCK_SIZE, 2 * BLOCK_N))
             pdl.prefetch_l2(_kv_lines(v_cache_ptr, table, start, end, kv_head, stride_vb, stride_vs, stride_vh,
                                       HEAD_DIM, BLOCK_D, BLOCK_SIZE, 2 * BLOCK_N))
 
     pdl.wait(PDL)
+    if spare:
+        return
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if FP16_DOT:
@@ -245,17 +248,19 @@ def _reduce_splits_kernel(
 @triton.jit
 def _kv_lines(cache_ptr, table, start, end, kv_head, stride_b, stride_s, stride_h, HEAD_DIM: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr):
-    """The addresses (int64 ``[KEYS, lines]``) of the 128-byte lines of ``kv_head``'s rows in
-    ``cache`` at the first KEYS positions of [start, end), through the request's block
-    ``table`` (positions past ``end`` repeat its last; needs start < end). ``BLOCK_D``:
-    HEAD_DIM's power of two, which sets a power of two of lines (the last ones repeat)."""
+    """The addresses (int64 ``[KEYS, lines]``) of the 128-byte lines that ``kv_head``'s rows
+    in ``cache`` lie in, at the first KEYS positions of [start, end), through the request's
+    block ``table`` (positions past ``end`` repeat its last; needs start < end). A row whose
+    bytes are not a multiple of 128 may start mid-line and take one line more; the lines
+    are a power of two from ``BLOCK_D`` (HEAD_DIM's), the last ones repeating."""
     size: tl.constexpr = cache_ptr.dtype.element_ty.primitive_bitwidth // 8
     ROW_BYTES: tl.constexpr = HEAD_DIM * size
+    LINES: tl.constexpr = (BLOCK_D * size + 127) // 128 * (1 if ROW_BYTES % 128 == 0 else 2)
     pos = tl.minimum(start + tl.arange(0, KEYS), end - 1)
     block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
     row = cache_ptr.to(tl.int64) + size * (block * stride_b + (pos % BLOCK_SIZE) * stride_s + kv_head * stride_h)
-    line = tl.minimum(128 * tl.arange(0, (BLOCK_D * size + 127) // 128), ROW_BYTES - 1).to(tl.int64)
-    return row[:, None] + line[None, :]
+    first, last = row // 128 * 128, (row + ROW_BYTES - 1) // 128 * 128
+    return tl.minimum(first[:, None] + 128 * tl.arange(0, LINES).to(tl.int64)[None, :], last[:, None])
 
 
 # ---------------------------------------------------------------------------- host side
@@ -385,7 +390,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
         TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        PREFETCH=pdl.prefetch(launch, PREFETCH_KV), **launch)
+        PREFETCH=bool(launch["PDL"]) and PREFETCH_KV, **launch)
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,

@@ -5,6 +5,8 @@ layout, which the kernel before it never writes). Checked in the PTX of every ke
 that takes ``PDL``, compiled for Hopper without a GPU; and where PDL is never used."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -92,34 +94,42 @@ def _kv_lines_kernel(cache_ptr, table_ptr, out_ptr, start, end, kv_head, stride_
     lines = paged_attention._kv_lines(cache_ptr, table_ptr, start, end, kv_head, stride_b, stride_s, stride_h,
                                       HEAD_DIM, BLOCK_D, BLOCK_SIZE, KEYS)
     offs = tl.arange(0, KEYS)[:, None] * LINES + tl.arange(0, LINES)[None, :]
-    tl.store(out_ptr + offs, lines - cache_ptr.to(tl.int64))
+    tl.store(out_ptr + offs, lines - cache_ptr.to(tl.int64))  # (the cache starts on a line)
 
 
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float8_e4m3fn, 64), (torch.float32, 80),
-                                             (torch.bfloat16, 32)])
+                                             (torch.bfloat16, 32), (torch.float8_e4m3fn, 96), (torch.bfloat16, 80)])
 @pytest.mark.parametrize("start, end", [(0, 128), (64, 100), (130, 131), (5, 700)])
-def test_attention_prefetches_only_its_own_heads_rows_at_its_keys(dtype, head_dim, start, end):
-    """Every address the paged attention prefetches lies in the row of its KV head at one of
-    the first 128 keys of its range, found through the block table (keys past the range's
-    end repeat the last), and together they cover each of those rows."""
+def test_attention_prefetches_the_lines_of_its_own_heads_rows_at_its_keys(dtype, head_dim, start, end):
+    """The paged attention prefetches, for each of the first 128 keys of its range (keys
+    past the range's end repeat the last), exactly the 128-byte lines its KV head's row lies
+    in, found through the block table, rows that cross a line's edge included (a float8
+    row of 96 bytes takes two lines where it starts 64 or 96 bytes into one)."""
     device = torch.device("cuda" if CUDA else "cpu")
     num_blocks, block_size, kv_heads, keys = 64, 16, 3, 128
-    cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = torch.zeros(nbytes + 128, dtype=torch.uint8, device=device)
+    skip = -buffer.data_ptr() % 128  # the cache starting on a line, as a GPU allocation does
+    cache = buffer[skip:skip + nbytes].view(dtype).view(shape)
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).to(torch.int32).to(device)
     size, row_bytes = cache.element_size(), head_dim * cache.element_size()
     block_d = triton.next_power_of_2(head_dim)
-    lines = triton.cdiv(block_d * size, 128)
+    lines = triton.cdiv(block_d * size, 128) * (1 if row_bytes % 128 == 0 else 2)
     out = torch.full((keys, lines), -1, dtype=torch.int64, device=device)
     _kv_lines_kernel[(1,)](cache, table, out, start, end, 2, *cache.stride()[:3], HEAD_DIM=head_dim,
                            BLOCK_D=block_d, BLOCK_SIZE=block_size, KEYS=keys, LINES=lines)
     table, out = table.cpu(), out.cpu()
+    straddling = 0  # rows in one line more than their bytes fill
     for i in range(keys):
         pos = min(start + i, end - 1)
         row = size * (int(table[pos // block_size]) * cache.stride(0) + pos % block_size * cache.stride(1)
                       + 2 * cache.stride(2))
+        straddling += (row + row_bytes - 1) // 128 - row // 128 >= triton.cdiv(row_bytes, 128)
         got = out[i].tolist()
-        assert all(row <= a < row + row_bytes for a in got), (i, got, row)
-        assert {(a - row) // 128 for a in got} == set(range(triton.cdiv(row_bytes, 128))), (i, got)
+        assert all(a % 128 == 0 for a in got), (i, got)
+        assert {a // 128 for a in got} == set(range(row // 128, (row + row_bytes - 1) // 128 + 1)), (i, got, row)
+    assert straddling or row_bytes != 96 or end - start < 4  # (96-byte rows cross lines: the case is met)
 
 
 COMPILE_WITH_PDL = r"""
@@ -135,8 +145,9 @@ TOUCH = re.compile(r"^\s*(@!?%\w+\s+)?(ld|st|atom|red|cp\.async)(\.[\w:]+)*?\.gl
 
 checked = set()
 
-# Written by the step's kernels: all but the batch's layout, which a kernel may read before its wait.
-WRITES = re.compile(r"^\s*(@!?%\w+\s+)?(st|atom|red)(\.[\w:]+)*?\.global", re.M)
+# What the paged attention may load before its wait: int32 scalars (the batch's layout), not
+# its queries (fp16 here), tree masks (int64), keys or values.
+LAYOUT_LOAD = re.compile(r"^\s*(@!?%\w+\s+)?ld\.global(\.nc)?\.b32 \{ %r\d+ \}", re.M)
 
 def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False, reads_layout=False):
     checked.add(fn)
@@ -150,9 +161,11 @@ def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False, re
                          options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx, fn
-    early = (WRITES if reads_layout else TOUCH).search(ptx[:wait])
-    assert early is None, (fn, early and early.group(0))
-    assert bool(TOUCH.search(ptx[:wait])) == reads_layout, fn
+    early = [ptx[m.start():ptx.find("\n", m.start())] for m in TOUCH.finditer(ptx[:wait])]
+    if reads_layout:
+        assert early and all(LAYOUT_LOAD.match(line) for line in early), (fn, early)
+    else:
+        assert not early, (fn, early)
     assert TOUCH.search(ptx[wait:]), fn  # (the pattern finds what the kernel does touch)
     assert ("prefetch.global.L2" in ptx[:wait]) == prefetch, fn
 
@@ -187,8 +200,8 @@ check(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr
       dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=False))
 for prefetch in (False, True):
     for split_kv in (False, True):
-        check(pa._paged_attention_kernel, dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr="*bf16",
-              v_cache_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
+        check(pa._paged_attention_kernel, dict(out_ptr="*fp16", q_ptr="*fp16", k_cache_ptr="*fp16",
+              v_cache_ptr="*fp16", part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
               cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32",
               v_scale="fp32"),
               dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,

@@ -33,7 +33,9 @@ def set_mode(mode: str) -> None:
     pdl.ENABLED, pdl.TRIGGER, pdl.GEMM_PREFETCH = True, True, None
     prefetch, reduce, paged_attention._MIN_SPLIT_TOKENS, w8a8_sum = MODES[mode]
     paged_attention.PREFETCH_KV = prefetch
-    if hasattr(paged_attention, "REDUCE_IN_LAUNCH") or reduce:
+    if not hasattr(paged_attention, "REDUCE_IN_LAUNCH"):
+        assert not reduce, f"mode {mode!r} needs 9141c32 (REDUCE_IN_LAUNCH)"
+    else:
         paged_attention.REDUCE_IN_LAUNCH = reduce
     quant_matmul.FEW_ROW_TILES["w8a8"] = SHIPPED["w8a8"]._replace(sum_in_launch=w8a8_sum)
     quant_matmul.plan.cache_clear()
