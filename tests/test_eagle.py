@@ -189,6 +189,31 @@ def test_chain_acceptance_replays_chain_drafting():
     assert chain_acceptance(agree, k=3) == (3, 5)
 
 
+def test_validation_reports_every_kinds_answers_even_none():
+    """Per kind: the greedy answers replayed, their chain acceptance and top-1 agreement;
+    a kind with no greedy answer (a generation budget may leave one none) says 0 answers
+    and no acceptance rather than leaving its key out; sampled answers are not replayed."""
+    import contextlib
+
+    from specserve.training.data import Example
+    from specserve.training.validation import validate
+
+    def score(ids, rows, cols):  # the draft agrees on every even response position
+        return torch.tensor(0.5), (cols % 2 == 0)[None].repeat(2, 1)
+
+    chat = Example(list(range(10)), 4, "chat", "val", False)  # response positions 3..8
+    sampled_code = Example(list(range(8)), 3, "code", "val", True)
+    model = torch.nn.Linear(1, 1)
+    result = validate(model, [[chat, sampled_code]], torch.device("cpu"), 0, contextlib.nullcontext, score, k=4)
+    assert result["answers_chat"] == 1 and result["answers_code"] == 0
+    assert "sim_accept_len_code" not in result and "top1_agreement_code" not in result
+    assert result["top1_agreement_chat"] == 0.5 and result["kl"] == 0.5
+    assert model.training  # (back in training mode)
+    with_code = validate(model, [[chat], [Example(list(range(8)), 3, "code", "val", False)]], torch.device("cpu"),
+                         0, contextlib.nullcontext, score, k=4)
+    assert with_code["answers_code"] == 1 and "sim_accept_len_code" in with_code
+
+
 @pytest.mark.parametrize("restricted", [False, True])
 def test_the_training_loss_is_the_weighted_distillation_loss_of_each_pass(restricted, eagle):
     """Per pass: KL(p || q) + ce_weight × cross-entropy to the target's argmax, weighted

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from specserve.training.data import SAMPLE_TEMPERATURE, SELF_PROMPT_TEMPERATURE, generator_for
+from specserve.training.data import KINDS, SAMPLE_TEMPERATURE, SELF_PROMPT_TEMPERATURE, generator_for
 from specserve.training.runtime import device_name
 
 
@@ -39,7 +39,7 @@ def make_record(args, argv, files, device, init_layers, out, prompts, examples, 
         "data": {"train_prompts": len(prompts["train"]), "val_prompts": len(prompts["val"]),
                  "self_written_prompts": sum(source.startswith("self:") for _, source, _ in prompts["train"]),
                  "train_by_kind": {k: sum(e.kind == k and not e.sampled for e in train_examples)
-                                   for k in ("chat", "code")},
+                                   for k in KINDS},
                  "sampled_examples": sum(e.sampled for e in train_examples),
                  "response_tokens": sum(len(e.token_ids) - e.num_prompt for e in train_examples),
                  "max_new_tokens": args.max_new_tokens, "seconds": gen_seconds,

@@ -23,13 +23,14 @@ from specserve.sampling_params import SamplingParams
 from specserve.training.runtime import device_name, gather, log, quiet
 
 SAMPLE_TEMPERATURE = 0.7
+KINDS = ("chat", "code")  # the kinds of prompt a draft is trained and validated on
 
 
 @dataclass
 class Example:
     token_ids: list[int]   # prompt (chat template applied) + response
     num_prompt: int        # the response starts here
-    kind: str              # chat | code
+    kind: str              # one of KINDS
     split: str             # train | val
     sampled: bool
 
@@ -62,7 +63,7 @@ def select_prompts(args, tokenizer, extra_chat: list[str] = ()) -> dict[str, lis
             chosen["train"].append(("chat", f"self:{i}", ids))
     if args.eval_prompts:  # the engine's held-out prompts, answered greedily: replayed after training
         encoded = {kind: [encode_prompt(tokenizer, m) for m in held_out_prompts(kind, args.eval_prompts, args.seed)]
-                   for kind in ("chat", "code")}
+                   for kind in KINDS}
         chosen["test"] = [(kind, "held-out", ids) for kind, all_ids in encoded.items()
                           for ids in all_ids if len(ids) + 16 <= args.max_seq_len]
     return chosen

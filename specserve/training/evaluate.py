@@ -8,14 +8,14 @@ import torch
 from specserve.bench.prompt_sets import held_out_prompts
 from specserve.engine import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.training.data import encode_prompt
+from specserve.training.data import KINDS, encode_prompt
 from specserve.training.runtime import log
 
 
 def evaluate_in_engine(args, out: Path, device: torch.device) -> dict:
     """Held-out chat and code prompts, greedy, k = 4, all at once: mean acceptance length
     for the trained draft and the baseline drafters."""
-    prompts = {kind: held_out_prompts(kind, args.eval_prompts, args.seed) for kind in ("chat", "code")}
+    prompts = {kind: held_out_prompts(kind, args.eval_prompts, args.seed) for kind in KINDS}
     methods = {"draft_model": {"draft_model": str(out)}}
     methods.update({m: {} for m in args.eval_baselines.split(",") if m})
     params = SamplingParams(temperature=0, max_tokens=args.eval_max_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.training.data import collate
+from specserve.training.data import KINDS, collate
 
 
 def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
@@ -32,7 +32,9 @@ def chain_acceptance(agree: list[list[bool]], k: int) -> tuple[int, int]:
 def validate(model, batches, device, pad, autocast, score, k: int = 4) -> dict:
     """Mean KL, pass 0's top-1 agreement and the acceptance length of greedy chain drafting
     at ``k`` replayed on each greedy answer (``chain_acceptance``), and the answers replayed, per kind.
-    ``score(ids, rows, cols)`` gives the batch's (mean KL, agreement ``[passes, rows]``)."""
+    ``score(ids, rows, cols)`` gives the batch's (mean KL, agreement ``[passes, rows]``).
+    Every kind of ``KINDS`` reports its answers, 0 where none was replayed (a generation
+    budget may leave a kind none), and then no acceptance or agreement."""
     model.eval()
     kl_sum = n = 0.0
     counts: dict[str, list[int]] = {}
@@ -57,8 +59,10 @@ def validate(model, batches, device, pad, autocast, score, k: int = 4) -> dict:
             start += length
     model.train()
     result = {"kl": round(kl_sum / max(n, 1), 4)}
-    for kind, (steps, accepted, top1, length, answers) in sorted(counts.items()):
-        result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
-        result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
+    for kind in sorted({*KINDS, *counts}):
+        steps, accepted, top1, length, answers = counts.get(kind, (0, 0, 0, 0, 0))
+        if answers:
+            result[f"sim_accept_len_{kind}"] = round(1 + accepted / max(steps, 1), 3)
+            result[f"top1_agreement_{kind}"] = round(top1 / max(length, 1), 4)
         result[f"answers_{kind}"] = answers  # replayed (a budget may have left some prompts unanswered)
     return result
