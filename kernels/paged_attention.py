@@ -35,15 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels import pdl, quant_matmul, reference
-from specserve.kernels.fp8 import round_e4m3
+from specserve.kernels import pdl, reference
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
 _MAX_SPLITS = 32
 DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
 PREFETCH_KV = True  # under PDL: the first keys and values asked of L2 before the wait (for A/B runs)
-FUSED_FP8 = True  # a float8 output rounded by the attention's own launches (False, for A/B runs: by a quantizer's)
 TREE_SPAN = tl.constexpr(reference.TREE_SPAN)
 
 
@@ -90,7 +88,7 @@ _VARYING = ["num_reqs", "num_splits", "window", "stride_lt", "stride_lh", "strid
 
 @triton.jit(do_not_specialize=_VARYING)
 def _paged_attention_kernel(
-    out_ptr, scales_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr, tree_masks_ptr,
     num_reqs, num_splits, qk_scale, softcap_log2, window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -100,7 +98,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr, SPLIT_TOKENS: tl.constexpr, USE_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, FP16_DOT: tl.constexpr,
-    TREE: tl.constexpr, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False, HANDED: tl.constexpr = None,
+    TREE: tl.constexpr, PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
 ):
     """One (query tile, kv head, kv split): online softmax over the split's KV chunk.
     Scores are in log2 units: ``qk_scale`` is scale·log2(e), or with ``SOFTCAP`` scale /
@@ -109,7 +107,6 @@ def _paged_attention_kernel(
     cache under bf16 queries; its tiles widen to fp16 (one instruction for two values,
     where bf16 takes several) and the queries round to fp16 once, exactly where they lie
     in fp16's normal range. ``TREE``: rows carry visibility masks (``reference.TREE_SPAN``).
-    ``HANDED``: the output is float8, per (token, head) (``_store_rows``).
 
     Under PDL the program reads the batch's layout (``cu_query_lens``, ``seq_lens``, the
     block tables) before its wait: the kernel before it (the KV store) writes none of it,
@@ -214,39 +211,18 @@ def _paged_attention_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no key seen
         tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
     else:
-        heads = GROUP * tl.num_programs(1)  # (the scales: [tokens, heads])
-        _store_rows(out_ptr, (token * stride_ot + head * stride_oh)[:, None] + d[None, :],
-                    scales_ptr + token * heads + head, result, store_mask, row_valid, HANDED)
-
-
-@triton.jit
-def _store_rows(out_ptr, offsets, scales, result, mask, row_valid, HANDED: tl.constexpr):
-    """Rows ``result`` (fp32 ``[rows, BLOCK_D]``, one (token, head) each) to ``out_ptr`` +
-    ``offsets`` (``mask`` the valid ones): rounded to out's dtype; or with ``HANDED`` (out
-    is float8) rounded to that dtype, then each row to float8, scaled so that its largest
-    magnitude is 448, its scale to ``scales`` ``[rows]``: ``quant_matmul.quantize_rows``'
-    values for groups of one head, bit for bit, which the output projection then takes
-    as they are (``Fp8Rows``)."""
-    if HANDED is None:
-        tl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        v = tl.where(mask, result.to(HANDED).to(tl.float32), 0.0)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0), 1e-12)
-        q = round_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0))
-        tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(scales, scale, mask=row_valid)
+        out = out_ptr + token * stride_ot + head * stride_oh
+        tl.store(out[:, None] + d[None, :], result.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_lt", "stride_lh"])
 def _reduce_splits_kernel(
-    out_ptr, scales_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
+    out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
-    HANDED: tl.constexpr = None,
 ):
     """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
-    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit;
-    stored by ``_store_rows``."""
+    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit."""
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -265,9 +241,8 @@ def _reduce_splits_kernel(
         acc += weight * tl.load(part + split * stride_ps + d, mask=d_valid, other=0.0)
         total += weight
     result = acc / total
-    _store_rows(out_ptr, (token * stride_ot + head * stride_oh + d)[None, :],
-                scales_ptr + token * tl.num_programs(1) + head + tl.zeros([1], tl.int64),
-                result[None, :], d_valid[None, :], tl.full([1], True, tl.int1), HANDED)
+    out = out_ptr + token * stride_ot + head * stride_oh + d
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 @triton.jit
@@ -361,12 +336,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     *, softcap: float | None = None, max_query_len: int | None = None, max_seq_len: int | None = None,
                     plan: LaunchPlan | None = None, num_splits: int | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
-                    tree_masks: torch.Tensor | None = None, fp8_group: int = 0):
+                    tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch over the paged cache, in one launch (two with
-    KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype, or
-    with ``fp8_group`` (= head_dim) those values rounded to float8 per token and head, and
-    their scales ``[num_tokens, num_heads]``: ``quant_matmul.quantize_rows``' values for
-    groups of one head (``fp8_fusable``), for an output projection that takes them so.
+    KV splits); returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
 
     query ``[num_tokens, num_heads, head_dim]``; k_cache / v_cache ``[num_blocks,
     block_size, num_kv_heads, head_dim]``; block_tables ``[num_reqs, max_blocks]`` int32;
@@ -386,20 +358,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError("paged_attention needs a plan or max_query_len and max_seq_len")
         plan = plan_launch(query, k_cache, block_tables.shape[0], max_query_len, max_seq_len,
                            num_splits)
-    if fp8_group and not fp8_fusable(head_dim, fp8_group):
-        raise ValueError(f"attention rounds its output to float8 in groups of one head ({head_dim}), "
-                         f"not of {fp8_group}")
-    if fp8_group and not FUSED_FP8:  # (A/B runs: the quantizer as a launch of its own)
-        out = paged_attention(query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens, scale, sliding_window,
-                              softcap=softcap, max_query_len=max_query_len, max_seq_len=max_seq_len, plan=plan,
-                              num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, tree_masks=tree_masks)
-        values, scales = quant_matmul.quantize_rows(out.view(num_tokens, -1), head_dim)
-        return values.view(out.shape), scales
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float8_e4m3fn if fp8_group else query.dtype,
-                      device=query.device)
-    scales = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device) if fp8_group else None
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
-        return (out, scales) if fp8_group else out
+        return out
     query = query if query.stride(-1) == 1 else query.contiguous()
     split_kv = plan.num_splits > 1
     if split_kv:
@@ -412,9 +373,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_d = max(16, triton.next_power_of_2(head_dim))
     upcast = interpreted() and query.dtype == torch.bfloat16
     launch = pdl.launch(query.device)
-    handed = {"HANDED": _TL_DTYPES[query.dtype]} if fp8_group else {}
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads, plan.num_splits)](
-        out, scales if fp8_group else part_lse, part_out, part_lse,  # (scales: unread unless handed)
+        out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, cu_query_lens, seq_lens,
         tree_masks if tree_masks is not None else seq_lens,  # (unread without masks)
         block_tables.shape[0], plan.num_splits, scale * k_scale / softcap if softcap else scale * k_scale * LOG2E,
@@ -430,25 +390,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         SOFTCAP=bool(softcap), UPCAST_DOT=upcast, IEEE_DOT=query.dtype == torch.float32,
         FP16_DOT=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16 and not upcast,
         TREE=tree_masks is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
-        PREFETCH=bool(launch["PDL"]) and PREFETCH_KV, **launch, **handed)
+        PREFETCH=bool(launch["PDL"]) and PREFETCH_KV, **launch)
     if split_kv:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, scales if fp8_group else part_lse, part_out, part_lse, cu_query_lens, block_tables.shape[0],
-            plan.num_splits, out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
+            out, part_out, part_lse, cu_query_lens, block_tables.shape[0], plan.num_splits,
+            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4,
-            **pdl.launch(query.device), **handed)
-    return (out, scales) if fp8_group else out
-
-
-def fp8_fusable(head_dim: int, group: int) -> bool:
-    """Whether the attention can hand its output rounded to float8 in groups of ``group``
-    (``paged_attention``'s ``fp8_group``): groups of one head, each row's own."""
-    return group == head_dim
-
-
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+            **pdl.launch(query.device))
+    return out
 
 
 def _check_shapes(query, k_cache, v_cache, num_heads, num_kv_heads, head_dim) -> None:

@@ -36,13 +36,9 @@ class AttentionBackend(Protocol):
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: ForwardBatch, scale: float, sliding_window: int | None,
-               softcap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0), fp8_group: int = 0):
+               softcap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """``softcap``: attention logit soft-capping (``reference.paged_attention``);
-        ``kv_scales`` as ``store_kv``'s. ``fp8_group`` (where ``fp8_fusable``): the output
-        rounded to float8 in groups of that many, with its scales."""
-
-    def fp8_fusable(self, head_dim: int, group: int) -> bool:
-        """Whether ``attend`` can hand its output rounded to float8 in groups of ``group``."""
+        ``kv_scales`` as ``store_kv``'s."""
 
     def warmup_lengths(self, max_model_len: int) -> list[tuple[int, int]]:
         """(longest span, longest sequence) pairs of one-request steps that, run once before
@@ -78,14 +74,7 @@ class TorchAttentionBackend:
     def warmup_lengths(self, max_model_len):
         return []  # torch ops and the C++ kernels: nothing compiles per shape
 
-    @staticmethod
-    def fp8_fusable(head_dim: int, group: int) -> bool:
-        return False  # (its float8 layers round their own inputs)
-
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0),
-               fp8_group=0):
-        if fp8_group:
-            raise ValueError("the torch attention backend gives its output unrounded")
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         # Index work is done once per step (per window) and shared by all layers. With the
         # CPU kernels, the short spans go to one C++ call and the plan keeps the long ones.
         plan = batch.attn_plans.get(sliding_window)
@@ -132,11 +121,7 @@ class TritonAttentionBackend:
     def warmup_lengths(self, max_model_len):
         return self._attention.warmup_lengths(max_model_len)
 
-    def fp8_fusable(self, head_dim, group):
-        return self._attention.fp8_fusable(head_dim, group)
-
-    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0),
-               fp8_group=0):
+    def attend(self, query, k_cache, v_cache, batch, scale, sliding_window, softcap=None, kv_scales=(1.0, 1.0)):
         key = ("triton", *query.shape[1:], k_cache.shape[2])
         plan = batch.attn_plans.get(key)
         if plan is None:
@@ -147,7 +132,7 @@ class TritonAttentionBackend:
         return self._attention.paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.cu_query_lens, batch.seq_lens,
             scale, sliding_window, plan=plan, softcap=softcap, k_scale=kv_scales[0], v_scale=kv_scales[1],
-            tree_masks=batch.tree_masks, fp8_group=fp8_group)
+            tree_masks=batch.tree_masks)
 
 
 BACKENDS = ("auto", "torch", "triton")

@@ -20,7 +20,7 @@ from specserve.loader import ModelFiles, _iter_checkpoint, build_model, load_hf_
 from specserve.models.checkpoint_quant import (FP8, Fp8Linear, Fp8Weight, Int4Linear, Int4Weight, parse_scheme,
                                                quantize_fp8, quantize_int4)
 from specserve.models.layer_ops import TritonLayerOps
-from specserve.models.llama import Attention, RMSNorm
+from specserve.models.llama import RMSNorm
 from specserve.models.quantized import QuantLinear
 from test_model import ragged_logits
 from tiny_models import QUANT_LAYOUTS, QUANTIZED_PROJECTIONS, write_quantized_checkpoint
@@ -681,7 +681,7 @@ def test_the_engine_decodes_a_quantized_checkpoint(layout, checkpoints):
 
 @pytest.mark.parametrize("layout, variant", [("ct_fp8_dynamic", "llama"), ("fbgemm_fp8", "llama"),
                                              ("ct_fp8_dynamic", "gemma3")]
-                         + ([("fp8_block", "llama"), ("fp8_block", "qwen3_qknorm")] if CUDA else []))
+                         + ([("fp8_block", "llama")] if CUDA else []))
 def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout, variant, checkpoints,
                                                                           tiny_model_dir, tmp_path, monkeypatch):
     """With the Triton ops (interpreted on a CPU), a layer's norms and its activation hand
@@ -690,9 +690,7 @@ def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout
     are those of the same model with every projection rounding its own, bit for bit
     under the interpreter (on a GPU the two norms are compiled apart and may sum a row
     in another order: there to float8 tensor-core rounding, the same tokens). Gemma 3's
-    MLP is handed its rows by its pre-feedforward norm, its GeGLU's by the activation.
-    Where the output projection's groups are one head (block scales as wide as Qwen 3's
-    head_dim of 32 here), the attention hands it its rows too, and nothing rounds its own."""
+    MLP is handed its rows by its pre-feedforward norm, its GeGLU's by the activation."""
     if variant == "llama":
         path, _ = checkpoints(layout)
     else:
@@ -702,9 +700,7 @@ def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout
     model = build_model(files, load_hf_config(files), torch.float32, DEVICE, _gpu_backend(DEVICE))
     handing = [m for m in model.modules() if getattr(m, "fp8_group", 0)]
     layers = model.config.num_hidden_layers
-    attention = sum(isinstance(m, Attention) for m in handing)
-    assert attention == (layers if variant == "qwen3_qknorm" else 0)
-    assert len(handing) == 3 * layers + attention  # two norms and the MLP a layer (and the attention)
+    assert len(handing) == 3 * layers  # two norms and the MLP a layer
     rounding = []
     matmul = Fp8Linear._matmul
 
@@ -715,7 +711,7 @@ def test_norms_and_the_activation_hand_float8_layers_their_inputs_rounded(layout
     monkeypatch.setattr(Fp8Linear, "_matmul", counted)
     prompt = [(7 * i) % 500 + 3 for i in range(9)]
     fused = ragged_logits(model, [prompt], chunk=5, device=DEVICE)[0]
-    assert sum(rounding) == 2 * (layers - attention) and len(rounding) == 4 * 2 * layers  # two passes (chunks of 5)
+    assert sum(rounding) == 2 * layers and len(rounding) == 4 * 2 * layers  # two passes (chunks of 5)
     for module in handing:
         module.fp8_group = 0
     rounding.clear()

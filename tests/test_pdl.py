@@ -133,10 +133,8 @@ def test_attention_prefetches_the_lines_of_its_own_heads_rows_at_its_keys(dtype,
 
 
 COMPILE_WITH_PDL = r"""
-import itertools
 import re
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specserve.kernels import (fused_act, fused_norm, fused_rotary, paged_attention as pa, quant_matmul as qm,
@@ -200,18 +198,17 @@ check(fused_rotary._rotary_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf
 check(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
       slot_mapping_ptr="*i64", k_scale="fp32", v_scale="fp32"),
       dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, KV_FP8=False))
-for prefetch, split_kv, handed in itertools.product((False, True), (False, True), (None, tl.float16)):
-    check(pa._paged_attention_kernel, dict(out_ptr="*fp8e4nv" if handed else "*fp16", scales_ptr="*fp32",
-          q_ptr="*fp16", k_cache_ptr="*fp16", v_cache_ptr="*fp16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-          block_tables_ptr="*i32", cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64",
-          qk_scale="fp32", v_scale="fp32"),
-          dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
-               SPLIT_KV=split_kv, USE_WINDOW=False, SOFTCAP=False, UPCAST_DOT=False, IEEE_DOT=False,
-               FP16_DOT=False, TREE=True, HANDED=handed), prefetch=prefetch, reads_layout=True)
-for handed in (None, tl.bfloat16):
-    check(pa._reduce_splits_kernel, dict(out_ptr="*fp8e4nv" if handed else "*bf16", scales_ptr="*fp32",
-          part_out_ptr="*fp32", part_lse_ptr="*fp32", cu_query_lens_ptr="*i32"),
-          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, HANDED=handed))
+for prefetch in (False, True):
+    for split_kv in (False, True):
+        check(pa._paged_attention_kernel, dict(out_ptr="*fp16", q_ptr="*fp16", k_cache_ptr="*fp16",
+              v_cache_ptr="*fp16", part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
+              cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32",
+              v_scale="fp32"),
+              dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64,
+                   SPLIT_KV=split_kv, USE_WINDOW=False, SOFTCAP=False, UPCAST_DOT=False, IEEE_DOT=False,
+                   FP16_DOT=False, TREE=True), prefetch=prefetch, reads_layout=True)
+check(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+      cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32))
 # Every kernel that takes PDL (and so may be launched with it) is among those checked.
 import importlib, pkgutil, specserve.kernels as package
 takes_pdl = {fn for info in pkgutil.iter_modules(package.__path__)

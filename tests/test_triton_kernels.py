@@ -210,31 +210,6 @@ def test_spans_of_any_length_share_a_few_kernel_variants(heads):
     assert len(variants) <= 5, sorted(variants)
 
 
-@pytest.mark.parametrize("dtype, num_splits", [(BF16, 1), (BF16, 3), (F16, 2), (F32, 1)])
-@pytest.mark.parametrize("fused", [True, False])
-def test_attention_hands_its_output_rounded_to_float8_per_head(dtype, num_splits, fused, monkeypatch):
-    """With ``fp8_group`` = head_dim the attention gives its output rounded to float8 per
-    token and head, with the scales: the quantizer's values on its own output, bit for bit
-    (with one KV split, in the attention's launch; with several, in their reduction;
-    ``FUSED_FP8`` off: by the quantizer, for A/B runs). Other groups are refused."""
-    from specserve.kernels.quant_matmul import quantize_rows
-
-    monkeypatch.setattr(pa, "FUSED_FP8", fused)
-    b = make_batch(MIXED_SPANS, 4, 2, 32, 16, dtype)
-    plain = triton_attention(b, 0.125, num_splits=num_splits)
-    values, scales = pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens,
-                                        b.seq_lens, 0.125, max_query_len=max(b.query_lens_host),
-                                        max_seq_len=max(b.seq_lens_host), num_splits=num_splits, fp8_group=32)
-    want_values, want_scales = quantize_rows(plain.reshape(plain.shape[0], -1), 32)
-    assert values.dtype == torch.float8_e4m3fn and values.shape == plain.shape and scales.shape == plain.shape[:2]
-    assert torch.equal(values.view(torch.uint8).reshape(want_values.shape), want_values.view(torch.uint8))
-    assert torch.equal(scales, want_scales)
-    assert (scales > 0).all()
-    with pytest.raises(ValueError, match="groups of one head"):
-        pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens, b.seq_lens, 0.125,
-                           max_query_len=max(b.query_lens_host), max_seq_len=max(b.seq_lens_host), fp8_group=64)
-
-
 def test_kv_splits_of_any_count_share_one_reduce_variant(monkeypatch):
     """The sum of KV splits compiles one variant for every split count (its split axis is
     as wide as the most splits, masked), and is still exact at each count."""
@@ -375,13 +350,11 @@ def test_paged_attention_rejects_bad_shapes():
 # values, shapes tl.dot refuses, shared memory). No GPU is needed for this.
 COMPILE_FOR_SM90 = """
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specserve.kernels import paged_attention as pa, store_kv as skv
 
 def compile(fn, pointers, constants, num_warps, num_stages=2, i64=()):
-    constants = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constants}
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i64" if name in i64 else "i32")
                  for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
@@ -406,18 +379,6 @@ for dtype, cache, group, head_dim, block_size, block_q, block_m, block_n, split,
         num_warps=8 if block_m >= 128 else 4, i64=("stride_kb", "stride_vb"))
 compile(pa._reduce_splits_kernel, dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
         cu_query_lens_ptr="*i32"), dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32), num_warps=4)
-# The output handed on rounded to float8 per head (an output projection's 128-wide groups).
-attention_fp8 = dict(out_ptr="*fp8e4nv", scales_ptr="*fp32", q_ptr="*bf16", k_cache_ptr="*bf16",
-                     v_cache_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32",
-                     cu_query_lens_ptr="*i32", seq_lens_ptr="*i32", tree_masks_ptr="*i64", qk_scale="fp32",
-                     v_scale="fp32")
-compile(pa._paged_attention_kernel, attention_fp8, dict(
-    GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, SPLIT_KV=False,
-    USE_WINDOW=False, UPCAST_DOT=False, IEEE_DOT=False, FP16_DOT=False, TREE=False, HANDED=tl.bfloat16),
-    num_warps=4, i64=("stride_kb", "stride_vb"))
-compile(pa._reduce_splits_kernel, dict(out_ptr="*fp8e4nv", scales_ptr="*fp32", part_out_ptr="*fp32",
-        part_lse_ptr="*fp32", cu_query_lens_ptr="*i32"),
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32, HANDED=tl.bfloat16), num_warps=4)
 for cache in ("bf16", "fp8e4nv"):
     compile(skv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*" + cache,
             v_cache_ptr="*" + cache, slot_mapping_ptr="*i64", k_scale="fp32", v_scale="fp32"),

@@ -118,7 +118,6 @@ class Attention(nn.Module):
         self.backend = backend
         self.ops = ops
         self.tp = tp
-        self.fp8_group = 0  # its output rounded to float8 in groups of this many for o_proj (``hand_fp8``)
 
     def finish_loading(self) -> None:
         """Under partial rotary, reorder each q and k head's rows (and their norms' weights)
@@ -137,14 +136,6 @@ class Attention(nn.Module):
                 if norm is not None:
                     norm.weight.copy_(norm.weight[order])
 
-    def hand_fp8(self) -> None:
-        """Hand ``o_proj`` the attention's output rounded to float8 (``Fp8Rows``) where it
-        rounds its input in groups of one head (``Fp8Linear.input_group``; 128 x 128 block
-        scales at a head_dim of 128) and the backend can: one launch less."""
-        group = getattr(self.o_proj, "input_group", None)
-        takes = group and getattr(self.o_proj, "in_features", None) == self.q_size
-        self.fp8_group = group if takes and self.backend.fp8_fusable(self.head_dim, group) else 0
-
     def forward(self, hidden: torch.Tensor, rotary_tables,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -153,11 +144,6 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         q = self.ops.rotary_store_kv(qk, v, rotary_tables, kv_cache, batch, self.kv_scales)
         k_cache, v_cache = kv_cache
-        if self.fp8_group:
-            values, scales = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window,
-                                                 self.softcap, self.kv_scales, fp8_group=self.fp8_group)
-            out = Fp8Rows(values.view(-1, self.q_size), scales.view(values.shape[0], -1), self.fp8_group, q.dtype)
-            return self.tp.all_reduce(self.o_proj(out))
         out = self.backend.attend(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap,
                                   self.kv_scales)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
@@ -191,14 +177,12 @@ class DecoderLayer(nn.Module):
     def linears_replaced(self) -> None:
         """Its projections may now be float8 layers that round their inputs at run time:
         the norm before each, its only reader, hands it its input rounded (``hand_fp8``),
-        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s; the
-        attention's output projection: ``Attention.hand_fp8``); Gemma
+        saving the projection's quantizer launch (MLP's down projection: ``MLP``'s); Gemma
         2/3's MLP reads the second of its two norms (pre-feedforward). Not where the layer's
         first norm is not one (EAGLE-1's first layer adds the residual instead), nor before
         a mixture of experts (its router reads the norm's output too)."""
         if isinstance(self.input_layernorm, RMSNorm):
             self.input_layernorm.hand_fp8(self.self_attn.qkv_proj)
-        self.self_attn.hand_fp8()
         if isinstance(self.mlp, MLP):
             norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
             norm.hand_fp8(self.mlp.gate_up_proj)
