@@ -7,9 +7,9 @@ a kernel's programs may start while the kernel before it finishes; each waits
 (``griddepcontrol.wait``, in ``wait``) until that kernel has completed and its writes are
 visible, before it reads what that kernel wrote or writes anything at all. What it does
 before the wait (a prefetch, ``prefetch_l2``, or reads of what is already there)
-overlaps the kernel before it. Each kernel here then lets the next one launch (in ``wait`` as well):
-by then every program of its grid has started, so the next kernel's programs take no place
-one of this kernel's still needs.
+overlaps the kernel before it. Each kernel here then lets the next one launch (in
+``wait`` as well): by then every program of its grid has started, so the next kernel's
+programs take no place one of this kernel's still needs.
 
 The wait covers the whole chain: a kernel passes it only once the kernel before it has
 completed, which itself passed its wait only once the one before that had. So when a
