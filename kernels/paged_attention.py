@@ -108,11 +108,12 @@ def _paged_attention_kernel(
     where bf16 takes several) and the queries round to fp16 once, exactly where they lie
     in fp16's normal range. ``TREE``: rows carry visibility masks (``reference.TREE_SPAN``).
 
-    Under PDL the program reads the batch's layout (``cu_query_lens``, ``seq_lens``, the
-    block tables) before its wait: the kernel before it (the KV store) writes none of it,
-    and every kernel before that has completed (``kernels/pdl.py``). ``PREFETCH``: it also
-    asks L2 for its first keys and values there (``_kv_lines``), cached by earlier steps;
-    a line the KV store is writing is only fetched early, never read early."""
+    Under PDL the program reads the batch's layout (``cu_query_lens``, ``seq_lens``; with
+    ``PREFETCH`` its block table row too) before its wait: the kernel before it (the KV
+    store) writes none of it, and every kernel before that has completed
+    (``kernels/pdl.py``). ``PREFETCH``: it also asks L2 for its first keys and values
+    there (``_kv_lines``), cached by earlier steps; a line the KV store is writing is only
+    fetched early, never read early."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,7 +272,7 @@ class LaunchPlan:
     block_q: int       # query tokens per tile
     block_m: int       # query rows per tile (block_q tokens × group heads, padded)
     block_n: int       # keys per inner iteration
-    num_tiles: int     # grid axis 0 (an upper bound; spare tiles exit at once)
+    num_tiles: int     # grid axis 0 (an upper bound; spare tiles exit after their PDL wait)
     num_splits: int    # grid axis 2
     num_warps: int
     num_stages: int
