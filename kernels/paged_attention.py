@@ -398,8 +398,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4,
-            **pdl.launch(query.device))
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4, **launch)
     return out
 
 
