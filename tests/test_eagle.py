@@ -212,6 +212,13 @@ def test_validation_reports_every_kinds_answers_even_none():
     with_code = validate(model, [[chat], [Example(list(range(8)), 3, "code", "val", False)]], torch.device("cpu"),
                          0, contextlib.nullcontext, score, k=4)
     assert with_code["answers_code"] == 1 and "sim_accept_len_code" in with_code
+    # The model card says so rather than leaving the cell blank; a record from before the
+    # counts leaves it blank.
+    from specserve.training.card import _figure
+
+    assert _figure(result, "sim_accept_len", "code") == "no answers"
+    assert _figure(result, "top1_agreement", "chat") == "0.5"
+    assert _figure({"kl": 1.0}, "sim_accept_len", "code") == ""
 
 
 @pytest.mark.parametrize("restricted", [False, True])

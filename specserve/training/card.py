@@ -156,9 +156,8 @@ def write_model_card(out: Path, record: dict) -> None:
     if t.get("held_out_replay"):
         replayed.append(("held-out prompts, after training", t["held_out_replay"]))
     for label, v in replayed:
-        lines.append(f"| {label} | {v['kl']} | {v.get('top1_agreement_chat', '')} | "
-                     f"{v.get('top1_agreement_code', '')} | {v.get('sim_accept_len_chat', '')} | "
-                     f"{v.get('sim_accept_len_code', '')} |")
+        lines.append(f"| {label} | {v['kl']} | " + " | ".join(
+            _figure(v, key, kind) for key in ("top1_agreement", "sim_accept_len") for kind in KINDS) + " |")
     if e:
         n = e["num_prompts_per_kind"]
         lines += ["", f"Held-out prompts in the engine ({n['chat']} chat, {n['code']} code), greedy, "
@@ -172,13 +171,21 @@ def write_model_card(out: Path, record: dict) -> None:
     lines += ["", "Validation during training:", "", "| step | KL | accept. length chat | accept. length code |",
               "| ---: | ---: | ---: | ---: |"]
     for v in t["history"]["val"]:
-        lines.append(f"| {v['step']} | {v['kl']} | {v.get('sim_accept_len_chat', '')} | "
-                     f"{v.get('sim_accept_len_code', '')} |")
+        lines.append(f"| {v['step']} | {v['kl']} | "
+                     + " | ".join(_figure(v, "sim_accept_len", kind) for kind in KINDS) + " |")
     lines += ["", "`training_log.json` beside this card holds every figure and the training curve.", "",
               "## Reproduce", "", "```bash", record["command"], "```", "",
               "Greedy output with this draft equals the target's own (speculative decoding is "
               "lossless); the draft only changes speed.", ""]
     (out / "MODEL_CARD.md").write_text("\n".join(lines))
+
+
+def _figure(validation: dict, key: str, kind: str) -> str:
+    """A validation figure's cell: its value, "no answers" where the kind had none replayed
+    (``validate``'s ``answers_{kind}`` 0), blank where a record predates those counts."""
+    if validation.get(f"answers_{kind}") == 0:
+        return "no answers"
+    return str(validation.get(f"{key}_{kind}", ""))
 
 
 def _eagle3_intro(record: dict) -> str:
