@@ -80,20 +80,21 @@ def _finish(acc, offs, cols, mask, bias_ptr, out_ptr, part_ptr, count_ptr, MN,
 
 
 @triton.jit
-def _fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K: tl.constexpr):
+def _fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, INPUTS: tl.constexpr):
     """What a float8 GEMM's program prefetches before its PDL wait, in its columns' rows of
-    the weights ``[N, K]`` (a byte each): lines 128 bytes apart from the first byte of its
-    share of K, as many as two K tiles take, none past its share's last byte."""
+    the weights ``[N, K]`` (a byte each): from the line its share of K starts in, as many
+    lines as its first INPUTS inputs take (``Tiles.prefetch`` K tiles), none past its
+    share's last byte."""
     return pdl.row_lines(w_ptr, rn, stride_wn, k_start, N - 1, tl.minimum(K, k_start + K_SPLIT) - 1,
-                         (2 * BLOCK_K + 127) // 128)
+                         (INPUTS + 127) // 128)
 
 
 @triton.jit
-def _int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K: tl.constexpr):
+def _int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, INPUTS: tl.constexpr):
     """``_fp8_lines`` for packed 4-bit weights (``stride_wn`` int32 words a row, two
-    inputs a byte): the line at its first K tile (64 bytes)."""
+    inputs a byte): the lines of its first INPUTS inputs (one line for a K tile's 64 bytes)."""
     return pdl.row_lines(w_ptr, rn, 4 * stride_wn, k_start // 2, N - 1, (tl.minimum(K, k_start + K_SPLIT) - 1) // 2,
-                         BLOCK_K // 128)
+                         (INPUTS // 2 + 127) // 128)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -103,7 +104,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count
                 A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,7 +114,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, PREFETCH * BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -145,7 +146,7 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, 
                      AK, BN, BK,
                      HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """W8A8 at a decode or verify step's few rows: ``_fp8_kernel``'s sums, the weights on
     the product's left (outᵀ = W · xᵀ, a ``[BLOCK_N, BLOCK_M]`` tile). With x on the left
     a product has the rows' 16 as its M, which Hopper runs as mma.sync with the weights
@@ -162,7 +163,7 @@ def _fp8_left_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, 
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, PREFETCH * BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -188,7 +189,7 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
                     AK, BN, BK,
                     HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """One row of W8A16 without tensor cores (``_int4_row_kernel``'s reasons): each program
     widens its ``[BLOCK_N, BLOCK_K]`` float8 weights to fp32, multiplies them by the row and
     sums along K, a K tile at a time, scaled by the weights' block. (Float8 inputs go to the
@@ -199,7 +200,7 @@ def _fp8_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, c
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
+        pdl.prefetch_l2(_fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, PREFETCH * BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -218,7 +219,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
                  stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
                  HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                 PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """A K tile is one chunk of 128 inputs, 16 words a row (``INT4_CHUNK``): nibble j of
     word c holds input 16j + c, so each nibble is its own product with 16 contiguous
     inputs and the tile is never reshuffled. 16 inputs share one scale group (groups are
@@ -232,7 +233,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, count_
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
+        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, PREFETCH * BLOCK_K))
     pdl.wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
@@ -339,7 +340,7 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
                      stride_xm, stride_wn, stride_sn, stride_om, stride_os, GROUP,
                      HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """One row (a decode step's) without tensor cores: a product of 1 × 16 × N pads the
     tensor cores' 16 rows and routes the weights through shared memory for each nibble;
     here each program multiplies its ``[BLOCK_N, 16]`` words nibble by nibble in fp32 and
@@ -351,7 +352,7 @@ def _int4_row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, co
     n_valid = rn < N
     k_start = tl.program_id(2) * K_SPLIT
     if PREFETCH:  # (the weights: no kernel of the step writes them)
-        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K))
+        pdl.prefetch_l2(_int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, PREFETCH * BLOCK_K))
     pdl.wait(PDL)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -474,7 +475,7 @@ class Tiles(NamedTuple):
     num_stages: int
     sum_in_launch: bool = False
     pdl: bool = True        # launched with PDL where the GPU has it (``kernels/pdl.py``)
-    prefetch: bool = False  # ... and its first weights asked for before its wait
+    prefetch: int = 0       # ... and its first this many K tiles of weights asked of L2 before its wait
 
 
 FEW_ROWS = 16  # up to this many rows (decode and verify steps): one narrow row tile, K split
@@ -491,7 +492,7 @@ class FewRowTiles(NamedTuple):
     num_warps: int
     sum_in_launch: bool = False  # K split: partial sums added by the tile's last program
     pdl: bool = True             # launched with programmatic dependent launch (``kernels/pdl.py``)
-    prefetch: bool = False       # with PDL: the first two K tiles of weights asked of L2 first
+    prefetch: int = 0            # with PDL: the first this many K tiles of weights asked of L2 first
 
 
 # Per kind of weight, from sweeps on an H200 (benchmarks/quant_gpu.py --sections tiles; the
@@ -505,7 +506,7 @@ class FewRowTiles(NamedTuple):
 # shorter; the weight prefetch helped W8A8 per channel (blocks, the same kind, level) and
 # cost 4-bit, so W8A8 alone prefetches; W8A16's verify step was slower with PDL, so its
 # few-row GEMM launches without it.
-FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4, prefetch=True),
+FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4, prefetch=2),
                  "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4, pdl=False),
                  "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),
                  "w4a16_row": FewRowTiles(128, INT4_CHUNK, 3, 14, 16, 2, 4, sum_in_launch=True),
@@ -590,7 +591,8 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
                      IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages,
-                     PREFETCH=pdl.prefetch(launch, t.prefetch), **launch, **constants(t))
+                     PREFETCH=(t.prefetch or 1) if pdl.prefetch(launch, t.prefetch > 0) else 0, **launch,
+                     **constants(t))
         if split > 1 and counters is None:
             _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
                                                      SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **launch)

@@ -442,10 +442,10 @@ def test_split_k_sums_are_the_same_in_one_launch_as_in_two(monkeypatch):
     cpu = torch.device("cpu")
     assert [quant_matmul.plan(True, kind, 128, 4096, 128, cpu)[3:7] for kind in ("w4a16_row", "w4a16", "w8a8")] == [
         (16, 4, 3, True), (8, 4, 2, True), (4, 4, 4, False)]
-    # And where each launches with PDL, prefetching its first weights (kernels/pdl.py).
+    # And where each launches with PDL, prefetching its first K tiles of weights (kernels/pdl.py).
     assert [quant_matmul.plan(few, kind, 128, 4096, 128, cpu)[7:] for few, kind in (
         (True, "w8a8"), (True, "w8a16"), (True, "w8a16_row"), (True, "w4a16_row"), (False, "w8a16"))] == [
-        (True, True), (False, False), (True, False), (True, False), (True, False)]
+        (True, 2), (False, 0), (True, 0), (True, 0), (True, 0)]
     assert not quant_matmul.plan(True, "w4a16_row", 128, 256, 128, cpu).sum_in_launch  # (K whole)
 
 
@@ -536,6 +536,8 @@ from triton.compiler import ASTSource
 from specserve.kernels import quant_matmul as qm
 
 def compile(fn, pointers, constants, num_warps=4, num_stages=3):
+    constants = dict(constants, **{p.name: p.default for p in fn.params  # (constexprs left at their defaults)
+                                   if p.is_constexpr and p.has_default and p.name not in constants})
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),

@@ -42,28 +42,30 @@ def test_pdl_needs_hopper_and_cuda_not_rocm(monkeypatch):
 
 @triton.jit
 def _lines_kernel(w_ptr, out_ptr, N, K, K_SPLIT, stride_wn, INT4: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, LINES: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TILES: tl.constexpr, LINES: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * K_SPLIT
     if INT4:
-        lines = quant_matmul._int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K)
+        lines = quant_matmul._int4_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, TILES * BLOCK_K)
     else:
-        lines = quant_matmul._fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, BLOCK_K)
+        lines = quant_matmul._fp8_lines(w_ptr, rn, N, K, k_start, K_SPLIT, stride_wn, TILES * BLOCK_K)
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     offs = tl.arange(0, BLOCK_N)[:, None] * LINES + tl.arange(0, LINES)[None, :]
     tl.store(out_ptr + program * BLOCK_N * LINES + offs, lines - w_ptr.to(tl.int64))
 
 
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("int4, tiles", [(False, 2), (False, 8), (True, 1), (True, 4)])
 @pytest.mark.parametrize("n, k, block_n, block_k, split", [
     (100, 4096, 64, 256, 4),   # ragged N
     (64, 576, 32, 64, 3),      # K not a multiple of 128 or of the split
     (33, 200, 32, 32, 2),      # a tile shorter than a line
 ])
-def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4, n, k, block_n, block_k, split):
-    """Every address a GEMM's program prefetches lies in its weight, in one of its own
-    columns' rows (the last row for columns past N), between the first and the last byte of
-    its share of K."""
+def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4, tiles, n, k, block_n, block_k,
+                                                                            split):
+    """Every address a GEMM's program prefetches, asked for its first ``tiles`` K tiles,
+    lies in its weight, in one of its own columns' rows (the last row for columns past N),
+    between the first and the last byte of its share of K; and they are the lines those
+    tiles' bytes take, from the line of the share's first byte, as far as the share goes."""
     device = torch.device("cuda" if CUDA else "cpu")
     block_k = 128 if int4 else block_k
     k_pad = triton.cdiv(k, 128) * 128 if int4 else k
@@ -72,9 +74,11 @@ def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4
     stride = row_bytes // 4 if int4 else row_bytes  # (int32 words a row, for 4-bit)
     k_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, k_split))
-    lines = 1 if int4 else (2 * block_k + 127) // 128
+    wanted = tiles * block_k // 2 if int4 else tiles * block_k  # (bytes)
+    lines = (wanted + 127) // 128
     out = torch.full((grid[0] * grid[1] * block_n * lines,), -1, dtype=torch.int64, device=device)
-    _lines_kernel[grid](w, out, n, k, k_split, stride, INT4=int4, BLOCK_N=block_n, BLOCK_K=block_k, LINES=lines)
+    _lines_kernel[grid](w, out, n, k, k_split, stride, INT4=int4, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles,
+                        LINES=lines)
     out = out.view(grid[0], grid[1], block_n, lines).cpu()
     for pn in range(grid[0]):
         for pk in range(grid[1]):
@@ -85,6 +89,11 @@ def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4
                 for offset in out[pn, pk, c].tolist():
                     assert 0 <= offset < w.numel()
                     assert offset // row_bytes == row and lo <= offset % row_bytes <= hi, (pn, pk, c, offset)
+                # The lines of that many bytes, from the line the share's first byte is in
+                # (a row that starts mid-line gets fewer of its bytes: its lines are as many).
+                first_line = (row * row_bytes + lo) // 128
+                asked = set(range(first_line, min(first_line + lines, (row * row_bytes + hi) // 128 + 1)))
+                assert asked == {offset // 128 for offset in out[pn, pk, c].tolist()}, (pn, pk, c)
 
 
 @triton.jit
@@ -152,6 +161,7 @@ LAYOUT_LOAD = re.compile(r"^\s*(@!?%\w+\s+)?ld\.global(\.nc)?\.b32 \{ %r\d+ \}",
 def check(fn, pointers, constants, num_warps=4, num_stages=2, prefetch=False, reads_layout=False):
     checked.add(fn)
     constants = dict(constants, PDL=1, **({"PREFETCH": prefetch} if "PREFETCH" in fn.arg_names else {}))
+    prefetch = bool(prefetch)  # (the GEMMs': K tiles; the attention's: whether)
     constants.update({p.name: p.default for p in fn.params  # (constexprs left at their defaults)
                       if p.is_constexpr and p.has_default and p.name not in constants})
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in fn.arg_names}
@@ -173,7 +183,7 @@ tiles = dict(HAS_BIAS=False, SPLIT_SUM=2, BLOCK_M=16, BLOCK_K=128, UPCAST=False,
 split = dict(part_ptr="*fp32", count_ptr="*i32")
 fp8 = dict(split, xs_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16")
 int4 = dict(split, x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16")
-for prefetch in (False, True):
+for prefetch in (0, 2, 8):  # (K tiles)
     check(qm._fp8_left_kernel, dict(fp8, x_ptr="*fp8e4nv"), dict(tiles, BLOCK_N=64), num_stages=4, prefetch=prefetch)
     check(qm._fp8_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=128, A_FP8=False), prefetch=prefetch)
     check(qm._fp8_row_kernel, dict(fp8, x_ptr="*bf16"), dict(tiles, BLOCK_N=64), prefetch=prefetch)
