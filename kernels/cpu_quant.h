@@ -143,6 +143,7 @@ struct QuantizedRows {
   std::vector<float> group_scale, group_sum;
   std::vector<int64_t> blocks;
   int64_t kp = 0, group = 32;
+  int64_t blocks_kp = -1, blocks_group = -1;  // what ``blocks`` was made for (``prepare_rows``)
 };
 
 template <typename T>
@@ -179,14 +180,35 @@ inline __m512 load_floats16(const at::BFloat16* p) {
 }
 #endif
 
-// ``out`` sized for m rows of kp inputs (its kp and group set), its rows still to quantize.
+// ``out`` sized for m rows of kp inputs (its kp and group set), its rows still to quantize
+// (``quantize_row_range`` writes every value of ``a``; the groups past k keep scale and sum 0).
+// A thread's scratch is prepared a few times a layer: its blocks are made again only for
+// another kp or group.
 inline void prepare_rows(int64_t m, QuantizedRows& out) {
   const int64_t groups = out.kp / out.group;
-  out.a.assign(m * out.kp, 0);
+  out.a.resize(m * out.kp);
   out.group_scale.assign(m * groups, 0.f);
   out.group_sum.assign(m * groups, 0.f);
-  out.blocks = blocks(out.kp, out.group);
+  if (out.blocks_kp != out.kp || out.blocks_group != out.group) {
+    out.blocks = blocks(out.kp, out.group);
+    out.blocks_kp = out.kp;
+    out.blocks_group = out.group;
+  }
 }
+
+#if defined(QUANT_AVX512)
+// Chunk j of a whole block (16 groups of g inputs, a group a lane: L = 1 below) into block
+// order, from the block's natural order at ``src``: lane l's inputs 4j … 4j + 3 of group l,
+// each at its ``slot``, which puts input pair p (4j + 2p, + 1) of lane l in the chunk's
+// int32 16p + l; so each half of the chunk is one gather of the lanes' pairs.
+inline void whole_block_chunk(const int16_t* src, int64_t g, int64_t j, int16_t* chunk) {
+  static_assert(slot(5, 2) == 32 + 2 * 5 && slot(5, 3) == 32 + 2 * 5 + 1, "the AVX-512 slots");
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int32_t>(2 * g)));  // bytes
+  for (int64_t p = 0; p < 2; ++p)
+    _mm512_storeu_si512(chunk + 32 * p, _mm512_i32gather_epi32(lanes, src + kLaneIn * j + 2 * p, 1));
+}
+#endif
 
 // Rows begin … end - 1 of x [m, k] quantized into ``out`` (prepared), ``natural`` a scratch
 // row of kp values.
@@ -241,6 +263,13 @@ void quantize_row_range(const T* x, int64_t k, QuantizedRows& out, int64_t begin
     int64_t k0 = 0;
     for (const int64_t size : out.blocks) {
       const int64_t per_lane = g / (kLaneIn * size);  // L
+#if defined(QUANT_AVX512)
+      if (per_lane == 1) {  // a whole block
+        for (int64_t j = 0; j < size; ++j) whole_block_chunk(natural.data() + k0, g, j, dst + k0 + j * kChunk);
+        k0 += size * kChunk;
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < size; ++j)
         for (int64_t l = 0; l < 16; ++l) {
           const int16_t* src = natural.data() + k0 + (l / per_lane) * g + (j * per_lane + l % per_lane) * kLaneIn;
