@@ -257,6 +257,20 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
            i = counter.next.fetch_add(grain, std::memory_order_relaxed))
         work(i, std::min(i + grain, n));
     };
+    // The same with takes that shrink as the items run out (guided): each takes a share of
+    // what is left, at least ``least``, so the threads' last takes are short and they reach
+    // the barrier close together, where equal takes of a quarter of a thread's share left
+    // the others waiting up to one take's time.
+    auto take_guided = [&](Counter& counter, int64_t n, int64_t least, auto&& work) {
+      int64_t i = counter.next.load(std::memory_order_relaxed);
+      while (i < n) {
+        const int64_t grain = std::max(least, (n - i) / (2 * team));
+        if (counter.next.compare_exchange_weak(i, i + grain, std::memory_order_relaxed)) {
+          work(i, std::min(i + grain, n));
+          i = counter.next.load(std::memory_order_relaxed);
+        }
+      }
+    };
     // Each thread's own: a piece's input rows, normalised or activated, and quantized.
     std::vector<T> h(m * std::max(hidden_size, inter));
     std::vector<float> row(std::max(hidden_size, q_width));
@@ -269,10 +283,10 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       prepare_rows(rows, quantized);
       quantize_row_range(x, k, quantized, 0, rows, natural);
     };
-    // A weight's columns, in whole tiles of 4, about four takes a thread.
+    // A weight's columns, in whole tiles of 4, taken guided (the last takes a tile or a few).
     auto columns = [&](Counter& counter, const QuantWeight& weight, T* out) {
       const int64_t tiles = (weight.n + 3) / 4;
-      take(counter, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
+      take_guided(counter, tiles, std::max<int64_t>(1, tiles / (64 * team)), [&](int64_t begin, int64_t end) {
         matmul_columns(quantized, m, weight, out, 4 * begin, std::min(4 * end, weight.n));
       });
     };
@@ -358,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
                                h.data() + i * hidden_size, nullptr, hidden_size, head->eps, row.data());
       quantize(h.data(), rows, hidden_size, head->weight);
       const int64_t n = head->weight.n, tiles = (n + 3) / 4;
-      take(head_columns, tiles, std::max<int64_t>(1, tiles / (4 * team)), [&](int64_t begin, int64_t end) {
+      take_guided(head_columns, tiles, std::max<int64_t>(1, tiles / (64 * team)), [&](int64_t begin, int64_t end) {
         const int64_t c0 = 4 * begin, c1 = std::min(4 * end, n);
         matmul_columns<float, T>(quantized, rows, head->weight, head->logits, c0, c1);
         if (head->full != nullptr)  // the same values at their vocabulary columns, while in cache
