@@ -504,8 +504,9 @@ class FewRowTiles(NamedTuple):
 # H100, and nothing measurable for FP8 (a per-channel W8A8 step took 2 % longer):
 # one_launch_split_2026-12-05/. With PDL (pdl_2026-12-06/) every kind's decode step was
 # shorter; the weight prefetch helped W8A8 per channel (blocks, the same kind, level) and
-# cost 4-bit, so W8A8 alone prefetches; W8A16's verify step was slower with PDL, so its
-# few-row GEMM launches without it.
+# cost 4-bit, so W8A8 alone prefetches, two K tiles (sixteen made the step 3-7 % longer,
+# four and eight were level: prefetch_depth_2026-12-06/); W8A16's verify step was slower
+# with PDL, so its few-row GEMM launches without it.
 FEW_ROW_TILES = {"w8a8": FewRowTiles(64, 256, 4, 2, 16, 2, 4, prefetch=2),
                  "w8a16": FewRowTiles(32, 128, 4, 4, 16, 4, 4, pdl=False),
                  "w4a16": FewRowTiles(64, INT4_CHUNK, 2, 14, 8, 4, 4, sum_in_launch=True),
