@@ -111,9 +111,10 @@ struct alignas(64) Arrival {  // a thread's, at one barrier (a cache line each)
   std::chrono::steady_clock::time_point at;
 };
 
-// A piece's items go to the threads as they take them (``take``), a few at a time: a thread
-// that runs slower, or is interrupted, takes fewer, where equal shares made every other
-// thread wait for it at the barrier. Which thread computes an item does not change it.
+// A piece's items go to the threads as they take them (``take``, ``take_guided``), a few at
+// a time: a thread that runs slower, or is interrupted, takes fewer, where equal shares
+// made every other thread wait for it at the barrier. Which thread computes an item does
+// not change it.
 enum Piece { kQkvHeads, kAttentionItems, kOColumns, kGateUpColumns, kDownColumns, kPieces };
 struct alignas(64) Counter {  // the next item of one piece of one layer (a cache line each)
   std::atomic<int64_t> next{0};
@@ -283,7 +284,7 @@ std::tuple<at::Tensor, at::Tensor> layers_in_region(const at::Tensor& hidden, co
       prepare_rows(rows, quantized);
       quantize_row_range(x, k, quantized, 0, rows, natural);
     };
-    // A weight's columns, in whole tiles of 4, taken guided (the last takes a tile or a few).
+    // A weight's columns, in whole tiles of 4, taken guided (takes down to 1/64 of a thread's share).
     auto columns = [&](Counter& counter, const QuantWeight& weight, T* out) {
       const int64_t tiles = (weight.n + 3) / 4;
       take_guided(counter, tiles, std::max<int64_t>(1, tiles / (64 * team)), [&](int64_t begin, int64_t end) {

@@ -35,9 +35,11 @@ import triton.language as tl
 ENABLED = os.environ.get("SPECSERVE_PDL", "1") != "0"
 # For A/B runs: whether a kernel lets the next one launch once past its wait (else only as
 # it ends), and whether weight GEMMs prefetch (None: as each kind of weight's tiles say,
-# ``quant_matmul.FEW_ROW_TILES``; True or False: all or none).
+# ``quant_matmul.FEW_ROW_TILES``; True or False: all or none, a kind that asks none then
+# taking FORCED_PREFETCH K tiles).
 TRIGGER = True
 GEMM_PREFETCH: bool | None = None
+FORCED_PREFETCH = 2
 
 
 @functools.cache

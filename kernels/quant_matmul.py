@@ -566,6 +566,16 @@ def _k_step(k: int, *groups: int) -> int:
 
 
 
+def prefetch_tiles(tiles: Tiles, launch: dict) -> int:
+    """The K tiles of weights a GEMM launched with ``launch``'s arguments asks of L2 before
+    its PDL wait (``pdl.prefetch``): its tiles' own, or ``pdl.FORCED_PREFETCH`` where the A/B
+    switch forces a kind that asks none; 0 for none. A power of two: the lines of a row
+    are (``pdl.row_lines``)."""
+    if tiles.prefetch & (tiles.prefetch - 1):
+        raise ValueError(f"a GEMM prefetches a power of two of K tiles, not {tiles.prefetch}")
+    return (tiles.prefetch or pdl.FORCED_PREFETCH) if pdl.prefetch(launch, tiles.prefetch > 0) else 0
+
+
 def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invariant: bool, tiles,
             counters: torch.Tensor | None = None):
     """``kernel`` over ``x`` ``[..., K]`` into ``[..., N]``. ``args(x2, out, part, counters,
@@ -592,8 +602,7 @@ def _launch(kernel, kind, x, n, k, step, out_dtype, args, constants, bias, invar
                      HAS_BIAS=bias is not None, SPLIT_SUM=0 if split == 1 else 1 if counters is None else 2,
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST=x.device.type != "cuda",
                      IEEE=x.dtype == torch.float32, num_warps=t.num_warps, num_stages=t.num_stages,
-                     PREFETCH=(t.prefetch or 1) if pdl.prefetch(launch, t.prefetch > 0) else 0, **launch,
-                     **constants(t))
+                     PREFETCH=prefetch_tiles(t, launch), **launch, **constants(t))
         if split > 1 and counters is None:
             _sum_splits[(triton.cdiv(m * n, 1024),)](part, part if bias is None else bias, out, m * n, n,
                                                      SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024, **launch)

@@ -22,6 +22,22 @@ def test_pdl_is_never_used_off_a_gpu_or_when_turned_off(monkeypatch):
     assert not pdl.prefetch(pdl.launch(torch.device("cpu")), True)
     assert pdl.prefetch({"PDL": 1, "launch_pdl": True}, True)
     assert not pdl.prefetch({"PDL": 1, "launch_pdl": True}, False)
+
+
+def test_a_gemm_prefetches_its_tiles_depth_or_the_forced_one(monkeypatch):
+    """A launch with PDL prefetches as many K tiles as its tiles ask; the A/B switch forces
+    ``FORCED_PREFETCH`` on a kind that asks none, or none at all; without PDL, none; a
+    depth that is not a power of two is refused."""
+    tiles = quant_matmul.Tiles(16, 64, 256, 4, 4, 4, prefetch=4)
+    on, off = {"PDL": 1, "launch_pdl": True}, pdl.launch(torch.device("cpu"))
+    assert quant_matmul.prefetch_tiles(tiles, on) == 4 and quant_matmul.prefetch_tiles(tiles, off) == 0
+    assert quant_matmul.prefetch_tiles(tiles._replace(prefetch=0), on) == 0
+    monkeypatch.setattr(pdl, "GEMM_PREFETCH", True)
+    assert quant_matmul.prefetch_tiles(tiles._replace(prefetch=0), on) == pdl.FORCED_PREFETCH == 2
+    monkeypatch.setattr(pdl, "GEMM_PREFETCH", False)
+    assert quant_matmul.prefetch_tiles(tiles, on) == 0
+    with pytest.raises(ValueError, match="power of two"):
+        quant_matmul.prefetch_tiles(tiles._replace(prefetch=3), on)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}  # (no GPU asked: off first)
     assert pdl.launch(torch.device("cpu"), allowed=False) == {"PDL": 0}
@@ -64,8 +80,9 @@ def test_gemm_prefetches_stay_inside_the_weight_and_the_programs_share_of_k(int4
                                                                             split):
     """Every address a GEMM's program prefetches, asked for its first ``tiles`` K tiles,
     lies in its weight, in one of its own columns' rows (the last row for columns past N),
-    between the first and the last byte of its share of K; and they are the lines those
-    tiles' bytes take, from the line of the share's first byte, as far as the share goes."""
+    between the first and the last byte of its share of K; and they are, from the line its
+    share starts in, as many lines as those tiles' bytes take, as far as the share goes (a
+    row that starts mid-line has its tiles' last bytes left out)."""
     device = torch.device("cuda" if CUDA else "cpu")
     block_k = 128 if int4 else block_k
     k_pad = triton.cdiv(k, 128) * 128 if int4 else k
