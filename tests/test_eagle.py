@@ -287,6 +287,16 @@ def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert len(json.loads((tmp_path / "head" / "draft_vocab.json").read_text())) == 64
     card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
     assert "EAGLE-style draft head" in card and "64 tokens most frequent" in card and "unrolled" in card
+    # A kind a budget left without answers says so in the card's validation tables.
+    from specserve.training.card import write_model_card
+
+    for figures in (record["training"]["final_val"], *record["training"]["history"]["val"]):
+        figures.update(answers_code=0)
+        figures.pop("sim_accept_len_code", None), figures.pop("top1_agreement_code", None)
+    write_model_card(tmp_path / "head", record)
+    rows = [line for line in (tmp_path / "head" / "MODEL_CARD.md").read_text().splitlines()
+            if line.startswith(("| after training |", f"| {record['training']['steps']} |"))]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("no answers") for row in rows), rows
 
 
 def record_graph_shapes(graphs) -> list[tuple[int, ...]]:
