@@ -22,6 +22,9 @@ def test_pdl_is_never_used_off_a_gpu_or_when_turned_off(monkeypatch):
     assert not pdl.prefetch(pdl.launch(torch.device("cpu")), True)
     assert pdl.prefetch({"PDL": 1, "launch_pdl": True}, True)
     assert not pdl.prefetch({"PDL": 1, "launch_pdl": True}, False)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}  # (no GPU asked: off first)
+    assert pdl.launch(torch.device("cpu"), allowed=False) == {"PDL": 0}
 
 
 def test_a_gemm_prefetches_its_tiles_depth_or_the_forced_one(monkeypatch):
@@ -38,9 +41,6 @@ def test_a_gemm_prefetches_its_tiles_depth_or_the_forced_one(monkeypatch):
     assert quant_matmul.prefetch_tiles(tiles, on) == 0
     with pytest.raises(ValueError, match="power of two"):
         quant_matmul.prefetch_tiles(tiles._replace(prefetch=3), on)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch(torch.device("cuda", 0)) == {"PDL": 0}  # (no GPU asked: off first)
-    assert pdl.launch(torch.device("cpu"), allowed=False) == {"PDL": 0}
 
 
 def test_pdl_needs_hopper_and_cuda_not_rocm(monkeypatch):

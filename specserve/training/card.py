@@ -149,8 +149,9 @@ def write_model_card(out: Path, record: dict) -> None:
         f"at k = {passes if eagle else 4} replayed exactly from draft-vs-target argmax agreement"
         + (", each draft step of a chain with its own unrolled pass" if eagle else "") + "):",
         "",
-        "| | KL | top-1 agreement chat | top-1 agreement code | accept. length chat | accept. length code |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| | KL | " + " | ".join(f"{name} {kind}" for name in ("top-1 agreement", "accept. length")
+                              for kind in KINDS) + " |",
+        "| --- | ---: |" + " ---: |" * (2 * len(KINDS)),
     ]
     replayed = [("before training", val0), ("after training", val1)]
     if t.get("held_out_replay"):
@@ -168,8 +169,9 @@ def write_model_card(out: Path, record: dict) -> None:
             lines.append(f"| {name} | {r['chat']:.2f} | {r['code']:.2f} |")
     if record.get("evaluation_error"):
         lines += ["", f"Evaluation in the engine failed: {record['evaluation_error']}"]
-    lines += ["", "Validation during training:", "", "| step | KL | accept. length chat | accept. length code |",
-              "| ---: | ---: | ---: | ---: |"]
+    lines += ["", "Validation during training:", "",
+              "| step | KL | " + " | ".join(f"accept. length {kind}" for kind in KINDS) + " |",
+              "| ---: | ---: |" + " ---: |" * len(KINDS)]
     for v in t["history"]["val"]:
         lines.append(f"| {v['step']} | {v['kl']} | "
                      + " | ".join(_figure(v, "sim_accept_len", kind) for kind in KINDS) + " |")
