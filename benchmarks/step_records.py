@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = recorders[name].steps
         results["runs"].append({"workload": workload, "setting": name, "round": round_,
                                 "output_throughput": run["output_throughput"], "duration": run["duration"],
+                                "recorded_s": recorders[name].seconds,
                                 "mean_ttft_ms": run.get("mean_ttft_ms"),
                                 "summary": summarise(steps, full_batch), "checks": checks(engines[name]),
                                 "steps": steps})

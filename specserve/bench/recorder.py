@@ -25,6 +25,7 @@ class StepRecorder:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.steps: list[list[float]] = []
+        self.seconds = 0.0  # the last recording's wall time, from which the steps' ``start_s`` count
         self._cur: dict[str, float] = {}
         self._gc_start = 0.0
 
@@ -89,6 +90,7 @@ class StepRecorder:
         try:
             yield self
         finally:
+            self.seconds = time.perf_counter() - began
             gc.callbacks.remove(self._gc)
             for owner, name, _ in owners + [(e, "_verify", ""), (e, "step", "")]:
                 del owner.__dict__[name]  # the class's method again
