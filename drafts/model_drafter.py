@@ -82,11 +82,10 @@ class ModelDrafter:
         # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
         # A catch-up that feeds exactly the target's step replays on the target's inputs
-        # (``_catch_up_pass``). Off by default: its steps without drafts cost what unfed
-        # ones do, but with it the default drafted more under load on chat, where drafts
-        # lose to speculation off (likely, not tested: the cost fit no longer counted the
-        # feed in every pass; benchmarks/results/per_token_drafting/plain_steps_2026-12-06/).
-        self.shares_target_inputs = False
+        # (``_catch_up_pass``): a step without drafts then costs about what an unfed one
+        # does, and a large batch's plain regime, which the goodput check's plain side
+        # measures (``GoodputCheck.continues_run``), what speculation off's steps do.
+        self.shares_target_inputs = True
         self.target_runner: ModelRunner | None = None
         self._stream: torch.cuda.Stream | None = None
         self._behind = False

@@ -1120,13 +1120,19 @@ def test_kinds_of_step_taking_turns_keep_their_own_plans():
 
 
 # ---------------------------------------------------------------------- realised goodput
-def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, accepted: int = 4):
+def serve(ctl, steps: int, plain_s: float, drafted_s: float, batch: int = 8, accepted: int = 4,
+          believes: bool = False):
     """Run ``steps`` steps of a batch whose drafts are always accepted, where a step
     without drafts takes ``plain_s`` and one with the plan's drafts ``drafted_s`` (what the
-    cost model does not know): returns the drafted steps' share of the time, and the goodput."""
+    cost model does not know): returns the drafted steps' share of the time, and the goodput.
+    ``believes``: the estimates stay at every draft accepted, so the plan keeps drafting
+    whatever its bar, and only the veto can stop it."""
     caps = {f"r{i}": 4 for i in range(batch)}
     drafting = tokens = seconds = 0
     for _ in range(steps):
+        if believes:
+            for req_id in caps:
+                ctl.set_estimates(req_id, [1.0] * 4, 1.0)
         k = ctl.choose(caps)
         drafted = any(k.values())
         for req_id, n in k.items():
@@ -1298,26 +1304,26 @@ def test_drafts_that_lose_realised_goodput_are_vetoed():
     and veto it, letting the plan through only at rare checks (the first of them while
     the verdict is still forming)."""
     ctl = controller(**MEMORY_BOUND)
-    share, goodput = serve(ctl, 400, plain_s=0.010, drafted_s=0.060)
+    share, goodput = serve(ctl, 400, plain_s=0.010, drafted_s=0.060, believes=True)
     check = next(iter(ctl.checks.values()))
     assert check.vetoed and check.ratio < 0.9
     assert share < 0.2  # mostly the steps before the verdict
     assert goodput > 0.97 * 8 / 0.010  # off's; drafting every step would give 0.83x
-    share, goodput = serve(ctl, 1000, plain_s=0.010, drafted_s=0.060)
+    share, goodput = serve(ctl, 1000, plain_s=0.010, drafted_s=0.060, believes=True)
     assert share < 0.05 and goodput > 0.99 * 8 / 0.010
 
 
 def test_drafts_that_pay_are_checked_rarely():
     """Drafting truly pays 2.5x: it is never vetoed, and checks (a step without the
     plan's drafts) take at most 1 / CHECK_MAX of the time once the verdict is clear."""
-    from specserve.spec.goodput import CHECK_MAX
+    from specserve.spec.goodput import CHECK_MAX, PLAIN_RUN
 
     ctl = controller(**MEMORY_BOUND)
     serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
     check = next(iter(ctl.checks.values()))
     assert not check.vetoed and check.ratio > 2 and check.interval == CHECK_MAX
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
-    assert share >= 1 - 1.5 / CHECK_MAX
+    assert share >= 1 - (PLAIN_RUN + 0.5) / CHECK_MAX  # a check at this batch: a run of plain steps
 
 
 @pytest.mark.parametrize("step_s", [0.0025, 0.020])
@@ -1398,6 +1404,58 @@ def test_a_large_kinds_first_steps_without_drafts_come_back_to_back():
     assert not large.stale(drafted=False)  # CHECK_MIN with the one on its way
     large.observe(False, True, 24, 0.047)
     assert large.plain_step(24) == pytest.approx(0.047)
+
+
+def test_a_large_kinds_step_without_drafts_right_after_drafts_teaches_neither_side():
+    """At a large batch the plain side is the plain regime's: a step without drafts right
+    after one with them (the switch, which costs more) teaches neither side, its time
+    counting only towards the drafted side's staleness, and a check of the plain side is a
+    run of ``PLAIN_RUN`` steps without drafts (``continues_run``), so its last step is a
+    plain regime's. At batch 1 such a step teaches the plain side as before."""
+    from specserve.spec.goodput import CHECK_MIN, PLAIN_RUN, GoodputCheck
+
+    large, lone = GoodputCheck(max_k=4, batch=16), GoodputCheck(max_k=4, batch=1)
+    for check in (large, lone):
+        for _ in range(CHECK_MIN):
+            check.observe(True, False, 40, 0.020)
+            check.observe(False, False, 16, 0.010)  # (taught as after a plain step)
+    ratio, stale_since = large.ratio, large._since[0]
+    large.observe(False, True, 16, 0.030, after_drafts=True)  # the switch: 16 tokens in 30 ms
+    assert large.steps_seen == (CHECK_MIN, CHECK_MIN) and large.ratio == ratio
+    assert large._since[0] == pytest.approx(stale_since + 0.030)
+    assert large.plain_step(16) == pytest.approx(0.010)
+    lone.observe(False, True, 1, 0.030, after_drafts=True)
+    assert lone.steps_seen == (CHECK_MIN, CHECK_MIN + 1)
+    # A check of the plain side runs PLAIN_RUN steps at a large batch, one at batch 1.
+    large.running(drafted=False)
+    lone.running(drafted=False)
+    assert [large.continues_run() for _ in range(PLAIN_RUN)] == [True] * (PLAIN_RUN - 1) + [False]
+    assert not lone.continues_run()
+
+
+def test_drafts_that_lose_to_the_plain_regime_are_vetoed_though_the_switch_costs_more():
+    """A batch of 16: a drafted step delivers 18 tokens in 12.5 ms, a step without drafts
+    16 in 10 ms, but 16 ms right after a drafted step (the drafter's cache and the plan
+    catching up). Measured at the switch, the plain side (1,000 tokens/s) made drafts
+    (1,440) look better, and the engine ran at 0.9x speculation off; measured in the plain
+    regime (1,600) they are vetoed and the engine runs at about off's goodput, the checks
+    and their switches included."""
+    ctl = controller(**MEMORY_BOUND)
+    caps = {f"r{i}": 4 for i in range(16)}
+    tokens = seconds = 0.0
+    before = False
+    for step in range(1500):
+        for req_id in caps:  # the plan keeps drafting: only the check can stop it
+            ctl.set_estimates(req_id, [1.0] * 4, 1.0)
+        drafted = any(ctl.choose(caps).values())
+        emitted, elapsed = (18, 0.0125) if drafted else (16, 0.016 if before else 0.010)
+        ctl.observe_goodput(emitted, elapsed)
+        before = drafted
+        if step >= 500:
+            tokens, seconds = tokens + emitted, seconds + elapsed
+    check = ctl.checks[(False, False, 5)]
+    assert check.vetoed and check.plain_step(16) == pytest.approx(0.010)
+    assert tokens / seconds > 0.97 * 1600
 
 
 def _bursts(check, bursts, steps, batch=24, plain_s=0.047, drafted_s=0.100, backlog_s=0.120):
@@ -1527,7 +1585,7 @@ def test_a_veto_is_lifted_when_drafting_starts_to_pay():
     let through at checks, and once drafts pay (a new workload, a freed machine) they
     come back."""
     ctl = controller(**MEMORY_BOUND)
-    serve(ctl, 300, plain_s=0.010, drafted_s=0.060)
+    serve(ctl, 300, plain_s=0.010, drafted_s=0.060, believes=True)
     assert [c.vetoed for c in ctl.checks.values()] == [True]
     alone = serve(ctl, 100, plain_s=0.010, drafted_s=0.012, batch=1)[0]  # another kind: its own check
     assert alone > 0.8 and len(ctl.checks) == 2

@@ -73,6 +73,7 @@ class Choice:
     checked: bool = False
     promised: float = 0.0  # the goodput its plan expected of its drafts (0: none)
     planned: bool = False
+    after_drafts: bool = False  # the step chosen before it ran drafts (``GoodputCheck.observe``)
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
     regime: tuple | None = None            # a fresh plan's kind of step,
     replaced: StandingPlan | None = None   # and the plan it replaced there (``withdraw``)
@@ -122,6 +123,7 @@ class DraftLengthController:
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
         self._step_s = 0.0                  # a step's wall time, smoothed
         self.last = Choice()                # the last choice, what its step will teach
+        self._drafted_before = False        # whether the last choice's step runs drafts
 
     # ------------------------------------------------------------------ learning
     @property
@@ -151,7 +153,8 @@ class DraftLengthController:
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
-            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s, choice.promised)
+            check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s, choice.promised,
+                          choice.after_drafts)
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:
@@ -191,6 +194,14 @@ class DraftLengthController:
         ``joined``: how many requests ever joined ``caps`` (a running count,
         ``DecodingRequests.joined``): when more than half the batch joined since a plan or
         a veto was made, they are about other requests (at batch 1, the next one)."""
+        k = self._choose(caps, num_other_tokens, num_other_spans, padded, context, forkable, joined)
+        # Whether the step before ran drafts: at a large batch a step without drafts right
+        # after one is the switch between the regimes (``GoodputCheck.continues_run``).
+        self.last.after_drafts, self._drafted_before = self._drafted_before, any(k.values())
+        return k
+
+    def _choose(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int, padded: bool,
+                context: int | Callable[[], int], forkable: Container[str], joined: int) -> dict[str, int]:
         self.last = choice = Choice()
         self.unforked = set()
         self.stop = None
@@ -209,6 +220,9 @@ class DraftLengthController:
                 if neighbour is not None:
                     check.inherit(neighbour)
                     break
+        if check.continues_run():  # a check of the plain side, in a run of steps without drafts
+            choice.check, choice.checked = check, True
+            return dict.fromkeys(caps, 0)
         if check.vetoed:
             check.saw(joined, len(caps))  # a batch mostly new to the veto weighs its evidence less
         standing = self._plans.get(regime)
@@ -265,6 +279,7 @@ class DraftLengthController:
         fresh plan it made does not stand for the requests that replace them (a request
         that joined would draft nothing until the plan after it); the plan it replaced
         stands again, served, so the next choice plans afresh."""
+        self._drafted_before = choice.after_drafts
         if choice.planned and choice.regime is not None:
             if choice.replaced is None:
                 self._plans.pop(choice.regime, None)

@@ -5,7 +5,10 @@ hundred requests, what drafting adds around the pass is hard to tell from what t
 costs anyway. So the plan answers to what it delivers: for each kind of step, the
 realised goodput (emitted tokens per second of whole step) of the steps that ran drafts
 is compared with that of the steps that ran none, and drafts are vetoed where they
-deliver less, by more than twice the comparison's standard error. The same steps tell
+deliver less, by more than twice the comparison's standard error. At a large batch the
+plain side is the plain regime's: a step without drafts right after one with them (the
+drafter's cache and the plan catching up) teaches neither side (``observe``), and a check of
+that side runs ``PLAIN_RUN`` such steps in a row (``continues_run``). The same steps tell
 how far the plan's promises fall short of what its drafts deliver, or beyond it
 (``promise``): where they deliver more than promised, the plan's bar is lowered as much.
 """
@@ -32,6 +35,7 @@ INHERIT = 0.5               # what a kind new to the check takes of its neighbou
 PLAIN_SLOPE_PRIOR = 0.01    # a plain step's slope taken as proportional, weighed as steps this spread (x batch^2)
 PROMISE_PRIOR_STEPS = 4     # drafts delivering what their plans promised, as if seen over this many steps,
 PROMISE_MAX = 2.0           # and at most this many times it
+PLAIN_RUN = 2               # at a large batch, steps without drafts a check of that side runs in a row
 
 
 class GoodputCheck:
@@ -82,6 +86,7 @@ class GoodputCheck:
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
         self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
         self._promises = [0.0, 0.0, 0.0]           # drafted steps with a promise: decayed steps, tokens, tokens promised
+        self._run_left = 0                         # steps a plain check's run still has to choose (``continues_run``)
 
     @property
     def steps_seen(self) -> tuple[int, int]:
@@ -224,8 +229,25 @@ class GoodputCheck:
         """A step of the drafted (or plain) side was chosen to check it: that side is not
         stale until the step is observed (where the engine learns from a step while the
         next one runs, after the next choice: one check, not two), or two more steps were
-        (a step that failed is never observed)."""
+        (a step that failed is never observed). At a large batch a check of the plain side
+        is a run of ``PLAIN_RUN`` steps (``continues_run``)."""
         self._running[0 if drafted else 1] = self._observed
+        if not drafted and self.large:
+            self._run_left = PLAIN_RUN - 1
+
+    def continues_run(self) -> bool:
+        """Whether the next step of this kind goes on with a plain check's run, without
+        drafts (then counted as chosen). At a large batch a step without drafts right after
+        one with them costs more than the plain regime's steps, and teaches neither side
+        (``observe``): a check of one step alone would never teach the plain side, and
+        one of each step after a drafted one would price the plain side at the switch's
+        cost, under which drafts that lose to speculation off still looked better (on a
+        GPU under load the default's plain steps among drafted ones delivered 15–23 tokens
+        a millisecond where off's delivered 20–28; #30)."""
+        if self._run_left <= 0:
+            return False
+        self._run_left -= 1
+        return True
 
     def inherit(self, other: "GoodputCheck") -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
@@ -254,15 +276,21 @@ class GoodputCheck:
         self._joined = joined
 
     def observe(self, drafted: bool, checked: bool, tokens: int, seconds: float, backlog_s: float = 0.0,
-                promised: float = 0.0) -> None:
+                promised: float = 0.0, after_drafts: bool = False) -> None:
         """A step of this kind ran: ``drafted`` whether it ran drafts, ``checked``
         whether the check chose so (against the plan, or against the veto). ``backlog_s``:
         what it spent besides ``seconds`` on earlier steps' tokens (a lazily fed draft's
         catch-up): not the drafts' goodput, but what a check under a veto costs.
         ``promised``: the goodput (tokens per second) the plan behind its drafts expected
-        (0: none known), for ``promise``."""
+        (0: none known), for ``promise``. ``after_drafts``: the engine's step before it
+        ran drafts; at a large batch a step without drafts is then the switch between the
+        regimes, which teaches neither side (``continues_run``): its time counts only
+        towards the drafted side's staleness, and a check's run goes on."""
         side = 0 if drafted else 1
         self._observed += 1
+        if not drafted and after_drafts and self.large:
+            self._since[0] += max(seconds, 0.0)
+            return
         if checked:
             self._running[side] = None
         if seconds <= 0:
