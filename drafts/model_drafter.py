@@ -83,8 +83,9 @@ class ModelDrafter:
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
         # A catch-up that feeds exactly the target's step replays on the target's inputs
         # (``_catch_up_pass``): a step without drafts then costs about what an unfed one
-        # does, and a large batch's plain regime, which the goodput check's plain side
-        # measures (``GoodputCheck.continues_run``), what speculation off's steps do.
+        # does (benchmarks/results/per_token_drafting/plain_steps_2026-12-06/). Off, the
+        # old goodput check let more drafts through; beside the plain regime's check it
+        # is on (plain_regime_2026-12-06; not measured apart from that change).
         self.shares_target_inputs = True
         self.target_runner: ModelRunner | None = None
         self._stream: torch.cuda.Stream | None = None

@@ -750,9 +750,9 @@ def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(
             ahead.add(id(controller.last))
         return chosen
 
-    def observe_goodput(tokens, seconds, choice=None, backlog_s=0.0):
+    def observe_goodput(tokens, seconds, choice=None, backlog_s=0.0, after_drafts=None):
         events.append(("learn", next(i for i, c in enumerate(steps_choices) if c is choice)))
-        observe(tokens, seconds, choice, backlog_s)
+        observe(tokens, seconds, choice, backlog_s, after_drafts)
 
     speculator.learn, controller.choose, controller.observe_goodput = learn_, choose_, observe_goodput
     prompts = ["a b c a b c a b c a b c", "hello"]
@@ -1314,16 +1314,18 @@ def test_drafts_that_lose_realised_goodput_are_vetoed():
 
 
 def test_drafts_that_pay_are_checked_rarely():
-    """Drafting truly pays 2.5x: it is never vetoed, and checks (a step without the
-    plan's drafts) take at most 1 / CHECK_MAX of the time once the verdict is clear."""
-    from specserve.spec.goodput import CHECK_MAX, PLAIN_RUN
+    """Drafting truly pays 2.5x: it is never vetoed, and checks (steps without the plan's
+    drafts: two at a large batch, ``DraftLengthController._choose``) take at most about
+    2 / CHECK_MAX of the time once the verdict is clear."""
+    from specserve.spec.goodput import CHECK_MAX
 
     ctl = controller(**MEMORY_BOUND)
     serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
     check = next(iter(ctl.checks.values()))
     assert not check.vetoed and check.ratio > 2 and check.interval == CHECK_MAX
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
-    assert share >= 1 - (PLAIN_RUN + 0.5) / CHECK_MAX  # a check at this batch: a run of plain steps
+    # A check at this batch is two steps: the switch, then one in the plain regime.
+    assert share >= 1 - 2.5 / CHECK_MAX
 
 
 @pytest.mark.parametrize("step_s", [0.0025, 0.020])
@@ -1409,10 +1411,10 @@ def test_a_large_kinds_first_steps_without_drafts_come_back_to_back():
 def test_a_large_kinds_step_without_drafts_right_after_drafts_teaches_neither_side():
     """At a large batch the plain side is the plain regime's: a step without drafts right
     after one with them (the switch, which costs more) teaches neither side, its time
-    counting only towards the drafted side's staleness, and a check of the plain side is a
-    run of ``PLAIN_RUN`` steps without drafts (``continues_run``), so its last step is a
-    plain regime's. At batch 1 such a step teaches the plain side as before."""
-    from specserve.spec.goodput import CHECK_MIN, PLAIN_RUN, GoodputCheck
+    counting only towards the drafted side's staleness, and a check chosen for it stays
+    running (its step in the plain regime is still to come). At batch 1 such a step
+    teaches the plain side as before."""
+    from specserve.spec.goodput import CHECK_MIN, GoodputCheck
 
     large, lone = GoodputCheck(max_k=4, batch=16), GoodputCheck(max_k=4, batch=1)
     for check in (large, lone):
@@ -1420,17 +1422,38 @@ def test_a_large_kinds_step_without_drafts_right_after_drafts_teaches_neither_si
             check.observe(True, False, 40, 0.020)
             check.observe(False, False, 16, 0.010)  # (taught as after a plain step)
     ratio, stale_since = large.ratio, large._since[0]
+    large.running(drafted=False)
     large.observe(False, True, 16, 0.030, after_drafts=True)  # the switch: 16 tokens in 30 ms
     assert large.steps_seen == (CHECK_MIN, CHECK_MIN) and large.ratio == ratio
     assert large._since[0] == pytest.approx(stale_since + 0.030)
     assert large.plain_step(16) == pytest.approx(0.010)
+    assert not large.stale(drafted=False)  # the check still runs
+    large.observe(False, True, 16, 0.010)  # its step in the plain regime
+    assert large.steps_seen == (CHECK_MIN, CHECK_MIN + 1)
     lone.observe(False, True, 1, 0.030, after_drafts=True)
     assert lone.steps_seen == (CHECK_MIN, CHECK_MIN + 1)
-    # A check of the plain side runs PLAIN_RUN steps at a large batch, one at batch 1.
-    large.running(drafted=False)
-    lone.running(drafted=False)
-    assert [large.continues_run() for _ in range(PLAIN_RUN)] == [True] * (PLAIN_RUN - 1) + [False]
-    assert not lone.continues_run()
+
+
+def _alternate(ctl, steps, kinds, before=False):
+    """Steps of ``kinds`` taking turns, each (choose's keyword arguments, drafted step's
+    (tokens, seconds), plain step's (tokens, seconds), a plain step's seconds right after
+    a drafted one), the estimates held at every draft accepted (only the check stops the
+    plan). Returns per kind the tokens and seconds from the second half of the steps."""
+    caps = {f"r{i}": 4 for i in range(16)}
+    seen = [[0, 0.0] for _ in kinds]
+    for step in range(steps):
+        i = step % len(kinds)
+        kwargs, (drafted_tokens, drafted_s), (plain_tokens, plain_s), switch_s = kinds[i]
+        for req_id in caps:
+            ctl.set_estimates(req_id, [1.0] * 4, 1.0)
+        drafted = any(ctl.choose(caps, **kwargs).values())
+        emitted, elapsed = (drafted_tokens, drafted_s) if drafted else (plain_tokens, switch_s if before else plain_s)
+        ctl.observe_goodput(emitted, elapsed)
+        before = drafted
+        if step >= steps // 2:
+            seen[i][0] += emitted
+            seen[i][1] += elapsed
+    return seen
 
 
 def test_drafts_that_lose_to_the_plain_regime_are_vetoed_though_the_switch_costs_more():
@@ -1441,21 +1464,56 @@ def test_drafts_that_lose_to_the_plain_regime_are_vetoed_though_the_switch_costs
     regime (1,600) they are vetoed and the engine runs at about off's goodput, the checks
     and their switches included."""
     ctl = controller(**MEMORY_BOUND)
-    caps = {f"r{i}": 4 for i in range(16)}
-    tokens = seconds = 0.0
-    before = False
-    for step in range(1500):
-        for req_id in caps:  # the plan keeps drafting: only the check can stop it
-            ctl.set_estimates(req_id, [1.0] * 4, 1.0)
-        drafted = any(ctl.choose(caps).values())
-        emitted, elapsed = (18, 0.0125) if drafted else (16, 0.016 if before else 0.010)
-        ctl.observe_goodput(emitted, elapsed)
-        before = drafted
-        if step >= 500:
-            tokens, seconds = tokens + emitted, seconds + elapsed
+    [(tokens, seconds)] = _alternate(ctl, 1500, [({}, (18, 0.0125), (16, 0.010), 0.016)])
     check = ctl.checks[(False, False, 5)]
     assert check.vetoed and check.plain_step(16) == pytest.approx(0.010)
     assert tokens / seconds > 0.97 * 1600
+
+
+def test_a_plain_check_runs_through_another_kinds_steps_until_its_own_is_in_the_plain_regime():
+    """Under load steps with a prompt chunk (kind B, whose drafts pay 2x) and without
+    (kind A) take turns, so each of A's steps comes right after one of B's. A check of A's
+    plain side chosen after B's drafts runs B's next step without drafts too, and A's step
+    after it teaches A's plain side in the plain regime (a check run kind by kind had only
+    switches to learn from, none of which teaches). B keeps drafting between the checks.
+    (Where B drafts at every turn A's plain steps are mostly switches, a regime A seldom
+    runs in; the check does not price that yet: docs/lab-notes.md, 2026-12-06 evening.)"""
+    from specserve.spec.goodput import CHECK_MIN
+
+    ctl = controller(**MEMORY_BOUND)
+    a = ({}, (18, 0.0125), (16, 0.010), 0.016)
+    b = ({"num_other_tokens": 64, "num_other_spans": 1}, (48, 0.015), (16, 0.012), 0.018)
+    _, (b_tokens, b_s) = _alternate(ctl, 3000, [a, b])
+    check_a, check_b = ctl.checks[(False, False, 5)], ctl.checks[(False, True, 5)]
+    assert check_a.steps_seen[1] >= CHECK_MIN and check_a.plain_step(16) == pytest.approx(0.010)
+    assert not check_b.vetoed and b_tokens / b_s > 0.9 * 48 / 0.015
+
+
+def test_a_withdrawn_choice_gives_back_the_plain_checks_run():
+    """A choice made ahead and withdrawn (its requests changed) leaves the controller as
+    it found it: the step before as it was, and a plain check's run as it stood, so the
+    run is neither taken by a step that never ran nor left half done."""
+    ctl = controller(**MEMORY_BOUND)
+    caps = {f"r{i}": 4 for i in range(16)}
+    for req_id in caps:
+        ctl.set_estimates(req_id, [1.0] * 4, 1.0)
+    for _ in range(400):  # drafted steps until a plain check starts right after one
+        before = ctl._drafted_before
+        chosen = ctl.choose(caps)
+        if not any(chosen.values()) and before and ctl._run is not None:
+            break
+        ctl.observe_goodput(80 if any(chosen.values()) else 16, 0.012 if any(chosen.values()) else 0.010)
+    else:
+        raise AssertionError("no plain check after drafts")
+    started, run = ctl.last, ctl._run
+    ctl.withdraw(started)
+    assert ctl._run is None and ctl._drafted_before is True
+    ctl.choose(caps)  # chosen again, for the requests as they are now
+    assert ctl._run == run
+    ctl.observe_goodput(16, 0.016)
+    assert ctl.choose(caps) == dict.fromkeys(caps, 0) and ctl._run is None  # the run's step, in the plain regime
+    ctl.withdraw(ctl.last)  # made ahead and withdrawn in turn: the run waits again
+    assert ctl._run == run and ctl._drafted_before is False
 
 
 def _bursts(check, bursts, steps, batch=24, plain_s=0.047, drafted_s=0.100, backlog_s=0.120):

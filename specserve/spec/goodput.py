@@ -7,8 +7,9 @@ realised goodput (emitted tokens per second of whole step) of the steps that ran
 is compared with that of the steps that ran none, and drafts are vetoed where they
 deliver less, by more than twice the comparison's standard error. At a large batch the
 plain side is the plain regime's: a step without drafts right after one with them (the
-drafter's cache and the plan catching up) teaches neither side (``observe``), and a check of
-that side runs ``PLAIN_RUN`` such steps in a row (``continues_run``). The same steps tell
+switch) teaches neither side (``observe``), and a check of that side runs steps without
+drafts until one of its kind comes after another (``DraftLengthController``). The same
+steps tell
 how far the plan's promises fall short of what its drafts deliver, or beyond it
 (``promise``): where they deliver more than promised, the plan's bar is lowered as much.
 """
@@ -35,7 +36,7 @@ INHERIT = 0.5               # what a kind new to the check takes of its neighbou
 PLAIN_SLOPE_PRIOR = 0.01    # a plain step's slope taken as proportional, weighed as steps this spread (x batch^2)
 PROMISE_PRIOR_STEPS = 4     # drafts delivering what their plans promised, as if seen over this many steps,
 PROMISE_MAX = 2.0           # and at most this many times it
-PLAIN_RUN = 2               # at a large batch, steps without drafts a check of that side runs in a row
+RUN_MAX = 3                 # at a large batch, further steps without drafts a plain check may run for its own
 
 
 class GoodputCheck:
@@ -86,7 +87,6 @@ class GoodputCheck:
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
         self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
         self._promises = [0.0, 0.0, 0.0]           # drafted steps with a promise: decayed steps, tokens, tokens promised
-        self._run_left = 0                         # steps a plain check's run still has to choose (``continues_run``)
 
     @property
     def steps_seen(self) -> tuple[int, int]:
@@ -229,25 +229,8 @@ class GoodputCheck:
         """A step of the drafted (or plain) side was chosen to check it: that side is not
         stale until the step is observed (where the engine learns from a step while the
         next one runs, after the next choice: one check, not two), or two more steps were
-        (a step that failed is never observed). At a large batch a check of the plain side
-        is a run of ``PLAIN_RUN`` steps (``continues_run``)."""
+        (a step that failed is never observed)."""
         self._running[0 if drafted else 1] = self._observed
-        if not drafted and self.large:
-            self._run_left = PLAIN_RUN - 1
-
-    def continues_run(self) -> bool:
-        """Whether the next step of this kind goes on with a plain check's run, without
-        drafts (then counted as chosen). At a large batch a step without drafts right after
-        one with them costs more than the plain regime's steps, and teaches neither side
-        (``observe``): a check of one step alone would never teach the plain side, and
-        one of each step after a drafted one would price the plain side at the switch's
-        cost, under which drafts that lose to speculation off still looked better (on a
-        GPU under load the default's plain steps among drafted ones delivered 15–23 tokens
-        a millisecond where off's delivered 20–28; #30)."""
-        if self._run_left <= 0:
-            return False
-        self._run_left -= 1
-        return True
 
     def inherit(self, other: "GoodputCheck") -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
@@ -283,9 +266,13 @@ class GoodputCheck:
         catch-up): not the drafts' goodput, but what a check under a veto costs.
         ``promised``: the goodput (tokens per second) the plan behind its drafts expected
         (0: none known), for ``promise``. ``after_drafts``: the engine's step before it
-        ran drafts; at a large batch a step without drafts is then the switch between the
-        regimes, which teaches neither side (``continues_run``): its time counts only
-        towards the drafted side's staleness, and a check's run goes on."""
+        ran drafts. At a large batch a step without drafts is then the switch between the
+        regimes, which teaches neither side: it likely costs more than a run of plain
+        steps' (a plan is made; the draft's catch-up cannot replay on the target's
+        inputs), and priced at it, the plain side made drafts that lose to speculation off
+        look better. Its time counts only towards the drafted side's staleness, and a
+        check of the plain side it was chosen for stays running (the controller runs
+        another step without drafts for it)."""
         side = 0 if drafted else 1
         self._observed += 1
         if not drafted and after_drafts and self.large:

@@ -156,6 +156,7 @@ class Speculator:
         self.controller: DraftLengthController | None = None
         self._decoding = DecodingRequests(self.max_k)
         self._failures = 0  # steps in a row whose drafting raised
+        self._ran_drafts = False  # whether the last step observed ran drafts (``observe``)
         # Feed a drafter that allows it after the target's pass in steps without drafts
         # (``catch_up``): on a GPU, where its host work then overlaps the target's pass (a
         # CPU runs the passes in turn either way, the catch-up a cost of every step). False
@@ -573,13 +574,19 @@ class Speculator:
             # a check under a veto, would otherwise pay for every token the plain steps
             # before it left unfed, and the check would confirm the veto that caused it.
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
-            self._learning.append(lambda choice=self._choice: self._learn_cost(choice, drafts, emitted, elapsed))
+            # Whether the step before ran drafts, as it ran them (pinned k and grammar-forced
+            # drafts included): at a large batch a step without drafts after it is a switch.
+            after, self._ran_drafts = self._ran_drafts, drafts.drafted
+            self._learning.append(lambda choice=self._choice: self._learn_cost(choice, drafts, emitted, elapsed,
+                                                                               after))
 
-    def _learn_cost(self, choice: Choice | None, drafts: Drafts, emitted: int, elapsed: float) -> None:
+    def _learn_cost(self, choice: Choice | None, drafts: Drafts, emitted: int, elapsed: float,
+                    after_drafts: bool) -> None:
         """``observe``'s lesson for the controller, about the step ``choice`` chose (None:
         no ``plan`` ran before it: the controller's last)."""
         choice = choice or self.controller.last
-        self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice, drafts.backlog_s)
+        self.controller.observe_goodput(emitted, elapsed - drafts.backlog_s, choice, drafts.backlog_s,
+                                        after_drafts)
         if choice.planned:
             self.controller.observe_step(self._step_sample(drafts, elapsed), choice)
 
