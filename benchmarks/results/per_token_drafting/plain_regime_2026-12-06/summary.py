@@ -47,7 +47,7 @@ for path in sys.argv[1:]:
                 kinds[name][0] += s[col["emitted"]]
                 kinds[name][1] += s[col["step_s"]]
 
-        def cell(name, share=True):
+        def cell(name, share=True, kinds=kinds, total=total):
             tokens, seconds = kinds.get(name, (0, 0.0))
             if not seconds:
                 return "-"
