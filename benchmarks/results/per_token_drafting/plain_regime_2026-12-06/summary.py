@@ -2,7 +2,8 @@
 and their mean, and the steps that ran drafts (with or without a prompt chunk) of all
 steps; then per run, for steps of 48 or more requests, tokens emitted a millisecond by
 kind of step (plain, prompt, prompt + drafts; with their share of the run's time) and of
-the plain ones, those right after a step with drafts and those after one without.
+the plain ones, those right after a step with drafts and those after one without (with
+their counts).
 ``python summary.py records_*.json[.gz] ...``"""
 import gzip
 import json
@@ -35,7 +36,7 @@ for path in sys.argv[1:]:
     print("| --- | ---: | --- | --- | --- | --- | --- |")
     for r in results["runs"]:
         steps, total = r["steps"], sum(s[col["step_s"]] for s in r["steps"])
-        kinds = defaultdict(lambda: [0, 0.0])
+        kinds = defaultdict(lambda: [0, 0.0, 0])
         for before, s in zip([None] + steps, steps):
             if s[col["requests"]] < 48:
                 continue
@@ -46,11 +47,12 @@ for path in sys.argv[1:]:
             for name in names:
                 kinds[name][0] += s[col["emitted"]]
                 kinds[name][1] += s[col["step_s"]]
+                kinds[name][2] += 1
 
         def cell(name, share=True, kinds=kinds, total=total):
-            tokens, seconds = kinds.get(name, (0, 0.0))
+            tokens, seconds, count = kinds.get(name, (0, 0.0, 0))
             if not seconds:
                 return "-"
-            return f"{tokens / seconds / 1e3:.1f}" + (f" ({seconds / total:.0%})" if share else "")
+            return f"{tokens / seconds / 1e3:.1f}" + (f" ({seconds / total:.0%})" if share else f" ({count})")
         print(f"| {r['setting']} | {r['round']} | {cell('plain')} | {cell('prompt')} | {cell('prompt + drafts')} | "
               f"{cell('after drafts', False)} | {cell('after none', False)} |")
