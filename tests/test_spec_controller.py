@@ -1315,8 +1315,8 @@ def test_drafts_that_lose_realised_goodput_are_vetoed():
 
 def test_drafts_that_pay_are_checked_rarely():
     """Drafting truly pays 2.5x: it is never vetoed, and checks (steps without the plan's
-    drafts: two at a large batch, ``DraftLengthController._choose``) take at most about
-    2 / CHECK_MAX of the time once the verdict is clear."""
+    drafts: one, two where it begins at a switch, ``GoodputCheck.continues``) take at most
+    about 2 / CHECK_MAX of the time once the verdict is clear."""
     from specserve.spec.goodput import CHECK_MAX
 
     ctl = controller(**MEMORY_BOUND)
@@ -1324,7 +1324,6 @@ def test_drafts_that_pay_are_checked_rarely():
     check = next(iter(ctl.checks.values()))
     assert not check.vetoed and check.ratio > 2 and check.interval == CHECK_MAX
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
-    # A check at this batch is two steps: the switch, then one in the plain regime.
     assert share >= 1 - 2.5 / CHECK_MAX
 
 
@@ -1466,6 +1465,7 @@ def test_drafts_that_lose_to_the_plain_regime_are_vetoed_though_the_switch_costs
     regime (1,600) they are vetoed and the engine runs at about off's goodput, the checks
     and their switches included."""
     ctl = controller(**MEMORY_BOUND)
+    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
     [(tokens, seconds)] = _alternate(ctl, 1500, [({}, (18, 0.0125), (16, 0.010), 0.016)])
     check = ctl.checks[(False, False, 5)]
     assert check.vetoed and check.plain_step(16) == pytest.approx(0.010)
@@ -1481,6 +1481,7 @@ def test_a_kind_that_takes_turns_with_another_is_judged_in_the_regime_it_runs_in
     though not a plain regime A never runs in (16 in 10 ms): A keeps drafting, and no
     step of B is held back for A's checks."""
     ctl = controller(**MEMORY_BOUND)
+    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
     a = ({}, (18, 0.0125), (16, 0.010), 0.016)
     b = ({"num_other_tokens": 64, "num_other_spans": 1}, (48, 0.015), (16, 0.012), 0.018)
     (a_tokens, a_s), (b_tokens, b_s) = _alternate(ctl, 3000, [a, b])
@@ -1496,6 +1497,7 @@ def test_a_withdrawn_choice_leaves_its_kinds_check_as_it_found_it():
     at a switch not running and not going on, and a check's next step it took still to
     come. One made again for the requests as they are now does what it did."""
     ctl = controller(**MEMORY_BOUND)
+    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
     caps = {f"r{i}": 4 for i in range(16)}
     for req_id in caps:
         ctl.set_estimates(req_id, [1.0] * 4, 1.0)
@@ -1525,6 +1527,7 @@ def test_a_step_that_ran_drafts_after_all_is_no_switch():
     from specserve.spec.goodput import CHECK_MIN
 
     ctl = controller(**MEMORY_BOUND)
+    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
     caps = {f"r{i}": 4 for i in range(16)}
     for req_id in caps:
         ctl.set_estimates(req_id, [1.0] * 4, 1.0)
@@ -1539,6 +1542,23 @@ def test_a_step_that_ran_drafts_after_all_is_no_switch():
         ctl.observe_goodput(80 if drafted else 16, 0.012 if drafted else 0.010, choice, after_drafts=False)
     check = ctl.checks[(False, False, 5)]
     assert switches and check.steps_seen == tuple(sides) and sides[1] >= CHECK_MIN  # every step taught
+
+
+def test_where_the_drafter_is_fed_lazily_no_step_is_a_switch():
+    """A drafter fed only where it drafts (stopping by confidence, n-gram) has nothing to
+    catch up in a step without drafts: every step teaches its side, as the steps ran."""
+    ctl = controller(**MEMORY_BOUND)
+    assert not ctl.switches
+    caps = {f"r{i}": 4 for i in range(16)}
+    for req_id in caps:
+        ctl.set_estimates(req_id, [1.0] * 4, 1.0)
+    sides = [0, 0]
+    for _ in range(200):
+        drafted = any(ctl.choose(caps).values())
+        assert not ctl.last.after_drafts
+        sides[not drafted] += 1
+        ctl.observe_goodput(80 if drafted else 16, 0.012 if drafted else 0.010, after_drafts=True)
+    assert ctl.checks[(False, False, 5)].steps_seen == tuple(sides) and all(sides)
 
 
 def _bursts(check, bursts, steps, batch=24, plain_s=0.047, drafted_s=0.100, backlog_s=0.120):

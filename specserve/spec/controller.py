@@ -127,6 +127,10 @@ class DraftLengthController:
         self.last = Choice()                # the last choice, what its step will teach
         # The last choice's kind (its check) and whether it chose drafts (``_choose``).
         self._before: tuple[GoodputCheck | None, bool] = (None, False)
+        # Where the drafter catches its cache up every step, a step without drafts right
+        # after one of its kind with drafts is a switch (``GoodputCheck.observe``); a lazily
+        # fed one (stopping by confidence, n-gram) feeds nothing in a step without drafts.
+        self.switches = first_draft_in_catch_up
 
     # ------------------------------------------------------------------ learning
     @property
@@ -227,7 +231,7 @@ class DraftLengthController:
         choice.undo = (check, check.state())
         # Right after a step of its kind with drafts, a step without is the switch
         # (``GoodputCheck.observe``); a plain check chosen there goes on at the kind's next step.
-        choice.after_drafts = self._before == (check, True)
+        choice.after_drafts = self.switches and self._before == (check, True)
         if check.continues():
             choice.check, choice.checked = check, True
             return dict.fromkeys(caps, 0)
