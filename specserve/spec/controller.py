@@ -74,8 +74,9 @@ class Choice:
     promised: float = 0.0  # the goodput its plan expected of its drafts (0: none)
     planned: bool = False
     after_drafts: bool = False  # the step before was chosen for the same kind, with drafts (``_choose``)
-    before: tuple = (None, False)  # the controller's last choice before this one, and
-    undo: tuple | None = None      # its kind's check's state (``withdraw``)
+    before: tuple = (None, False)  # the kind (check) and drafts of the choice before it,
+    continued: bool = False        # whether it took a plain check's next step,
+    started: tuple | None = None   # and a plain check it began at a switch (``withdraw``)
     fit_weight: float = 0.0  # what its fit's time weighs in the plan's
     regime: tuple | None = None            # a fresh plan's kind of step,
     replaced: StandingPlan | None = None   # and the plan it replaced there (``withdraw``)
@@ -228,12 +229,11 @@ class DraftLengthController:
                 if neighbour is not None:
                     check.inherit(neighbour)
                     break
-        choice.undo = (check, check.state())
         # Right after a step of its kind with drafts, a step without is the switch
         # (``GoodputCheck.observe``); a plain check chosen there goes on at the kind's next step.
         choice.after_drafts = self.switches and self._before == (check, True)
         if check.continues():
-            choice.check, choice.checked = check, True
+            choice.check, choice.checked, choice.continued = check, True, True
             return dict.fromkeys(caps, 0)
         if check.vetoed:
             check.saw(joined, len(caps))  # a batch mostly new to the veto weighs its evidence less
@@ -277,7 +277,9 @@ class DraftLengthController:
         checked = drafted and (check.vetoed or check.stale(drafted=False))
         choice.check, choice.checked = check, checked
         if checked:  # a step of the stale side is on its way: the next choice does not check again
-            check.running(drafted=check.vetoed, switch=choice.after_drafts)
+            marks = check.running(drafted=check.vetoed, switch=choice.after_drafts)
+            if choice.after_drafts and not check.vetoed:
+                choice.started = marks
         if checked and not check.vetoed:
             return dict.fromkeys(caps, 0)  # the check: this step runs without the plan's drafts
         choice.drafted = drafted
@@ -291,12 +293,11 @@ class DraftLengthController:
         fresh plan it made does not stand for the requests that replace them (a request
         that joined would draft nothing until the plan after it); the plan it replaced
         stands again, served, so the next choice plans afresh. The controller's record of
-        the step before, and the kind's check (a check chosen, one going on), are as they
-        were before it (one choice is made ahead at a time: the last)."""
+        the step before is as it was (one choice is made ahead at a time: the last), and
+        what it did to a plain check begun at a switch undone (``GoodputCheck.unchoose``)."""
         self._before = choice.before
-        if choice.undo is not None:
-            check, state = choice.undo
-            check.restore(state)
+        if (choice.continued or choice.started is not None) and choice.check is not None:
+            choice.check.unchoose(choice.continued, choice.started)
         if choice.planned and choice.regime is not None:
             if choice.replaced is None:
                 self._plans.pop(choice.regime, None)

@@ -224,16 +224,19 @@ class GoodputCheck:
             wait = max(wait, self._check_extra_s / CHECK_SHARE)
         return self._since[side] >= wait
 
-    def running(self, drafted: bool, switch: bool = False) -> None:
+    def running(self, drafted: bool, switch: bool = False) -> tuple[int | None, int]:
         """A step of the drafted (or plain) side was chosen to check it: that side is not
         stale until the step is observed (where the engine learns from a step while the
         next one runs, after the next choice: one check, not two), or two more steps were
         (a step that failed is never observed). ``switch``: a plain one, chosen right after
         a step of this kind with drafts; at a large batch it teaches neither side
-        (``observe``), and the kind's next step goes on with the check (``continues``)."""
-        self._running[0 if drafted else 1] = self._observed
+        (``observe``), and the kind's next step goes on with the check (``continues``).
+        Returns the side's mark before and the one set (``unchoose``)."""
+        side = 0 if drafted else 1
+        before, self._running[side] = self._running[side], self._observed
         if switch and not drafted and self.large:
             self._continuing = True
+        return before, self._observed
 
     def continues(self) -> bool:
         """Whether this kind's step now to be chosen goes on with a plain check begun at a
@@ -242,14 +245,18 @@ class GoodputCheck:
         continuing, self._continuing = self._continuing, False
         return continuing
 
-    def state(self) -> tuple:
-        """What choosing a step may change here (``running``, ``continues``): for
-        ``restore``, where a choice made ahead is withdrawn."""
-        return list(self._running), self._continuing
-
-    def restore(self, state: tuple) -> None:
-        running, self._continuing = state
-        self._running = list(running)
+    def unchoose(self, continued: bool, started: tuple[int | None, int] | None) -> None:
+        """A choice made ahead was withdrawn: what it did here is undone. ``continued``: it
+        took a plain check's step (``continues``), which is still to come; ``started``: it
+        began a plain check at a switch, the side's mark before it and the one it set,
+        which goes back unless a step's lesson has cleared it since."""
+        if continued:
+            self._continuing = True
+        if started is not None:
+            before, mark = started
+            self._continuing = False
+            if self._running[1] == mark:
+                self._running[1] = before
 
     def inherit(self, other: "GoodputCheck") -> None:
         """Start from a neighbouring kind's evidence and verdict, at ``INHERIT`` of its
