@@ -452,8 +452,8 @@ class ModelDrafter:
 
     def _catch_up_pass(self, scheduled: list[ScheduledRequest], entries: list[ScheduledRequest]) -> None:
         """The draft pass of a step in which nobody drafts. Where it feeds exactly the
-        target's step (each request its pending tokens, from where the target's pass
-        starts, through the same block ids), the draft's graph replays on the target's
+        target's step (each request its pending tokens or its prompt chunk, from where the
+        target's pass starts, through the same block ids), the draft's graph replays on the target's
         inputs (``GraphRunner.replay_inputs_of``), which the host then built once for both
         (``shares_target_inputs``; the target keeps them from the first such step on)."""
         graphs = self.runner.graphs

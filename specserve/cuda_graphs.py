@@ -30,11 +30,11 @@ layer-skip draft (a prefix of the layers), stay eager: a long prefill chunk's la
 a small part of its time.
 
 **Inputs shared.** A draft model that caches the same block ids and is fed exactly the
-target's step (a step without drafts: each request's pending token at the same position)
-can replay its own graph of that shape on the target's inputs (``replay_inputs_of``;
-``ModelDrafter.shares_target_inputs``), copied from the target's static buffers on the
-device, instead of building them again on the host: beside the target's pass, its host
-work is then a few launches.
+target's step (a step without drafts: each request's pending token, or its prompt chunk,
+at the same positions) can replay its own graph of that shape, padded or ragged, on the
+target's inputs (``replay_inputs_of``; ``ModelDrafter.shares_target_inputs``), copied
+from the target's static buffers on the device, instead of building them again on the
+host: beside the target's pass, its host work is then a few launches.
 
 A draft head that reads its target's features (``models/eagle.py``) gets them through a
 static buffer too: ``run`` copies each pass's feature rows where its tokens are (request
@@ -297,8 +297,8 @@ class GraphRunner:
                 self._features[:features.shape[0]].copy_(features)
             else:
                 self._features.index_copy_(0, real, features)
-        if self.share_inputs:
-            shared = key[0] and key[1] <= self.share_inputs
+        if self.share_inputs:  # every ragged step (a prompt chunk's), padded ones up to the query
+            shared = not key[0] or key[1] <= self.share_inputs
             self.last_inputs = (key, planned, query_lens, seq_lens, *self._written()) if shared else None
         logits, hidden = self._replay(graph, outputs, batch, query_lens, seq_lens)
         if self.keep_hidden:  # copied, as the next replay overwrites them
@@ -334,30 +334,44 @@ class GraphRunner:
         inputs, copied from ``other``'s static buffers on the device (on the current
         stream, once they are written; ``other``'s stream waits for the copy before it
         writes the next step's). For a draft model fed exactly the target's step
-        ``planned``: the same tokens at the same positions through the same block ids.
-        False, nothing run, unless ``other`` shares its inputs (``share_inputs``) and last
-        replayed ``planned`` (the same list) in a padded graph whose shape this runner has."""
+        ``planned``: the same tokens at the same positions through the same block ids,
+        decoding (padded) or with prompt chunks (ragged). False, nothing run, unless
+        ``other`` shares its inputs (``share_inputs``) and last replayed ``planned`` (the
+        same list) in a graph whose shape this runner has, laid out alike (the same
+        requests' rows for a ragged one), and this runner reads no feature rows."""
         last = other.last_inputs
-        if last is None or last[1] is not planned:
+        if last is None or last[1] is not planned or self._features.shape[1]:
             return False
         key, _, query_lens, seq_lens, stream, written = last
-        bucket, q = key[:2]
-        if (not bucket or bucket not in self.buckets or q > self.max_query_len
-                or self.capture and key not in self._graphs):  # (never captured mid-run)
+        if key[0]:  # padded: (batch bucket, q)
+            bucket, q = key
+            if bucket not in self.buckets or q > self.max_query_len:
+                return False
+            reqs, longs = bucket, 3 * bucket * q  # tokens, positions, slots
+        else:  # ragged: (0, tokens, rows); the rows to sample too
+            tokens, rows = key[1:]
+            if (other.ragged_reqs != self.ragged_reqs or tokens not in self.token_buckets
+                    or rows not in self._row_buckets(tokens)):
+                return False
+            reqs, longs = self.ragged_reqs, 3 * tokens + rows
+        if self.capture and key not in self._graphs:  # (never captured mid-run)
             return False
         graph, outputs, batch = self._get(key)
         if written is not None:
             torch.cuda.current_stream(self.device).wait_event(written)
-        n, ints = bucket * q, 2 * bucket + 1  # tokens, positions, slots; cu_query_lens, seq_lens
-        self._long[:3 * n].copy_(other._long[:3 * n])
+        self._long[:longs].copy_(other._long[:longs])
+        ints = 2 * reqs + 1  # cu_query_lens, seq_lens; then the block tables
         width = min(self.max_blocks_per_seq, other.max_blocks_per_seq)
         if width == self.max_blocks_per_seq == other.max_blocks_per_seq:
-            self._int[:ints + bucket * width].copy_(other._int[:ints + bucket * width])
+            self._int[:ints + reqs * width].copy_(other._int[:ints + reqs * width])
         else:
             self._int[:ints].copy_(other._int[:ints])
-            tables = self._int[ints:ints + bucket * self.max_blocks_per_seq].view(bucket, -1)
-            tables[:, :width].copy_(other._int[ints:ints + bucket * other.max_blocks_per_seq]
-                                    .view(bucket, -1)[:, :width])
+            tables = self._int[ints:ints + reqs * self.max_blocks_per_seq].view(reqs, -1)
+            tables[:, :width].copy_(other._int[ints:ints + reqs * other.max_blocks_per_seq]
+                                    .view(reqs, -1)[:, :width])
+        if self._masked_rows:  # causal rows, as ``other``'s (a tree step's rows are never shared)
+            self._masks[:self._masked_rows].zero_()
+            self._masked_rows = 0
         if stream is not None:
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.device))

@@ -234,31 +234,34 @@ def test_a_draft_model_is_fed_after_the_targets_pass_only_in_steps_without_draft
 def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(tiny_model_dir, near_draft):
     """A step without drafts fed after the target's pass, through the graphs' paths
     (eagerly here), whose catch-up feeds each request its pending token where the target's
-    pass starts: with ``shares_target_inputs`` the draft's padded graph replays on the
-    target's inputs, copied from its static buffers (``GraphRunner.replay_inputs_of``),
-    not built again. What the draft's cache then holds is what building its own inputs
-    writes (the whole cache, bit for bit, sharing off, as by default), the drafts and
-    their acceptance are the same, and greedy output is speculation off's. Where the
-    catch-up is not the target's step it builds its own: a prompt chunk's step (ragged);
-    one right after drafts were accepted (every third step drafts nothing here), whose
-    catch-up also feeds the last draft (two tokens where the target's pass has one); and
-    one whose prompt logits are asked for (a request added once only requests without
-    drafts run): the target runs it eagerly, and its buffers hold the step before."""
+    pass starts: with ``shares_target_inputs`` the draft's graph replays on the target's
+    inputs, copied from its static buffers (``GraphRunner.replay_inputs_of``), not built
+    again: padded where every request decodes, ragged where a prompt chunk is in the step.
+    What the draft's cache then holds is what building its own inputs writes (the whole
+    cache, bit for bit, sharing off), the drafts and their acceptance are the same, and
+    greedy output is speculation off's. Where the catch-up is not the target's step it
+    builds its own: one right after drafts were accepted (every third step drafts nothing
+    here), whose catch-up also feeds the last draft (two tokens where the target's pass
+    has one); and one whose prompt logits are asked for (a request added once only
+    requests without drafts run): the target runs it eagerly, and its buffers hold the
+    step before."""
     long_prompt = " ".join(f"w{i % 37}" for i in range(90))
     prompts = PROMPTS + ["one two three four five six"]
     params = [greedy(k, max_tokens=30 if k else 60) for k in KS + (0,)]
     late = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, num_speculative_tokens=0, prompt_logprobs=1)
+    later = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, num_speculative_tokens=0)
 
     def run(engine) -> dict[str, list[int]]:
         ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        tokens, added = {}, None
+        tokens, added = {}, []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     tokens[out.req_id] = out.token_ids
-            if added is None and all(i in tokens for i, p in zip(ids, params) if p.num_speculative_tokens):
-                added = engine.add_request(long_prompt, late)  # only k = 0 requests run now
-        return [tokens[i] for i in ids + [added]]
+            if not added and all(i in tokens for i, p in zip(ids, params) if p.num_speculative_tokens):
+                # Only k = 0 requests run now: prompt chunks after the draft's catch-ups began.
+                added = [engine.add_request(long_prompt, late), engine.add_request("z " + long_prompt, later)]
+        return [tokens[i] for i in ids + added]
 
     want = run(LLM32(str(tiny_model_dir("llama")), **ENGINE).engine)
     caches, stats = {}, {}
@@ -270,7 +273,8 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         drafter.shares_target_inputs = shared
         graphs = drafter.runner.graphs
         graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of, _replays=replays: \
-            _replays.append((len(planned), _replay(other, planned))) or _replays[-1][1]
+            _replays.append((len(planned), any(len(p.token_ids) > 1 for p in planned),
+                             _replay(other, planned))) or _replays[-1][2]
         lagging, eager = [], []  # steps without drafts: the catch-up feeds more than the target's pass; eager
         propose = drafter.propose
 
@@ -292,8 +296,9 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         assert run(llm.engine) == want
         assert any(lagging) and any(eager)
         if shared:  # both k = 0 requests, once the drafting ones are done, and the last alone
-            assert {n for n, replayed in replays if replayed} >= {1, 2}
-            assert not all(replayed for _, replayed in replays)  # the prompt chunks' steps
+            assert {n for n, _, replayed in replays if replayed} >= {1, 2}
+            assert any(replayed for _, chunk, replayed in replays if chunk)  # the prompt chunks' steps
+            assert not all(replayed for *_, replayed in replays)  # the lagging ones, the eager one
         else:
             assert not replays
         caches[shared] = drafter.runner.kv_storage.clone()
