@@ -151,10 +151,10 @@ class GraphRunner:
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         # ``share_inputs``: the longest query of the padded steps whose inputs a draft model
-        # replays on (``replay_inputs_of``; 0: none). Each such replay leaves them in
-        # ``last_inputs``: (key, the step's scheduled list, its query and sequence lengths,
-        # the stream they were written on and an event recorded on it once written, both
-        # None off a GPU); any other step, None.
+        # replays on (``replay_inputs_of``; 0: none); every ragged step's it may. Each such
+        # replay leaves them in ``last_inputs``: (key, the step's scheduled list, its query
+        # and sequence lengths, the stream they were written on and an event recorded on
+        # it once written, both None off a GPU); a longer padded step, None.
         self.share_inputs = 0
         self.last_inputs: tuple | None = None
 

@@ -273,7 +273,7 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         drafter.shares_target_inputs = shared
         graphs = drafter.runner.graphs
         graphs.replay_inputs_of = lambda other, planned, _replay=graphs.replay_inputs_of, _replays=replays: \
-            _replays.append((len(planned), any(len(p.token_ids) > 1 for p in planned),
+            _replays.append((len(planned), other.last_inputs is not None and other.last_inputs[0][0] == 0,
                              _replay(other, planned))) or _replays[-1][2]
         lagging, eager = [], []  # steps without drafts: the catch-up feeds more than the target's pass; eager
         propose = drafter.propose
@@ -297,7 +297,7 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
         assert any(lagging) and any(eager)
         if shared:  # both k = 0 requests, once the drafting ones are done, and the last alone
             assert {n for n, _, replayed in replays if replayed} >= {1, 2}
-            assert any(replayed for _, chunk, replayed in replays if chunk)  # the prompt chunks' steps
+            assert any(replayed for _, ragged, replayed in replays if ragged)  # the prompt chunks' steps
             assert not all(replayed for *_, replayed in replays)  # the lagging ones, the eager one
         else:
             assert not replays
