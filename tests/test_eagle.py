@@ -287,6 +287,8 @@ def test_the_eagle_training_pipeline_runs_end_to_end(tmp_path, tiny_model_dir):
     assert len(json.loads((tmp_path / "head" / "draft_vocab.json").read_text())) == 64
     card = (tmp_path / "head" / "MODEL_CARD.md").read_text()
     assert "EAGLE-style draft head" in card and "64 tokens most frequent" in card and "unrolled" in card
+    engine = record["evaluation"]["mean_acceptance_length"]["draft_model"]
+    assert f"| this draft | {engine['chat']:.2f} | {engine['code']:.2f} |" in card  # a column per kind
     # A kind a budget left without answers says so in the card's validation tables.
     from specserve.training.card import write_model_card
 

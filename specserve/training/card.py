@@ -161,12 +161,14 @@ def write_model_card(out: Path, record: dict) -> None:
             _figure(v, key, kind) for key in ("top1_agreement", "sim_accept_len") for kind in KINDS) + " |")
     if e:
         n = e["num_prompts_per_kind"]
-        lines += ["", f"Held-out prompts in the engine ({n['chat']} chat, {n['code']} code), greedy, "
+        counts = ", ".join(f"{n[kind]} {kind}" for kind in KINDS)
+        lines += ["", f"Held-out prompts in the engine ({counts}), greedy, "
                   f"k = 4, up to {e['max_tokens']} new tokens, mean acceptance length (tokens per "
-                  "verify step):", "", "| drafter | chat | code |", "| --- | ---: | ---: |"]
+                  "verify step):", "", "| drafter | " + " | ".join(KINDS) + " |",
+                  "| --- |" + " ---: |" * len(KINDS)]
         for method, r in e["mean_acceptance_length"].items():
             name = "this draft" if method == "draft_model" else method
-            lines.append(f"| {name} | {r['chat']:.2f} | {r['code']:.2f} |")
+            lines.append(f"| {name} | " + " | ".join(f"{r[kind]:.2f}" for kind in KINDS) + " |")
     if record.get("evaluation_error"):
         lines += ["", f"Evaluation in the engine failed: {record['evaluation_error']}"]
     lines += ["", "Validation during training:", "",
