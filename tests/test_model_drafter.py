@@ -233,8 +233,8 @@ def test_a_draft_model_is_fed_after_the_targets_pass_only_in_steps_without_draft
 
 def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(tiny_model_dir, near_draft):
     """A step without drafts fed after the target's pass, through the graphs' paths
-    (eagerly here), whose catch-up feeds each request its pending token where the target's
-    pass starts: with ``shares_target_inputs`` the draft's graph replays on the target's
+    (eagerly here), whose catch-up feeds each request its pending token or its prompt
+    chunk where the target's pass starts: with ``shares_target_inputs`` the draft's graph replays on the target's
     inputs, copied from its static buffers (``GraphRunner.replay_inputs_of``), not built
     again: padded where every request decodes, ragged where a prompt chunk is in the step.
     What the draft's cache then holds is what building its own inputs writes (the whole
