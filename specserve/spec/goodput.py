@@ -294,8 +294,9 @@ class GoodputCheck:
         (0: none known), for ``promise``. ``after_drafts``: the engine's step before it
         was of this kind and ran drafts, and this one ran none. At a large batch such a
         step is the switch between the regimes, which teaches neither side: it costs more
-        than a run of plain steps' (likely: a plan is made, and the draft's catch-up cannot
-        replay on the target's inputs), and priced at it, the plain side made drafts that
+        than a run of plain steps' (likely: a plan is made, and after a step that accepted
+        every draft the draft's catch-up feeds that draft too, which the target's inputs do
+        not hold), and priced at it, the plain side made drafts that
         lose to speculation off look better. Its time counts only towards the drafted
         side's staleness, and a check of the plain side it was chosen for stays running
         (``continues``). After another kind's drafts a step is taught as any: that is the
