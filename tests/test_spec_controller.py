@@ -775,6 +775,41 @@ def test_the_controller_learns_from_a_step_while_the_next_ones_verify_pass_runs(
     assert not controller.estimates._rows  # every finished request forgotten, after its last lesson
 
 
+def test_the_outcomes_a_step_taught_are_applied_while_the_next_ones_pass_runs(tiny_model_dir):
+    """The drafts' outcomes are applied to the estimates while a verify pass runs, also
+    where no choice is made ahead (a request in prefill): the choice made at the next
+    step, on the host between the passes, then has none to apply. The estimates are
+    what they were, and outputs stay plain greedy decoding's."""
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                draft_stopping="plan", block_size=4, num_kv_blocks=256, max_num_batched_tokens=16)
+    engine, speculator = llm.engine, llm.engine.speculator
+    estimates, learn, seen = speculator.controller.estimates, speculator.learn, []
+
+    def learn_(scheduler=None):
+        learn(scheduler)
+        if scheduler is not None:
+            seen.append((speculator._decoding.num_prefilling, len(estimates._pending)))
+
+    speculator.learn = learn_
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7, 6] * 12]
+    engine.add_request(prompts[0], greedy)
+    for _ in range(4):  # the first request decodes, with drafts, before the second arrives
+        engine.step()
+    engine.add_request(prompts[1], greedy)  # its prompt in chunks, beside the first's drafts
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.req_id] = out.token_ids
+    assert sum(prefilling > 0 for prefilling, _ in seen) >= 2  # no choice made ahead at those
+    assert all(pending == 0 for _, pending in seen)
+    assert not np.allclose(estimates.prior, AcceptanceEstimates(4).prior)  # it learned
+    plain = LLM32(str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
+    assert sorted(outs.values()) == sorted(o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False))
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
 def test_a_choice_made_ahead_is_taken_only_while_the_requests_stay_the_same(tiny_model_dir):
     """The next step's k is chosen while a step verifies, for the requests decoding then;
     the next step takes it if none joined or left and none would be admitted, and

@@ -176,6 +176,15 @@ class DraftLengthController:
         if self.calibration is not None:
             self.calibration.observe(greedy, depth, confidence, accepted)
 
+    def settle(self) -> None:
+        """Apply the queued acceptance outcomes to the estimates now, rather than at the
+        next plan (``AcceptanceEstimates.apply_pending``): the engine calls it while a
+        verify pass runs, so that a plan made between steps does not pay for it. Under
+        load a plan is made there most of the times the running requests change, after
+        plans that stood for several steps, whose outcomes are applied step by step."""
+        if self.estimates is not None:
+            self.estimates.apply_pending()
+
     def acceptance(self, req_id: str) -> np.ndarray:
         """The request's acceptance per position as the plan reads it (without a map)."""
         return self.estimates.acceptance(req_id)

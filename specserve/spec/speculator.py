@@ -507,12 +507,15 @@ class Speculator:
         The engine calls it with the scheduler once a step's verify pass is under way: on
         a GPU that pass runs while the host learns and chooses, so the controller costs a
         step next to nothing (a choice reads the outcomes of all but the step just before);
-        and without, before it forgets a request or idles."""
+        and without, before it forgets a request or idles. The outcomes it queued are
+        applied to the estimates here too (``DraftLengthController.settle``), so that a
+        choice made when the step is over (its requests changed) has none to apply."""
         learning, self._learning = self._learning, []
         for lesson in learning:
             lesson()
         if scheduler is None or self.controller is None:
             return
+        self.controller.settle()
         self._decoding.refresh(scheduler)  # the requests this step admitted, in prefill
         if not self._decoding.num_prefilling and self._admits_none(scheduler):
             chosen = self._choose(scheduler)
