@@ -1591,6 +1591,37 @@ def test_a_step_that_ran_drafts_after_all_is_no_switch():
     assert switches and check.steps_seen == tuple(sides) and sides[1] >= CHECK_MIN  # every step taught
 
 
+def test_the_engine_tells_the_controller_which_steps_follow_drafts_as_they_ran(tiny_model_dir):
+    """Each step's lesson says whether the step before it ran drafts and it ran none, as
+    the steps ran (``Speculator.observe``), not as the controller chose them: here one
+    request's own k drafts every step until it finishes, and the controller is let choose
+    none for the other, so the first step after it is the one that follows drafts."""
+    llm = LLM32(str(tiny_model_dir("llama")), speculative_method="ngram", num_speculative_tokens=4,
+                draft_stopping="plan", block_size=4, num_kv_blocks=256)
+    engine, speculator = llm.engine, llm.engine.speculator
+    ctl = speculator.controller
+    ctl.choose = lambda caps, *args, **kwargs: dict.fromkeys(caps, 0)  # the controller drafts nothing
+    ran, told = [], []
+    observe, observe_goodput = speculator.observe, ctl.observe_goodput
+
+    def observe_(drafts, updates, elapsed):
+        ran.append(drafts.drafted)
+        observe(drafts, updates, elapsed)
+
+    def observe_goodput_(tokens, seconds, choice=None, backlog_s=0.0, after_drafts=None):
+        told.append(after_drafts)
+        observe_goodput(tokens, seconds, choice, backlog_s, after_drafts)
+
+    speculator.observe, ctl.observe_goodput = observe_, observe_goodput_
+    own_k = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, num_speculative_tokens=2)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7, 6, 9, 8, 7, 6]], [own_k, free], use_tqdm=False)
+    assert len(told) == len(ran) and True in ran and ran[-1] is False  # it drafted, then stopped
+    assert told == [False] + [before and not now for before, now in zip(ran, ran[1:])]
+    assert told.count(True) == 1
+    assert engine.num_free_blocks == engine.kv.num_blocks
+
+
 def test_where_the_drafter_is_fed_lazily_no_step_is_a_switch():
     """A drafter fed only where it drafts (stopping by confidence, n-gram) has nothing to
     catch up in a step without drafts: every step teaches its side, as the steps ran."""
