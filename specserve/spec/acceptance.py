@@ -38,9 +38,11 @@ once its stale estimate, pulled back, would pay. The engine-wide estimates in tu
 slowly back to their optimistic start while no request drafts at all (and the path gains
 while none verifies paths), so a workload that changes is tried again.
 
-Per-request state lives in rows of a few arrays. Observations are queued until the
-estimates are next read (a plan), then applied step by step, each step's in one vectorised
-update: at batch 1 the steps between two plans cost one short loop, not an update each.
+Per-request state lives in rows of a few arrays. Observations are queued and applied step
+by step, each step's in one vectorised update (at batch 1 one short loop in Python floats):
+the engine applies them while the next step's verify pass runs
+(``DraftLengthController.settle``), and whatever is still queued is applied when the
+estimates are next read (a plan).
 """
 from __future__ import annotations
 
@@ -116,9 +118,10 @@ class AcceptanceEstimates:
         verified (the accepted ones, then the first rejection), pooled over them, and at
         the positions not reached, towards that pooled acceptance; the engine-wide priors
         move by the batch's mean, weighted as that many observations. A step's outcomes
-        (one per request) are applied in one array operation each; the queue holds
-        several steps' where a request was observed again before anything read the
-        estimates (at batch 1, every step between two plans), applied in their order."""
+        (one per request) are applied in one array operation each; where the queue holds
+        several steps' (nothing applied them in between: a caller that only plans), they
+        are applied in their order, and steps of distinct requests with no step boundary
+        between them (``new_step``) as one."""
         pending, steps = self._pending, self._steps
         if not pending:
             return

@@ -8,7 +8,7 @@ once with staggered lengths (16..111 new tokens), greedy. ``settled in learn``: 
 checkout, whose ``Speculator.learn`` applies the queued outcomes to the estimates
 (``DraftLengthController.settle``); ``applied at the plan``: the same with ``settle`` a
 no-op, so they are applied at the next plan, as before. The engines take turns, round
-after round, in one process. Per round: steps, the host time per step in ``plan`` and
+after round, in one process (A B, B A, ...). Per round: steps, the host time per step in ``plan`` and
 ``learn``, and the fresh plans (``DraftLengthController._plan``) made in each, their
 count and mean time.
 
@@ -71,7 +71,8 @@ def main() -> None:
           "(count, us each) | fresh plans in learn (count, us each) |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for rnd in range(args.rounds):
-        for name, llm in engines.items():
+        order = list(engines.items())
+        for name, llm in order if rnd % 2 == 0 else order[::-1]:  # A B, B A, ...
             totals.clear()
             llm.engine.kv.reset_prefix_cache()
             began = time.perf_counter()
