@@ -509,7 +509,7 @@ class Speculator:
         step next to nothing (a choice reads the outcomes of all but the step just before);
         and without, before it forgets a request or idles. The outcomes it queued are
         applied to the estimates here too (``DraftLengthController.settle``), so that a
-        choice made when the step is over (its requests changed) has none to apply."""
+        choice made when the step is over (its requests changed) finds them applied."""
         learning, self._learning = self._learning, []
         for lesson in learning:
             lesson()
