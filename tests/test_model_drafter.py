@@ -99,8 +99,8 @@ def test_an_engine_step_reads_the_device_once(tiny_model_dir, near_draft, tmp_pa
     if graphs is True:
         engine.enable_graphs(capture=False)
     reads, in_model = [], [False]
-    for model in {id(engine.runner.model): engine.runner.model,
-                  id(getattr(engine.speculator.drafter, "model", None)): getattr(engine.speculator.drafter, "model", None)}.values():
+    draft_model = getattr(engine.speculator.drafter, "model", None)
+    for model in {id(engine.runner.model): engine.runner.model, id(draft_model): draft_model}.values():
         if model is not None:
             forward = model.forward
 
