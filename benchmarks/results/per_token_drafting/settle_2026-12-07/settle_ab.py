@@ -1,9 +1,15 @@
 """``../ragged_share_2026-12-06/share_ab.py`` (``benchmarks/step_records.py`` with that
-study's settings) with one setting more:
+study's settings) with two settings more:
 
 - ``adaptive, applied at the plan``: the default, but ``DraftLengthController.settle`` a
   no-op, so the drafts' outcomes are applied to the estimates at the next fresh plan,
-  which under load is mostly made between two passes (as before this study).
+  which under load is mostly made between two passes (as before this study);
+- ``adaptive, lazy feed``: the default, but its draft model fed lazily, as where drafting
+  stops by confidence (the CPU's default): a request that drafts nothing in a step is
+  left unfed, its prompt chunks included, and catches up when it next drafts
+  (``ModelDrafter.catch_up_lazily``), so a step without drafts runs no draft pass. The
+  controller is told so: no step is a switch, and a draft depth D costs D draft passes
+  (``StepCosts.first_free`` 0), as for any lazy drafter.
 
     python settle_ab.py [step_records.py's arguments] --settings "off;adaptive;..."
 """
@@ -21,7 +27,15 @@ def applied_at_the_plan(engine):
     engine.speculator.controller.settle = lambda: None
 
 
-step_records.SETTINGS["adaptive, applied at the plan"] = {}
-step_records.SETUP["adaptive, applied at the plan"] = applied_at_the_plan
+def lazy_feed(engine):
+    speculator = engine.speculator
+    speculator.drafter.catch_up_lazily()
+    speculator.controller.switches = False
+    speculator.controller.costs.first_free = 0
+
+
+for name, setup in (("adaptive, applied at the plan", applied_at_the_plan), ("adaptive, lazy feed", lazy_feed)):
+    step_records.SETTINGS[name] = {}
+    step_records.SETUP[name] = setup
 sys.argv[0] = str(HERE.parent / "ragged_share_2026-12-06" / "share_ab.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
