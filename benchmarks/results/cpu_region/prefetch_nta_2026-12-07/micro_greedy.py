@@ -3,9 +3,9 @@ row (the default model's vocabulary), hot in cache: what they cost outside an en
 import time
 
 import torch
+from specserve.kernels import cpu_ops
 
 from specserve import sampler
-from specserve.kernels import cpu_ops
 
 cpu_ops.available()
 x = torch.randn(1, 49152)
