@@ -48,7 +48,7 @@ class EagleDrafter(ModelDrafter):
     feeds_after_target = False  # it is fed the features of the target's last pass
     first_draft_in_catch_up = True  # (its features are the target's of that step)
 
-    def catch_up_lazily(self) -> bool:
+    def catch_up_lazily(self, from_requests: float = 1) -> bool:
         return False  # its entries need the target's features of every step
     max_paths = 1  # its features follow each request's pass by request id
     # A tree of runner-ups (``spec.tree``), its features following the path that settles

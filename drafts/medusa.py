@@ -38,6 +38,7 @@ class MedusaDrafter(ModelDrafter):
     def __init__(self, heads, config, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__("draft_model", heads, config, device, dtype)
         self.draft_cache = None  # no cache of its own
+        self.lazy_from = 0
         self.target_runner: ModelRunner | None = None
 
     def kv_bytes_per_block(self) -> int:
@@ -58,7 +59,7 @@ class MedusaDrafter(ModelDrafter):
     def first_draft_in_catch_up(self) -> bool:
         return False
 
-    def catch_up_lazily(self) -> bool:
+    def catch_up_lazily(self, from_requests: float = 1) -> bool:
         return False
 
     def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:

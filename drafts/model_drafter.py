@@ -15,6 +15,7 @@ are graph replays.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from itertools import accumulate
@@ -77,7 +78,12 @@ class ModelDrafter:
         self.draft_cache = None if shares_target_cache else "tokens"
         self.last_catch_up_s = 0.0
         self.last_backlog_s = 0.0  # the lazy catch-up's pass of its own (``catch_up_lazily``)
-        self.lazy = False  # see ``catch_up_lazily``
+        self.lazy_from = math.inf  # steps of this many requests or more feed lazily (``catch_up_lazily``)
+        # A long catch-up in a pass of its own (``LAZY_APART``): on a CPU, where it is timed
+        # as it runs. On a GPU the host times only its launch (the device runs it later,
+        # within the step's wait), and the pass of its own is a launch more a step, eager:
+        # the backlog rides in the first draft pass, as a lockstep catch-up's chunks do.
+        self.backlog_apart = device.type == "cpu"
         self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
         # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
@@ -167,18 +173,29 @@ class ModelDrafter:
 
     @property
     def first_draft_in_catch_up(self) -> bool:
-        return not self.lazy
+        """Whether a draft depth D costs D - 1 passes after the catch-up's: unless every
+        step feeds lazily. Where small steps keep up in lockstep and large ones feed
+        lazily (a GPU's, ``catch_up_lazily``), a large step's first draft pass is its
+        drafting requests' catch-up, priced as the lockstep catch-up of a step with
+        drafts is there: by the draft cost model's terms per drafting step and request."""
+        return self.lazy_from > 1
 
-    def catch_up_lazily(self) -> bool:
-        """From now on leave a request that does not draft unfed, its prompt chunks
-        included: its cache catches up when it next drafts, so a step that drafts nothing
-        runs no draft pass, a request that never drafts (a veto, a workload where drafting
-        does not pay) costs the draft nothing, and the catch-up is a draft pass, not a fixed
-        cost of every step. A catch-up longer than ``LAZY_APART`` tokens (a prompt, or the
-        tokens of many steps without drafts) feeds all but its last token in a pass of its
-        own, timed apart (``last_backlog_s``): what starting to draft costs once. (Set
-        where drafting stops by confidence, which then prices every pass it runs.)"""
-        self.lazy = True
+    def catch_up_lazily(self, from_requests: float = 1) -> bool:
+        """From now on, in a step of at least ``from_requests`` requests, leave a request
+        that does not draft unfed, its prompt chunks included: its cache catches up when
+        it next drafts, so such a step that drafts nothing runs no draft pass, a request
+        that never drafts (a veto, a workload where drafting does not pay) costs the draft
+        nothing, and the catch-up is a draft pass, not a fixed cost of every step. A
+        catch-up longer than ``LAZY_APART`` tokens (a prompt, or the tokens of many steps
+        without drafts) feeds all but its last token in a pass of its own, timed apart
+        (``last_backlog_s``): what starting to draft costs once (on a CPU,
+        ``backlog_apart``). A smaller step feeds
+        every request in lockstep, a backlog included: at a small batch the draft's pass
+        costs little beside the target's and a lockstep catch-up yields the first
+        proposals, where a lazy one is a pass more
+        (``benchmarks/results/per_token_drafting/lazy_feed_2026-12-07/``). (From 1 where
+        drafting stops by confidence, which then prices every pass it runs.)"""
+        self.lazy_from = from_requests
         return True
 
     def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:
@@ -213,7 +230,8 @@ class ModelDrafter:
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],
                 stop: StopRule | None = None) -> DraftProposal:
         began = time.perf_counter()
-        entries, drafting, ends, fed_before, lockstep = [], [], {}, {}, []
+        entries, drafting, ends, fed_before, backlog = [], [], {}, {}, []
+        lazy = len(scheduled) >= self.lazy_from
         for i, planned in enumerate(scheduled):
             k = planned.num_lookahead
             if k == 0 and self.shares_target_cache:
@@ -222,7 +240,7 @@ class ModelDrafter:
             end = planned.start_pos + len(planned.token_ids)
             if planned.draft_cache_valid is not None:  # admitted: its cached blocks' entries
                 self._fed[req_id] = planned.draft_cache_valid
-            if k == 0 and self.lazy:
+            if k == 0 and lazy:
                 # A prompt chunk, or decoding without drafts: its cache catches up when it
                 # next drafts (the entries past this step's start may be rejected drafts':
                 # not valid).
@@ -232,10 +250,11 @@ class ModelDrafter:
             fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))
             tokens = requests[req_id].all_token_ids[fed:end]
-            if self.lazy and len(tokens) > LAZY_APART:
-                # A long catch-up (its prompt, at a request's first drafts): all but the
-                # last token in a pass of their own, the step's cost rather than drafting's.
-                lockstep.append(ScheduledRequest(req_id, tokens[:-1], fed, planned.block_table, planned.params,
+            if k and len(tokens) > LAZY_APART and self.backlog_apart:
+                # A long catch-up (its prompt at a request's first drafts, or the tokens of
+                # the lazy steps it did not draft): all but the last token in a pass of
+                # their own, the step's cost rather than drafting's.
+                backlog.append(ScheduledRequest(req_id, tokens[:-1], fed, planned.block_table, planned.params,
                                                  sample=False, long_rope=planned.long_rope))
                 fed, tokens = end - 1, tokens[-1:]
             entries.append((i, ScheduledRequest(req_id, tokens, fed, planned.block_table,
@@ -256,13 +275,13 @@ class ModelDrafter:
         # batch puts them first, in that order, so its logits rows are in it too.
         order = sorted(drafting, key=lambda i: -scheduled[i].num_lookahead)
         rank = {i: r for r, i in enumerate(order)}
-        if lockstep:
+        if backlog:
             # Long catch-ups are a cost of starting to draft, not of this step's drafts:
             # their own pass, timed apart; the drafting requests' last tokens are their
             # first draft pass.
-            self._forward(lockstep)
-        lockstep_s = time.perf_counter() - began if lockstep else 0.0
-        self.last_backlog_s = lockstep_s
+            self._forward(backlog)
+        backlog_s = time.perf_counter() - began if backlog else 0.0
+        self.last_backlog_s = backlog_s
         entries.sort(key=lambda e: rank.get(e[0], len(order)))
         active = [scheduled[i] for i in order]
         meta = None
@@ -275,7 +294,7 @@ class ModelDrafter:
         # Lazily, the catch-up is the first draft pass; else every request's catch-up runs
         # whatever k is (it yields the first proposals too): the cost of drafting is what
         # comes after it.
-        self.last_catch_up_s = lockstep_s if self.lazy else time.perf_counter() - began
+        self.last_catch_up_s = backlog_s if lazy else time.perf_counter() - began
         # Penalties, a grammar and the like process q from the same history as the target's p.
         process = LogitsProcess.for_drafting([requests[p.req_id].history(ends[i]) for i, p in zip(order, active)],
                                              [p.params for p in active], logits.shape[1], self.device,

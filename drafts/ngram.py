@@ -152,6 +152,7 @@ class NgramDrafter:
     max_paths = 1  # one continuation per lookup
     last_catch_up_s = 0.0  # no cache to keep up
     last_backlog_s = 0.0
+    lazy_from = 0
     draft_cache = None  # no KV cache of its own
     confidence = True  # a match's length (``confidence``): drafting may stop by it (``spec.stopping``)
 
@@ -177,7 +178,7 @@ class NgramDrafter:
     def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> None:
         return None  # a lookup, not a pass
 
-    def catch_up_lazily(self) -> bool:
+    def catch_up_lazily(self, from_requests: float = 1) -> bool:
         return True  # no cache: each request's index catches up at its next lookup anyway
 
     def propose(self, scheduled: list[ScheduledRequest], requests: Mapping[str, Request],

@@ -6,6 +6,8 @@ plain greedy (float32) and sampling keeps the target's distribution."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import random
 import time
 from types import SimpleNamespace
@@ -20,6 +22,7 @@ from specserve import LLMEngine, SamplingParams
 from specserve.scheduler import ScheduledRequest
 from specserve.spec.calibration import EDGES, ConfidenceCalibration
 from specserve.spec.planner import Prices
+from specserve.spec.speculator import LAZY_FROM
 from specserve.spec.stopping import StopRule
 
 GREEDY = SamplingParams(temperature=0)
@@ -482,8 +485,11 @@ def test_a_lazy_draft_proposes_what_a_draft_fed_in_lockstep_proposes(tiny_model_
     for stopping in ("confidence", "plan"):
         llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=3,
                     draft_stopping=stopping, **SMALL)
-        drafter = llm.engine.speculator.drafter
-        assert drafter.lazy == (stopping == "confidence")
+        speculator = llm.engine.speculator
+        drafter = speculator.drafter
+        # (the plan's on a GPU: in steps of LAZY_FROM requests or more; never as many here)
+        assert drafter.lazy_from == (1 if stopping == "confidence" else LAZY_FROM if speculator.feeds_after
+                                     else math.inf)
         fed = []
         forward = drafter._forward
         drafter._forward = lambda entries, *a: (fed.append(sum(len(e.token_ids) for e in entries)),
@@ -501,6 +507,51 @@ def test_a_lazy_draft_proposes_what_a_draft_fed_in_lockstep_proposes(tiny_model_
     assert passes["confidence"] == 0 < passes["plan"]  # (the plan's draft prefills the prompt)
 
 
+def test_a_draft_fed_lazily_in_large_steps_only_proposes_what_lockstep_does(tiny_model_dir, near):
+    """A draft model fed lazily in steps of at least ``lazy_from`` requests only (a GPU's
+    default, ``LAZY_FROM``), in lockstep in smaller ones: requests skip drafting every third
+    step while the batch drains from five requests to two, so backlogs left by large steps
+    are fed in small ones (in the catch-up, or by a request that drafts there), and the
+    other way round; a prompt's backlog in a pass of its own (a CPU's) or in the first
+    draft pass (a GPU's, ``backlog_apart``). Every request's drafts are those of a draft
+    fed in lockstep all along (and of one fed lazily all along): the same tokens are
+    accepted, the outputs are plain greedy's, and the large steps feed the draft fewer
+    tokens than lockstep does."""
+    target = str(tiny_model_dir("llama"))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 12, 40, 12, 12)]
+    got, fed, sizes = {}, {}, {}
+    for lazy_from, apart in ((math.inf, True), (3, True), (1, True), (3, False)):
+        llm = LLM32(target, speculative_method="draft_model", draft_model=near, num_speculative_tokens=3,
+                    speculative_adaptive=False, draft_stopping="plan", **SMALL)
+        speculator = llm.engine.speculator
+        drafter = speculator.drafter
+        drafter.catch_up_lazily(lazy_from)  # (fixed k: in lockstep, unless told)
+        drafter.backlog_apart = apart
+        key = lazy_from if apart else "merged"
+        fed[key], sizes[key] = [], []
+        forward, propose, plan, steps = drafter._forward, drafter.propose, speculator._drafter_plan, itertools.count()
+        drafter._forward = lambda entries, *a, f=fed[key], forward=forward: (
+            f.append(sum(len(e.token_ids) for e in entries)), forward(entries, *a))[1]
+        drafter.propose = lambda scheduled, *a, s=sizes[key], propose=propose: (
+            s.append(len(scheduled)), propose(scheduled, *a))[1]
+
+        def skipping(scheduler, plan=plan, steps=steps):
+            step, chosen = next(steps), plan(scheduler)
+            return {r: 0 if (step + i) % 3 == 0 else k for i, (r, k) in enumerate(sorted(chosen.items()))}
+
+        speculator._drafter_plan = skipping
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = llm.engine.spec_stats
+        got[key] = ([o.token_ids for o in outputs], stats.num_drafts, stats.num_accepted_tokens)
+        assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
+    assert got[3] == got[math.inf] == got[1] == got["merged"] and got[3][2] > 0
+    assert min(sizes[3]) < 3 <= max(sizes[3])  # steps of both kinds
+    assert sum(fed[1]) < sum(fed[3]) == sum(fed["merged"]) < sum(fed[math.inf])
+    assert len(fed["merged"]) < len(fed[3])  # (fewer passes)
+    plain = LLM32(target, **SMALL).generate(PROMPTS, params, use_tqdm=False)
+    assert got[3][0] == [o.token_ids for o in plain]
+
+
 def test_a_lazy_drafts_backlog_is_not_charged_to_the_step_that_drafts(tiny_model_dir, near):
     """A lazy draft catches a request up on its prompt (37 tokens, more than
     ``LAZY_APART``) in a pass of its own at the request's first drafts, as it would on the
@@ -512,7 +563,7 @@ def test_a_lazy_drafts_backlog_is_not_charged_to_the_step_that_drafts(tiny_model
                 num_speculative_tokens=3, draft_stopping="confidence", **SMALL)
     speculator = llm.engine.speculator
     drafter, controller = speculator.drafter, speculator.controller
-    assert drafter.lazy
+    assert drafter.lazy_from == 1
     forward = drafter._forward
 
     def slow_backlog(entries, *args):  # the backlog pass: whole chunks, nothing sampled

@@ -1648,6 +1648,27 @@ def test_where_the_drafter_is_fed_lazily_no_step_is_a_switch():
     assert ctl.checks[(False, False, 5)].steps_seen == tuple(sides) and all(sides)
 
 
+def test_where_large_steps_feed_the_drafter_lazily_only_small_ones_switch():
+    """A draft model on a GPU keeps up in lockstep in steps of fewer than ``lazy_from``
+    requests and is fed lazily in larger ones (``LAZY_FROM``): a step without drafts
+    right after one with is a switch at a batch of 4, never at a batch of 16."""
+    ctl = DraftLengthController(4, first_draft_in_catch_up=True, lazy_from=8)
+    fitted = controller(**MEMORY_BOUND)
+    ctl.costs = fitted.costs
+    switched = {}
+    for batch in (4, 16):
+        caps = {f"b{batch}r{i}": 4 for i in range(batch)}
+        for req_id in caps:
+            ctl.set_estimates(req_id, [1.0] * 4, 1.0)
+        switched[batch] = 0
+        for _ in range(300):
+            drafted = any(ctl.choose(caps).values())
+            switched[batch] += ctl.last.after_drafts
+            ctl.observe_goodput(5 * batch if drafted else batch, 0.012 if drafted else 0.010,
+                                after_drafts=ctl.last.after_drafts)
+    assert switched[4] > 0 == switched[16]
+
+
 def _bursts(check, bursts, steps, batch=24, plain_s=0.047, drafted_s=0.100, backlog_s=0.120):
     """Bursts of ``batch`` new requests under ``check``: plain steps, and a drafted step
     (which also feeds a lazy draft ``backlog_s``) wherever the drafted side is stale.

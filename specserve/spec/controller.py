@@ -87,11 +87,12 @@ class DraftLengthController:
 
     def __init__(self, max_k: int, min_gain: float | None = None, check_goodput: bool = True,
                  forks: tuple[tuple[int, int], ...] = (), first_draft_in_catch_up: bool = False,
-                 confidence: bool = False, switch_rows: int = 0) -> None:
+                 confidence: bool = False, switch_rows: int = 0, lazy_from: float = math.inf) -> None:
         """``forks``: the further draft paths' (depth, rank) (``DraftPaths.forks``): a
         request drafting k tokens may verify one path more for each fork above depth k.
         ``first_draft_in_catch_up``: the drafter's catch-up yields the first proposals
-        (``StepCosts``). ``confidence``: the drafter stops token by token by its
+        (``StepCosts``). ``lazy_from``: steps of at least this many requests leave a
+        request that drafts nothing unfed (``Drafter.lazy_from``). ``confidence``: the drafter stops token by token by its
         confidence (``spec.stopping``; not with further paths, which keep their static
         forks): the plan is then the most each request may draft, made with the
         calibration map's best case, and the drafter decides how much of it to use.
@@ -130,8 +131,10 @@ class DraftLengthController:
         self._before: tuple[GoodputCheck | None, bool] = (None, False)
         # Where the drafter catches its cache up every step, a step without drafts right
         # after one of its kind with drafts is a switch (``GoodputCheck.observe``); a lazily
-        # fed one (stopping by confidence, n-gram) feeds nothing in a step without drafts.
+        # fed one (stopping by confidence, n-gram) feeds nothing in a step without drafts,
+        # nor does one fed lazily in large steps only (a GPU's draft model) in those.
         self.switches = first_draft_in_catch_up
+        self.switches_below = lazy_from  # (steps of fewer requests)
 
     # ------------------------------------------------------------------ learning
     @property
@@ -240,7 +243,8 @@ class DraftLengthController:
                     break
         # Right after a step of its kind with drafts, a step without is the switch
         # (``GoodputCheck.observe``); a plain check chosen there goes on at the kind's next step.
-        choice.after_drafts = self.switches and self._before == (check, True)
+        choice.after_drafts = (self.switches and len(caps) + num_other_spans < self.switches_below
+                               and self._before == (check, True))
         if check.continues():
             choice.check, choice.checked, choice.continued = check, True, True
             return dict.fromkeys(caps, 0)

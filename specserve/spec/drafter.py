@@ -89,6 +89,9 @@ class Drafter(Protocol):
     # draft): what starting to draft costs once, not what a drafted step costs, so neither
     # the goodput check nor the cost model counts it (0 for any other drafter).
     last_backlog_s: float
+    # Steps of at least this many requests leave a request that drafts nothing unfed
+    # (``catch_up_lazily``): inf where every step keeps its cache up, 0 without a cache.
+    lazy_from: float
     # How a KV cache of the drafter's own (same block ids as the target's) uses cached
     # prefix blocks: None (it has none), "tokens" (it catches up from the blocks its entries
     # are valid for) or "features" (its entries need the target's hidden states): see
@@ -112,9 +115,10 @@ class Drafter(Protocol):
         beside that pass (on a GPU stream of its own, after ``ready``, an event recorded
         before the target's pass was queued), as long as its next use waits."""
 
-    def catch_up_lazily(self) -> bool:
-        """(A drafter with ``confidence``.) From now on feed its own cache only for the
-        requests that draft, catching each up when it next does; False where it cannot."""
+    def catch_up_lazily(self, from_requests: float = 1) -> bool:
+        """(A drafter with ``confidence``.) From now on, in steps of at least
+        ``from_requests`` requests, feed its own cache only for the requests that draft,
+        catching each up when it next does (``lazy_from``); False where it cannot."""
 
     def time_pass(self, scheduled: list[ScheduledRequest], passes: int = 4) -> float | None:
         """Seconds one of its draft passes over ``scheduled`` (a token each) adds to a step
