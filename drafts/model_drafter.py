@@ -79,11 +79,6 @@ class ModelDrafter:
         self.last_catch_up_s = 0.0
         self.last_backlog_s = 0.0  # the lazy catch-up's pass of its own (``catch_up_lazily``)
         self.lazy_from = math.inf  # steps of this many requests or more feed lazily (``catch_up_lazily``)
-        # A long catch-up in a pass of its own (``LAZY_APART``): on a CPU, where it is timed
-        # as it runs. On a GPU the host times only its launch (the device runs it later,
-        # within the step's wait), and the pass of its own is a launch more a step, eager:
-        # the backlog rides in the first draft pass, as a lockstep catch-up's chunks do.
-        self.backlog_apart = device.type == "cpu"
         self._tree_rng: torch.Generator | None = None  # a sampling request's tree candidates
         # ``feed``'s CUDA stream, and whether work on it may still be running (``_join``).
         self.own_stream = True  # False: ``feed`` runs on the target's stream (kept for A/B runs)
@@ -175,9 +170,10 @@ class ModelDrafter:
     def first_draft_in_catch_up(self) -> bool:
         """Whether a draft depth D costs D - 1 passes after the catch-up's: unless every
         step feeds lazily. Where small steps keep up in lockstep and large ones feed
-        lazily (a GPU's, ``catch_up_lazily``), a large step's first draft pass is its
-        drafting requests' catch-up, priced as the lockstep catch-up of a step with
-        drafts is there: by the draft cost model's terms per drafting step and request."""
+        lazily (``catch_up_lazily`` from more than one request), a large step's first
+        draft pass is its drafting requests' catch-up, priced as the lockstep catch-up of
+        a step with drafts is on a GPU: by the draft cost model's terms per drafting step
+        and request."""
         return self.lazy_from > 1
 
     def catch_up_lazily(self, from_requests: float = 1) -> bool:
@@ -188,13 +184,12 @@ class ModelDrafter:
         nothing, and the catch-up is a draft pass, not a fixed cost of every step. A
         catch-up longer than ``LAZY_APART`` tokens (a prompt, or the tokens of many steps
         without drafts) feeds all but its last token in a pass of its own, timed apart
-        (``last_backlog_s``): what starting to draft costs once (on a CPU,
-        ``backlog_apart``). A smaller step feeds
-        every request in lockstep, a backlog included: at a small batch the draft's pass
-        costs little beside the target's and a lockstep catch-up yields the first
-        proposals, where a lazy one is a pass more
-        (``benchmarks/results/per_token_drafting/lazy_feed_2026-12-07/``). (From 1 where
-        drafting stops by confidence, which then prices every pass it runs.)"""
+        (``last_backlog_s``): what starting to draft costs once. A smaller step feeds
+        every request in lockstep, a backlog included. (From 1 where drafting stops by
+        confidence, which then prices every pass it runs. A GPU's default stops by the
+        plan and feeds every step in lockstep: fed lazily from 8 requests on, code-edit
+        under load ran slower on an H100,
+        ``benchmarks/results/per_token_drafting/by_batch_2026-12-07/``.)"""
         self.lazy_from = from_requests
         return True
 
@@ -250,12 +245,12 @@ class ModelDrafter:
             fed = planned.start_pos if self.shares_target_cache else fed_before.setdefault(
                 req_id, min(self._fed.get(req_id, 0), planned.start_pos))
             tokens = requests[req_id].all_token_ids[fed:end]
-            if k and len(tokens) > LAZY_APART and self.backlog_apart:
+            if k and len(tokens) > LAZY_APART:
                 # A long catch-up (its prompt at a request's first drafts, or the tokens of
                 # the lazy steps it did not draft): all but the last token in a pass of
                 # their own, the step's cost rather than drafting's.
                 backlog.append(ScheduledRequest(req_id, tokens[:-1], fed, planned.block_table, planned.params,
-                                                 sample=False, long_rope=planned.long_rope))
+                                                sample=False, long_rope=planned.long_rope))
                 fed, tokens = end - 1, tokens[-1:]
             entries.append((i, ScheduledRequest(req_id, tokens, fed, planned.block_table,
                                                 planned.params, sample=k > 0, long_rope=planned.long_rope)))

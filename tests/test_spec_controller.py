@@ -1649,9 +1649,9 @@ def test_where_the_drafter_is_fed_lazily_no_step_is_a_switch():
 
 
 def test_where_large_steps_feed_the_drafter_lazily_only_small_ones_switch():
-    """A draft model on a GPU keeps up in lockstep in steps of fewer than ``lazy_from``
-    requests and is fed lazily in larger ones (``LAZY_FROM``): a step without drafts
-    right after one with is a switch at a batch of 4, never at a batch of 16."""
+    """A draft model kept up in lockstep in steps of fewer than ``lazy_from`` requests and
+    fed lazily in larger ones (``catch_up_lazily(8)``): a step without drafts right after
+    one with is a switch at a batch of 4, never at a batch of 16."""
     ctl = DraftLengthController(4, first_draft_in_catch_up=True, lazy_from=8)
     fitted = controller(**MEMORY_BOUND)
     ctl.costs = fitted.costs

@@ -92,10 +92,11 @@ class DraftLengthController:
         request drafting k tokens may verify one path more for each fork above depth k.
         ``first_draft_in_catch_up``: the drafter's catch-up yields the first proposals
         (``StepCosts``). ``lazy_from``: steps of at least this many requests leave a
-        request that drafts nothing unfed (``Drafter.lazy_from``). ``confidence``: the drafter stops token by token by its
-        confidence (``spec.stopping``; not with further paths, which keep their static
-        forks): the plan is then the most each request may draft, made with the
-        calibration map's best case, and the drafter decides how much of it to use.
+        request that drafts nothing unfed (``Drafter.lazy_from``). ``confidence``: the
+        drafter stops token by token by its confidence (``spec.stopping``; not with
+        further paths, which keep their static forks): the plan is then the most each
+        request may draft, made with the calibration map's best case, and the drafter
+        decides how much of it to use.
         ``switch_rows``: the rows from which the target's pass runs its projections
         another way (``target_features``; 0: none). ``min_gain``: how much more goodput
         than none a plan with drafts must promise (None: ``MIN_GAIN``, read when the
@@ -132,7 +133,7 @@ class DraftLengthController:
         # Where the drafter catches its cache up every step, a step without drafts right
         # after one of its kind with drafts is a switch (``GoodputCheck.observe``); a lazily
         # fed one (stopping by confidence, n-gram) feeds nothing in a step without drafts,
-        # nor does one fed lazily in large steps only (a GPU's draft model) in those.
+        # nor does one fed lazily in large steps only (``lazy_from``) in those.
         self.switches = first_draft_in_catch_up
         self.switches_below = lazy_from  # (steps of fewer requests)
 

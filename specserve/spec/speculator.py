@@ -45,13 +45,6 @@ FORCED_DRAFTS_MAX = 8
 # steps the host work around them too, but it varies what a steady state does not.
 PROFILE_WEIGHT = 0.1
 PROFILE_PASSES = 4   # draft passes the start-up profile times back to back
-# Where steps without drafts feed the drafter after the target's pass (a GPU's) and
-# drafting stops by the plan, steps of this many requests or more feed it lazily
-# (``Drafter.catch_up_lazily``): under load a request that drafts nothing, its prompt
-# chunks included, then costs the draft no pass; a smaller step keeps every request up,
-# as a lockstep catch-up yields the first proposals
-# (``benchmarks/results/per_token_drafting/lazy_feed_2026-12-07/``, ``by_batch_2026-12-07/``).
-LAZY_FROM = 8
 
 
 @dataclass
@@ -179,8 +172,6 @@ class Speculator:
                 confidence = drafter.confidence and not self.paths.forks and self._stops_by_confidence()
                 if confidence:
                     drafter.catch_up_lazily()  # drafting nothing then costs nothing
-                elif self.feeds_after and not self.paths.forks:
-                    drafter.catch_up_lazily(LAZY_FROM)  # in large steps (``LAZY_FROM``)
                 self.controller = DraftLengthController(self.max_k, forks=tuple(self.paths.forks),
                                                         first_draft_in_catch_up=drafter.first_draft_in_catch_up,
                                                         confidence=confidence, switch_rows=switch_rows(runner.model),

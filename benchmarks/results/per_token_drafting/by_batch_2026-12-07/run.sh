@@ -24,7 +24,7 @@ run() {  # name, timeout (s), then by_batch_ab.py's arguments
   echo "== $name at $(( $(date +%s) - T0 )) s"; grep " round " /root/logs/$name.log
   grep -i "Traceback\|Error" /root/logs/$name.log | head -5
 }
-S=${SETTINGS:-"off;adaptive;adaptive, lockstep"}
+S=${SETTINGS:-"off;adaptive;adaptive, lazy from 8"}
 L="--num-prompts 576 --num-warmups 64 --num-kv-blocks 8192 --rounds ${ROUNDS:-3}"
 case $RUN in
   tests) timeout ${LIMIT:-280} python -m pytest -q -x tests/test_confidence_stopping.py tests/test_model_drafter.py \
