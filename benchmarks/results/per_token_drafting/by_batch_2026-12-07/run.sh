@@ -1,7 +1,8 @@
 #!/bin/bash
-# Call 5 on of a lease (device_carry_e, after ../ragged_share_2026-12-06/c1.sh four times):
-# the wheel joined and installed, then: the CUDA tests of the lazy feed (RUN=tests);
-# by_batch_ab.py on chat at 256 requests/s, 576 requests (RUN=load); chat with 576 queued
+# After ../ragged_share_2026-12-06/c1.sh carried device_carry_a ... _d (one call each), the
+# first call of this script carries device_carry_e: the wheel joined and installed, then:
+# the CUDA tests of the draft and controller (RUN=tests); by_batch_ab.py on chat at 256
+# requests/s, 576 requests (RUN=load); chat with 576 queued
 # (RUN=queued); chat with 192 queued, MAX running (RUN=mid); code-edit with 192 queued
 # (RUN=code); batch 1 chat and code-edit, 2 rounds (RUN=batch1). The settings take turns
 # over the rounds, each an engine of its own in one process.
