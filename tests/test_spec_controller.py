@@ -1,6 +1,7 @@
 """The adaptive draft-length controller on synthetic acceptance and cost inputs."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from itertools import pairwise
 
@@ -1369,7 +1370,7 @@ def test_drafts_that_pay_are_checked_rarely():
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
     assert share >= 1 - 1.5 / CHECK_MAX
     ctl = controller(**MEMORY_BOUND)
-    ctl.switches = True
+    ctl.switches_below = math.inf
     serve(ctl, 200, plain_s=0.010, drafted_s=0.020)
     share, _ = serve(ctl, 640, plain_s=0.010, drafted_s=0.020)
     assert share >= 1 - 2.5 / CHECK_MAX
@@ -1513,7 +1514,7 @@ def test_drafts_that_lose_to_the_plain_regime_are_vetoed_though_the_switch_costs
     regime (1,600) they are vetoed and the engine runs at about off's goodput, the checks
     and their switches included."""
     ctl = controller(**MEMORY_BOUND)
-    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
+    ctl.switches_below = math.inf  # a drafter fed every step (a draft model on a GPU)
     [(tokens, seconds)] = _alternate(ctl, 1500, [({}, (18, 0.0125), (16, 0.010), 0.016)])
     check = ctl.checks[(False, False, 5)]
     assert check.vetoed and check.plain_step(16) == pytest.approx(0.010)
@@ -1529,7 +1530,7 @@ def test_a_kind_that_takes_turns_with_another_is_judged_in_the_regime_it_runs_in
     though not a plain regime A never runs in (16 in 10 ms): A keeps drafting, and no
     step of B is held back for A's checks."""
     ctl = controller(**MEMORY_BOUND)
-    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
+    ctl.switches_below = math.inf  # a drafter fed every step (a draft model on a GPU)
     a = ({}, (18, 0.0125), (16, 0.010), 0.016)
     b = ({"num_other_tokens": 64, "num_other_spans": 1}, (48, 0.015), (16, 0.012), 0.018)
     (a_tokens, a_s), (b_tokens, b_s) = _alternate(ctl, 3000, [a, b])
@@ -1545,7 +1546,7 @@ def test_a_withdrawn_choice_leaves_its_kinds_check_as_it_found_it():
     at a switch not running and not going on, and a check's next step it took still to
     come. One made again for the requests as they are now does what it did."""
     ctl = controller(**MEMORY_BOUND)
-    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
+    ctl.switches_below = math.inf  # a drafter fed every step (a draft model on a GPU)
     caps = {f"r{i}": 4 for i in range(16)}
     for req_id in caps:
         ctl.set_estimates(req_id, [1.0] * 4, 1.0)
@@ -1582,7 +1583,7 @@ def test_a_step_that_ran_drafts_after_all_is_no_switch():
     from specserve.spec.goodput import CHECK_MIN
 
     ctl = controller(**MEMORY_BOUND)
-    ctl.switches = True  # a drafter fed every step (a draft model on a GPU)
+    ctl.switches_below = math.inf  # a drafter fed every step (a draft model on a GPU)
     caps = {f"r{i}": 4 for i in range(16)}
     for req_id in caps:
         ctl.set_estimates(req_id, [1.0] * 4, 1.0)
@@ -1635,7 +1636,7 @@ def test_where_the_drafter_is_fed_lazily_no_step_is_a_switch():
     """A drafter fed only where it drafts (stopping by confidence, n-gram) has nothing to
     catch up in a step without drafts: every step teaches its side, as the steps ran."""
     ctl = controller(**MEMORY_BOUND)
-    assert not ctl.switches
+    assert ctl.switches_below == 0
     caps = {f"r{i}": 4 for i in range(16)}
     for req_id in caps:
         ctl.set_estimates(req_id, [1.0] * 4, 1.0)

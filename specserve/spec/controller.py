@@ -130,12 +130,12 @@ class DraftLengthController:
         self.last = Choice()                # the last choice, what its step will teach
         # The last choice's kind (its check) and whether it chose drafts (``_choose``).
         self._before: tuple[GoodputCheck | None, bool] = (None, False)
-        # Where the drafter catches its cache up every step, a step without drafts right
-        # after one of its kind with drafts is a switch (``GoodputCheck.observe``); a lazily
-        # fed one (stopping by confidence, n-gram) feeds nothing in a step without drafts,
-        # nor does one fed lazily in large steps only (``lazy_from``) in those.
-        self.switches = first_draft_in_catch_up
-        self.switches_below = lazy_from  # (steps of fewer requests)
+        # In steps of fewer requests than this the drafter catches its cache up whatever k
+        # is, so a step without drafts right after one of its kind with drafts is a switch
+        # (``GoodputCheck.observe``): inf for one fed every step, ``lazy_from`` for one fed
+        # lazily in large steps only, 0 for one fed lazily (stopping by confidence, n-gram)
+        # or not at all, which feeds nothing in a step without drafts.
+        self.switches_below = lazy_from if first_draft_in_catch_up else 0
 
     # ------------------------------------------------------------------ learning
     @property
@@ -244,8 +244,7 @@ class DraftLengthController:
                     break
         # Right after a step of its kind with drafts, a step without is the switch
         # (``GoodputCheck.observe``); a plain check chosen there goes on at the kind's next step.
-        choice.after_drafts = (self.switches and len(caps) + num_other_spans < self.switches_below
-                               and self._before == (check, True))
+        choice.after_drafts = len(caps) + num_other_spans < self.switches_below and self._before == (check, True)
         if check.continues():
             choice.check, choice.checked, choice.continued = check, True, True
             return dict.fromkeys(caps, 0)

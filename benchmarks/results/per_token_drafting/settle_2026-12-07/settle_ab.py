@@ -30,7 +30,7 @@ def applied_at_the_plan(engine):
 def lazy_feed(engine):
     speculator = engine.speculator
     speculator.drafter.catch_up_lazily()
-    speculator.controller.switches = False
+    speculator.controller.switches_below = 0  # (``switches = False`` when the study ran)
     speculator.controller.costs.first_free = 0
 
 
