@@ -145,6 +145,14 @@ class GraphRunner:
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
+        # The stream this runner's graphs are captured on, its own: cuBLAS keys its
+        # workspace by stream, and a captured GEMM keeps the workspace's address. Captured
+        # on torch's default capture stream (one for the whole process), a draft model's
+        # graphs and its target's would share one workspace, and a draft pass replayed on
+        # a stream of its own beside the target's pass (``ModelDrafter.feed``) would write
+        # the target's GEMMs' scratch: in float32, whose GEMMs use it, the target's tokens
+        # changed from the first one.
+        self._capture_stream = torch.cuda.Stream(device) if capture else None
         # With ``keep_hidden``, each replay leaves its real rows' final hidden states (or
         # feature layers': ``LlamaForCausalLM.kept_rows``) in ``last_hidden``, ragged in
         # schedule order (as ``ModelRunner.keep_hidden``).
@@ -247,7 +255,7 @@ class GraphRunner:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
             outputs = forward()
         self._pool = graph.pool()
         return graph, outputs, batch

@@ -317,7 +317,11 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
     passes after them wait for it: greedy float32 tokens equal speculation off's, and the
     drafts and their acceptance equal those of the draft fed on the target's stream, and
     of the draft building its own inputs where it could replay on the target's (events
-    order that copy both ways; tokens would rarely show a race)."""
+    order that copy both ways; tokens would rarely show a race). The draft's graphs and
+    the target's are captured on streams of their own: cuBLAS keys its workspace by the
+    capture stream, and two graphs sharing one, replayed side by side, write each other's
+    GEMM scratch (the default model in float32 changed its first token so; this tiny
+    model's GEMMs do not show it)."""
     kwargs = {"device": "cuda", "block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 4,
               "max_num_batched_tokens": 32}
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]
@@ -329,6 +333,8 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                     num_speculative_tokens=4, **kwargs)
         drafter, fed, replays = llm.engine.speculator.drafter, [], []
+        streams = {id(runner.graphs._capture_stream) for runner in (llm.engine.runner, drafter.runner)}
+        assert len(streams) == 2 and id(None) not in streams
         drafter.own_stream, drafter.shares_target_inputs = own, shared
         drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
         graphs = drafter.runner.graphs
