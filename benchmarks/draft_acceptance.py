@@ -92,8 +92,10 @@ def main() -> None:
 
     methods = args.methods.split(",")
     engines, ks = {}, {}
-    share = {"gpu_memory_utilization": 0.8 / len(methods)}  # every engine lives in this process (CUDA)
-    for method in methods:
+    for i, method in enumerate(methods):
+        # Every engine lives in this process (CUDA), and an engine's share counts what the
+        # process holds already: the engines before it.
+        share = {"gpu_memory_utilization": 0.8 * (i + 1) / len(methods)}
         settings = drafter_settings(method)
         ks[method] = settings.pop("num_speculative_tokens", args.k)  # (a method's own :k=N)
         engines[method] = LLM(device=args.device, dtype=args.dtype, speculative_adaptive=args.adaptive,
