@@ -488,11 +488,11 @@ def test_a_lazy_draft_proposes_what_a_draft_fed_in_lockstep_proposes(tiny_model_
         assert drafter.lazy_from == (1 if stopping == "confidence" else math.inf)
         fed = []
         forward, catch_up = drafter._forward, drafter._catch_up_pass
-        drafter._forward = lambda entries, *a: (fed.append(sum(len(e.token_ids) for e in entries)),
-                                                forward(entries, *a))[1]
+        drafter._forward = lambda entries, *a, fed=fed, forward=forward: (
+            fed.append(sum(len(e.token_ids) for e in entries)), forward(entries, *a))[1]
         # (a step without drafts may replay the draft's graph on the target's inputs, on a GPU)
-        drafter._catch_up_pass = lambda scheduled, entries: (fed.append(sum(len(e.token_ids) for e in entries)),
-                                                             catch_up(scheduled, entries))[1]
+        drafter._catch_up_pass = lambda scheduled, entries, fed=fed, catch_up=catch_up: (
+            fed.append(sum(len(e.token_ids) for e in entries)), catch_up(scheduled, entries))[1]
         got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                    num_speculative_tokens=3), use_tqdm=False)
         stats = llm.engine.spec_stats
