@@ -23,6 +23,7 @@ from itertools import accumulate
 import torch
 
 from specserve.batch import DeviceTokenIds
+from specserve.cuda_graphs import stream_of_its_own
 from specserve.logits_process import LogitsProcess
 from specserve.model_runner import ModelRunner, kv_bytes_per_block
 from specserve.models.rotary import position_limit
@@ -455,7 +456,7 @@ class ModelDrafter:
             self.propose(scheduled, requests)
             return
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = stream_of_its_own(self.device, self)  # (no graphs were captured on it)
         if ready is not None:
             self._stream.wait_event(ready)
         try:

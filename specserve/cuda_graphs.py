@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -97,6 +98,37 @@ def graph_logits_rows(max_num_seqs: int, max_query_len: int, max_num_tokens: int
     padded = sum(buckets) * sum(range(1, max_query_len + 1))
     ragged = sum(sum(row_buckets(t, buckets[-1], max_query_len)) for t in token_buckets(max_num_tokens))
     return padded + ragged
+
+
+# torch's pool hands out its streams in turn, this many a device and priority, then the
+# first again.
+POOL_STREAMS = 32
+_HELD: dict[int, int] = {}  # raw stream handle -> live owners ``stream_of_its_own`` gave it
+
+
+def stream_of_its_own(device: torch.device, owner: object) -> torch.cuda.Stream:
+    """A stream no other live owner holds, held for ``owner`` until it is collected: a
+    runner's graphs are captured on one, and a draft model fed beside its target's pass
+    runs on one (``ModelDrafter.feed``). cuBLAS likely keys its workspace by stream, and a
+    captured GEMM keeps the workspace's address: work that runs at once on two streams
+    must not share one, or each writes the other's GEMM scratch. Neither torch's default
+    capture stream (one for the process) nor a fresh ``torch.cuda.Stream`` (a pool stream,
+    drawn in turn) guarantees that, so streams are drawn until one is free (past a whole
+    turn of the pool, any)."""
+    for _ in range(POOL_STREAMS):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in _HELD:
+            break
+    _HELD[stream.cuda_stream] = _HELD.get(stream.cuda_stream, 0) + 1
+    weakref.finalize(owner, _let_go, stream.cuda_stream)
+    return stream
+
+
+def _let_go(handle: int) -> None:
+    if _HELD.get(handle, 0) > 1:
+        _HELD[handle] -= 1
+    else:
+        _HELD.pop(handle, None)
 
 
 class GraphRunner:
@@ -145,14 +177,8 @@ class GraphRunner:
         # key -> (graph, its outputs: (logits, every row's kept hidden state), its inputs)
         self._graphs: dict[tuple[int, ...], tuple[object, tuple[torch.Tensor, torch.Tensor], ForwardBatch]] = {}
         self._pool = None
-        # The stream this runner's graphs are captured on, its own: cuBLAS keys its
-        # workspace by stream, and a captured GEMM keeps the workspace's address. Captured
-        # on torch's default capture stream (one for the whole process), a draft model's
-        # graphs and its target's would share one workspace, and a draft pass replayed on
-        # a stream of its own beside the target's pass (``ModelDrafter.feed``) would write
-        # the target's GEMMs' scratch: in float32, whose GEMMs use it, the target's tokens
-        # changed from the first one.
-        self._capture_stream = torch.cuda.Stream(device) if capture else None
+        # Where this runner's graphs are warmed up and captured, a stream of its own.
+        self._capture_stream = stream_of_its_own(device, self) if capture else None
         # With ``keep_hidden``, each replay leaves its real rows' final hidden states (or
         # feature layers': ``LlamaForCausalLM.kept_rows``) in ``last_hidden``, ragged in
         # schedule order (as ``ModelRunner.keep_hidden``).
@@ -248,7 +274,7 @@ class GraphRunner:
 
         if not self.capture:
             return forward, None, batch
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: autotuning and lazy initialisation happen here

@@ -37,6 +37,45 @@ def test_graph_outputs_are_counted_row_by_row():
     assert graph_logits_rows(4, 1, 0) == 1 + 2 + 4  # no ragged graphs
 
 
+def test_each_owner_gets_a_stream_no_other_live_owner_holds(monkeypatch):
+    """``stream_of_its_own`` over a pool that hands out ``POOL_STREAMS`` streams in turn,
+    as torch's does (simulated): a second owner gets another stream than the first even
+    where the pool's turn has come back to the first's; the whole pool serves as many
+    owners, each stream once; past that an owner still gets one (no endless draw); an
+    owner collected lets its stream go, for the next owner to get."""
+    import gc
+    import itertools
+
+    import torch
+
+    from specserve import cuda_graphs
+
+    turn = itertools.count()
+
+    class PoolStream:
+        def __init__(self, device=None):
+            self.cuda_stream = 1000 + next(turn) % cuda_graphs.POOL_STREAMS
+
+    class Owner:
+        pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", PoolStream)
+    monkeypatch.setattr(cuda_graphs, "_HELD", {})
+    first = Owner()
+    a = cuda_graphs.stream_of_its_own("cuda", first).cuda_stream
+    for _ in range(cuda_graphs.POOL_STREAMS - 1):
+        PoolStream()  # other users of the pool: its next stream is the first owner's again
+    owners = [Owner() for _ in range(cuda_graphs.POOL_STREAMS - 1)]
+    held = [cuda_graphs.stream_of_its_own("cuda", owner).cuda_stream for owner in owners]
+    assert held[0] != a and len(set(held) | {a}) == cuda_graphs.POOL_STREAMS
+    extra = Owner()
+    assert cuda_graphs.stream_of_its_own("cuda", extra).cuda_stream in set(held) | {a}
+    del extra, first
+    gc.collect()
+    assert set(cuda_graphs._HELD) == set(held)  # the first's let go; the extra's sharer keeps its own
+    assert cuda_graphs.stream_of_its_own("cuda", Owner()).cuda_stream == a
+
+
 def test_the_gpu_memory_budget_reserves_the_graph_outputs():
     """On CUDA with graphs the KV budget leaves room for the graphs' kept logits (fp32,
     and the model dtype's before the cast); with --enforce-eager it does not."""

@@ -311,30 +311,36 @@ def test_a_catch_up_of_exactly_the_targets_step_replays_on_the_targets_inputs(ti
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream of the drafter's own")
 def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens_on_cuda(tiny_model_dir,
-                                                                                          near_draft):
+                                                                                          near_draft, monkeypatch):
     """On a GPU with captured graphs, steps without drafts (prompt chunks; a request with
     k = 0 alone) feed the draft on a stream of its own, beside the target's pass, and the
     passes after them wait for it: greedy float32 tokens equal speculation off's, and the
     drafts and their acceptance equal those of the draft fed on the target's stream, and
     of the draft building its own inputs where it could replay on the target's (events
-    order that copy both ways; tokens would rarely show a race). The draft's graphs and
-    the target's are captured on streams of their own: cuBLAS keys its workspace by the
-    capture stream, and two graphs sharing one, replayed side by side, write each other's
-    GEMM scratch (the default model in float32 changed its first token so; this tiny
-    model's GEMMs do not show it)."""
+    order that copy both ways; tokens would rarely show a race). The target's graphs,
+    the draft's and the draft's feed each run on a CUDA stream of their own (raw handles
+    compared; ``cuda_graphs.stream_of_its_own``): with one shared, cuBLAS's workspace
+    likely is too, which this tiny model's GEMMs would not show."""
     kwargs = {"device": "cuda", "block_size": 16, "num_kv_blocks": 256, "max_num_seqs": 4,
               "max_num_batched_tokens": 32}
+    captured, graph = [], torch.cuda.graph
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, stream=None, **kw: captured.append(
+        None if stream is None else stream.cuda_stream) or graph(*a, stream=stream, **kw))
     prompts = PROMPTS + ["one two three four five six seven eight nine ten " * 4]
     params = [greedy(k, max_tokens=40) for k in KS + (2,)]
     want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **kwargs).generate(prompts, params,
                                                                                        use_tqdm=False)]
     stats = {}
+    captured.clear()  # (speculation off's graphs)
     for own, shared in ((True, True), (False, True), (True, False)):
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                     num_speculative_tokens=4, **kwargs)
         drafter, fed, replays = llm.engine.speculator.drafter, [], []
-        streams = {id(runner.graphs._capture_stream) for runner in (llm.engine.runner, drafter.runner)}
-        assert len(streams) == 2 and id(None) not in streams
+        counts = [len(runner.graphs._graphs) for runner in (llm.engine.runner, drafter.runner)]
+        target_streams, draft_streams = set(captured[:counts[0]]), set(captured[counts[0]:sum(counts)])
+        assert len(captured) == sum(counts) and len(target_streams) == len(draft_streams) == 1
+        assert None not in target_streams | draft_streams and target_streams != draft_streams
+        captured.clear()
         drafter.own_stream, drafter.shares_target_inputs = own, shared
         drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
         graphs = drafter.runner.graphs
@@ -342,6 +348,7 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
             _replays.append(_replay(*a)) or _replays[-1]
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
         assert fed and (drafter._stream is not None) == own and any(replays) == shared
+        assert not own or drafter._stream.cuda_stream not in target_streams | draft_streams
         s = llm.engine.spec_stats
         stats[own, shared] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
         assert llm.engine.num_free_blocks == llm.engine.kv.num_blocks
