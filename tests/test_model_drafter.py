@@ -331,8 +331,8 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
     want = [o.token_ids for o in LLM32(str(tiny_model_dir("llama")), **kwargs).generate(prompts, params,
                                                                                        use_tqdm=False)]
     stats = {}
-    captured.clear()  # (speculation off's graphs)
     for own, shared in ((True, True), (False, True), (True, False)):
+        captured.clear()  # (the graphs of the engines before)
         llm = LLM32(str(tiny_model_dir("llama")), speculative_method="draft_model", draft_model=near_draft,
                     num_speculative_tokens=4, **kwargs)
         drafter, fed, replays = llm.engine.speculator.drafter, [], []
@@ -340,7 +340,6 @@ def test_a_draft_model_fed_beside_the_targets_pass_gives_speculation_offs_tokens
         target_streams, draft_streams = set(captured[:counts[0]]), set(captured[counts[0]:sum(counts)])
         assert len(captured) == sum(counts) and len(target_streams) == len(draft_streams) == 1
         assert None not in target_streams | draft_streams and target_streams != draft_streams
-        captured.clear()
         drafter.own_stream, drafter.shares_target_inputs = own, shared
         drafter.feed = lambda *a, _feed=drafter.feed, _fed=fed: _fed.append(1) or _feed(*a)
         graphs = drafter.runner.graphs
