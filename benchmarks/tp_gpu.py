@@ -116,7 +116,7 @@ def run_engine(config, tp: TPGroup, max_tokens: int, graphs_eagerly: bool):
     engine = LLMEngine(config)
     try:
         if graphs_eagerly:  # CPU dry run: the graph path's padding, eagerly, on every rank
-            engine.runner.enable_graphs(1 + config.num_speculative_tokens, engine.max_model_len,
+            engine.runner.enable_graphs(1 + config.max_draft_tokens, engine.max_model_len,
                                         capture=False)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in PROMPTS]

@@ -28,6 +28,11 @@ DRAFT_STOPPING = ("auto", "confidence", "plan")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PATH_METHODS = ("draft_model", "layerskip")  # drafters that rank candidates: num_draft_paths > 1
 TREE_METHODS = (*PATH_METHODS, "quantized")   # draft models whose candidates grow a tree
+# The most draft tokens a request may verify a step where num_speculative_tokens is not
+# given (EngineConfig.max_draft_tokens): DEFAULT_DRAFT_TOKENS, or PLANNED_GPU_DRAFT_TOKENS
+# where a GPU's controller plans a draft model's single chain.
+DEFAULT_DRAFT_TOKENS = 4
+PLANNED_GPU_DRAFT_TOKENS = 6
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -75,7 +80,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Speculation: a drafter proposes k tokens per running request, verified in the same pass.
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized | mtp
-    num_speculative_tokens: int = 4      # k, the most draft tokens per request per step
+    # k, the most draft tokens per request per step; None: chosen by max_draft_tokens.
+    num_speculative_tokens: int | None = None
     speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
     # Adaptive with a draft model, EAGLE head or n-gram lookup: "confidence" stops each request's
     # drafting token by token by the draft's calibrated confidence (n-gram: its match's
@@ -167,7 +173,8 @@ class EngineConfig:
                                  f"got {self.draft_stopping!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise SpecserveError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
-        if not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32:
+        if self.num_speculative_tokens is not None and (
+                not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 32):
             raise SpecserveError(f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens!r}")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
@@ -226,7 +233,16 @@ class EngineConfig:
 
     @property
     def speculation_enabled(self) -> bool:
-        return self.speculative_method != "none" and self.num_speculative_tokens > 0
+        return self.speculative_method != "none" and self.max_draft_tokens > 0
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """k as the engine runs it: ``num_speculative_tokens`` where given, else
+        ``default_draft_tokens`` for this device and these settings."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return default_draft_tokens(self.torch_device.type, self.speculative_method, self.speculative_adaptive,
+                                    self.draft_stopping, self.num_draft_paths, self.draft_tree_nodes)
 
     @property
     def torch_device(self) -> torch.device:
@@ -264,6 +280,22 @@ class EngineConfig:
         if self.gguf_weights == "auto" and self.speculative_method == "quantized":
             return "dequantized"
         return self.gguf_weights
+
+
+def default_draft_tokens(device_type: str, method: str, adaptive: bool, draft_stopping: str,
+                         num_draft_paths: int, draft_tree_nodes: int) -> int:
+    """The cap on a request's draft length where the user set none. On a GPU, where the
+    controller plans each request's k (adaptive, ``draft_stopping`` auto or plan) for a
+    draft model's single chain, ``PLANNED_GPU_DRAFT_TOKENS``: at small batches a verify
+    token costs next to nothing there, and the plan, which prices every draft it chooses,
+    was held below the best fixed k on code by a cap of 4 and not slowed on chat or under
+    load by 6 (``benchmarks/results/per_token_drafting/harness_2026-12-07/``). Elsewhere
+    ``DEFAULT_DRAFT_TOKENS``: on a CPU drafts cost more, a fixed k would draft the cap on
+    every step, prompt lookup with a higher cap lost with chat queued on a GPU, and draft
+    paths and trees spend 1 + k tokens a path."""
+    planned_chain = (adaptive and draft_stopping != "confidence" and method == "draft_model"
+                     and num_draft_paths == 1 and not draft_tree_nodes)
+    return PLANNED_GPU_DRAFT_TOKENS if device_type == "cuda" and planned_chain else DEFAULT_DRAFT_TOKENS
 
 
 def _is_int(value: object) -> bool:

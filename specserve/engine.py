@@ -104,7 +104,7 @@ class LLMEngine:
         drafter = build_drafter(config, model, self.hf_config, self.tokenizer, self.device, self.dtype)
         self.max_model_len = self._max_model_len(drafter)
         extra = drafter.kv_bytes_per_block() if drafter else 0
-        useful = config.max_num_seqs * -(-(self.max_model_len + config.num_speculative_tokens)
+        useful = config.max_num_seqs * -(-(self.max_model_len + config.max_draft_tokens)
                                          // config.block_size)
         self.runner = ModelRunner(model, config, self.device, self.dtype, extra_bytes_per_block=extra,
                                   max_useful_blocks=useful, tp=self.tp, kv_dtype=config.kv_torch_dtype(self.dtype))

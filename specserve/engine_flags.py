@@ -83,8 +83,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "target's own weights in 4/8 bits: a GGUF's blocks, else Q4_1 made at load; "
                         "CPU), mtp (the multi-token-prediction layer a target checkpoint carries, as "
                         "MiMo's); default: none")
-    s.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="k, the most draft tokens per request per step (default: 4)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="k, the most draft tokens per request per step (default: 6 for a draft model "
+                        "planned on a GPU, with adaptive k, no paths and no tree; else 4)")
     s.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="choose each request's k (up to --num-speculative-tokens) every step from "
                         "its measured acceptance and the measured step cost (default: on; "

@@ -140,7 +140,7 @@ class ModelRunner:
         reserve = tokens * per_token * 4 + logits + 256 * 2**20
         backend = getattr(getattr(self.model, "attention_backend", None), "name", None)
         if self.device.type == "cuda" and not c.enforce_eager and backend == "triton":
-            max_query_len = 1 + (c.num_speculative_tokens if c.speculative_method != "none" else 0)
+            max_query_len = 1 + (c.max_draft_tokens if c.speculative_method != "none" else 0)
             rows = graph_logits_rows(c.max_num_seqs, max_query_len, min(tokens, c.cuda_graph_max_tokens))
             reserve += rows * cfg.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
         return reserve

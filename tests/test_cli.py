@@ -85,6 +85,31 @@ def test_config_types_are_checked():
             EngineConfig(**bad)
 
 
+def test_the_draft_length_cap_left_unset_follows_the_device_and_drafter():
+    from specserve import EngineConfig
+    from specserve.config import (
+        DEFAULT_DRAFT_TOKENS,
+        PLANNED_GPU_DRAFT_TOKENS,
+        default_draft_tokens,
+    )
+
+    assert PLANNED_GPU_DRAFT_TOKENS > DEFAULT_DRAFT_TOKENS
+    planned = {"method": "draft_model", "adaptive": True, "draft_stopping": "auto", "num_draft_paths": 1,
+               "draft_tree_nodes": 0}
+    assert default_draft_tokens("cuda", **planned) == PLANNED_GPU_DRAFT_TOKENS
+    assert default_draft_tokens("cuda", **{**planned, "draft_stopping": "plan"}) == PLANNED_GPU_DRAFT_TOKENS
+    for other in ({"adaptive": False}, {"draft_stopping": "confidence"}, {"method": "ngram"},
+                  {"num_draft_paths": 2}, {"draft_tree_nodes": 8}):
+        assert default_draft_tokens("cuda", **{**planned, **other}) == DEFAULT_DRAFT_TOKENS, other
+    assert default_draft_tokens("cpu", **planned) == DEFAULT_DRAFT_TOKENS
+
+    config = EngineConfig(device="cpu", speculative_method="draft_model")
+    assert config.num_speculative_tokens is None and config.max_draft_tokens == DEFAULT_DRAFT_TOKENS
+    assert config.speculation_enabled
+    assert EngineConfig(device="cpu", speculative_method="draft_model", num_speculative_tokens=7).max_draft_tokens == 7
+    assert not EngineConfig(device="cpu", speculative_method="ngram", num_speculative_tokens=0).speculation_enabled
+
+
 def test_a_failed_generation_exits_1_with_one_line(capsys, tiny_model_dir, monkeypatch):
     from specserve.model_runner import ModelRunner
 

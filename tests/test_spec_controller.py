@@ -940,7 +940,7 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
 
     def reference():
         """What the controller should be handed, from the scheduler's state in one pass."""
-        k, sched, cfg = engine.config.num_speculative_tokens, engine.scheduler, engine.config
+        k, sched, cfg = engine.config.max_draft_tokens, engine.scheduler, engine.config
         free, pinned, tokens, spans = {}, {}, 0, 0
         for r in sched.running:
             remaining = len(r.all_token_ids) - r.num_computed_tokens
@@ -974,7 +974,7 @@ def test_the_running_requests_stay_sorted_as_a_fresh_pass_sorts_them(tiny_model_
             return got
         assert calls[-1] == want and got == {**pinned, **dict.fromkeys(free, 0)}
         seen, saved = calls[-1], speculator._decoding
-        speculator._decoding = DecodingRequests(engine.config.num_speculative_tokens)
+        speculator._decoding = DecodingRequests(engine.config.max_draft_tokens)
         assert (got, seen) == (real(engine.scheduler), calls[-1])  # and a fresh sorting agrees
         speculator._decoding = saved
         return got

@@ -55,7 +55,7 @@ def main(spec_path: str, out_dir: str) -> None:
         engine = LLMEngine(config)
         graph_steps = []
         if run.get("graphs"):  # the CUDA-graph path's padded static buffers, run eagerly
-            engine.runner.enable_graphs(1 + config.num_speculative_tokens, engine.max_model_len,
+            engine.runner.enable_graphs(1 + config.max_draft_tokens, engine.max_model_len,
                                         capture=False)
             replay = engine.runner.graphs.run
             engine.runner.graphs.run = lambda *a: graph_steps.append(len(a[0].scheduled)) or replay(*a)

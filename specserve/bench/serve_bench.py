@@ -370,7 +370,7 @@ def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[floa
                 run = asyncio.run(run_benchmark(server.url, requests, dataclasses.replace(
                     opts, request_rate=rate, label=f"{name} @ {rate:g} req/s")))
                 run.update(speculation=name, speculative_method=config.speculative_method,
-                           num_speculative_tokens=config.num_speculative_tokens
+                           num_speculative_tokens=config.max_draft_tokens
                            if config.speculative_method != "none" else 0, server=server_info)
                 runs.append(run)
     return runs
@@ -379,7 +379,7 @@ def run_serve(requests: list[BenchRequest], opts: ServeOptions, rates: list[floa
 def config_label(config) -> str:
     if config.speculative_method == "none":
         return "spec off"
-    return f"{config.speculative_method} k={config.num_speculative_tokens}"
+    return f"{config.speculative_method} k={config.max_draft_tokens}"
 
 
 # ---------------------------------------------------------------------- console output

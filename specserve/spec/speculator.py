@@ -136,7 +136,7 @@ class Speculator:
         self.drafter = drafter
         self.runner = runner
         self.kv = kv
-        self.max_k = config.num_speculative_tokens if drafter else 0
+        self.max_k = config.max_draft_tokens if drafter else 0
         self.paths = DraftPaths(kv, self._forks(config.num_draft_paths))
         self.trees = None
         if config.draft_tree_nodes and drafter is not None:

