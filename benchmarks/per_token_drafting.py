@@ -26,7 +26,7 @@ Reports tokens/s, the ratio to off and to the best fixed k, acceptance length, t
 verified per step and how many outputs equal speculation off's; the adaptive engine's
 calibration map goes to the JSON.
 
-    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k 4] [--tree-nodes 10] [--paths 2]
+    python benchmarks/per_token_drafting.py [--prompts 8] [--max-k K] [--tree-nodes 10] [--paths 2]
         [--settings "k=2;k=4, tree=10;adaptive"] [--json out.json]
 """
 from __future__ import annotations
@@ -48,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-k", type=int, default=4, help="the adaptive engines' most drafts per step")
+    parser.add_argument("--max-k", type=int, default=None,
+                        help="the adaptive engines' most drafts per step (default: the engine's own, 4, or 6 where a GPU plans a draft model's chain)")
     parser.add_argument("--tree-nodes", type=int, default=0,
                         help="add settings with a draft tree of up to N further nodes: adaptive ones, and "
                              "'k=N, tree=T' where --settings names them")
