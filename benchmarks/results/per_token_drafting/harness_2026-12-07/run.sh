@@ -15,7 +15,6 @@ fi
 ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee -a $OUT/gpu.txt
-git rev-parse --short HEAD >> $OUT/gpu.txt 2>/dev/null
 export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=/root/ext PYTHONUNBUFFERED=1
 T0=$(date +%s)
 SETS=${SETS:-"three;eight;host"}
