@@ -15,7 +15,13 @@ from specserve import __version__
 from specserve.bench.cli import add_bench_parser, run_bench
 from specserve.bench.workloads import load_workload
 from specserve.config import PATH_METHODS, SPECULATIVE_METHODS, EngineConfig
-from specserve.distributed import MULTICAST_OFF, destroy_tensor_parallel, disable_multicast, init_tensor_parallel
+from specserve.distributed import (
+    MULTICAST_OFF,
+    destroy_tensor_parallel,
+    disable_multicast,
+    exit_process,
+    init_tensor_parallel,
+)
 from specserve.engine import LLMEngine
 from specserve.engine_flags import ENGINE_FLAGS, add_engine_flags
 from specserve.loader import load_hf_config, resolve_model
@@ -422,4 +428,4 @@ def _stats(final, elapsed: float, ttft: float | None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

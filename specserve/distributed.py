@@ -18,11 +18,13 @@ import datetime
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -156,6 +158,29 @@ class _GlooHeld:
 
 
 _GLOO_HELD = _GlooHeld()
+_JOINED_GLOO = False  # whether this process joined a gloo group (``exit_process``)
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """End this process with ``code`` (None: 0). A process that joined a gloo group ends
+    without the interpreter's finalization, as ``multiprocessing``'s children do: its exit
+    hooks run (``_GlooHeld.settle`` among them) and its output is flushed first, then
+    ``os._exit``. A gloo worker thread that drops the last reference to a tensor some
+    collective held, while the interpreter finalizes, aborts the process ("terminate
+    called without an active exception", ``_GlooHeld``); the watch waits for the tensors
+    it was handed, and a rank was still seen aborting so, rarely, at the end of a run whose
+    work was done. Without a finalization no thread can meet one. Any other process:
+    ``sys.exit``."""
+    code = 0 if code is None else code
+    if not _JOINED_GLOO:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def check_tensor_parallel_size(size: int, device: str = "auto") -> None:
@@ -203,6 +228,8 @@ def init_tensor_parallel(size: int, device: str = "auto", timeout_s: float = 180
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
                                 **({"device_id": rank_device} if cuda else {}))
         if not cuda:  # also where a script leaves the group its own way, or not at all
+            global _JOINED_GLOO
+            _JOINED_GLOO = True
             atexit.register(_GLOO_HELD.settle)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))

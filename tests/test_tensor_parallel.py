@@ -267,6 +267,32 @@ def test_tensor_parallel_device_rules():
     EngineConfig(device="cpu", tensor_parallel_size=4)  # gloo ranks: any number
 
 
+EXIT_SCRIPT = """
+import atexit, sys, threading
+from specserve import distributed
+distributed._JOINED_GLOO = {joined}
+atexit.register(lambda: print("hook ran", flush=True))
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+kept = Finalized()
+if {joined}:  # a non-daemon thread that never ends: finalization would wait for it
+    threading.Thread(target=threading.Event().wait).start()
+sys.stdout.write("unflushed")
+distributed.exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_gloo_rank_ends_without_finalizing_after_its_hooks(joined):
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(joined=joined)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("unflushed") and "hook ran" in done.stdout
+    # Finalization (module globals' __del__) runs for any other process, not for a gloo rank's.
+    assert ("finalized" in done.stdout) is not joined
+
+
 def test_engine_outside_torchrun_says_how_to_start(monkeypatch, tiny_model_dir):
     from specserve import LLMEngine
 

@@ -82,3 +82,6 @@ def main(spec_path: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    from specserve.distributed import exit_process
+
+    exit_process(0)
