@@ -78,7 +78,7 @@ class EagleDrafter(ModelDrafter):
         which feeds at most 1 + k tokens per request once the prompt is in (the accepted
         drafts and the target's token); prompt chunks take the ragged graphs. Each graph
         reads the feature rows from a buffer of its own (``GraphRunner.run``)."""
-        self.runner.enable_graphs(1 + self.config.num_speculative_tokens, max_model_len, capture)
+        self.runner.enable_graphs(1 + self.config.max_draft_tokens, max_model_len, capture)
 
     def free(self, req_id: str) -> None:
         super().free(req_id)

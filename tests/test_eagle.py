@@ -45,6 +45,19 @@ def eagle_llm(target_dir, head_dir, k: int = 4, **kwargs):
                  num_speculative_tokens=k, speculative_adaptive=False, **{**SMALL, **kwargs})
 
 
+def test_an_eagle_head_left_at_the_default_cap_runs_padded_steps_losslessly(eagle):
+    """No k given: the head's graphs are sized by the engine's own cap (``max_draft_tokens``),
+    here the padded path a GPU's graphs take, run eagerly."""
+    target_dir, head_dir, _ = eagle()
+    llm = LLM32(str(target_dir), speculative_method="draft_model", draft_model=head_dir, **SMALL)
+    assert llm.engine.config.num_speculative_tokens is None
+    llm.engine.enable_graphs(capture=False)
+    got = llm.generate(PROMPTS, greedy(None), use_tqdm=False)
+    want = LLM32(str(target_dir), **SMALL).generate(PROMPTS, greedy(None), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
 @pytest.mark.parametrize("variant", ["smollm2_tied_gqa3", "llama", "qwen3_qknorm"])
 def test_an_eagle_head_is_lossless_with_chunked_prefill_and_mixed_k(variant, eagle):
     target_dir, head_dir, _ = eagle(variant)
