@@ -19,8 +19,8 @@ from specserve.distributed import (
     MULTICAST_OFF,
     destroy_tensor_parallel,
     disable_multicast,
-    exit_process,
     init_tensor_parallel,
+    run_main,
 )
 from specserve.engine import LLMEngine
 from specserve.engine_flags import ENGINE_FLAGS, add_engine_flags
@@ -428,4 +428,4 @@ def _stats(final, elapsed: float, ttft: float | None) -> dict:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    run_main(main)

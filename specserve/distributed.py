@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -161,26 +162,45 @@ _GLOO_HELD = _GlooHeld()
 _JOINED_GLOO = False  # whether this process joined a gloo group (``exit_process``)
 
 
-def exit_process(code: int | None) -> NoReturn:
-    """End this process with ``code`` (None: 0). A process that joined a gloo group ends
-    without the interpreter's finalization, as ``multiprocessing``'s children do: its exit
-    hooks run (``_GlooHeld.settle`` among them) and its output is flushed first, then
-    ``os._exit``. A gloo worker thread that drops the last reference to a tensor some
-    collective held, while the interpreter finalizes, aborts the process ("terminate
-    called without an active exception", ``_GlooHeld``); the watch waits for the tensors
-    it was handed, and a rank was still seen aborting so, rarely, at the end of a run whose
-    work was done. Without a finalization no thread can meet one. Any other process:
-    ``sys.exit``."""
-    code = 0 if code is None else code
+def exit_process(code: int | str | None) -> NoReturn:
+    """End this process as ``sys.exit(code)`` would (None: 0; a message: printed, 1). A
+    process that joined a gloo group ends without the interpreter's finalization: its
+    ``atexit`` hooks run (``_GlooHeld.settle`` among them) and its output is flushed, then
+    ``os._exit``; threads are not joined (a non-daemon thread left running is ended with
+    the process) and ``threading``'s own exit hooks do not run. A gloo worker thread that
+    drops the last reference to a tensor some collective held, while the interpreter
+    finalizes, aborts the process ("terminate called without an active exception",
+    ``_GlooHeld``); the watch waits for the tensors it was handed, and a rank was still
+    seen aborting so, rarely, at the end of a run whose work was done. Without a
+    finalization no thread can meet one. Any other process: ``sys.exit``."""
     if not _JOINED_GLOO:
         sys.exit(code)
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing more to say
             pass
-    os._exit(code)
+    os._exit(code or 0)
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Run a command's ``main`` and end the process with what it returned or raised
+    (``exit_process``): a ``SystemExit`` from inside it (a signal handler's, argparse's)
+    keeps its code, and any other exception is printed as the interpreter would print it,
+    code 1, so that a gloo rank never reaches the interpreter's finalization either way."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - reported, then the process ends as any failed command does
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 def check_tensor_parallel_size(size: int, device: str = "auto") -> None:

@@ -271,26 +271,32 @@ EXIT_SCRIPT = """
 import atexit, sys, threading
 from specserve import distributed
 distributed._JOINED_GLOO = {joined}
-atexit.register(lambda: print("hook ran", flush=True))
+atexit.register(lambda: print("hook ran", file=sys.stderr, flush=True))
 class Finalized:
     def __del__(self):
-        print("finalized", flush=True)
+        print("finalized", file=sys.stderr, flush=True)
 kept = Finalized()
 if {joined}:  # a non-daemon thread that never ends: finalization would wait for it
     threading.Thread(target=threading.Event().wait).start()
-sys.stdout.write("unflushed")
-distributed.exit_process(3)
+sys.stdout.write("unflushed")  # left in the buffer for the exit to flush
+def main():
+    {body}
+distributed.run_main(main)
 """
 
 
 @pytest.mark.parametrize("joined", [True, False])
-def test_a_gloo_rank_ends_without_finalizing_after_its_hooks(joined):
-    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(joined=joined)], capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 3, done.stderr
-    assert done.stdout.startswith("unflushed") and "hook ran" in done.stdout
+@pytest.mark.parametrize("body, code", [("return 3", 3), ("raise SystemExit(4)", 4),
+                                        ("raise RuntimeError('the rank failed')", 1)])
+def test_a_gloo_rank_ends_without_finalizing_after_its_hooks(joined, body, code):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(joined=joined, body=body)],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == code, done.stderr
+    assert done.stdout == "unflushed" and "hook ran" in done.stderr
+    assert ("RuntimeError: the rank failed" in done.stderr) is (code == 1)
     # Finalization (module globals' __del__) runs for any other process, not for a gloo rank's.
-    assert ("finalized" in done.stdout) is not joined
+    assert ("finalized" in done.stderr) is not joined
 
 
 def test_engine_outside_torchrun_says_how_to_start(monkeypatch, tiny_model_dir):

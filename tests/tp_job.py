@@ -81,7 +81,6 @@ def main(spec_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
-    from specserve.distributed import exit_process
+    from specserve.distributed import run_main
 
-    exit_process(0)
+    run_main(lambda: main(*sys.argv[1:3]))
