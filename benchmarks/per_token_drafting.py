@@ -168,7 +168,9 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": machine, "dtype": dtype, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-            "drafter": adaptive.describe(), "rows": rows, "calibration": calibration}, indent=1))
+            "drafter": adaptive.describe(), "rows": rows, "calibration": calibration,
+            # each engine's cap as it ran (without --max-k, the engine's own: 4 or 6)
+            "max_k": {kind: llm.engine.speculator.max_k for kind, llm in engines.items()}}, indent=1))
 
 
 if __name__ == "__main__":

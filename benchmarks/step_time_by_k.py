@@ -5,10 +5,13 @@ steps costs beside a fixed k's step of the same k (the overhead).
 Default model and its built-in draft, held-out chat (or ``--kind code``) prompts with the
 chat template, greedy, up to ``--max-tokens`` new tokens, one request at a time, the
 engines taking turns prompt by prompt. Every step's wall time (``LLMEngine.step`` up to
-``Speculator.observe``), its k, the tokens it emitted, and the time in
-``Speculator.propose`` and ``LLMEngine._verify`` within it are recorded; each k's steps
-are also split by whether the step before drafted. Prints, per engine, tokens/s and, per
-k, steps, mean wall, propose and verify time (µs) and tokens a step.
+``Speculator.observe``), its k, the tokens it emitted, and the time in ``Speculator.plan``,
+``Speculator.propose`` and ``LLMEngine._verify`` within it are recorded (``_verify``
+holds the controller's learning, ``Speculator.learn``, and a step without drafts' feed of
+the draft); the prompt's steps (its chunks, up to the one that emits the first token) are
+left out, and each k's steps are split by whether the step before drafted. Prints, per
+engine, tokens/s and, per k, steps, mean wall, plan, propose, verify and other time (µs)
+and tokens a step.
 
     python benchmarks/step_time_by_k.py --device cuda [--prompts 12] [--fixed 2,3,4] [--json out.json]
 """
@@ -55,6 +58,7 @@ def main() -> None:
                 inside[name] = inside.get(name, 0.0) + time.perf_counter() - began
         setattr(owner, name, wrapper)
 
+    timed(speculator_module.Speculator, "plan")
     timed(speculator_module.Speculator, "propose")
     timed(engine_module.LLMEngine, "_verify")
     records: list[dict] = []  # filled by the observe wrapper for whichever engine runs
@@ -63,12 +67,13 @@ def main() -> None:
     def observing(self, drafts, updates, elapsed):
         k = max(drafts.lookahead, default=0) if drafts.drafted else 0
         records.append({"k": k, "wall": elapsed, "tokens": sum(len(u.new_token_ids) for u in updates),
-                        "propose": inside.pop("propose", 0.0), "verify": inside.pop("_verify", 0.0)})
+                        "plan": inside.pop("plan", 0.0), "propose": inside.pop("propose", 0.0),
+                        "verify": inside.pop("_verify", 0.0)})
         return observe(self, drafts, updates, elapsed)
     speculator_module.Speculator.observe = observing
 
     fixed = [int(k) for k in args.fixed.split(",") if k]
-    common = dict(device=args.device, max_num_seqs=8, max_model_len=4096, speculative_method="draft_model")
+    common = {"device": args.device, "max_num_seqs": 8, "max_model_len": 4096, "speculative_method": "draft_model"}
     engines = {"plan": LLM(draft_stopping="plan", **common),
                "fixed": LLM(speculative_adaptive=False, num_speculative_tokens=max(fixed), **common)}
     settings = [("plan", "plan", None)] + [(f"k={k}", "fixed", k) for k in fixed]
@@ -92,9 +97,10 @@ def main() -> None:
             sync()
             seconds[name] += time.perf_counter() - began
             tokens[name] += len(out.token_ids)
+            emitted = next((j for j, r in enumerate(records) if r["tokens"]), len(records))
             for j, r in enumerate(records):
                 r["after_drafts"] = j > 0 and records[j - 1]["k"] > 0
-                r["first"] = j == 0  # the prompt's step
+                r["first"] = j <= emitted  # the prompt's chunks, up to its first token
             steps[name] += records[:]
 
     print(f"{args.kind}, {args.prompts} prompts, {engines['plan'].engine.speculator.describe()}")
@@ -104,20 +110,22 @@ def main() -> None:
         print(f"\n{name}: {tokens[name] / seconds[name]:.1f} tokens/s, {len(rows)} steps "
               f"({statistics.mean(r['wall'] for r in decode) * 1e6:.0f} us a decode step, "
               f"{sum(r['tokens'] for r in decode) / len(decode):.2f} tokens)")
-        print("| k | after | steps | wall (us) | median | propose | verify | tokens a step |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| k | after | steps | wall (us) | median | plan | propose | verify | other | tokens a step |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         groups = collections.defaultdict(list)
         for r in decode:
             groups[(r["k"], r["after_drafts"])].append(r)
         table = []
         for (k, after), group in sorted(groups.items()):
             row = {"k": k, "after_drafts": after, "steps": len(group),
-                   **{f: statistics.mean(r[f] for r in group) * 1e6 for f in ("wall", "propose", "verify")},
+                   **{f: statistics.mean(r[f] for r in group) * 1e6 for f in ("wall", "plan", "propose", "verify")},
                    "median": statistics.median(r["wall"] for r in group) * 1e6,
                    "tokens": statistics.mean(r["tokens"] for r in group)}
+            row["other"] = row["wall"] - row["plan"] - row["propose"] - row["verify"]
             table.append(row)
             print(f"| {k} | {'drafts' if after else 'none'} | {row['steps']} | {row['wall']:.0f} | "
-                  f"{row['median']:.0f} | {row['propose']:.0f} | {row['verify']:.0f} | {row['tokens']:.2f} |")
+                  f"{row['median']:.0f} | {row['plan']:.0f} | {row['propose']:.0f} | {row['verify']:.0f} | "
+                  f"{row['other']:.0f} | {row['tokens']:.2f} |")
         summary[name] = {"tokens_per_s": tokens[name] / seconds[name], "steps": len(rows), "by_k": table}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
