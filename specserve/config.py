@@ -82,7 +82,7 @@ class EngineConfig:
     speculative_method: str = "none"     # none | ngram | draft_model | layerskip | quantized | mtp
     # k, the most draft tokens per request per step; None: chosen by max_draft_tokens.
     num_speculative_tokens: int | None = None
-    speculative_adaptive: bool = True    # choose each request's k <= num_speculative_tokens per step
+    speculative_adaptive: bool = True    # choose each request's k <= max_draft_tokens per step
     # Adaptive with a draft model, EAGLE head or n-gram lookup: "confidence" stops each request's
     # drafting token by token by the draft's calibrated confidence (n-gram: its match's
     # length; spec/stopping.py); "plan" drafts
@@ -288,8 +288,8 @@ def default_draft_tokens(device_type: str, method: str, adaptive: bool, draft_st
     controller plans each request's k (adaptive, ``draft_stopping`` auto or plan) for a
     draft model's single chain, ``PLANNED_GPU_DRAFT_TOKENS``: at small batches a verify
     token costs next to nothing there, and the plan, which prices every draft it chooses,
-    was held below the best fixed k on code by a cap of 4 and not slowed on chat or under
-    load by 6 (``benchmarks/results/per_token_drafting/harness_2026-12-07/``). Elsewhere
+    was held below the best fixed k on code by a cap of 4, and ran about level with it on
+    chat and under load at 6 (``benchmarks/results/per_token_drafting/harness_2026-12-07/``). Elsewhere
     ``DEFAULT_DRAFT_TOKENS``: on a CPU drafts cost more, a fixed k would draft the cap on
     every step, prompt lookup with a higher cap lost with chat queued on a GPU, and draft
     paths and trees spend 1 + k tokens a path."""
