@@ -39,36 +39,25 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from adaptive_host_time import wrap
 
     from specserve import LLM, SamplingParams
     from specserve import engine as engine_module
     from specserve.bench.prompt_sets import chat_prompts, held_out_prompts
     from specserve.spec import speculator as speculator_module
 
-    inside: dict[str, float] = {}
-
-    def timed(owner, name: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*a, **kw):
-            began = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                inside[name] = inside.get(name, 0.0) + time.perf_counter() - began
-        setattr(owner, name, wrapper)
-
-    timed(speculator_module.Speculator, "plan")
-    timed(speculator_module.Speculator, "propose")
-    timed(engine_module.LLMEngine, "_verify")
+    inside = collections.defaultdict(lambda: [0, 0.0])  # method -> [calls, seconds] since the step began
+    for owner, name in ((speculator_module.Speculator, "plan"), (speculator_module.Speculator, "propose"),
+                        (engine_module.LLMEngine, "_verify")):
+        wrap(owner, name, name, inside)
     records: list[dict] = []  # filled by the observe wrapper for whichever engine runs
     observe = speculator_module.Speculator.observe
 
     def observing(self, drafts, updates, elapsed):
         k = max(drafts.lookahead, default=0) if drafts.drafted else 0
         records.append({"k": k, "wall": elapsed, "tokens": sum(len(u.new_token_ids) for u in updates),
-                        "plan": inside.pop("plan", 0.0), "propose": inside.pop("propose", 0.0),
-                        "verify": inside.pop("_verify", 0.0)})
+                        "plan": inside.pop("plan", [0, 0.0])[1], "propose": inside.pop("propose", [0, 0.0])[1],
+                        "verify": inside.pop("_verify", [0, 0.0])[1]})
         return observe(self, drafts, updates, elapsed)
     speculator_module.Speculator.observe = observing
 
