@@ -191,12 +191,14 @@ def exit_process(code: int | str | None) -> NoReturn:
 def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Run a command's ``main`` and end the process with what it returned or raised
     (``exit_process``): a ``SystemExit`` from inside it (a signal handler's, argparse's)
-    keeps its code, and any other exception is printed as the interpreter would print it,
-    code 1, so that a gloo rank never reaches the interpreter's finalization either way."""
+    keeps its code, an interrupt is 130, and any other exception is printed as the
+    interpreter would print it, code 1, so that a gloo rank never reaches the interpreter's finalization either way."""
     try:
         code = main()
     except SystemExit as exc:
         code = exc.code
+    except KeyboardInterrupt:
+        code = 130  # as a shell reports an interrupted command
     except BaseException:  # noqa: BLE001 - reported, then the process ends as any failed command does
         traceback.print_exc()
         code = 1
