@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per kind")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=None,
-                        help="the adaptive engines' most drafts per step (default: the engine's own, 4, or 6 where a GPU plans a draft model's chain)")
+                        help="the adaptive engines' most drafts per step (default: the engine's own, 4, "
+                             "or 6 where a GPU plans a draft model's chain)")
     parser.add_argument("--tree-nodes", type=int, default=0,
                         help="add settings with a draft tree of up to N further nodes: adaptive ones, and "
                              "'k=N, tree=T' where --settings names them")
