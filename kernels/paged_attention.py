@@ -39,9 +39,11 @@ from specserve.kernels import pdl, reference
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
+_MIN_DECODE_SPLIT_TOKENS = 32  # nor, for one-token tiles, than this (their programs wait on loads, not math)
 _MAX_SPLITS = 32
 DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
 PREFETCH_KV = True  # under PDL: the first keys and values asked of L2 before the wait (for A/B runs)
+REDUCE_USED_ONLY = True  # the split reduce stops after the last split that saw a key (for A/B runs)
 TREE_SPAN = tl.constexpr(reference.TREE_SPAN)
 
 
@@ -220,10 +222,13 @@ def _paged_attention_kernel(
 def _reduce_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, cu_query_lens_ptr, num_reqs, num_splits,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USED_ONLY: tl.constexpr = True,
+    PDL: tl.constexpr = 0,
 ):
     """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
-    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit."""
+    split in order, so splits a row does not reach (weight 0) change nothing, bit for bit.
+    ``USED_ONLY``: the sum stops after the last split that saw a key (those after it add
+    exact zeros), so a plan made for the longest sequence costs a short one little."""
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -233,11 +238,15 @@ def _reduce_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     lse_row = part_lse_ptr + token * stride_lt + head * stride_lh
-    top = tl.max(tl.load(lse_row + s, mask=s < num_splits, other=float("-inf")), 0)
+    lse = tl.load(lse_row + s, mask=s < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    used = num_splits
+    if USED_ONLY:
+        used = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
     part = part_out_ptr + token * stride_pt + head * stride_ph
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     total = 0.0
-    for split in range(num_splits):
+    for split in range(used):
         weight = tl.exp2(tl.load(lse_row + split) - top)
         acc += weight * tl.load(part + split * stride_ps + d, mask=d_valid, other=0.0)
         total += weight
@@ -282,8 +291,11 @@ class LaunchPlan:
 def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_query_len: int,
                 max_seq_len: int, num_splits: int | None = None, deterministic: bool = False) -> LaunchPlan:
     """Tile sizes from the group size and the longest query span; the number of KV splits
-    so that about two programs per SM run, never fewer than _MIN_SPLIT_TOKENS keys a split.
-    Only shapes are read from ``query`` / ``k_cache``. ``num_splits`` forces the count.
+    so that about two programs per SM run, never fewer than _MIN_SPLIT_TOKENS keys a split
+    (one-token tiles: _MIN_DECODE_SPLIT_TOKENS; a decode step's chain of dependent loads is
+    what its programs wait on, so a few keys each, over more programs, finish sooner, and
+    the reduce skips splits no key reached). Only shapes are read from ``query`` /
+    ``k_cache``. ``num_splits`` forces the count.
 
     ``deterministic``: the same tiles for every batch, and KV splits at fixed multiples of
     DETERMINISTIC_SPLIT_TOKENS, so a row's keys are summed in the same chunks and order
@@ -310,7 +322,7 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
     num_tiles = num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
     if num_splits is None:
         wanted = triton.cdiv(2 * _num_sms(query.device), num_tiles * num_kv_heads)
-        by_length = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+        by_length = triton.cdiv(max_seq_len, _MIN_DECODE_SPLIT_TOKENS if block_q == 1 else _MIN_SPLIT_TOKENS)
         num_splits = max(1, min(wanted, by_length, _MAX_SPLITS))
     block_n = 32 if wide and block_m >= 64 else 64
     num_warps = 8 if block_m >= 128 else 4
@@ -398,7 +410,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), num_warps=4, **launch)
+            BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(plan.num_splits)), USED_ONLY=REDUCE_USED_ONLY,
+            num_warps=4, **launch)
     return out
 
 

@@ -203,11 +203,12 @@ def rounds_alike(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("width, group", FP8_ROWS)
-def test_norms_and_activations_hand_float8_rows_as_the_quantizer_rounds_them(width, group, dtype):
+def test_norms_and_activations_hand_float8_rows_as_the_quantizer_rounds_them(width, group, dtype, monkeypatch):
     """A norm's or activation's output handed on as float8 rows (``fp8_group``) is what
     the float8 layer's own quantizer makes of the output it would have written
     (``quant_matmul.quantize_rows``): values and scales, whatever the group; bit for bit
-    for the activations, and for the norms up to the order of their sums on a GPU
+    for the activations (per row in both forms: a row over its blocks in two launches,
+    and one program a row), and for the norms up to the order of their sums on a GPU
     (``rounds_alike``)."""
     from specserve.kernels import quant_matmul
 
@@ -221,10 +222,12 @@ def test_norms_and_activations_hand_float8_rows_as_the_quantizer_rounds_them(wid
         assert same_bits(summed, want_summed)
         rounds_alike(handed, quant_matmul.quantize_rows(out, group))
     gate_up = randn(3, 2 * width, dtype=dtype, seed=11, scale=3.0)
-    for act in (fused_act.silu_and_mul, fused_act.gelu_tanh_and_mul):
-        q, scales = act(gate_up, fp8_group=group)
-        assert scales.shape == (3, -(-width // min(group, width)))
-        assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(act(gate_up), group)))
+    for split_most in (fused_act.ROW_SPLIT_MOST, 0):  # (3 rows: the two-launch form where it applies, then not)
+        monkeypatch.setattr(fused_act, "ROW_SPLIT_MOST", split_most)
+        for act in (fused_act.silu_and_mul, fused_act.gelu_tanh_and_mul):
+            q, scales = act(gate_up, fp8_group=group)
+            assert scales.shape == (3, -(-width // min(group, width)))
+            assert all(same_bits(a, b) for a, b in zip((q, scales), quant_matmul.quantize_rows(act(gate_up), group)))
     with pytest.raises(ValueError, match="groups of a power of two"):
         fused_act.silu_and_mul(gate_up, fp8_group=48)
 
@@ -477,6 +480,11 @@ for dtype in ("bf16", "fp16", "fp32"):
         out = "*fp8e4nv" if fp8_group else "*" + dtype
         compile(fused_act._silu_and_mul_kernel, dict(out_ptr=out, gate_up_ptr="*" + dtype,
                 scales_ptr="*fp32" if fp8_group else out), dict(BLOCK=block, FP8_GROUP=fp8_group), num_warps=warps)
+    # float8 per row over a row's blocks: the values and their maxima, then the rounding
+    compile(fused_act._silu_and_mul_kernel, dict(out_ptr="*" + dtype, gate_up_ptr="*" + dtype, scales_ptr="*fp32"),
+            dict(BLOCK=1024, ROW_PARTS=True), num_warps=4)
+    compile(fused_act._round_row_parts_kernel, dict(out_ptr="*fp8e4nv", scales_ptr="*fp32", values_ptr="*" + dtype,
+            parts_ptr="*fp32"), dict(BLOCK=1024, PARTS=16), num_warps=4)
     for heads, kv_heads, half, store, fp8 in ((9, 3, 32, True, False), (32, 8, 64, False, False),
                                               (5, 1, 40, True, False), (32, 8, 64, True, True)):
         block_half = triton.next_power_of_2(half)

@@ -218,6 +218,8 @@ check(fused_norm._rms_norm_kernel, dict(norm, out_ptr="*fp8e4nv"),
       dict(HIDDEN=4096, BLOCK=4096, ADD_RESIDUAL=True, GEMMA=False, FP8_GROUP=4096, SLICE=1024))
 check(fused_act._silu_and_mul_kernel, dict(out_ptr="*bf16", gate_up_ptr="*bf16", scales_ptr="*fp32"),
       dict(BLOCK=1024, GELU_TANH=False))
+check(fused_act._round_row_parts_kernel, dict(out_ptr="*fp8e4nv", scales_ptr="*fp32", values_ptr="*bf16",
+      parts_ptr="*fp32"), dict(BLOCK=1024, PARTS=16))
 check(fused_rotary._rotary_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64",
       cos_sin_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_mapping_ptr="*i64", k_scale="fp32",
       v_scale="fp32"), dict(NUM_HEADS=32, NUM_KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_KV=8, BLOCK_HALF=64,

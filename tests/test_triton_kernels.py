@@ -188,7 +188,7 @@ def test_plan_splits_small_batches_not_large_ones():
     cache = shaped(1000, 16, 8, 128)
     one = pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 4096)
     assert one.num_splits > 1 and one.block_q == 1 and one.num_tiles == 1
-    assert pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 100).num_splits == 1  # short
+    assert pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 32).num_splits == 1  # short
     prefill = pa.plan_launch(shaped(4096, 32, 128), cache, 1, 4096, 4096)
     assert prefill.num_splits == 1 and prefill.block_m == 128 and prefill.block_q == 32
     verify = pa.plan_launch(shaped(40, 32, 128), cache, 8, 5, 1000)
@@ -268,7 +268,7 @@ def test_warmup_lengths_reach_every_attention_variant(monkeypatch, num_heads, nu
                   for span, seq in pa.warmup_lengths(max_model_len)}
         want = _reachable_variants(attn, dtype, max_model_len, deterministic, (False,))
         assert warmed == want, (sorted(warmed), sorted(want))
-        splits = max_model_len > (pa.DETERMINISTIC_SPLIT_TOKENS if deterministic else pa._MIN_SPLIT_TOKENS)
+        splits = max_model_len > (pa.DETERMINISTIC_SPLIT_TOKENS if deterministic else pa._MIN_DECODE_SPLIT_TOKENS)
         assert {v[5] for v in want} == ({False, True} if splits else {False})
 
 
