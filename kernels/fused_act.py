@@ -27,14 +27,15 @@ from specserve.kernels import fused_norm, pdl
 from specserve.kernels.fused_norm import fp8_block, fp8_rows
 
 _BLOCK = 1024
-FP8_ROW_MOST = 16384  # the widest row one program rounds to float8 (``quant_matmul.ONE_PASS_MAX``'s)
-ROW_SPLIT_MOST = 16  # up to this many rows, float8 per row takes the two-launch form (0: never)
+FP8_ROW_MOST = 16384  # the widest row rounded to float8 per row (``quant_matmul.ONE_PASS_MAX``'s)
+ROW_SPLIT_MOST = 16  # up to this many rows, float8 per row takes the two-launch form (0: never; timed at 1 and 5)
 
 
 def fp8_fusable(width: int, group: int) -> bool:
     """Whether the activation can hand ``width`` outputs rounded to float8 in groups of
     ``group`` (``fused_norm.fp8_fusable``): per row, a row of up to ``FP8_ROW_MOST``
-    (one program holds it in registers; wider rows were never timed)."""
+    (beyond ``ROW_SPLIT_MOST`` rows one program holds it in registers; wider rows were
+    never timed)."""
     return fused_norm.fp8_fusable(width, group) and (group < width or width <= FP8_ROW_MOST)
 
 

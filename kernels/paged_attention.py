@@ -39,7 +39,7 @@ from specserve.kernels import pdl, reference
 
 LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 128   # never split the KV range finer than this
-_MIN_DECODE_SPLIT_TOKENS = 32  # nor, for one-token tiles, than this (their programs wait on loads, not math)
+_MIN_DECODE_SPLIT_TOKENS = 32  # one-token tiles: a split count from this many keys of the longest (see plan_launch)
 _MAX_SPLITS = 32
 DETERMINISTIC_SPLIT_TOKENS = 512  # the deterministic plan's KV chunk (a multiple of BLOCK_N)
 PREFETCH_KV = True  # under PDL: the first keys and values asked of L2 before the wait (for A/B runs)
@@ -211,7 +211,8 @@ def _paged_attention_kernel(
     if SPLIT_KV:
         part = part_out_ptr + token * stride_pt + head * stride_ph + split * stride_ps
         tl.store(part[:, None] + d[None, :], result, mask=store_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: no key seen
+        # -inf: no key seen; NaN: a NaN score (kept, so the reduce neither skips nor hides it)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), tl.where(l_i == 0, float("-inf"), l_i))
         tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_valid)
     else:
         out = out_ptr + token * stride_ot + head * stride_oh
@@ -228,7 +229,9 @@ def _reduce_splits_kernel(
     """One (token, head): out = Σ_s exp2(lse_s) · part_s / Σ_s exp2(lse_s), summed split by
     split in order, so splits a row does not reach (weight 0) change nothing, bit for bit.
     ``USED_ONLY``: the sum stops after the last split that saw a key (those after it add
-    exact zeros), so a plan made for the longest sequence costs a short one little."""
+    exact zeros), so a plan made for the longest sequence costs a short one little. A
+    split whose log-sum-exp is NaN (a NaN score) counts as seen: the NaN reaches the
+    output, as it does with one split."""
     pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -242,7 +245,7 @@ def _reduce_splits_kernel(
     top = tl.max(lse, 0)
     used = num_splits
     if USED_ONLY:
-        used = tl.max(tl.where(lse > float("-inf"), s + 1, 0), 0)
+        used = tl.max(tl.where(lse == float("-inf"), 0, s + 1), 0)
     part = part_out_ptr + token * stride_pt + head * stride_ph
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     total = 0.0
@@ -292,10 +295,13 @@ def plan_launch(query: torch.Tensor, k_cache: torch.Tensor, num_reqs: int, max_q
                 max_seq_len: int, num_splits: int | None = None, deterministic: bool = False) -> LaunchPlan:
     """Tile sizes from the group size and the longest query span; the number of KV splits
     so that about two programs per SM run, never fewer than _MIN_SPLIT_TOKENS keys a split
-    (one-token tiles: _MIN_DECODE_SPLIT_TOKENS; a decode step's chain of dependent loads is
-    what its programs wait on, so a few keys each, over more programs, finish sooner, and
-    the reduce skips splits no key reached). Only shapes are read from ``query`` /
-    ``k_cache``. ``num_splits`` forces the count.
+    of the longest sequence. One-token tiles count _MIN_DECODE_SPLIT_TOKENS instead: a
+    decode program waits on a chain of dependent loads for each tile of keys it takes in
+    turn, so one tile each, over more programs, finishes sooner. A split is whole tiles of
+    ``block_n`` keys, so such a plan may hold twice the splits its longest sequence fills
+    (a graph's plan for 512 keys: 16, of which 513 keys fill 9); the reduce skips the
+    empty ones. Only shapes are read from ``query`` / ``k_cache``. ``num_splits`` forces
+    the count.
 
     ``deterministic``: the same tiles for every batch, and KV splits at fixed multiples of
     DETERMINISTIC_SPLIT_TOKENS, so a row's keys are summed in the same chunks and order

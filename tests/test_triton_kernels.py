@@ -184,7 +184,7 @@ def shaped(*shape, dtype=BF16):
     return torch.empty(1, dtype=dtype, device=DEVICE).expand(*shape)
 
 
-def test_plan_splits_small_batches_not_large_ones():
+def test_plan_splits_small_batches_not_large_ones(monkeypatch):
     cache = shaped(1000, 16, 8, 128)
     one = pa.plan_launch(shaped(1, 8, 128), cache[:, :, :1], 1, 1, 4096)
     assert one.num_splits > 1 and one.block_q == 1 and one.num_tiles == 1
@@ -195,6 +195,11 @@ def test_plan_splits_small_batches_not_large_ones():
     assert verify.block_m == 32 and verify.block_q == 8 and verify.num_tiles == 40 // 8 + 8
     wide = pa.plan_launch(shaped(4096, 32, 128, dtype=F32), cache, 1, 4096, 4096)
     assert wide.block_n == 32  # fp32 K/V stages must fit in shared memory
+    # On 132 SMs, one request over 512 keys: a decode token's tile splits by 32 keys of the
+    # longest sequence (16 splits), a verify span's by 128 (4).
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    assert pa.plan_launch(shaped(1, 32, 128), cache, 1, 1, 512).num_splits == 16
+    assert pa.plan_launch(shaped(5, 32, 128), cache, 1, 5, 512).num_splits == 4
 
 
 @pytest.mark.parametrize("heads", [(9, 3), (32, 8), (8, 8)])
@@ -227,6 +232,31 @@ def test_kv_splits_of_any_count_share_one_reduce_variant(monkeypatch):
     for num_splits in (2, 3, 5, 9):
         assert_close(triton_attention(b, 0.125, num_splits=num_splits), reference_attention(b, 0.125), F32)
     assert len(widths) == 1, widths
+
+
+def test_split_reduce_stops_after_the_last_split_with_keys(monkeypatch):
+    """Splits past a row's last key (a plan made for longer sequences, as a CUDA graph's
+    is) add exact zeros: the reduce that stops after the last split that saw a key (as
+    shipped) gives the same bits as the one summing every split, and the reference. A NaN
+    key in a row's last split (its newest) still reaches that row's output, as with one
+    split: a split with a NaN log-sum-exp counts as seen."""
+    b = make_batch([(1, 9), (1, 70), (3, 200)], 4, 2, 64, 16, F32, seed=5)
+
+    def attend(used_only: bool) -> torch.Tensor:
+        monkeypatch.setattr(pa, "REDUCE_USED_ONLY", used_only)
+        plan = pa.plan_launch(b.query, b.k_cache, 3, 3, 200, num_splits=8)
+        assert min(b.seq_lens_host) < plan.block_n < max(b.seq_lens_host) < 8 * plan.block_n  # some splits empty
+        return pa.paged_attention(b.query, b.k_cache, b.v_cache, b.block_tables, b.cu_query_lens, b.seq_lens,
+                                  0.125, plan=plan)
+
+    used, every = attend(True), attend(False)
+    assert torch.equal(used, every)
+    assert_close(used, reference_attention(b, 0.125), F32)
+    last = b.seq_lens_host[1] - 1  # request 1's newest key: the last split it reaches
+    b.k_cache[b.block_tables[1, last // 16].long(), last % 16] = float("nan")
+    for used_only in (True, False):
+        out = attend(used_only)
+        assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
 
 
 def _variant(plan, tree: bool) -> tuple:
@@ -262,7 +292,7 @@ def test_warmup_lengths_reach_every_attention_variant(monkeypatch, num_heads, nu
     attn = dataclasses.make_dataclass("Attn", ["num_heads", "num_kv_heads", "head_dim"])(
         num_heads, num_kv_heads, head_dim)
     cache = shaped(1000, 16, num_kv_heads, head_dim, dtype=dtype)
-    for max_model_len in (100, 300, 2048):
+    for max_model_len in (24, 100, 300, 2048):
         warmed = {_variant(pa.plan_launch(shaped(span, num_heads, head_dim, dtype=dtype), cache, 1, span, seq,
                                           deterministic=deterministic), False)
                   for span, seq in pa.warmup_lengths(max_model_len)}
