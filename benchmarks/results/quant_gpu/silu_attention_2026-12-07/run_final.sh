@@ -1,5 +1,5 @@
 #!/bin/bash
-# The second device call, at the commit that ships the three changes: their tests on the
+# The third device call, at the commit that ships the three changes: their tests on the
 # GPU, study.py's ``final`` A/B, then quant_gpu.py's decode section as shipped.
 ln -sfn ../kernels specserve/kernels && ln -sfn ../drafts specserve/drafts
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
