@@ -142,8 +142,8 @@ def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool, fp8_group: int = 0):
             values, rows, size, rows.stride(0), size, maxima, parts, BLOCK=_BLOCK, GELU_TANH=gelu_tanh,
             ROW_PARTS=True, num_warps=4, **launch)
         _round_row_parts_kernel[(rows.shape[0], parts)](
-            out, scales, values, maxima, size, scales.stride(0), size, parts, BLOCK=_BLOCK, PARTS=triton.next_power_of_2(parts),
-            num_warps=4, **launch)
+            out, scales, values, maxima, size, scales.stride(0), size, parts, BLOCK=_BLOCK,
+            PARTS=triton.next_power_of_2(parts), num_warps=4, **launch)
         return out, scales
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
         out, rows, size, rows.stride(0), size, out if scales is None else scales,
