@@ -68,16 +68,14 @@ def _silu_and_mul_kernel(out_ptr, gate_up_ptr, size, stride_in, stride_out, scal
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
     v = _act_mul(gate_up_ptr + row * stride_in, start + tl.arange(0, BLOCK), size, GELU_TANH)
-    if ROW_PARTS:  # the values as they are, and the block's largest magnitude beside the row's others
-        cols = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * stride_out + cols, v, mask=cols < size)
-        tl.store(scales_ptr + row * stride_s + tl.program_id(1), tl.max(tl.abs(v.to(tl.float32)), axis=0))
-    elif FP8_GROUP:
+    if FP8_GROUP:
         fp8_rows(out_ptr + row * stride_out, scales_ptr + row * stride_s, v, start, size, BLOCK, FP8_GROUP, False,
                  0.0)
     else:
         cols = start + tl.arange(0, BLOCK)
         tl.store(out_ptr + row * stride_out + cols, v, mask=cols < size)
+        if ROW_PARTS:  # and the block's largest magnitude, beside the row's other blocks'
+            tl.store(scales_ptr + row * stride_s + tl.program_id(1), tl.max(tl.abs(v.to(tl.float32)), axis=0))
 
 
 @triton.jit

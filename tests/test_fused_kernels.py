@@ -479,10 +479,11 @@ for dtype in ("bf16", "fp16", "fp32"):
     for block, fp8_group, warps in ((1024, 0, 4), (1024, 128, 4), (16384, 16384, 16)):
         out = "*fp8e4nv" if fp8_group else "*" + dtype
         compile(fused_act._silu_and_mul_kernel, dict(out_ptr=out, gate_up_ptr="*" + dtype,
-                scales_ptr="*fp32" if fp8_group else out), dict(BLOCK=block, FP8_GROUP=fp8_group), num_warps=warps)
+                scales_ptr="*fp32" if fp8_group else out), dict(BLOCK=block, FP8_GROUP=fp8_group, ROW_PARTS=False),
+                num_warps=warps)
     # float8 per row over a row's blocks: the values and their maxima, then the rounding
     compile(fused_act._silu_and_mul_kernel, dict(out_ptr="*" + dtype, gate_up_ptr="*" + dtype, scales_ptr="*fp32"),
-            dict(BLOCK=1024, ROW_PARTS=True), num_warps=4)
+            dict(BLOCK=1024, FP8_GROUP=0, ROW_PARTS=True), num_warps=4)
     compile(fused_act._round_row_parts_kernel, dict(out_ptr="*fp8e4nv", scales_ptr="*fp32", values_ptr="*" + dtype,
             parts_ptr="*fp32"), dict(BLOCK=1024, PARTS=16), num_warps=4)
     for heads, kv_heads, half, store, fp8 in ((9, 3, 32, True, False), (32, 8, 64, False, False),
